@@ -1,0 +1,30 @@
+{
+  "variables": {
+    # NIXL_NODE_SANITIZE=1 builds with AddressSanitizer + UBSan (CI runs the
+    # native tests under it; load with LD_PRELOAD=libasan.so).
+    "sanitize%": "<!(node -p \"process.env.NIXL_NODE_SANITIZE || ''\")"
+  },
+  "targets": [
+    {
+      "target_name": "nixl_node",
+      "sources": [
+        "native/addon.cpp",
+        "native/loopback/loopback_engine.cpp",
+        "native/loopback/metadata.cpp",
+        "native/loopback/notif_socket.cpp",
+        "native/loopback/shm.cpp"
+      ],
+      "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
+      "defines": ["NAPI_VERSION=8", "NAPI_CPP_EXCEPTIONS", "NODE_ADDON_API_DISABLE_DEPRECATED"],
+      "cflags!": ["-fno-exceptions", "-fno-rtti"],
+      "cflags_cc!": ["-fno-exceptions", "-fno-rtti", "-std=gnu++17", "-std=gnu++1y"],
+      "cflags_cc": ["-std=c++20", "-fexceptions", "-frtti", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+      "conditions": [
+        ["sanitize=='1'", {
+          "cflags_cc": ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"],
+          "ldflags": ["-fsanitize=address,undefined"]
+        }]
+      ]
+    }
+  ]
+}

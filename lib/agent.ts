@@ -1,0 +1,431 @@
+// The typed Agent API. Method names mirror NIXL's Python API (nixl._api) in
+// camelCase; promise forms (wait/read/write/waitForNotif) are resolved from
+// the addon's batched completion events.
+import { NixlError, invalidParam } from './errors';
+import { DescList, MemType, MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
+import { binding, NativeAgent, NativeTelemetry } from './native';
+
+export type EngineKind = 'loopback' | 'nixl';
+export type XferOp = 'READ' | 'WRITE';
+export type XferState = 'PROC' | 'DONE' | 'ERR';
+export type NotifMsg = string | Uint8Array;
+
+export interface AgentOptions {
+  /** Default: 'nixl' when compiled in, else 'loopback' (env NIXL_NODE_ENGINE overrides). */
+  engine?: EngineKind;
+  /** Backends created at start. Default: ['UCX'] on nixl, ['LOOPBACK'] on loopback. */
+  backends?: string[];
+  /** NIXL's own progress thread (nixl engine). Default true. */
+  progressThread?: boolean;
+  /** NIXL pthrDelay in microseconds; 0 spins a core. Default 1000. */
+  progressDelayUs?: number;
+  /** Needed for getXferTelemetry, as in NIXL. */
+  captureTelemetry?: boolean;
+  /** NIXL's own metadata listener port (nixl engine; 0 = off). */
+  listenPort?: number;
+}
+
+export interface WaitOptions {
+  timeoutMs?: number;
+  signal?: AbortSignal;
+}
+
+export interface XferOptions extends WaitOptions {
+  notifMsg?: NotifMsg;
+  memType?: MemType;
+  remoteMemType?: MemType;
+}
+
+export interface Notif {
+  agent: string;
+  msg: Buffer;
+}
+
+/** Memory registered with an agent; pass back to deregisterMemory. */
+export class RegisteredMemory {
+  constructor(readonly id: number, readonly descs: DescList) {}
+}
+
+/** A prepared descriptor list (prepXferDlist). */
+export class DlistHandle {
+  constructor(readonly id: number, readonly agent: string, readonly length: number) {}
+}
+
+/** A transfer request (initializeXfer / makePreppedXfer). */
+export class XferHandle {
+  constructor(readonly id: number, readonly remoteAgent: string) {}
+}
+
+interface Waiter {
+  resolve(): void;
+  reject(e: Error): void;
+}
+
+let warnedLoopback = false;
+
+export const engines: readonly string[] = binding.engines;
+
+function defaultEngine(): EngineKind {
+  const env = process.env.NIXL_NODE_ENGINE;
+  if (env === 'nixl' || env === 'loopback') return env;
+  if (env) throw invalidParam(`NIXL_NODE_ENGINE='${env}': expected 'nixl' or 'loopback'`);
+  if (binding.engines.includes('nixl')) return 'nixl';
+  if (!warnedLoopback) {
+    warnedLoopback = true;
+    process.stderr.write('nixl-node: NIXL is not compiled in; using the loopback engine (agents on this host only)\n');
+  }
+  return 'loopback';
+}
+
+function stateOf(status: number | [number, string]): XferState {
+  const s = typeof status === 'number' ? status : status[0];
+  return s === 0 ? 'DONE' : s === 1 ? 'PROC' : 'ERR';
+}
+
+export class NixlAgent {
+  readonly name: string;
+  readonly #native: NativeAgent;
+  readonly #waiters = new Map<number, Waiter[]>();
+  readonly #notifs: Notif[] = [];
+  readonly #notifWatchers = new Set<{ take(n: Notif): boolean; reject(e: Error): void }>();
+  #closed = false;
+
+  constructor(name: string, options: AgentOptions = {}) {
+    if (typeof name !== 'string' || name.length === 0) throw invalidParam('agent name must be a non-empty string');
+    const engine = options.engine ?? defaultEngine();
+    const backends = options.backends ?? (engine === 'nixl' ? ['UCX'] : ['LOOPBACK']);
+    this.name = name;
+    this.#native = new binding.NativeAgent(
+      name,
+      {
+        engine,
+        backends,
+        progressThread: options.progressThread,
+        progressDelayUs: options.progressDelayUs,
+        captureTelemetry: options.captureTelemetry,
+        listenPort: options.listenPort,
+      },
+      (done, notif) => this.#onEvents(done, notif),
+    );
+  }
+
+  /** 'loopback' or 'nixl': the engine this agent runs on. */
+  get engine(): EngineKind {
+    return this.#native.engine as EngineKind;
+  }
+
+  get closed(): boolean {
+    return this.#closed;
+  }
+
+  // ---- backends -------------------------------------------------------------
+
+  getPluginList(): string[] {
+    return this.#native.getPluginList();
+  }
+
+  getPluginParams(plugin: string): { params: Record<string, string>; memTypes: string[] } {
+    return this.#native.getPluginParams(plugin);
+  }
+
+  createBackend(plugin: string, params: Record<string, string> = {}): void {
+    this.#native.createBackend(plugin, params);
+  }
+
+  getBackends(): string[] {
+    return this.#native.getBackends();
+  }
+
+  // ---- memory ---------------------------------------------------------------
+
+  /** Descriptors for transfers (NIXL get_xfer_descs). */
+  getXferDescs(mem: DescList | MemoryLike | readonly MemoryLike[], memType: MemType = 'DRAM'): DescList {
+    return toDescList(mem, memType);
+  }
+
+  registerMemory(mem: DescList | MemoryLike | readonly MemoryLike[],
+                 opts: { memType?: MemType; backends?: string[] } = {}): RegisteredMemory {
+    const d = toDescList(mem, opts.memType);
+    const id = this.#native.registerMem(d.triples, memTypeId(d.memType), opts.backends, [...d.owners]);
+    return new RegisteredMemory(id, d);
+  }
+
+  deregisterMemory(reg: RegisteredMemory): void {
+    if (!(reg instanceof RegisteredMemory)) throw invalidParam('deregisterMemory expects what registerMemory returned');
+    this.#native.deregisterMem(reg.id);
+  }
+
+  // ---- metadata -------------------------------------------------------------
+
+  getAgentMetadata(): Buffer {
+    return this.#native.getLocalMD();
+  }
+
+  /** Loads a peer's metadata; returns its agent name. */
+  addRemoteAgent(metadata: Uint8Array): string {
+    if (!(metadata instanceof Uint8Array)) throw invalidParam('addRemoteAgent expects the metadata Buffer');
+    return this.#native.loadRemoteMD(metadata);
+  }
+
+  removeRemoteAgent(agent: string): void {
+    this.#native.invalidateRemoteMD(agent);
+  }
+
+  // ---- transfers ------------------------------------------------------------
+
+  /** agent '' or 'NIXL_INIT_AGENT' prepares the local side. */
+  prepXferDlist(agent: string, descs: DescList | MemoryLike | readonly MemoryLike[],
+                opts: { memType?: MemType; backends?: string[] } = {}): DlistHandle {
+    const local = agent === '' || agent === 'NIXL_INIT_AGENT';
+    const d = toDescList(descs, opts.memType);
+    const id = this.#native.prepXferDlist(local ? '' : agent, d.triples, memTypeId(d.memType), opts.backends);
+    return new DlistHandle(id, local ? '' : agent, d.length);
+  }
+
+  makePreppedXfer(op: XferOp, local: DlistHandle, localIndices: Uint32Array | readonly number[],
+                  remote: DlistHandle, remoteIndices: Uint32Array | readonly number[], notifMsg?: NotifMsg): XferHandle {
+    const id = this.#native.makeXferReq(op, local.id, toIndices(localIndices), remote.id, toIndices(remoteIndices),
+      notifMsg);
+    return new XferHandle(id, remote.agent);
+  }
+
+  initializeXfer(op: XferOp, local: DescList | MemoryLike | readonly MemoryLike[],
+                 remote: DescList | readonly MemoryLike[] | MemoryLike, remoteAgent: string,
+                 notifMsg?: NotifMsg): XferHandle {
+    const l = toDescList(local);
+    const r = toDescList(remote);
+    const id = this.#native.createXferReq(op, l.triples, memTypeId(l.memType), r.triples, memTypeId(r.memType),
+      remoteAgent, notifMsg);
+    return new XferHandle(id, remoteAgent);
+  }
+
+  /** Posts (or re-posts) a transfer; notifMsg replaces the request's message. */
+  transfer(handle: XferHandle, notifMsg?: NotifMsg): XferState {
+    return stateOf(this.#native.postXferReq(handle.id, notifMsg));
+  }
+
+  checkXferState(handle: XferHandle): XferState {
+    const s = this.#native.getXferStatus(handle.id);
+    if (Array.isArray(s) && s[0] === -1) throw NixlError.fromStatus(s[0], 'checkXferState: transfer was never posted');
+    return stateOf(s);
+  }
+
+  /** The error of a transfer in state ERR, else undefined. */
+  getXferError(handle: XferHandle): NixlError | undefined {
+    const s = this.#native.getXferStatus(handle.id);
+    return Array.isArray(s) ? NixlError.fromStatus(s[0], s[1] || 'transfer failed') : undefined;
+  }
+
+  releaseXferHandle(handle: XferHandle): void {
+    this.#native.releaseXferReq(handle.id);
+    this.#settle(handle.id, new NixlError('transfer handle was released', 'NIXL_ERR_CANCELED'));
+  }
+
+  releaseDlistHandle(handle: DlistHandle): void {
+    this.#native.releaseDlist(handle.id);
+  }
+
+  getXferTelemetry(handle: XferHandle): NativeTelemetry {
+    return this.#native.getXferTelemetry(handle.id);
+  }
+
+  /** Resolves when the posted transfer is DONE; rejects with its NixlError on ERR. */
+  wait(handle: XferHandle, opts: WaitOptions = {}): Promise<void> {
+    const s = this.#native.getXferStatus(handle.id);
+    const state = stateOf(s);
+    if (state === 'DONE') return Promise.resolve();
+    if (state === 'ERR') {
+      const [st, msg] = s as [number, string];
+      return Promise.reject(NixlError.fromStatus(st, st === -1 ? 'wait: transfer was never posted' : msg));
+    }
+    return new Promise<void>((resolve, reject) => {
+      const cleanup = guardWait(opts, reject, () => this.#removeWaiter(handle.id, w), 'transfer');
+      const w: Waiter = {
+        resolve: () => { cleanup(); resolve(); },
+        reject: (e) => { cleanup(); reject(e); },
+      };
+      const list = this.#waiters.get(handle.id);
+      if (list) list.push(w);
+      else this.#waiters.set(handle.id, [w]);
+    });
+  }
+
+  /** initializeXfer + transfer + wait + release, in one call. */
+  async read(local: DescList | MemoryLike | readonly MemoryLike[], remote: DescList | readonly MemoryLike[] | MemoryLike,
+             remoteAgent: string, opts: XferOptions = {}): Promise<void> {
+    return this.#oneShot('READ', local, remote, remoteAgent, opts);
+  }
+
+  async write(local: DescList | MemoryLike | readonly MemoryLike[], remote: DescList | readonly MemoryLike[] | MemoryLike,
+              remoteAgent: string, opts: XferOptions = {}): Promise<void> {
+    return this.#oneShot('WRITE', local, remote, remoteAgent, opts);
+  }
+
+  async #oneShot(op: XferOp, local: DescList | MemoryLike | readonly MemoryLike[],
+                 remote: DescList | readonly MemoryLike[] | MemoryLike, remoteAgent: string,
+                 opts: XferOptions): Promise<void> {
+    const h = this.initializeXfer(op, toDescList(local, opts.memType), toDescList(remote, opts.remoteMemType),
+      remoteAgent, opts.notifMsg);
+    try {
+      this.transfer(h);
+      await this.wait(h, opts);
+    } finally {
+      if (!this.#closed) this.#native.releaseXferReq(h.id);
+    }
+  }
+
+  // ---- notifications --------------------------------------------------------
+
+  sendNotif(remoteAgent: string, msg: NotifMsg): void {
+    this.#native.genNotif(remoteAgent, msg);
+  }
+
+  /** All notifications received since the last call, by sender. */
+  getNewNotifs(): Map<string, Buffer[]> {
+    this.#pumpNotifs();
+    const out = new Map<string, Buffer[]>();
+    for (const n of this.#notifs.splice(0)) {
+      const l = out.get(n.agent);
+      if (l) l.push(n.msg);
+      else out.set(n.agent, [n.msg]);
+    }
+    return out;
+  }
+
+  /**
+   * Resolves with the first notification (consumed, not returned again by
+   * getNewNotifs) that matches: a sender name, an exact message, or a predicate.
+   */
+  waitForNotif(match: { agent?: string; msg?: NotifMsg } | ((n: Notif) => boolean) = {},
+               opts: WaitOptions = {}): Promise<Notif> {
+    const pred = typeof match === 'function' ? match : notifMatcher(match);
+    this.#pumpNotifs();
+    const i = this.#notifs.findIndex(pred);
+    if (i >= 0) return Promise.resolve(this.#notifs.splice(i, 1)[0]);
+    return new Promise<Notif>((resolve, reject) => {
+      const watcher = {
+        take: (n: Notif): boolean => {
+          if (!pred(n)) return false;
+          cleanup();
+          resolve(n);
+          return true;
+        },
+        reject: (e: Error): void => {
+          cleanup();
+          reject(e);
+        },
+      };
+      const cleanup = guardWait(opts, reject, () => {
+        this.#notifWatchers.delete(watcher);
+        if (this.#notifWatchers.size === 0 && !this.#closed) this.#native.watchNotifs(false);
+      }, 'notification');
+      this.#notifWatchers.add(watcher);
+      this.#native.watchNotifs(true);
+    });
+  }
+
+  close(): void {
+    if (this.#closed) return;
+    this.#closed = true;
+    this.#native.close();
+    const err = new NixlError(`agent '${this.name}' was closed`, 'NIXL_ERR_CANCELED');
+    for (const id of [...this.#waiters.keys()]) this.#settle(id, err);
+    for (const w of [...this.#notifWatchers]) w.reject(err);
+  }
+
+  [Symbol.dispose](): void {
+    this.close();
+  }
+
+  // ---- internals ------------------------------------------------------------
+
+  #onEvents(done: Uint32Array, notif: boolean): void {
+    if (this.#closed) return;
+    for (const id of done) {
+      if (!this.#waiters.has(id)) continue;
+      let s: number | [number, string];
+      try {
+        s = this.#native.getXferStatus(id);
+      } catch (e) {
+        this.#settle(id, e as Error);
+        continue;
+      }
+      this.#settle(id, Array.isArray(s) ? NixlError.fromStatus(s[0], s[1] || 'transfer failed') : undefined);
+    }
+    if (notif || this.#notifWatchers.size > 0) {
+      this.#pumpNotifs();
+      this.#runNotifWatchers();
+    }
+  }
+
+  #settle(id: number, err?: Error): void {
+    const list = this.#waiters.get(id);
+    if (!list) return;
+    this.#waiters.delete(id);
+    for (const w of list) {
+      if (err) w.reject(err);
+      else w.resolve();
+    }
+  }
+
+  #removeWaiter(id: number, w: Waiter): void {
+    const list = this.#waiters.get(id);
+    if (!list) return;
+    const i = list.indexOf(w);
+    if (i >= 0) list.splice(i, 1);
+    if (list.length === 0) this.#waiters.delete(id);
+  }
+
+  #pumpNotifs(): void {
+    if (this.#closed) return;
+    const raw = this.#native.getNotifs();
+    for (let i = 0; i < raw.length; i += 2) this.#notifs.push({ agent: raw[i] as string, msg: raw[i + 1] as Buffer });
+  }
+
+  #runNotifWatchers(): void {
+    for (let i = 0; i < this.#notifs.length && this.#notifWatchers.size > 0;) {
+      let taken = false;
+      for (const w of this.#notifWatchers) {
+        if (w.take(this.#notifs[i])) {
+          taken = true;
+          break;
+        }
+      }
+      if (taken) this.#notifs.splice(i, 1);
+      else i++;
+    }
+  }
+}
+
+function notifMatcher(m: { agent?: string; msg?: NotifMsg }): (n: Notif) => boolean {
+  const want = m.msg === undefined ? undefined : Buffer.from(m.msg as Uint8Array | string);
+  return (n) => (m.agent === undefined || n.agent === m.agent) && (want === undefined || want.equals(n.msg));
+}
+
+/** Arms timeout and abort for a pending promise; returns the disarm function. */
+function guardWait(opts: WaitOptions, reject: (e: Error) => void, remove: () => void, what: string): () => void {
+  let timer: NodeJS.Timeout | undefined;
+  const { signal, timeoutMs } = opts;
+  const onAbort = (): void => {
+    disarm();
+    reject(new NixlError(`waiting for ${what} aborted`, 'NIXL_ERR_CANCELED', undefined, { cause: signal?.reason }));
+  };
+  const disarm = (): void => {
+    if (timer) clearTimeout(timer);
+    signal?.removeEventListener('abort', onAbort);
+    remove();
+  };
+  if (signal?.aborted) {
+    queueMicrotask(onAbort);
+  } else {
+    signal?.addEventListener('abort', onAbort, { once: true });
+  }
+  if (timeoutMs !== undefined) {
+    if (!(timeoutMs >= 0)) throw invalidParam('timeoutMs must be >= 0');
+    timer = setTimeout(() => {
+      disarm();
+      reject(new NixlError(`${what} timed out after ${timeoutMs} ms`, 'NIXL_ERR_TIMEOUT', -11));
+    }, timeoutMs);
+  }
+  return disarm;
+}

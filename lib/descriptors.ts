@@ -1,0 +1,113 @@
+// Memory descriptors as the addon takes them: one BigUint64Array of
+// [addr, len, devId] triples per list, so a batch crosses into C++ in one call
+// with no per-block conversion.
+import { invalidParam } from './errors';
+import { binding } from './native';
+
+export type MemType = 'DRAM' | 'VRAM' | 'BLK' | 'OBJ' | 'FILE';
+const MEM_TYPES: readonly MemType[] = ['DRAM', 'VRAM', 'BLK', 'OBJ', 'FILE'];
+
+export function memTypeId(t: MemType): number {
+  const i = MEM_TYPES.indexOf(t);
+  if (i < 0) throw invalidParam(`unknown memory type '${String(t)}' (expected one of ${MEM_TYPES.join(', ')})`);
+  return i;
+}
+
+/** Memory owned elsewhere (e.g. a CUDA allocation from another addon). */
+export interface RawDesc {
+  addr: bigint;
+  len: number | bigint;
+  devId?: number;
+}
+
+export type MemoryLike = ArrayBufferView | ArrayBuffer | RawDesc;
+
+function isRaw(m: unknown): m is RawDesc {
+  return typeof m === 'object' && m !== null && typeof (m as RawDesc).addr === 'bigint';
+}
+
+/** A list of descriptors of one memory type (NIXL's nixlXferDList / nixlRegDList). */
+export class DescList {
+  readonly memType: MemType;
+  /** [addr, len, devId] triples */
+  readonly triples: BigUint64Array;
+  /** JS memory the descriptors point into; registration keeps it alive. */
+  readonly owners: readonly object[];
+
+  constructor(triples: BigUint64Array, memType: MemType = 'DRAM', owners: readonly object[] = []) {
+    if (triples.length % 3 !== 0) throw invalidParam('descriptor triples: length must be a multiple of 3');
+    memTypeId(memType);
+    this.triples = triples;
+    this.memType = memType;
+    this.owners = owners;
+  }
+
+  get length(): number {
+    return this.triples.length / 3;
+  }
+
+  addr(i: number): bigint {
+    return this.triples[3 * i];
+  }
+
+  len(i: number): number {
+    return Number(this.triples[3 * i + 1]);
+  }
+
+  devId(i: number): number {
+    return Number(this.triples[3 * i + 2]);
+  }
+
+  /** Buffers / typed arrays / ArrayBuffers / raw {addr, len, devId}. */
+  static from(items: MemoryLike | readonly MemoryLike[], memType: MemType = 'DRAM'): DescList {
+    const list = Array.isArray(items) ? (items as readonly MemoryLike[]) : [items as MemoryLike];
+    const t = new BigUint64Array(list.length * 3);
+    const owners: object[] = [];
+    list.forEach((m, i) => {
+      if (isRaw(m)) {
+        const len = BigInt(m.len);
+        if (len <= 0n) throw invalidParam(`descriptor ${i}: len must be > 0`);
+        t[3 * i] = m.addr;
+        t[3 * i + 1] = len;
+        t[3 * i + 2] = BigInt(m.devId ?? 0);
+      } else if (ArrayBuffer.isView(m) || m instanceof ArrayBuffer) {
+        if (memType !== 'DRAM') throw invalidParam(`descriptor ${i}: a JS buffer is DRAM, not ${memType}`);
+        if (m.byteLength === 0) throw invalidParam(`descriptor ${i}: empty buffer`);
+        t[3 * i] = binding.addressOf(m);
+        t[3 * i + 1] = BigInt(m.byteLength);
+        t[3 * i + 2] = 0n;
+        owners.push(m);
+      } else {
+        throw invalidParam(`descriptor ${i}: expected a Buffer, typed array, ArrayBuffer or {addr: bigint, len, devId}`);
+      }
+    });
+    return new DescList(t, memType, owners);
+  }
+
+  /** Cuts [offset, offset+len) out of each given region: e.g. one block of each layer. */
+  static slices(regions: ReadonlyArray<{ addr: bigint; devId?: number }>, pieces: ReadonlyArray<[number, number, number]>,
+                memType: MemType = 'DRAM'): DescList {
+    const t = new BigUint64Array(pieces.length * 3);
+    pieces.forEach(([region, offset, len], i) => {
+      const r = regions[region];
+      if (!r) throw invalidParam(`slice ${i}: no region ${region}`);
+      t[3 * i] = r.addr + BigInt(offset);
+      t[3 * i + 1] = BigInt(len);
+      t[3 * i + 2] = BigInt(r.devId ?? 0);
+    });
+    return new DescList(t, memType);
+  }
+}
+
+export function toDescList(m: DescList | MemoryLike | readonly MemoryLike[], memType?: MemType): DescList {
+  return m instanceof DescList ? m : DescList.from(m, memType ?? 'DRAM');
+}
+
+export function toIndices(idx: Uint32Array | readonly number[]): Uint32Array {
+  return idx instanceof Uint32Array ? idx : Uint32Array.from(idx);
+}
+
+/** Page-aligned memory backed by a shared mapping that peers on this host can map directly. */
+export function allocate(bytes: number): Buffer {
+  return binding.allocate(bytes);
+}

@@ -1,0 +1,50 @@
+// NixlError: every failure of the library is one of these, with a string
+// `code` and NIXL's numeric status. The class is handed to the addon at load
+// so that errors made in C++ are real instances (instanceof works).
+import { binding } from './native';
+
+export const Status = {
+  NIXL_IN_PROG: 1,
+  NIXL_SUCCESS: 0,
+  NIXL_ERR_NOT_POSTED: -1,
+  NIXL_ERR_INVALID_PARAM: -2,
+  NIXL_ERR_BACKEND: -3,
+  NIXL_ERR_NOT_FOUND: -4,
+  NIXL_ERR_MISMATCH: -5,
+  NIXL_ERR_NOT_ALLOWED: -6,
+  NIXL_ERR_REPOST_ACTIVE: -7,
+  NIXL_ERR_UNKNOWN: -8,
+  NIXL_ERR_NOT_SUPPORTED: -9,
+  NIXL_ERR_REMOTE_DISCONNECT: -10,
+  NIXL_ERR_CANCELED: -11,
+  NIXL_ERR_NO_TELEMETRY: -12,
+} as const;
+
+/** NIXL's codes, plus NIXL_ERR_TIMEOUT for promise forms that gave up waiting. */
+export type NixlErrorCode = Exclude<keyof typeof Status, 'NIXL_IN_PROG' | 'NIXL_SUCCESS'> | 'NIXL_ERR_TIMEOUT';
+
+const byStatus = new Map<number, NixlErrorCode>(
+  Object.entries(Status).filter(([, v]) => v < 0).map(([k, v]) => [v, k as NixlErrorCode]),
+);
+
+export class NixlError extends Error {
+  readonly code: NixlErrorCode;
+  readonly status: number;
+
+  constructor(message: string, code: NixlErrorCode | string, status?: number, options?: { cause?: unknown }) {
+    super(message, options);
+    this.name = 'NixlError';
+    this.code = code as NixlErrorCode;
+    this.status = status ?? (Status as Record<string, number>)[code] ?? Status.NIXL_ERR_UNKNOWN;
+  }
+
+  static fromStatus(status: number, message: string): NixlError {
+    return new NixlError(message, byStatus.get(status) ?? 'NIXL_ERR_UNKNOWN', status);
+  }
+}
+
+binding.setErrorClass(NixlError);
+
+export function invalidParam(message: string): NixlError {
+  return new NixlError(message, 'NIXL_ERR_INVALID_PARAM');
+}

@@ -1,0 +1,6 @@
+export { NixlAgent, RegisteredMemory, DlistHandle, XferHandle, engines } from './agent';
+export type { AgentOptions, EngineKind, Notif, NotifMsg, WaitOptions, XferOp, XferOptions, XferState } from './agent';
+export { DescList, allocate } from './descriptors';
+export type { MemType, MemoryLike, RawDesc } from './descriptors';
+export { NixlError, Status } from './errors';
+export type { NixlErrorCode } from './errors';

@@ -1,0 +1,69 @@
+// What the C++ addon (native/addon.cpp) exports, and the one line that loads
+// it. Everything else in lib/ builds on these declarations.
+import * as path from 'node:path';
+
+export interface NativeAgentOptions {
+  engine: 'loopback' | 'nixl';
+  backends: string[];
+  progressThread?: boolean;
+  progressDelayUs?: number;
+  captureTelemetry?: boolean;
+  listenPort?: number;
+}
+
+export interface NativeTelemetry {
+  startTimeUs: number;
+  postDurationUs: number;
+  xferDurationUs: number;
+  totalBytes: number;
+  descCount: number;
+}
+
+export declare class NativeAgent {
+  constructor(name: string, options: NativeAgentOptions, onEvents: (done: Uint32Array, notif: boolean) => void);
+  readonly engine: string;
+  getPluginList(): string[];
+  getPluginParams(plugin: string): { params: Record<string, string>; memTypes: string[] };
+  createBackend(plugin: string, params?: Record<string, string>): void;
+  getBackends(): string[];
+  registerMem(descs: BigUint64Array, memType: number, backends: string[] | undefined, keep: unknown[]): number;
+  deregisterMem(reg: number): void;
+  getLocalMD(): Buffer;
+  loadRemoteMD(md: Uint8Array): string;
+  invalidateRemoteMD(agent: string): void;
+  prepXferDlist(agent: string, descs: BigUint64Array, memType: number, backends?: string[]): number;
+  releaseDlist(h: number): void;
+  makeXferReq(op: 'READ' | 'WRITE', local: number, localIdx: Uint32Array, remote: number, remoteIdx: Uint32Array,
+              notif?: Uint8Array | string): number;
+  createXferReq(op: 'READ' | 'WRITE', local: BigUint64Array, localType: number, remote: BigUint64Array,
+                remoteType: number, agent: string, notif?: Uint8Array | string): number;
+  /** 1 = in progress (a completion event follows), 0 = already done */
+  postXferReq(h: number, notif?: Uint8Array | string): number;
+  /** status number, or [status, message] for an error status */
+  getXferStatus(h: number): number | [number, string];
+  releaseXferReq(h: number): void;
+  getXferTelemetry(h: number): NativeTelemetry;
+  genNotif(agent: string, msg: Uint8Array | string): void;
+  /** [from0, msg0, from1, msg1, ...] */
+  getNotifs(): Array<string | Buffer>;
+  watchNotifs(on: boolean): void;
+  inflight(): number;
+  close(): void;
+}
+
+export interface Binding {
+  NativeAgent: typeof NativeAgent;
+  allocate(bytes: number): Buffer;
+  addressOf(mem: ArrayBufferView | ArrayBuffer): bigint;
+  setErrorClass(cls: new (message: string, code: string, status: number) => Error): void;
+  engines: string[];
+}
+
+// lib/ and dist/lib/ both resolve the package root two or one levels up.
+function packageRoot(): string {
+  const up1 = path.join(__dirname, '..');
+  return path.basename(up1) === 'dist' ? path.join(up1, '..') : up1;
+}
+
+// eslint-disable-next-line @typescript-eslint/no-require-imports
+export const binding: Binding = require('node-gyp-build')(packageRoot());

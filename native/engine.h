@@ -1,0 +1,115 @@
+// The engine boundary: everything the addon needs from a transfer engine.
+// Two implementations exist: LoopbackEngine (native/loopback/, no library, one
+// host) and NixlEngine (native/nixl/, wraps nixlAgent when NIXL is installed).
+// The addon (native/addon.cpp) only talks to this interface.
+//
+// Threading: every method is called from the JS main thread. Engines run their
+// own progress thread(s) and report finished requests through CompletionSink
+// from those threads; the sink batches them for the event loop.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "status.h"
+
+namespace nixlnode {
+
+// Same order as NIXL's nixl_mem_t.
+enum class MemType : uint8_t { DRAM = 0, VRAM = 1, BLK = 2, OBJ = 3, FILE = 4 };
+enum class XferOp : uint8_t { READ = 0, WRITE = 1 };
+
+struct Desc {
+  uint64_t addr;
+  uint64_t len;
+  uint64_t devId;
+};
+
+using Handle = uint32_t;
+using Params = std::map<std::string, std::string>;
+
+struct Telemetry {
+  uint64_t startTimeUs;    // wall clock (epoch) microseconds at post
+  uint64_t postDurationUs;
+  uint64_t xferDurationUs;
+  uint64_t totalBytes;
+  uint64_t descCount;
+};
+
+struct EngineConfig {
+  std::vector<std::string> backends;  // created at construction
+  bool progressThread = true;         // NIXL's own progress thread (nixl engine)
+  uint32_t progressDelayUs = 1000;    // NIXL pthrDelay: 0 would spin a core
+  bool captureTelemetry = false;
+  int listenPort = 0;                 // NIXL's own metadata listener (0 = off)
+};
+
+struct PluginInfo {
+  Params params;
+  std::vector<MemType> memTypes;
+};
+
+// Called from engine threads. onComplete for every request that left IN_PROG;
+// onNotif when at least one notification was queued.
+class CompletionSink {
+ public:
+  virtual ~CompletionSink() = default;
+  virtual void onComplete(Handle h) = 0;
+  virtual void onNotif() = 0;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual const char* kind() const = 0;  // "loopback" | "nixl"
+
+  virtual std::vector<std::string> getPluginList() = 0;
+  virtual PluginInfo getPluginParams(const std::string& plugin) = 0;
+  virtual void createBackend(const std::string& plugin, const Params& params) = 0;
+  virtual std::vector<std::string> getBackends() = 0;
+
+  // A registration is a list of descriptors registered (and later
+  // deregistered) together.
+  virtual Handle registerMem(const std::vector<Desc>& descs, MemType type,
+                             const std::vector<std::string>& backends) = 0;
+  virtual void deregisterMem(Handle reg) = 0;
+
+  virtual std::string getLocalMD() = 0;
+  virtual std::string loadRemoteMD(const std::string& md) = 0;  // -> agent name
+  virtual void invalidateRemoteMD(const std::string& agent) = 0;
+
+  // agent "" = the local side (NIXL_INIT_AGENT).
+  virtual Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs,
+                               MemType type, const std::vector<std::string>& backends) = 0;
+  virtual void releaseDlist(Handle dlist) = 0;
+
+  virtual Handle makeXferReq(XferOp op, Handle localDlist, const uint32_t* localIdx,
+                             size_t nLocal, Handle remoteDlist, const uint32_t* remoteIdx,
+                             size_t nRemote, const std::string* notif) = 0;
+  virtual Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType localType,
+                               const std::vector<Desc>& remote, MemType remoteType,
+                               const std::string& remoteAgent, const std::string* notif) = 0;
+  // notif: nullptr keeps the request's message; otherwise replaces it.
+  virtual int postXferReq(Handle req, const std::string* notif) = 0;  // IN_PROG | SUCCESS
+  virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
+  virtual void releaseXferReq(Handle req) = 0;
+  virtual Telemetry getXferTelemetry(Handle req) = 0;
+
+  virtual void genNotif(const std::string& agent, const std::string& msg) = 0;
+  virtual void getNotifs(std::vector<std::pair<std::string, std::string>>& out) = 0;
+
+  // Stops the engine's threads; no completion is reported after it returns.
+  virtual void close() = 0;
+};
+
+std::unique_ptr<Engine> makeLoopbackEngine(const std::string& name, const EngineConfig& cfg,
+                                           CompletionSink* sink);
+#ifdef NIXL_NODE_WITH_NIXL
+std::unique_ptr<Engine> makeNixlEngine(const std::string& name, const EngineConfig& cfg,
+                                       CompletionSink* sink);
+#endif
+
+}  // namespace nixlnode

@@ -1,0 +1,784 @@
+// The loopback engine: NIXL's agent semantics on one host, with no library.
+//  - same process: memcpy, with liveness checked against the peer's live
+//    registrations;
+//  - other process, memory from allocate(): the peer's memfd mapped here;
+//  - other process, any other memory: process_vm_readv / process_vm_writev.
+// Every descriptor is resolved against registered memory before any byte is
+// touched; a request pins the regions it uses so they cannot be deregistered
+// under it.
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "../engine.h"
+#include "metadata.h"
+#include "notif_socket.h"
+#include "shm.h"
+
+namespace nixlnode {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr const char* kPlugin = "LOOPBACK";
+
+std::string hex(uint64_t v) {
+  std::ostringstream os;
+  os << "0x" << std::hex << v;
+  return os.str();
+}
+
+std::string descStr(const Desc& d) {
+  return "[" + hex(d.addr) + ", +" + std::to_string(d.len) + ", dev " + std::to_string(d.devId) + "]";
+}
+
+uint64_t nowEpochUs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+struct Region {
+  Desc d;
+  MemType type;
+  shm::Info shm{-1, 0, 0, 0};
+  std::atomic<int> inUse{0};  // in-flight requests touching it
+  bool live = true;           // guarded by Registry::mu
+};
+using RegionP = std::shared_ptr<Region>;
+
+// An agent's registered memory. Shared with agents of the same process, which
+// check liveness and pin regions directly.
+struct Registry {
+  std::mutex mu;
+  std::vector<RegionP> regions;  // sorted by address
+
+  // Caller holds mu. Regions may overlap, so walk back over every region
+  // starting at or below addr.
+  RegionP find(const Desc& d, MemType type) const {
+    auto it = std::upper_bound(regions.begin(), regions.end(), d.addr,
+                               [](uint64_t a, const RegionP& r) { return a < r->d.addr; });
+    while (it != regions.begin()) {
+      --it;
+      const Region& r = **it;
+      if (d.addr + d.len <= r.d.addr + r.d.len && r.d.devId == d.devId && r.type == type) return *it;
+    }
+    return nullptr;
+  }
+};
+
+std::mutex gAgentsMu;
+std::unordered_map<uint64_t, std::weak_ptr<Registry>> gAgents;  // token -> registry
+
+struct RemoteRegion {
+  loopback::MdRegion r;
+  char* mapped = nullptr;  // start of r inside our mapping of the peer's memfd
+  void* mapBase = nullptr;
+  size_t mapLen = 0;
+};
+
+struct RemoteAgent {
+  std::string name;
+  uint32_t pid = 0;
+  std::string notifAddr;
+  bool sameProcess = false;
+  std::weak_ptr<Registry> registry;  // same process only
+  std::vector<RemoteRegion> regions;  // sorted by address
+  int pidfd = -1;
+  std::atomic<bool> removed{false};
+
+  ~RemoteAgent() {
+    for (auto& r : regions)
+      if (r.mapBase) munmap(r.mapBase, r.mapLen);
+    if (pidfd >= 0) close(pidfd);
+  }
+
+  bool processAlive() const {
+    if (sameProcess) return !registry.expired();
+    if (pidfd < 0) return true;
+    pollfd p{pidfd, POLLIN, 0};
+    return poll(&p, 1, 0) == 0;  // readable = exited
+  }
+
+  const RemoteRegion* find(const Desc& d, MemType type) const {
+    auto it = std::upper_bound(regions.begin(), regions.end(), d.addr,
+                               [](uint64_t a, const RemoteRegion& r) { return a < r.r.addr; });
+    while (it != regions.begin()) {
+      --it;
+      const auto& r = it->r;
+      if (d.addr >= r.addr && d.addr + d.len <= r.addr + r.len && r.devId == d.devId && r.type == type)
+        return &*it;
+    }
+    return nullptr;
+  }
+};
+using RemoteP = std::shared_ptr<RemoteAgent>;
+
+struct Entry {
+  Desc d;
+  RegionP region;    // local, or a same-process peer's; null for other processes
+  char* ptr;         // where to memcpy; null: use process_vm_*
+};
+
+struct Dlist {
+  RemoteP remote;  // null: local
+  MemType type;
+  std::vector<Entry> entries;
+};
+
+struct Request {
+  Handle id;
+  XferOp op;
+  RemoteP remote;
+  std::vector<Entry> local, remote_;
+  uint64_t totalBytes = 0;
+  bool hasNotif = false;
+  std::string notif;
+  std::atomic<int> status{ERR_NOT_POSTED};
+  std::string err;  // written before status is stored
+  std::atomic<bool> released{false};
+  Telemetry tel{};
+  Clock::time_point postedAt;
+};
+using RequestP = std::shared_ptr<Request>;
+
+struct Job {
+  RequestP req;             // a transfer, or
+  std::string to, msg;      // a notification that found the peer's queue full
+};
+
+class LoopbackEngine final : public Engine {
+ public:
+  LoopbackEngine(const std::string& name, const EngineConfig& cfg, CompletionSink* sink)
+      : name_(name), cfg_(cfg), sink_(sink), registry_(std::make_shared<Registry>()) {
+    if (name.empty()) throw EngineError(ERR_INVALID_PARAM, "agent name must not be empty");
+    std::random_device rd;
+    token_ = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ reinterpret_cast<uint64_t>(this);
+    bootId_ = loopback::bootId();
+    startTime_ = loopback::processStartTime(static_cast<uint32_t>(getpid()));
+    for (const auto& b : cfg.backends) createBackend(b, {});
+    wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    {
+      std::lock_guard<std::mutex> lk(gAgentsMu);
+      gAgents[token_] = registry_;
+    }
+    worker_ = std::thread([this] { workLoop(); });
+    notifier_ = std::thread([this] { notifLoop(); });
+  }
+
+  ~LoopbackEngine() override { close(); }
+
+  const char* kind() const override { return "loopback"; }
+
+  std::vector<std::string> getPluginList() override { return {kPlugin}; }
+
+  PluginInfo getPluginParams(const std::string& plugin) override {
+    checkPlugin(plugin);
+    return PluginInfo{{}, {MemType::DRAM}};
+  }
+
+  void createBackend(const std::string& plugin, const Params&) override {
+    checkPlugin(plugin);
+    if (backendCreated_) throw EngineError(ERR_NOT_ALLOWED, "backend " + plugin + " already created");
+    backendCreated_ = true;
+  }
+
+  std::vector<std::string> getBackends() override {
+    if (backendCreated_) return {kPlugin};
+    return {};
+  }
+
+  Handle registerMem(const std::vector<Desc>& descs, MemType type,
+                     const std::vector<std::string>& backends) override {
+    checkOpen();
+    checkBackends(backends);
+    checkType(type);
+    if (descs.empty()) throw EngineError(ERR_INVALID_PARAM, "registerMem: empty descriptor list");
+    std::vector<RegionP> regs;
+    for (const auto& d : descs) {
+      if (d.addr == 0 || d.len == 0 || d.addr + d.len < d.addr)
+        throw EngineError(ERR_INVALID_PARAM, "registerMem: invalid descriptor " + descStr(d));
+      if (!loopback::isMappedReadWrite(d.addr, d.len))
+        throw EngineError(ERR_INVALID_PARAM, "registerMem: " + descStr(d) +
+                                                 " is not readable and writable memory of this process");
+      auto r = std::make_shared<Region>();
+      r->d = d;
+      r->type = type;
+      shm::lookup(d.addr, d.len, &r->shm) || (r->shm.fd = -1, true);
+      regs.push_back(std::move(r));
+    }
+    {
+      std::lock_guard<std::mutex> lk(registry_->mu);
+      auto& v = registry_->regions;
+      for (auto& r : regs) {
+        auto pos = std::upper_bound(v.begin(), v.end(), r->d.addr,
+                                    [](uint64_t a, const RegionP& x) { return a < x->d.addr; });
+        v.insert(pos, r);
+      }
+    }
+    Handle h = nextHandle_++;
+    registrations_[h] = std::move(regs);
+    return h;
+  }
+
+  void deregisterMem(Handle reg) override {
+    checkOpen();
+    auto it = registrations_.find(reg);
+    if (it == registrations_.end())
+      throw EngineError(ERR_NOT_FOUND, "deregisterMem: unknown or already deregistered memory");
+    std::lock_guard<std::mutex> lk(registry_->mu);
+    for (auto& r : it->second) {
+      int n = r->inUse.load();
+      if (n > 0)
+        throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + descStr(r->d) + " is in use by " +
+                                               std::to_string(n) +
+                                               " in-flight transfer(s); wait for them or release them first");
+    }
+    auto& v = registry_->regions;
+    for (auto& r : it->second) {
+      r->live = false;
+      v.erase(std::remove(v.begin(), v.end(), r), v.end());
+    }
+    registrations_.erase(it);
+  }
+
+  std::string getLocalMD() override {
+    checkOpen();
+    loopback::AgentMd md;
+    md.name = name_;
+    md.bootId = bootId_;
+    md.pid = static_cast<uint32_t>(getpid());
+    md.startTime = startTime_;
+    md.token = token_;
+    md.notifAddr = sock_.address();
+    std::lock_guard<std::mutex> lk(registry_->mu);
+    for (const auto& r : registry_->regions) {
+      md.regions.push_back(loopback::MdRegion{r->d.addr, r->d.len, r->d.devId, r->type, r->shm.fd,
+                                              r->shm.offset, r->shm.size, r->shm.ino});
+    }
+    return loopback::encode(md);
+  }
+
+  std::string loadRemoteMD(const std::string& blob) override {
+    checkOpen();
+    loopback::AgentMd md = loopback::decode(blob);
+    if (md.name == name_) throw EngineError(ERR_NOT_ALLOWED, "loadRemoteMD: that is this agent's own metadata");
+    if (md.bootId != bootId_)
+      throw EngineError(ERR_NOT_SUPPORTED, "agent " + md.name +
+                                               " runs on another host: the loopback engine connects agents on one "
+                                               "host only (install NIXL for RDMA/TCP between hosts)");
+    auto ra = std::make_shared<RemoteAgent>();
+    ra->name = md.name;
+    ra->pid = md.pid;
+    ra->notifAddr = md.notifAddr;
+    if (md.pid == static_cast<uint32_t>(getpid())) {
+      std::lock_guard<std::mutex> lk(gAgentsMu);
+      auto it = gAgents.find(md.token);
+      if (it == gAgents.end() || it->second.expired())
+        throw EngineError(ERR_REMOTE_DISCONNECT, "agent " + md.name + " is closed");
+      ra->sameProcess = true;
+      ra->registry = it->second;
+    } else {
+      ra->pidfd = static_cast<int>(syscall(SYS_pidfd_open, md.pid, 0));
+      uint64_t st = loopback::processStartTime(md.pid);
+      if (st == 0 || st != md.startTime)
+        throw EngineError(ERR_REMOTE_DISCONNECT, "agent " + md.name + " (pid " + std::to_string(md.pid) +
+                                                     ") is no longer running");
+    }
+    for (const auto& g : md.regions) {
+      RemoteRegion rr{g};
+      if (!ra->sameProcess && g.shmFd >= 0) mapShared(ra->pid, &rr);
+      ra->regions.push_back(rr);
+    }
+    std::sort(ra->regions.begin(), ra->regions.end(),
+              [](const RemoteRegion& a, const RemoteRegion& b) { return a.r.addr < b.r.addr; });
+    auto old = remotes_.find(md.name);
+    if (old != remotes_.end()) old->second->removed = true;  // handles built on it now fail
+    remotes_[md.name] = ra;
+    return md.name;
+  }
+
+  void invalidateRemoteMD(const std::string& agent) override {
+    checkOpen();
+    auto it = remotes_.find(agent);
+    if (it == remotes_.end()) throw EngineError(ERR_NOT_FOUND, "unknown remote agent '" + agent + "'");
+    it->second->removed = true;
+    remotes_.erase(it);
+  }
+
+  Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type,
+                       const std::vector<std::string>& backends) override {
+    checkOpen();
+    checkBackends(backends);
+    auto dl = std::make_shared<Dlist>(buildDlist(agent, descs, type));
+    Handle h = nextHandle_++;
+    dlists_[h] = std::move(dl);
+    return h;
+  }
+
+  void releaseDlist(Handle h) override {
+    checkOpen();
+    if (dlists_.erase(h) == 0) throw EngineError(ERR_NOT_FOUND, "releaseDlistHandle: unknown or already released handle");
+  }
+
+  Handle makeXferReq(XferOp op, Handle localH, const uint32_t* li, size_t nl, Handle remoteH,
+                     const uint32_t* ri, size_t nr, const std::string* notif) override {
+    checkOpen();
+    auto lit = dlists_.find(localH);
+    auto rit = dlists_.find(remoteH);
+    if (lit == dlists_.end() || rit == dlists_.end())
+      throw EngineError(ERR_NOT_FOUND, "makeXferReq: unknown descriptor list handle");
+    const Dlist& L = *lit->second;
+    const Dlist& R = *rit->second;
+    if (L.remote) throw EngineError(ERR_INVALID_PARAM, "makeXferReq: the local side must be a dlist prepared for the local agent");
+    if (!R.remote) throw EngineError(ERR_INVALID_PARAM, "makeXferReq: the remote side must be a dlist prepared for a remote agent");
+    if (nl != nr)
+      throw EngineError(ERR_INVALID_PARAM, "makeXferReq: " + std::to_string(nl) + " local vs " +
+                                               std::to_string(nr) + " remote indices");
+    std::vector<Entry> le, re;
+    le.reserve(nl);
+    re.reserve(nr);
+    for (size_t i = 0; i < nl; ++i) {
+      if (li[i] >= L.entries.size() || ri[i] >= R.entries.size())
+        throw EngineError(ERR_INVALID_PARAM, "makeXferReq: index out of range at position " + std::to_string(i));
+      le.push_back(L.entries[li[i]]);
+      re.push_back(R.entries[ri[i]]);
+    }
+    return newRequest(op, R.remote, std::move(le), std::move(re), notif);
+  }
+
+  Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
+                       MemType rt, const std::string& agent, const std::string* notif) override {
+    checkOpen();
+    if (agent.empty()) throw EngineError(ERR_INVALID_PARAM, "createXferReq: remote agent name is empty");
+    if (local.size() != remote.size())
+      throw EngineError(ERR_INVALID_PARAM, "createXferReq: " + std::to_string(local.size()) + " local vs " +
+                                               std::to_string(remote.size()) + " remote descriptors");
+    Dlist L = buildDlist("", local, lt);
+    Dlist R = buildDlist(agent, remote, rt);
+    return newRequest(op, R.remote, std::move(L.entries), std::move(R.entries), notif);
+  }
+
+  int postXferReq(Handle h, const std::string* notif) override {
+    checkOpen();
+    auto it = requests_.find(h);
+    if (it == requests_.end()) throw EngineError(ERR_NOT_FOUND, "postXferReq: unknown or released transfer handle");
+    RequestP req = it->second;
+    if (req->status.load() == IN_PROG)
+      throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
+    if (req->remote->removed)
+      throw EngineError(ERR_NOT_FOUND, "postXferReq: remote agent '" + req->remote->name + "' was removed");
+    if (notif) {
+      if (notif->size() > NotifSocket::kMaxMsg)
+        throw EngineError(ERR_INVALID_PARAM, "notification larger than 64 KiB");
+      req->hasNotif = true;
+      req->notif = *notif;
+    }
+    auto t0 = Clock::now();
+    pin(*req);  // throws if memory went away since the handle was made
+    req->err.clear();
+    req->tel = Telemetry{nowEpochUs(), 0, 0, req->totalBytes, req->local.size()};
+    req->postedAt = t0;
+    req->status.store(IN_PROG);
+    {
+      std::lock_guard<std::mutex> lk(qMu_);
+      queue_.push_back(Job{req, {}, {}});
+    }
+    qCv_.notify_one();
+    req->tel.postDurationUs = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
+    return IN_PROG;
+  }
+
+  int getXferStatus(Handle h, std::string* errMsg) override {
+    checkOpen();
+    auto it = requests_.find(h);
+    if (it == requests_.end()) throw EngineError(ERR_NOT_FOUND, "unknown or released transfer handle");
+    int s = it->second->status.load(std::memory_order_acquire);
+    if (s < 0 && errMsg) *errMsg = it->second->err;
+    return s;
+  }
+
+  void releaseXferReq(Handle h) override {
+    checkOpen();
+    auto it = requests_.find(h);
+    if (it == requests_.end())
+      throw EngineError(ERR_NOT_FOUND, "releaseXferHandle: unknown or already released transfer handle");
+    // An in-flight request finishes (or is skipped, if still queued) on the
+    // worker, which holds its own reference; the handle is gone at once.
+    it->second->released = true;
+    requests_.erase(it);
+  }
+
+  Telemetry getXferTelemetry(Handle h) override {
+    checkOpen();
+    auto it = requests_.find(h);
+    if (it == requests_.end()) throw EngineError(ERR_NOT_FOUND, "unknown or released transfer handle");
+    if (!cfg_.captureTelemetry)
+      throw EngineError(ERR_NO_TELEMETRY, "telemetry is off: create the agent with captureTelemetry: true");
+    int s = it->second->status.load(std::memory_order_acquire);
+    if (s == ERR_NOT_POSTED) throw EngineError(ERR_NO_TELEMETRY, "transfer was never posted");
+    return it->second->tel;
+  }
+
+  void genNotif(const std::string& agent, const std::string& msg) override {
+    checkOpen();
+    auto it = remotes_.find(agent);
+    if (it == remotes_.end()) throw EngineError(ERR_NOT_FOUND, "genNotif: unknown remote agent '" + agent + "'");
+    if (msg.size() > NotifSocket::kMaxMsg) throw EngineError(ERR_INVALID_PARAM, "notification larger than 64 KiB");
+    int e = sock_.send(it->second->notifAddr, name_, msg, false);
+    if (e == EAGAIN || e == EWOULDBLOCK) {
+      {
+        std::lock_guard<std::mutex> lk(qMu_);
+        queue_.push_back(Job{nullptr, it->second->notifAddr, msg});
+      }
+      qCv_.notify_one();
+    } else if (e != 0) {
+      throw EngineError(ERR_REMOTE_DISCONNECT,
+                        "genNotif to '" + agent + "': " + std::string(strerror(e)) + " (agent gone?)");
+    }
+  }
+
+  void getNotifs(std::vector<std::pair<std::string, std::string>>& out) override {
+    checkOpen();
+    std::lock_guard<std::mutex> lk(nMu_);
+    if (out.empty()) {
+      out.swap(notifs_);
+    } else {
+      for (auto& n : notifs_) out.push_back(std::move(n));
+      notifs_.clear();
+    }
+  }
+
+  void close() override {
+    if (closed_) return;
+    closed_ = true;
+    {
+      std::lock_guard<std::mutex> lk(qMu_);
+      stopping_ = true;
+    }
+    qCv_.notify_all();
+    uint64_t one = 1;
+    if (write(wakeFd_, &one, sizeof one) < 0) { /* the loop also polls with a timeout */ }
+    if (worker_.joinable()) worker_.join();
+    if (notifier_.joinable()) notifier_.join();
+    ::close(wakeFd_);
+    {
+      std::lock_guard<std::mutex> lk(gAgentsMu);
+      gAgents.erase(token_);
+    }
+    for (auto& [h, req] : requests_) unpin(*req);  // queued, never run
+    requests_.clear();
+    dlists_.clear();
+    for (auto& [n, r] : remotes_) r->removed = true;
+    remotes_.clear();
+    registrations_.clear();
+    std::lock_guard<std::mutex> lk(registry_->mu);
+    for (auto& r : registry_->regions) r->live = false;
+    registry_->regions.clear();
+  }
+
+ private:
+  void checkOpen() const {
+    if (closed_) throw EngineError(ERR_NOT_ALLOWED, "agent '" + name_ + "' is closed");
+  }
+  static void checkPlugin(const std::string& p) {
+    if (p != kPlugin)
+      throw EngineError(ERR_NOT_FOUND, "plugin '" + p + "' not found: the loopback engine offers LOOPBACK only");
+  }
+  void checkBackends(const std::vector<std::string>& b) const {
+    for (const auto& n : b) checkPlugin(n);
+    if (!backendCreated_) throw EngineError(ERR_NOT_FOUND, "no backend created (createBackend('LOOPBACK') first)");
+  }
+  static void checkType(MemType t) {
+    if (t != MemType::DRAM)
+      throw EngineError(ERR_NOT_SUPPORTED, "the loopback engine handles DRAM only; VRAM, block, object and file "
+                                           "memory need the NIXL engine");
+  }
+
+  Dlist buildDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type) {
+    checkType(type);
+    Dlist dl;
+    dl.type = type;
+    dl.entries.reserve(descs.size());
+    if (agent.empty()) {
+      std::lock_guard<std::mutex> lk(registry_->mu);
+      for (const auto& d : descs) {
+        RegionP r = d.len ? registry_->find(d, type) : nullptr;
+        if (!r)
+          throw EngineError(ERR_NOT_FOUND, "descriptor " + descStr(d) + " is not inside memory registered with agent '" +
+                                               name_ + "'");
+        dl.entries.push_back(Entry{d, r, reinterpret_cast<char*>(d.addr)});
+      }
+      return dl;
+    }
+    auto it = remotes_.find(agent);
+    if (it == remotes_.end())
+      throw EngineError(ERR_NOT_FOUND, "unknown remote agent '" + agent + "' (addRemoteAgent first)");
+    dl.remote = it->second;
+    const RemoteAgent& ra = *dl.remote;
+    if (ra.sameProcess) {
+      auto reg = ra.registry.lock();
+      if (!reg) throw EngineError(ERR_REMOTE_DISCONNECT, "agent '" + agent + "' is closed");
+      std::lock_guard<std::mutex> lk(reg->mu);
+      for (const auto& d : descs) {
+        RegionP r = d.len ? reg->find(d, type) : nullptr;
+        if (!r)
+          throw EngineError(ERR_NOT_FOUND, "descriptor " + descStr(d) + " is not inside memory registered with agent '" +
+                                               agent + "'");
+        dl.entries.push_back(Entry{d, r, reinterpret_cast<char*>(d.addr)});
+      }
+      return dl;
+    }
+    for (const auto& d : descs) {
+      const RemoteRegion* r = d.len ? ra.find(d, type) : nullptr;
+      if (!r)
+        throw EngineError(ERR_NOT_FOUND, "descriptor " + descStr(d) + " is not inside memory agent '" + agent +
+                                             "' registered (as of its last metadata)");
+      char* p = r->mapped ? r->mapped + (d.addr - r->r.addr) : nullptr;
+      dl.entries.push_back(Entry{d, nullptr, p});
+    }
+    return dl;
+  }
+
+  Handle newRequest(XferOp op, RemoteP remote, std::vector<Entry> le, std::vector<Entry> re,
+                    const std::string* notif) {
+    if (le.empty()) throw EngineError(ERR_INVALID_PARAM, "transfer request with no descriptors");
+    auto req = std::make_shared<Request>();
+    for (size_t i = 0; i < le.size(); ++i) {
+      if (le[i].d.len != re[i].d.len)
+        throw EngineError(ERR_INVALID_PARAM, "descriptor " + std::to_string(i) + ": local length " +
+                                                 std::to_string(le[i].d.len) + " != remote length " +
+                                                 std::to_string(re[i].d.len));
+      req->totalBytes += le[i].d.len;
+    }
+    if (notif) {
+      if (notif->size() > NotifSocket::kMaxMsg) throw EngineError(ERR_INVALID_PARAM, "notification larger than 64 KiB");
+      req->hasNotif = true;
+      req->notif = *notif;
+    }
+    req->op = op;
+    req->remote = std::move(remote);
+    req->local = std::move(le);
+    req->remote_ = std::move(re);
+    req->id = nextHandle_++;
+    requests_[req->id] = req;
+    return req->id;
+  }
+
+  // Pins every region the request touches; fails (pinning nothing) if one was
+  // deregistered or its agent closed.
+  void pin(Request& req) {
+    auto pinSide = [&](std::vector<Entry>& es, Registry& reg, const std::string& who) {
+      std::lock_guard<std::mutex> lk(reg.mu);
+      for (auto& e : es)
+        if (!e.region->live)
+          throw EngineError(ERR_NOT_FOUND, "memory " + descStr(e.d) + " of agent '" + who + "' was deregistered");
+      for (auto& e : es) e.region->inUse.fetch_add(1, std::memory_order_relaxed);
+    };
+    pinSide(req.local, *registry_, name_);
+    if (req.remote->sameProcess) {
+      auto reg = req.remote->registry.lock();
+      if (!reg) {
+        unpinSide(req.local);
+        throw EngineError(ERR_REMOTE_DISCONNECT, "agent '" + req.remote->name + "' is closed");
+      }
+      try {
+        pinSide(req.remote_, *reg, req.remote->name);
+      } catch (...) {
+        unpinSide(req.local);
+        throw;
+      }
+    }
+  }
+  static void unpinSide(std::vector<Entry>& es) {
+    for (auto& e : es)
+      if (e.region) e.region->inUse.fetch_sub(1, std::memory_order_relaxed);
+  }
+  static void unpin(Request& req) {
+    if (req.status.load() != IN_PROG) return;
+    unpinSide(req.local);
+    unpinSide(req.remote_);
+  }
+
+  void mapShared(uint32_t pid, RemoteRegion* rr) {
+    const auto& g = rr->r;
+    std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(g.shmFd);
+    int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return;  // fall back to process_vm_*
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_ino) != g.shmIno ||
+        static_cast<uint64_t>(st.st_size) < g.shmOffset + g.len) {
+      ::close(fd);
+      return;
+    }
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    uint64_t off = g.shmOffset / page * page;
+    size_t len = static_cast<size_t>(g.shmOffset + g.len - off);
+    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(off));
+    ::close(fd);
+    if (p == MAP_FAILED) return;
+    rr->mapBase = p;
+    rr->mapLen = len;
+    rr->mapped = static_cast<char*>(p) + (g.shmOffset - off);
+  }
+
+  void workLoop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lk(qMu_);
+        qCv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
+        if (stopping_) return;
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (!job.req) {
+        sock_.send(job.to, name_, job.msg, true);
+        continue;
+      }
+      execute(*job.req);
+    }
+  }
+
+  void execute(Request& req) {
+    std::string err;
+    int status = SUCCESS;
+    if (req.released) {
+      status = ERR_CANCELED;
+      err = "released before it ran";
+    } else if (!req.remote->processAlive()) {
+      status = ERR_REMOTE_DISCONNECT;
+      err = "agent '" + req.remote->name + "' is gone (process exited or agent closed)";
+    } else {
+      status = copy(req, &err);
+    }
+    if (status == SUCCESS && req.hasNotif) {
+      int e = sock_.send(req.remote->notifAddr, name_, req.notif, true);
+      if (e != 0) {
+        status = ERR_REMOTE_DISCONNECT;
+        err = "data moved, but the notification to '" + req.remote->name + "' failed: " + strerror(e);
+      }
+    }
+    unpinSide(req.local);
+    unpinSide(req.remote_);
+    req.tel.xferDurationUs = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - req.postedAt).count());
+    req.err = err;
+    req.status.store(status, std::memory_order_release);
+    sink_->onComplete(req.id);
+  }
+
+  int copy(Request& req, std::string* err) {
+    const bool read = req.op == XferOp::READ;
+    constexpr size_t kBatch = 64;
+    iovec liov[kBatch], riov[kBatch];
+    size_t n = 0, want = 0;
+    auto flush = [&]() -> int {
+      if (n == 0) return SUCCESS;
+      ssize_t r = read ? process_vm_readv(static_cast<pid_t>(req.remote->pid), liov, n, riov, n, 0)
+                       : process_vm_writev(static_cast<pid_t>(req.remote->pid), liov, n, riov, n, 0);
+      int e = errno;
+      n = 0;
+      if (r == static_cast<ssize_t>(want)) return SUCCESS;
+      if (r < 0 && e == ESRCH) {
+        *err = "agent '" + req.remote->name + "' process exited";
+        return ERR_REMOTE_DISCONNECT;
+      }
+      *err = std::string(read ? "process_vm_readv" : "process_vm_writev") + ": " +
+             (r < 0 ? strerror(e) : "short transfer (remote memory unmapped?)");
+      return ERR_BACKEND;
+    };
+    for (size_t i = 0; i < req.local.size(); ++i) {
+      const Entry& l = req.local[i];
+      const Entry& r = req.remote_[i];
+      if (r.ptr) {
+        if (read) memcpy(l.ptr, r.ptr, l.d.len);
+        else memcpy(r.ptr, l.ptr, l.d.len);
+        continue;
+      }
+      if (n == 0) want = 0;
+      liov[n] = iovec{l.ptr, l.d.len};
+      riov[n] = iovec{reinterpret_cast<void*>(r.d.addr), r.d.len};
+      want += l.d.len;
+      if (++n == kBatch) {
+        int s = flush();
+        if (s != SUCCESS) return s;
+      }
+    }
+    return flush();
+  }
+
+  void notifLoop() {
+    std::string from, msg;
+    for (;;) {
+      pollfd p[2] = {{sock_.fd(), POLLIN, 0}, {wakeFd_, POLLIN, 0}};
+      int r = poll(p, 2, 1000);
+      if (closed_) return;
+      if (r <= 0) continue;
+      bool got = false;
+      {
+        std::lock_guard<std::mutex> lk(nMu_);
+        while (sock_.recv(&from, &msg)) {
+          notifs_.emplace_back(std::move(from), std::move(msg));
+          got = true;
+        }
+      }
+      if (got) sink_->onNotif();
+    }
+  }
+
+  const std::string name_;
+  const EngineConfig cfg_;
+  CompletionSink* sink_;
+  std::shared_ptr<Registry> registry_;
+  uint64_t token_ = 0;
+  std::string bootId_;
+  uint64_t startTime_ = 0;
+  bool backendCreated_ = false;
+  std::atomic<bool> closed_{false};
+
+  NotifSocket sock_;
+  Handle nextHandle_ = 1;
+  std::unordered_map<Handle, std::vector<RegionP>> registrations_;
+  std::unordered_map<Handle, std::shared_ptr<Dlist>> dlists_;
+  std::unordered_map<Handle, RequestP> requests_;
+  std::unordered_map<std::string, RemoteP> remotes_;
+
+  std::mutex qMu_;
+  std::condition_variable qCv_;
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+
+  int wakeFd_ = -1;
+  std::mutex nMu_;
+  std::vector<std::pair<std::string, std::string>> notifs_;
+  std::thread notifier_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> makeLoopbackEngine(const std::string& name, const EngineConfig& cfg,
+                                           CompletionSink* sink) {
+  return std::make_unique<LoopbackEngine>(name, cfg, sink);
+}
+
+}  // namespace nixlnode

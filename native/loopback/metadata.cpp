@@ -1,0 +1,161 @@
+#include "metadata.h"
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace nixlnode::loopback {
+namespace {
+
+constexpr char kMagic[8] = {'N', 'X', 'N', 'L', 'B', 'K', 'M', 'D'};
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kMaxRegions = 1u << 20;
+
+struct Writer {
+  std::string out;
+  void u8(uint8_t v) { out.push_back(static_cast<char>(v)); }
+  void u32(uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
+  void u64(uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); }
+  void str(const std::string& s) {
+    u32(static_cast<uint32_t>(s.size()));
+    out.append(s);
+  }
+};
+
+struct Reader {
+  const std::string& in;
+  size_t pos = 0;
+  void need(size_t n) {
+    if (in.size() - pos < n) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (truncated)");
+  }
+  uint8_t u8() { need(1); return static_cast<uint8_t>(in[pos++]); }
+  uint32_t u32() { need(4); uint32_t v; memcpy(&v, in.data() + pos, 4); pos += 4; return v; }
+  uint64_t u64() { need(8); uint64_t v; memcpy(&v, in.data() + pos, 8); pos += 8; return v; }
+  std::string str(size_t max) {
+    uint32_t n = u32();
+    if (n > max) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (string too long)");
+    need(n);
+    std::string s = in.substr(pos, n);
+    pos += n;
+    return s;
+  }
+};
+
+}  // namespace
+
+bool looksLikeLoopbackMd(const std::string& blob) {
+  return blob.size() >= sizeof kMagic && memcmp(blob.data(), kMagic, sizeof kMagic) == 0;
+}
+
+std::string encode(const AgentMd& md) {
+  Writer w;
+  w.out.append(kMagic, sizeof kMagic);
+  w.u32(kVersion);
+  w.str(md.name);
+  w.str(md.bootId);
+  w.u32(md.pid);
+  w.u64(md.startTime);
+  w.u64(md.token);
+  w.str(md.notifAddr);
+  w.u32(static_cast<uint32_t>(md.regions.size()));
+  for (const auto& r : md.regions) {
+    w.u64(r.addr);
+    w.u64(r.len);
+    w.u64(r.devId);
+    w.u8(static_cast<uint8_t>(r.type));
+    w.u32(static_cast<uint32_t>(r.shmFd));
+    w.u64(r.shmOffset);
+    w.u64(r.shmSize);
+    w.u64(r.shmIno);
+  }
+  return w.out;
+}
+
+AgentMd decode(const std::string& blob) {
+  if (!looksLikeLoopbackMd(blob))
+    throw EngineError(ERR_INVALID_PARAM,
+                      "not loopback-engine metadata (from a NIXL engine agent, or corrupt?)");
+  Reader r{blob, sizeof kMagic};
+  uint32_t version = r.u32();
+  if (version != kVersion)
+    throw EngineError(ERR_MISMATCH, "loopback metadata version " + std::to_string(version) +
+                                        " is not supported (expected " + std::to_string(kVersion) + ")");
+  AgentMd md;
+  md.name = r.str(4096);
+  if (md.name.empty()) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (empty name)");
+  md.bootId = r.str(256);
+  md.pid = r.u32();
+  md.startTime = r.u64();
+  md.token = r.u64();
+  md.notifAddr = r.str(256);
+  uint32_t n = r.u32();
+  if (n > kMaxRegions) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (region count)");
+  md.regions.reserve(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    MdRegion g{};
+    g.addr = r.u64();
+    g.len = r.u64();
+    g.devId = r.u64();
+    uint8_t t = r.u8();
+    if (t > static_cast<uint8_t>(MemType::FILE))
+      throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (memory type)");
+    g.type = static_cast<MemType>(t);
+    g.shmFd = static_cast<int32_t>(r.u32());
+    g.shmOffset = r.u64();
+    g.shmSize = r.u64();
+    g.shmIno = r.u64();
+    if (g.len == 0 || g.addr + g.len < g.addr)
+      throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (region bounds)");
+    md.regions.push_back(g);
+  }
+  if (r.pos != blob.size()) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (trailing bytes)");
+  return md;
+}
+
+std::string bootId() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+uint64_t processStartTime(uint32_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return 0;
+  // Field 2 (comm) may hold spaces and parens: skip to the last ')'.
+  auto p = line.rfind(')');
+  if (p == std::string::npos) return 0;
+  std::istringstream is(line.substr(p + 2));
+  std::string field;
+  // Fields 3..22; starttime is field 22, the 20th after comm.
+  for (int i = 3; i <= 22; ++i) {
+    if (!(is >> field)) return 0;
+  }
+  return std::stoull(field);
+}
+
+}  // namespace nixlnode::loopback
+
+namespace nixlnode::loopback {
+
+bool isMappedReadWrite(uint64_t addr, uint64_t len) {
+  std::ifstream f("/proc/self/maps");
+  std::string line;
+  uint64_t need = addr;
+  const uint64_t end = addr + len;
+  // Lines are sorted by address; walk until [addr, end) is covered.
+  while (need < end && std::getline(f, line)) {
+    uint64_t lo = 0, hi = 0;
+    char perms[5] = {0};
+    if (sscanf(line.c_str(), "%lx-%lx %4s", &lo, &hi, perms) != 3) continue;
+    if (hi <= need) continue;
+    if (lo > need) return false;  // a hole
+    if (perms[0] != 'r' || perms[1] != 'w') return false;
+    need = hi;
+  }
+  return need >= end;
+}
+
+}  // namespace nixlnode::loopback

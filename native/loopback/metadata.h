@@ -1,0 +1,44 @@
+// The loopback engine's agent metadata: what a peer needs to reach this agent's
+// registered memory and notification socket from the same host. Binary,
+// little-endian, versioned; parsing checks every length (it comes off a wire).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../engine.h"
+
+namespace nixlnode::loopback {
+
+struct MdRegion {
+  uint64_t addr, len, devId;
+  MemType type;
+  int32_t shmFd;  // -1: not shared, read with process_vm_readv
+  uint64_t shmOffset, shmSize, shmIno;
+};
+
+struct AgentMd {
+  std::string name;
+  std::string bootId;      // kernel boot id: same host check
+  uint32_t pid;
+  uint64_t startTime;      // /proc/<pid>/stat starttime: pid reuse check
+  uint64_t token;          // instance id, finds same-process agents
+  std::string notifAddr;
+  std::vector<MdRegion> regions;
+};
+
+std::string encode(const AgentMd& md);
+AgentMd decode(const std::string& blob);  // throws EngineError(ERR_INVALID_PARAM)
+bool looksLikeLoopbackMd(const std::string& blob);
+
+std::string bootId();
+uint64_t processStartTime(uint32_t pid);  // 0 if the process is gone
+
+}  // namespace nixlnode::loopback
+
+namespace nixlnode::loopback {
+// True when [addr, addr+len) is covered by read-write mappings of this
+// process (/proc/self/maps), so registering a wild pointer fails cleanly
+// instead of crashing the first copy.
+bool isMappedReadWrite(uint64_t addr, uint64_t len);
+}  // namespace nixlnode::loopback
