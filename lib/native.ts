@@ -65,5 +65,8 @@ function packageRoot(): string {
   return path.basename(up1) === 'dist' ? path.join(up1, '..') : up1;
 }
 
-// eslint-disable-next-line @typescript-eslint/no-require-imports
-export const binding: Binding = require('node-gyp-build')(packageRoot());
+// NIXL_NODE_ADDON points at another build of the addon (CI's sanitizer build).
+/* eslint-disable @typescript-eslint/no-require-imports */
+export const binding: Binding = process.env.NIXL_NODE_ADDON
+  ? require(path.resolve(process.env.NIXL_NODE_ADDON))
+  : require('node-gyp-build')(packageRoot());

@@ -1,0 +1,124 @@
+// Block-pull bandwidth: one READ request of POOL bytes cut into blocks of
+// each size, against a memcpy of the same POOL measured in the same run.
+import { fork } from 'node:child_process';
+import { once } from 'node:events';
+import * as path from 'node:path';
+import { DescList, NixlAgent, allocate } from '../lib';
+import { median, nowNs } from './stats';
+
+export const BLOCK_SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20];
+const POOL = 64 << 20;
+
+export type Path = 'in-process' | 'shared mapping' | 'process_vm';
+
+export interface BwRow {
+  path: Path;
+  engine: string;
+  blockBytes: number;
+  descriptors: number;
+  gbps: number;
+  memcpyGbps: number;
+  ratio: number;
+}
+
+function gbps(bytes: number, ns: bigint): number {
+  return bytes / Number(ns);
+}
+
+/** memcpy of the whole pool, DRAM to DRAM (the ceiling for one copying thread). */
+export function memcpyBaseline(reps: number): number {
+  const a = allocate(POOL);
+  const b = allocate(POOL);
+  a.fill(1);
+  b.fill(2);
+  const xs: number[] = [];
+  for (let i = 0; i < reps; i++) {
+    const t = nowNs();
+    a.copy(b);
+    xs.push(gbps(POOL, nowNs() - t));
+  }
+  return median(xs);
+}
+
+interface Remote {
+  name: string;
+  addr: bigint;
+  close(): Promise<void>;
+}
+
+async function remoteIn(proc: 'same' | 'child', shared: boolean, local: NixlAgent): Promise<Remote> {
+  if (proc === 'same') {
+    const r = new NixlAgent('bench-remote', { engine: local.engine });
+    const mem = shared ? allocate(POOL) : Buffer.alloc(POOL);
+    mem.fill(0x5a);
+    r.registerMemory(mem);
+    local.addRemoteAgent(r.getAgentMetadata());
+    return { name: 'bench-remote', addr: DescList.from(mem).addr(0), close: async () => r.close() };
+  }
+  const child = fork(path.join(__dirname, 'peer.js'), [], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'], serialization: 'advanced' });
+  child.send({ cmd: 'init', bytes: POOL, shared });
+  const [init] = (await once(child, 'message')) as [{ md: Uint8Array; addr: bigint }];
+  local.addRemoteAgent(Buffer.from(init.md));
+  child.send({ cmd: 'load', md: local.getAgentMetadata() });
+  await once(child, 'message');
+  return {
+    name: 'bench-remote',
+    addr: init.addr,
+    close: async () => {
+      child.send({ cmd: 'exit' });
+      await once(child, 'exit');
+      local.removeRemoteAgent('bench-remote');
+    },
+  };
+}
+
+export async function benchBandwidth(opts: { engine?: 'loopback' | 'nixl'; reps?: number; paths?: Path[] } = {}): Promise<BwRow[]> {
+  const reps = opts.reps ?? 7;
+  const paths = opts.paths ?? ['in-process', 'shared mapping', 'process_vm'];
+  const rows: BwRow[] = [];
+  const local = new NixlAgent('bench-local', { engine: opts.engine ?? 'loopback' });
+  const mem = allocate(POOL);
+  mem.fill(1);
+  local.registerMemory(mem);
+  const base = DescList.from(mem).addr(0);
+  try {
+    for (const p of paths) {
+      const remote = await remoteIn(p === 'in-process' ? 'same' : 'child', p !== 'process_vm', local);
+      try {
+        for (const block of BLOCK_SIZES) {
+          const n = POOL / block;
+          const l = new BigUint64Array(n * 3);
+          const r = new BigUint64Array(n * 3);
+          for (let i = 0; i < n; i++) {
+            l[3 * i] = base + BigInt(i * block);
+            l[3 * i + 1] = BigInt(block);
+            r[3 * i] = remote.addr + BigInt(i * block);
+            r[3 * i + 1] = BigInt(block);
+          }
+          const ld = local.prepXferDlist('', new DescList(l));
+          const rd = local.prepXferDlist(remote.name, new DescList(r));
+          const idx = Uint32Array.from({ length: n }, (_, i) => i);
+          const h = local.makePreppedXfer('READ', ld, idx, rd, idx);
+          const memcpy = memcpyBaseline(5); // interleaved, so drift hits both alike
+          const xs: number[] = [];
+          for (let i = 0; i < reps + 1; i++) {
+            const t = nowNs();
+            local.transfer(h);
+            await local.wait(h);
+            if (i > 0) xs.push(gbps(POOL, nowNs() - t)); // first run faults pages in
+          }
+          const g = median(xs);
+          rows.push({ path: p, engine: local.engine, blockBytes: block, descriptors: n, gbps: g, memcpyGbps: memcpy, ratio: g / memcpy });
+          local.releaseXferHandle(h);
+          local.releaseDlistHandle(ld);
+          local.releaseDlistHandle(rd);
+        }
+      } finally {
+        await remote.close();
+      }
+    }
+  } finally {
+    local.close();
+  }
+  return rows;
+}

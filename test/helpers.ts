@@ -1,0 +1,68 @@
+import { fork, ChildProcess } from 'node:child_process';
+import * as path from 'node:path';
+import { once } from 'node:events';
+
+export const FIXTURES = path.join(__dirname, 'fixtures');
+export const ROOT = path.join(__dirname, '..');
+
+/** A child process speaking JSON-ish messages over the IPC pipe. */
+export class Peer {
+  readonly proc: ChildProcess;
+  #queue: unknown[] = [];
+  #waiting: Array<(m: unknown) => void> = [];
+
+  constructor(script: string, args: string[] = [], env: NodeJS.ProcessEnv = {}) {
+    this.proc = fork(path.join(FIXTURES, script), args, {
+      env: { ...process.env, ...env },
+      serialization: 'advanced',
+      stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
+    });
+    this.proc.on('message', (m) => {
+      const w = this.#waiting.shift();
+      if (w) w(m);
+      else this.#queue.push(m);
+    });
+  }
+
+  send(m: unknown): void {
+    this.proc.send(m as never);
+  }
+
+  next<T = Record<string, unknown>>(timeoutMs = 15_000): Promise<T> {
+    const m = this.#queue.shift();
+    if (m !== undefined) return Promise.resolve(m as T);
+    return new Promise<T>((resolve, reject) => {
+      const t = setTimeout(() => reject(new Error('peer did not answer')), timeoutMs);
+      this.#waiting.push((v) => {
+        clearTimeout(t);
+        resolve(v as T);
+      });
+    });
+  }
+
+  async request<T = Record<string, unknown>>(m: unknown): Promise<T> {
+    this.send(m);
+    const r = await this.next<T & { error?: string }>();
+    if (r && (r as { error?: string }).error) throw new Error(`peer: ${(r as { error?: string }).error}`);
+    return r;
+  }
+
+  async exit(): Promise<number | null> {
+    if (this.proc.exitCode !== null) return this.proc.exitCode;
+    const [code] = await once(this.proc, 'exit');
+    return code as number | null;
+  }
+
+  kill(): void {
+    this.proc.kill('SIGKILL');
+  }
+}
+
+export function pattern(buf: Uint8Array, seed: number): void {
+  for (let i = 0; i < buf.length; i++) buf[i] = (i * 31 + seed * 7 + (i >>> 8)) & 0xff;
+}
+
+export function checkPattern(buf: Uint8Array, seed: number, offset = 0): boolean {
+  for (let i = 0; i < buf.length; i++) if (buf[i] !== (((i + offset) * 31 + seed * 7 + ((i + offset) >>> 8)) & 0xff)) return false;
+  return true;
+}
