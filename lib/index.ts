@@ -4,3 +4,6 @@ export { DescList, allocate } from './descriptors';
 export type { MemType, MemoryLike, RawDesc } from './descriptors';
 export { NixlError, Status } from './errors';
 export type { NixlErrorCode } from './errors';
+export * as handshake from './handshake';
+export { createHandshake } from './handshake';
+export type { HandshakeServer, HandshakeStrategy, HandshakeMethod, FetchOptions, ServeOptions } from './handshake';

@@ -1,6 +1,7 @@
 import { fork, ChildProcess } from 'node:child_process';
 import * as path from 'node:path';
 import { once } from 'node:events';
+import * as net from 'node:net';
 
 export const FIXTURES = path.join(__dirname, 'fixtures');
 export const ROOT = path.join(__dirname, '..');
@@ -65,4 +66,13 @@ export function pattern(buf: Uint8Array, seed: number): void {
 export function checkPattern(buf: Uint8Array, seed: number, offset = 0): boolean {
   for (let i = 0; i < buf.length; i++) if (buf[i] !== (((i + offset) * 31 + seed * 7 + ((i + offset) >>> 8)) & 0xff)) return false;
   return true;
+}
+
+/** A TCP port that was free a moment ago on 127.0.0.1. */
+export async function freePort(): Promise<number> {
+  const s = net.createServer();
+  await new Promise<void>((r) => s.listen(0, '127.0.0.1', () => r()));
+  const port = (s.address() as net.AddressInfo).port;
+  await new Promise((r) => s.close(r));
+  return port;
 }

@@ -1,0 +1,116 @@
+// The handshake strategy interface: a prefill engine serves each TP rank's
+// NixlHandshakePayload; a decode worker fetches the ranks it needs. ZMQ
+// (zmq.ts) and HTTP/S (http.ts) implement it; index.ts picks one.
+import type { HandshakePayload, NixlAgentMetadata } from './codec';
+
+export type HandshakeMethod = 'zmq' | 'http';
+
+export interface HandshakeLogger {
+  warn(message: string): void;
+}
+
+export const defaultLogger: HandshakeLogger = {
+  warn: (m) => process.stderr.write(`nixl-node handshake: ${m}\n`),
+};
+
+export interface TlsServerOptions {
+  cert: string | Buffer;
+  key: string | Buffer;
+  /** CA that client certificates must chain to; with it, clients must present one. */
+  clientCa?: string | Buffer;
+}
+
+export interface TlsClientOptions {
+  /** CA for the server certificate (e.g. a self-signed one). */
+  ca?: string | Buffer;
+  /** Client certificate, when the server checks one. */
+  cert?: string | Buffer;
+  key?: string | Buffer;
+  servername?: string;
+}
+
+export interface ServeOptions {
+  /** Interface to bind. Default 127.0.0.1; 0.0.0.0 only when given here. */
+  host?: string;
+  /** Base port; ZMQ binds port + dpRank. 0 = any free port. */
+  port: number;
+  dpRank?: number;
+  /** tp_rank -> payload. */
+  payloads: Map<number, HandshakePayload>;
+  /** Rank answered to the bare b"get_meta_msg" of the per-rank-port form (ZMQ). Default 0. */
+  defaultTpRank?: number;
+  /** Largest request accepted, bytes. Default 4096. */
+  maxRequestBytes?: number;
+  logger?: HandshakeLogger;
+  /** HTTP only. */
+  tls?: TlsServerOptions;
+  /** HTTP only: require `Authorization: Bearer <token>`. */
+  bearerToken?: string;
+}
+
+export interface HandshakeServer {
+  readonly method: HandshakeMethod;
+  readonly host: string;
+  /** The port clients use (for ZMQ: base port + dpRank, or the ephemeral one). */
+  readonly port: number;
+  /** The base port to advertise (kv_transfer_params remote_port). */
+  readonly basePort: number;
+  readonly dpRank: number;
+  /** Requests answered and requests refused so far. */
+  readonly stats: { served: number; refused: number };
+  setPayload(tpRank: number, payload: HandshakePayload): void;
+  close(): Promise<void>;
+}
+
+export interface FetchOptions {
+  host: string;
+  /** The server's base port (as advertised). */
+  port: number;
+  dpRank?: number;
+  tpRank: number;
+  /** Per attempt. Default from NIXL_HANDSHAKE_TIMEOUT (seconds), else 5 s. */
+  timeoutMs?: number;
+  /** Attempts after the first. Default 2. */
+  retries?: number;
+  /** Local compatibility hash; undefined skips the check. */
+  expectedHash?: string;
+  /** Largest answer accepted, bytes. Default 64 MiB. */
+  maxResponseBytes?: number;
+  signal?: AbortSignal;
+  /** HTTP only. */
+  tls?: TlsClientOptions;
+  bearerToken?: string;
+}
+
+export interface FetchResult {
+  compatibilityHash: string;
+  metadata: NixlAgentMetadata;
+  /** Round trip of the successful attempt, ms. */
+  rttMs: number;
+}
+
+export interface HandshakeStrategy {
+  readonly method: HandshakeMethod;
+  serve(opts: ServeOptions): Promise<HandshakeServer>;
+  fetch(opts: FetchOptions): Promise<FetchResult>;
+  /** Releases pooled connections (HTTP keep-alive). */
+  close(): void;
+}
+
+export const DEFAULT_MAX_REQUEST = 4096;
+export const DEFAULT_MAX_RESPONSE = 64 << 20;
+
+export function defaultTimeoutMs(): number {
+  const s = process.env.NIXL_HANDSHAKE_TIMEOUT;
+  if (s !== undefined && s !== '') {
+    const v = Number(s);
+    if (Number.isFinite(v) && v > 0) return v * 1000;
+  }
+  return 5000;
+}
+
+export function checkRank(name: string, v: number | undefined): number {
+  const r = v ?? 0;
+  if (!Number.isInteger(r) || r < 0 || r > 65535) throw new RangeError(`${name} must be an integer in 0..65535, got ${v}`);
+  return r;
+}
