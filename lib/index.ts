@@ -7,3 +7,6 @@ export type { NixlErrorCode } from './errors';
 export * as handshake from './handshake';
 export { createHandshake } from './handshake';
 export type { HandshakeServer, HandshakeStrategy, HandshakeMethod, FetchOptions, ServeOptions } from './handshake';
+export * as kv from './kv';
+export { KvPuller, PullError, PrefillTracker, servePrefill, planReads, targetRemoteRanks, tpRatio } from './kv';
+export type { KvLayout, PullOptions, PullResult, RemoteEndpoint } from './kv';

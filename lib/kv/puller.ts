@@ -1,0 +1,332 @@
+// The decode side: handshake with the prefill ranks this rank reads from,
+// prepare descriptor lists once per remote engine and rank, and pull a
+// request's blocks with one call.
+import type { NixlAgent, XferHandle, DlistHandle } from '../agent';
+import { DescList } from '../descriptors';
+import { NixlError } from '../errors';
+import { createHandshake } from '../handshake';
+import type { HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../handshake/types';
+import type { NixlAgentMetadata } from '../handshake/codec';
+import { BlockSlices, allBlockDescs, blockDescIds, coalescedDescs } from './descs';
+import { checkLayout, type KvLayout } from './layout';
+import { KvStats } from './stats';
+import { ReadPlan, RankRead, planReads, targetRemoteRanks } from './tp';
+
+export interface RemoteEndpoint {
+  host: string;
+  /** The prefill engine's advertised side-channel base port. */
+  port: number;
+  tpSize: number;
+  dpRank?: number;
+}
+
+export type PullFailure = 'handshake' | 'setup' | 'transfer' | 'timeout' | 'peer-gone' | 'aborted';
+
+/** A failed pull: the local blocks named here hold no valid KV and must be recomputed. */
+export class PullError extends NixlError {
+  constructor(message: string, code: string, readonly kind: PullFailure, readonly requestId: string,
+              readonly localBlockIds: number[], cause?: unknown) {
+    super(message, code, undefined, { cause });
+    this.name = 'PullError';
+  }
+}
+
+export interface PullOptions {
+  remote: RemoteEndpoint;
+  localBlockIds: ArrayLike<number>;
+  remoteBlockIds: ArrayLike<number>;
+  /** The prefill side's request id (vLLM remote_request_id): notifications carry it. */
+  requestId: string;
+  timeoutMs?: number;
+  signal?: AbortSignal;
+  /** Merge runs of adjacent blocks into larger descriptors. Default: the puller's setting. */
+  coalesce?: boolean;
+}
+
+export interface PullResult {
+  requestId: string;
+  bytes: number;
+  descriptors: number;
+  postMs: number;
+  transferMs: number;
+  remoteRanks: number[];
+  coalesced: boolean;
+}
+
+export interface KvPullerOptions {
+  agent: NixlAgent;
+  layout: KvLayout;
+  handshake?: HandshakeStrategy | HandshakeMethod;
+  /** Local compatibility hash; undefined skips the check. */
+  expectedHash?: string;
+  /** Pulls in flight at once, across requests. Default 16. */
+  maxConcurrent?: number;
+  /** Default true. */
+  coalesce?: boolean;
+  handshakeTimeoutMs?: number;
+  tls?: TlsClientOptions;
+  bearerToken?: string;
+}
+
+interface RemoteRank {
+  rank: number;
+  agentName: string;
+  meta: NixlAgentMetadata;
+  dlist: DlistHandle;
+}
+
+interface RemoteEngine {
+  key: string;
+  engineId: string;
+  plan: ReadPlan;
+  ranks: Map<number, RemoteRank>;
+  handshakeMs: number;
+}
+
+export class KvPuller {
+  readonly stats = new KvStats();
+  readonly #agent: NixlAgent;
+  readonly #layout: KvLayout;
+  readonly #hs: HandshakeStrategy;
+  readonly #opts: KvPullerOptions;
+  readonly #engines = new Map<string, Promise<RemoteEngine>>();
+  readonly #localDlists = new Map<string, DlistHandle>();
+  readonly #waiting: Array<() => void> = [];
+  #active = 0;
+  #xfers = 0;
+  #closed = false;
+
+  constructor(opts: KvPullerOptions) {
+    checkLayout(opts.layout);
+    this.#agent = opts.agent;
+    this.#layout = opts.layout;
+    this.#opts = opts;
+    this.#hs = typeof opts.handshake === 'object' ? opts.handshake : createHandshake(opts.handshake);
+  }
+
+  /** Handshakes and prepares descriptor lists (done once per remote engine; pulls call it). */
+  connect(ep: RemoteEndpoint): Promise<RemoteEngine> {
+    const key = `${ep.host}:${ep.port}:${ep.dpRank ?? 0}`;
+    let p = this.#engines.get(key);
+    if (!p) {
+      p = this.#connect(key, ep);
+      this.#engines.set(key, p);
+      p.catch(() => this.#engines.delete(key));
+    }
+    return p;
+  }
+
+  async #connect(key: string, ep: RemoteEndpoint): Promise<RemoteEngine> {
+    const t0 = performance.now();
+    const wanted = targetRemoteRanks(this.#layout.tpSize, this.#layout.tpRank, ep.tpSize);
+    const fetched = await Promise.all(wanted.map((tpRank) => this.#hs.fetch({
+      host: ep.host, port: ep.port, dpRank: ep.dpRank, tpRank, expectedHash: this.#opts.expectedHash,
+      timeoutMs: this.#opts.handshakeTimeoutMs, tls: this.#opts.tls, bearerToken: this.#opts.bearerToken,
+    })));
+    const metas = fetched.map((f) => f.metadata);
+    // Every rank must agree with us (and with each other) before anything is registered.
+    const plan = planReads(this.#layout, ep.tpSize, metas[0]);
+    for (const m of metas.slice(1)) {
+      planReads(this.#layout, ep.tpSize, m);
+      if (m.engineId !== metas[0].engineId || m.numBlocks !== metas[0].numBlocks) {
+        throw new NixlError(`remote ranks disagree on engine id or num_blocks (${metas[0].engineId}/${metas[0].numBlocks} vs ${m.engineId}/${m.numBlocks})`, 'NIXL_ERR_MISMATCH');
+      }
+    }
+    const ranks = new Map<number, RemoteRank>();
+    try {
+      wanted.forEach((rank, i) => {
+        const meta = metas[i];
+        const read = plan.reads[i];
+        const agentName = this.#agent.addRemoteAgent(meta.agentMetadata);
+        const slices: BlockSlices = {
+          baseAddrs: meta.kvCachesBaseAddr, strides: meta.blockLens, offsets: read.remoteOffset,
+          lens: read.local.map((s) => s.len), devId: meta.deviceId,
+        };
+        const dlist = this.#agent.prepXferDlist(agentName, new DescList(allBlockDescs(slices, meta.numBlocks), this.#layout.memType ?? 'DRAM'));
+        ranks.set(rank, { rank, agentName, meta, dlist });
+      });
+      for (const read of plan.reads) if (!read.notifyOnly) this.#localDlist(read);
+    } catch (e) {
+      for (const r of ranks.values()) this.#dropRank(r);
+      throw e;
+    }
+    return { key, engineId: metas[0].engineId, plan, ranks, handshakeMs: performance.now() - t0 };
+  }
+
+  #localSlices(read: RankRead): BlockSlices {
+    const l = this.#layout;
+    return { baseAddrs: l.baseAddrs, strides: l.blockLens, offsets: read.local.map((s) => s.offset), lens: read.local.map((s) => s.len), devId: l.deviceId ?? 0 };
+  }
+
+  #localDlist(read: RankRead): DlistHandle {
+    const key = read.local.map((s) => `${s.offset}+${s.len}`).join(',');
+    let d = this.#localDlists.get(key);
+    if (!d) {
+      d = this.#agent.prepXferDlist('', new DescList(allBlockDescs(this.#localSlices(read), this.#layout.numBlocks), this.#layout.memType ?? 'DRAM'));
+      this.#localDlists.set(key, d);
+    }
+    return d;
+  }
+
+  #dropRank(r: RemoteRank): void {
+    try { this.#agent.releaseDlistHandle(r.dlist); } catch { /* already gone */ }
+    try { this.#agent.removeRemoteAgent(r.agentName); } catch { /* already gone */ }
+  }
+
+  async #forget(key: string): Promise<void> {
+    const p = this.#engines.get(key);
+    this.#engines.delete(key);
+    const eng = await p?.catch(() => undefined);
+    if (eng) for (const r of eng.ranks.values()) this.#dropRank(r);
+  }
+
+  async #slot(signal?: AbortSignal): Promise<void> {
+    const max = this.#opts.maxConcurrent ?? 16;
+    if (this.#active < max) {
+      this.#active++;
+      return;
+    }
+    await new Promise<void>((resolve, reject) => {
+      const go = () => {
+        signal?.removeEventListener('abort', onAbort);
+        this.#active++;
+        resolve();
+      };
+      const onAbort = () => {
+        const i = this.#waiting.indexOf(go);
+        if (i >= 0) this.#waiting.splice(i, 1);
+        reject(new NixlError('pull aborted while queued', 'NIXL_ERR_CANCELED', undefined, { cause: signal?.reason }));
+      };
+      signal?.addEventListener('abort', onAbort, { once: true });
+      this.#waiting.push(go);
+    });
+  }
+
+  #release(): void {
+    this.#active--;
+    this.#waiting.shift()?.();
+  }
+
+  async pullBlocks(opts: PullOptions): Promise<PullResult> {
+    const localIds = Array.from(opts.localBlockIds);
+    const fail = (kind: PullFailure, e: unknown): PullError => {
+      if (e instanceof PullError) return e;
+      const err = e as NixlError;
+      return new PullError(`pull of request '${opts.requestId}' failed (${kind}): ${err?.message ?? e}`,
+        err?.code ?? 'NIXL_ERR_UNKNOWN', kind, opts.requestId, localIds, e);
+    };
+    if (this.#closed) throw fail('setup', new NixlError('puller is closed', 'NIXL_ERR_NOT_ALLOWED'));
+    let remoteIds = Array.from(opts.remoteBlockIds);
+    const bad = (m: string) => fail('setup', new NixlError(m, 'NIXL_ERR_INVALID_PARAM'));
+    if (localIds.length > remoteIds.length) throw bad(`${localIds.length} local blocks but only ${remoteIds.length} remote blocks`);
+    const nLocal = this.#layout.numBlocks;
+    if (localIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nLocal)) throw bad(`local block ids must be integers in 0..${nLocal - 1}`);
+    // Partial prefix hit: only the last blocks are missing here.
+    if (localIds.length < remoteIds.length) remoteIds = remoteIds.slice(remoteIds.length - localIds.length);
+
+    try {
+      await this.#slot(opts.signal);
+    } catch (e) {
+      this.stats.recordFailedTransfer();
+      throw fail('aborted', e);
+    }
+    const handles: XferHandle[] = [];
+    let stage: PullFailure = 'handshake';
+    let engine: RemoteEngine | undefined;
+    try {
+      engine = await this.connect(opts.remote);
+      stage = 'setup';
+      const nRemote = engine.ranks.values().next().value!.meta.numBlocks;
+      if (remoteIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nRemote)) throw bad(`remote block ids must be integers in 0..${nRemote - 1}`);
+      const notif = `${opts.requestId}:${this.#layout.tpSize}`;
+      const t0 = performance.now();
+      if (localIds.length === 0) {
+        // Full prefix hit: nothing to read, but the prefill side must free its blocks.
+        for (const r of engine.ranks.values()) this.#notify(r.agentName, notif);
+        return { requestId: opts.requestId, bytes: 0, descriptors: 0, postMs: 0, transferMs: 0, remoteRanks: [...engine.ranks.keys()], coalesced: false };
+      }
+      const regions = this.#layout.baseAddrs.length;
+      let bytes = 0;
+      let descriptors = 0;
+      let coalesced = false;
+      const wantCoalesce = opts.coalesce ?? this.#opts.coalesce ?? true;
+      for (const read of engine.plan.reads) {
+        const r = engine.ranks.get(read.remoteRank)!;
+        if (read.notifyOnly) continue;
+        const local = this.#localSlices(read);
+        const remote: BlockSlices = { baseAddrs: r.meta.kvCachesBaseAddr, strides: r.meta.blockLens, offsets: read.remoteOffset, lens: local.lens, devId: r.meta.deviceId };
+        const merged = wantCoalesce ? coalescedDescs(local, remote, localIds, remoteIds) : undefined;
+        let h: XferHandle;
+        if (merged) {
+          const mt = this.#layout.memType ?? 'DRAM';
+          h = this.#agent.initializeXfer('READ', new DescList(merged.local, mt), new DescList(merged.remote, mt), r.agentName, notif);
+          descriptors += merged.count;
+          coalesced = true;
+        } else {
+          h = this.#agent.makePreppedXfer('READ', this.#localDlist(read), blockDescIds(regions, this.#layout.numBlocks, localIds),
+            r.dlist, blockDescIds(regions, nRemote, remoteIds), notif);
+          descriptors += regions * localIds.length;
+        }
+        handles.push(h);
+        this.#xfers++;
+        this.#agent.transfer(h);
+        bytes += local.lens.reduce((a, b) => a + b, 0) * localIds.length;
+      }
+      for (const read of engine.plan.reads) {
+        if (read.notifyOnly) this.#notify(engine.ranks.get(read.remoteRank)!.agentName, notif);
+      }
+      const postMs = performance.now() - t0;
+      stage = 'transfer';
+      await Promise.all(handles.map((h) => this.#agent.wait(h, { timeoutMs: opts.timeoutMs, signal: opts.signal })));
+      const transferMs = performance.now() - t0;
+      this.stats.recordTransfer(bytes, descriptors, postMs, transferMs);
+      return { requestId: opts.requestId, bytes, descriptors, postMs, transferMs, remoteRanks: engine.plan.reads.map((x) => x.remoteRank), coalesced };
+    } catch (e) {
+      this.stats.recordFailedTransfer();
+      const code = (e as NixlError)?.code;
+      let kind: PullFailure = stage;
+      if (code === 'NIXL_ERR_TIMEOUT' && stage === 'transfer') kind = 'timeout';
+      else if (code === 'NIXL_ERR_CANCELED' && opts.signal?.aborted) kind = 'aborted';
+      else if (code === 'NIXL_ERR_REMOTE_DISCONNECT') kind = 'peer-gone';
+      // A gone peer or a failed transfer: handshake afresh next time.
+      if (engine && (kind === 'peer-gone' || kind === 'transfer')) await this.#forget(engine.key);
+      throw fail(kind, e);
+    } finally {
+      for (const h of handles) {
+        try { this.#agent.releaseXferHandle(h); } catch { /* agent closed */ }
+        this.#xfers--;
+      }
+      this.#release();
+    }
+  }
+
+  #notify(agentName: string, msg: string): void {
+    try {
+      this.#agent.sendNotif(agentName, msg);
+    } catch {
+      // The prefill side frees the blocks after its timeout instead.
+      this.stats.recordFailedNotification();
+    }
+  }
+
+  /** Handshake time of a connected engine, ms. */
+  async handshakeMs(ep: RemoteEndpoint): Promise<number> {
+    return (await this.connect(ep)).handshakeMs;
+  }
+
+  /** What the puller holds right now (tests check nothing leaks). */
+  resources(): { xferHandles: number; localDlists: number; engines: number; activePulls: number } {
+    return { xferHandles: this.#xfers, localDlists: this.#localDlists.size, engines: this.#engines.size, activePulls: this.#active };
+  }
+
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    for (const key of [...this.#engines.keys()]) await this.#forget(key);
+    for (const d of this.#localDlists.values()) {
+      try { this.#agent.releaseDlistHandle(d); } catch { /* agent closed */ }
+    }
+    this.#localDlists.clear();
+    this.#hs.close();
+  }
+}
