@@ -1,0 +1,110 @@
+// KvPuller and PrefillTracker in one process: limits, timeouts, aborts,
+// prefix hits, stats, and that no handle outlives its pull.
+import { afterEach, beforeEach, describe, expect, it } from 'vitest';
+import { DescList, KvPuller, NixlAgent, PrefillTracker, allocate, servePrefill, type KvLayout } from '../lib';
+import type { HandshakeServer } from '../lib/handshake';
+
+const BLOCK = 1 << 20;
+const BLOCKS = 48;
+const quiet = { warn() {} };
+
+function layout(engineId: string, mem: Buffer): KvLayout {
+  const base = DescList.from(mem).addr(0);
+  return {
+    engineId, tpSize: 1, tpRank: 0, numBlocks: BLOCKS, blockSize: 16, blockLens: [BLOCK, BLOCK],
+    baseAddrs: [base, base + BigInt(BLOCK * BLOCKS)], kvCacheLayout: 'HND', totalNumKvHeads: 8,
+  };
+}
+
+let prefill: NixlAgent, decode: NixlAgent, server: HandshakeServer, tracker: PrefillTracker, puller: KvPuller;
+let pmem: Buffer, dmem: Buffer;
+const remote = () => ({ host: '127.0.0.1', port: server.basePort, tpSize: 1 });
+
+beforeEach(async () => {
+  prefill = new NixlAgent('pp', { engine: 'loopback' });
+  decode = new NixlAgent('dd', { engine: 'loopback' });
+  pmem = allocate(2 * BLOCK * BLOCKS);
+  for (let i = 0; i < pmem.length; i += 4096) pmem[i] = (i / 4096) & 0xff;
+  dmem = allocate(2 * BLOCK * BLOCKS);
+  prefill.registerMemory(pmem);
+  decode.registerMemory(dmem);
+  server = await servePrefill({ ranks: [{ agent: prefill, layout: layout('P', pmem) }], compatibilityHash: 'h', port: 0, logger: quiet });
+  tracker = new PrefillTracker({ agent: prefill, tpSize: 1, expireMs: 5000, logger: quiet });
+  puller = new KvPuller({ agent: decode, layout: layout('D', dmem), expectedHash: 'h', maxConcurrent: 1 });
+});
+
+afterEach(async () => {
+  await puller.close();
+  await tracker.close();
+  await server.close();
+  prefill.close();
+  decode.close();
+});
+
+describe('KvPuller', () => {
+  it('pulls, reports stats like vLLM, and frees the prefill blocks', async () => {
+    const released = tracker.expect('r1', [1, 2, 3]);
+    const r = await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1, 2], remoteBlockIds: [1, 2, 3], requestId: 'r1' });
+    expect(r.bytes).toBe(2 * 3 * BLOCK);
+    expect(r.descriptors).toBe(2); // one run per region, coalesced
+    expect(r.coalesced).toBe(true);
+    expect(dmem.subarray(0, 3 * BLOCK).equals(pmem.subarray(BLOCK, 4 * BLOCK))).toBe(true);
+    expect(await released).toEqual({ requestId: 'r1', blockIds: [1, 2, 3], reason: 'read' });
+    const s = puller.stats.snapshot();
+    expect(s).toMatchObject({ transfers: 1, failedTransfers: 0, bytesTransferred: 6 * BLOCK, descriptors: 2 });
+    expect(s.transferTimeMs.count).toBe(1);
+    const text = puller.stats.prometheus({ engine: 'D' });
+    expect(text).toMatch(/^nixl_node_bytes_transferred_total\{engine="D"\} 6291456$/m);
+    expect(text).toMatch(/^nixl_node_transfer_seconds_bucket\{engine="D",le="\+Inf"\} 1$/m);
+    const uncoalesced = await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1, 2], remoteBlockIds: [1, 2, 3], requestId: 'r2', coalesce: false });
+    expect(uncoalesced.descriptors).toBe(6);
+    expect(puller.resources()).toMatchObject({ xferHandles: 0, activePulls: 0, engines: 1 });
+  });
+
+  it('a full prefix hit only notifies, so the prefill side frees its blocks', async () => {
+    const released = tracker.expect('hit', [4, 5]);
+    const r = await puller.pullBlocks({ remote: remote(), localBlockIds: [], remoteBlockIds: [4, 5], requestId: 'hit' });
+    expect(r.bytes).toBe(0);
+    expect((await released).reason).toBe('read');
+  });
+
+  it('requests nobody reads expire', async () => {
+    const t = new PrefillTracker({ agent: prefill, tpSize: 1, expireMs: 30, logger: quiet });
+    expect(await t.expect('never', [1])).toMatchObject({ reason: 'expired' });
+    await t.close();
+  });
+
+  it('limits pulls in flight across requests', async () => {
+    const pulls = [0, 1, 2].map((i) => puller.pullBlocks({
+      remote: remote(), localBlockIds: [i * 10, i * 10 + 1], remoteBlockIds: [i, i + 20], requestId: `c${i}`,
+    }));
+    expect(puller.resources().activePulls).toBe(1);
+    await Promise.all(pulls);
+    expect(puller.resources()).toMatchObject({ activePulls: 0, xferHandles: 0 });
+  });
+
+  it('a timeout rejects with the local blocks to recompute, and releases everything', async () => {
+    await puller.connect(remote());
+    const ids = Array.from({ length: BLOCKS }, (_, i) => i);
+    const err = await puller.pullBlocks({ remote: remote(), localBlockIds: ids, remoteBlockIds: ids, requestId: 'slow', timeoutMs: 0 })
+      .catch((e) => e);
+    expect(err).toMatchObject({ name: 'PullError', kind: 'timeout', code: 'NIXL_ERR_TIMEOUT', requestId: 'slow', localBlockIds: ids });
+    expect(puller.resources()).toMatchObject({ xferHandles: 0, activePulls: 0 });
+    expect(puller.stats.snapshot().failedTransfers).toBe(1);
+  });
+
+  it('an abort rejects as kind aborted', async () => {
+    const ac = new AbortController();
+    const p = puller.pullBlocks({ remote: remote(), localBlockIds: [1, 2], remoteBlockIds: [3, 4], requestId: 'ab', signal: ac.signal });
+    ac.abort();
+    await expect(p).rejects.toMatchObject({ kind: 'aborted', localBlockIds: [1, 2] });
+    expect(puller.resources().xferHandles).toBe(0);
+  });
+
+  it('a compatibility hash mismatch fails the handshake with NIXL_ERR_MISMATCH', async () => {
+    const other = new KvPuller({ agent: decode, layout: layout('D2', dmem), expectedHash: 'other' });
+    await expect(other.pullBlocks({ remote: remote(), localBlockIds: [1], remoteBlockIds: [1], requestId: 'm' }))
+      .rejects.toMatchObject({ kind: 'handshake', code: 'NIXL_ERR_MISMATCH', localBlockIds: [1] });
+    await other.close();
+  });
+});
