@@ -321,6 +321,10 @@ export class NixlAgent {
       }, 'notification');
       this.#notifWatchers.add(watcher);
       this.#native.watchNotifs(true);
+      // A notification that landed between the pump above and watchNotifs(true)
+      // signalled nobody: look once more now that the watch is on.
+      this.#pumpNotifs();
+      this.#runNotifWatchers();
     });
   }
 
