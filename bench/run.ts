@@ -1,29 +1,81 @@
-// npm run bench [-- --json out.json] [--quick]
-// Every figure is a ratio against a baseline measured in the same run.
+// npm run bench [-- --json out.json] [--svg out.svg] [--quick] [--only bandwidth,coalesce,handshake]
+// Every figure is a ratio against a baseline measured in the same run:
+// memcpy for copies, the raw ZMQ / HTTP round trip for handshakes.
 import * as fs from 'node:fs';
 import * as os from 'node:os';
-import { BLOCK_SIZES, benchBandwidth } from './loopback';
+import { makeCerts } from './certs';
+import { benchCoalesce } from './coalesce';
+import { benchHandshake } from './handshake';
+import { benchBandwidth } from './loopback';
 import { fmtBytes } from './stats';
+import { barChart, type Panel } from './svg';
+
+function arg(name: string): string | undefined {
+  const i = process.argv.indexOf(name);
+  return i >= 0 ? process.argv[i + 1] : undefined;
+}
+
+function table(head: string[], rows: Array<Array<string | number>>): void {
+  const cells = rows.map((r) => r.map((c) => (typeof c === 'number' ? (Number.isInteger(c) ? String(c) : c.toFixed(2)) : c)));
+  const w = head.map((h, i) => Math.max(h.length, ...cells.map((r) => r[i].length)));
+  console.log(head.map((h, i) => (i === 0 ? h.padEnd(w[i]) : h.padStart(w[i]))).join('  '));
+  for (const r of cells) console.log(r.map((c, i) => (i === 0 ? c.padEnd(w[i]) : c.padStart(w[i]))).join('  '));
+}
 
 async function main(): Promise<void> {
-  const args = process.argv.slice(2);
-  const jsonAt = args.indexOf('--json');
-  const quick = args.includes('--quick');
-  const machine = `${os.cpus()[0]?.model ?? 'cpu'} x${os.cpus().length}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB, ${os.platform()} ${os.release()}`;
-  console.log(`nixl-node bench on ${machine}`);
+  const quick = process.argv.includes('--quick');
+  const only = (arg('--only') ?? 'bandwidth,coalesce,handshake').split(',');
+  const engine = process.env.NIXL_NODE_ENGINE ?? 'loopback';
+  const cpu = os.cpus();
+  const machine = `${cpu[0]?.model ?? 'cpu'} x${cpu.length}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB RAM, ${os.platform()} ${os.release()}, node ${process.version}`;
+  console.log(`nixl-node bench (${engine} engine) on ${machine}`);
+  const result: Record<string, unknown> = { machine, engine, date: new Date().toISOString() };
+  const panels: Panel[] = [];
 
-  console.log('\nREAD bandwidth, loopback engine, 64 MiB per request, ratio = engine / memcpy of the same 64 MiB');
-  const bw = await benchBandwidth({ reps: quick ? 3 : 7 });
-  console.log(['path'.padEnd(16), 'block'.padStart(8), 'descs'.padStart(6), 'GB/s'.padStart(7), 'memcpy'.padStart(7), 'ratio'.padStart(6)].join(' '));
-  for (const r of bw) {
-    console.log([r.path.padEnd(16), fmtBytes(r.blockBytes).padStart(8), String(r.descriptors).padStart(6), r.gbps.toFixed(2).padStart(7),
-      r.memcpyGbps.toFixed(2).padStart(7), r.ratio.toFixed(2).padStart(6)].join(' '));
+  if (only.includes('bandwidth')) {
+    console.log('\n# READ bandwidth: 64 MiB per request in blocks of each size; ratio = engine / memcpy of the same 64 MiB');
+    const bw = await benchBandwidth({ reps: quick ? 3 : 7, engine: engine as 'loopback' });
+    table(['path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio'], bw.map((r) => [r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio]));
+    result.bandwidth = bw;
+    for (const path of new Set(bw.map((r) => r.path))) {
+      panels.push({ title: `READ / memcpy, ${path}`, reference: 1, bars: bw.filter((r) => r.path === path).map((r) => ({ label: fmtBytes(r.blockBytes), value: r.ratio })) });
+    }
   }
-  void BLOCK_SIZES;
-  const result = { machine, date: new Date().toISOString(), bandwidth: bw };
-  if (jsonAt >= 0) {
-    fs.writeFileSync(args[jsonAt + 1], JSON.stringify(result, null, 2));
-    console.log(`\nwrote ${args[jsonAt + 1]}`);
+
+  if (only.includes('coalesce')) {
+    console.log('\n# KvPuller, 16 KiB blocks x 8 regions, adjacent block ids; ratio = pull throughput / memcpy; gain = coalesced / per-block');
+    const co = await benchCoalesce(quick ? 2 : 5);
+    table(['blocks/request', 'descs', 'merged descs', 'GB/s', 'merged GB/s', 'ratio', 'merged ratio', 'gain'],
+      co.map((r) => [String(r.blocksPerRequest), r.descriptorsPlain, r.descriptorsCoalesced, r.plainGbps, r.coalescedGbps, r.plainRatio, r.coalescedRatio, r.gain]));
+    result.coalesce = co;
+    panels.push({ title: 'Coalescing gain (merged / per-block throughput), 16 KiB blocks', reference: 1, bars: co.map((r) => ({ label: `${r.blocksPerRequest} blocks/request`, value: r.gain })) });
+  }
+
+  if (only.includes('handshake')) {
+    const n = quick ? 50 : 300;
+    console.log(`\n# Handshake latency, ${n} fetches of one rank's payload (64 regions, 4 KiB agent metadata); ratio = median / raw transport median`);
+    let certs: ReturnType<typeof makeCerts> | undefined;
+    try {
+      certs = makeCerts();
+    } catch {
+      console.log('(openssl not found: https rows skipped)');
+    }
+    const hs = await benchHandshake(n, certs && { cert: certs.serverCert, key: certs.serverKey, ca: certs.ca });
+    if (certs) fs.rmSync(certs.dir, { recursive: true, force: true });
+    table(['method', 'median ms', 'p99 ms', 'raw median ms', 'raw p99 ms', 'ratio'], hs.map((r) => [r.method, r.medianMs, r.p99Ms, r.rawMedianMs, r.rawP99Ms, r.ratio]));
+    result.handshake = hs;
+    panels.push({ title: 'Handshake median / raw transport median', reference: 1, bars: hs.map((r) => ({ label: r.method, value: r.ratio })) });
+  }
+
+  const json = arg('--json');
+  if (json) {
+    fs.writeFileSync(json, JSON.stringify(result, (_k, v) => (typeof v === 'bigint' ? v.toString() : v), 2));
+    console.log(`\nwrote ${json}`);
+  }
+  const svg = arg('--svg');
+  if (svg) {
+    fs.writeFileSync(svg, barChart(`nixl-node bench, ${engine} engine: ${machine}`, panels));
+    console.log(`wrote ${svg}`);
   }
 }
 

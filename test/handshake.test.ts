@@ -7,7 +7,7 @@ import {
   GET_META_MSG, HandshakeServer, HttpHandshake, createHandshake, decodeHandshakePayload, encodeAgentMetadata, encodeMetaRequest,
   openHandshakePayload, packMsgpack, zmqHandshake, type HandshakePayload, type NixlAgentMetadata,
 } from '../lib/handshake';
-import { makeCerts, type Certs } from './fixtures/certs';
+import { makeCerts, type Certs } from '../bench/certs';
 import { Peer, freePort } from './helpers';
 
 const HASH = 'a'.repeat(64);

@@ -60,7 +60,7 @@ describe.each(cases)('%s', (_name, pTp, dTp, mla) => {
         return p.requestId;
       });
       const reports = await Promise.all(Array.from({ length: dTp }, (_, r) =>
-        runDecode({ ...spec, tpSize: dTp, tpRank: r, port, prefillTp: pTp, pulls })));
+        runDecode({ ...spec, tpSize: dTp, tpRank: r, port, prefillTp: pTp, pulls, coalesce: true })));
       reports.forEach((rep, r) => {
         for (const res of rep.results) {
           expect(res.ok, JSON.stringify(res)).toBe(true);

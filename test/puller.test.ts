@@ -44,7 +44,7 @@ afterEach(async () => {
 describe('KvPuller', () => {
   it('pulls, reports stats like vLLM, and frees the prefill blocks', async () => {
     const released = tracker.expect('r1', [1, 2, 3]);
-    const r = await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1, 2], remoteBlockIds: [1, 2, 3], requestId: 'r1' });
+    const r = await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1, 2], remoteBlockIds: [1, 2, 3], requestId: 'r1', coalesce: true });
     expect(r.bytes).toBe(2 * 3 * BLOCK);
     expect(r.descriptors).toBe(2); // one run per region, coalesced
     expect(r.coalesced).toBe(true);
@@ -56,7 +56,7 @@ describe('KvPuller', () => {
     const text = puller.stats.prometheus({ engine: 'D' });
     expect(text).toMatch(/^nixl_node_bytes_transferred_total\{engine="D"\} 6291456$/m);
     expect(text).toMatch(/^nixl_node_transfer_seconds_bucket\{engine="D",le="\+Inf"\} 1$/m);
-    const uncoalesced = await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1, 2], remoteBlockIds: [1, 2, 3], requestId: 'r2', coalesce: false });
+    const uncoalesced = await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1, 2], remoteBlockIds: [1, 2, 3], requestId: 'r2' });
     expect(uncoalesced.descriptors).toBe(6);
     expect(puller.resources()).toMatchObject({ xferHandles: 0, activePulls: 0, engines: 1 });
   });
