@@ -632,7 +632,7 @@ class LoopbackEngine final : public Engine {
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     uint64_t off = g.shmOffset / page * page;
     size_t len = static_cast<size_t>(g.shmOffset + g.len - off);
-    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(off));
+    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(off));
     ::close(fd);
     if (p == MAP_FAILED) return;
     rr->mapBase = p;

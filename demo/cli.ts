@@ -1,0 +1,203 @@
+// npm run demo [-- --prefill-tp 2 --decode-tp 4 --layers 32 --blocks 256 --block-kib 64
+//                  --requests 16 --method zmq|http --engine loopback|nixl --mla]
+// A prefill worker and decode workers as real processes: handshake, pull a
+// realistic KV cache, check every byte, print what happened.
+import { fork } from 'node:child_process';
+import * as path from 'node:path';
+import { engines } from '../lib';
+import { computeCompatibilityHash } from '../lib/handshake';
+import { targetRemoteRanks } from '../lib/kv';
+import type { DecodeConfig } from './decode-worker';
+import type { PrefillConfig } from './prefill-worker';
+import { rankBytes, rankDims, type KvSpec } from './kvpattern';
+
+interface Options {
+  prefillTp: number;
+  decodeTp: number;
+  layers: number;
+  blocks: number;
+  blockKib: number;
+  heads: number;
+  requests: number;
+  inFlight: number;
+  method: 'zmq' | 'http';
+  engine: 'loopback' | 'nixl';
+  mla: boolean;
+}
+
+const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
+
+  --prefill-tp N   prefill tensor-parallel size (default 2)
+  --decode-tp N    decode tensor-parallel size (default 4)
+  --layers N       model layers; K and V make 2 regions each (default 32)
+  --blocks N       KV blocks per rank (default 256)
+  --block-kib N    bytes of one block of one layer's K (or V), all heads, KiB (default 64)
+  --heads N        KV heads (default 8)
+  --requests N     requests the blocks are split into (default 16)
+  --in-flight N    pulls in flight per decode rank (default 4)
+  --method M       handshake: zmq | http (default zmq, or NIXL_HANDSHAKE_METHOD)
+  --engine E       loopback | nixl (default: nixl if compiled in)
+  --mla            MLA: one latent cache per layer, replicated on every rank
+`;
+
+function parse(argv: string[]): Options {
+  const o: Options = {
+    prefillTp: 2, decodeTp: 4, layers: 32, blocks: 256, blockKib: 64, heads: 8, requests: 16, inFlight: 4,
+    method: (process.env.NIXL_HANDSHAKE_METHOD as 'zmq' | 'http') ?? 'zmq',
+    engine: (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'), mla: false,
+  };
+  const num: Record<string, keyof Options> = {
+    '--prefill-tp': 'prefillTp', '--decode-tp': 'decodeTp', '--layers': 'layers', '--blocks': 'blocks', '--block-kib': 'blockKib',
+    '--heads': 'heads', '--requests': 'requests', '--in-flight': 'inFlight',
+  };
+  for (let i = 0; i < argv.length; i++) {
+    const a = argv[i];
+    if (a === '--help' || a === '-h') {
+      process.stdout.write(HELP);
+      process.exit(0);
+    } else if (a === '--mla') o.mla = true;
+    else if (a === '--method') o.method = argv[++i] as Options['method'];
+    else if (a === '--engine') o.engine = argv[++i] as Options['engine'];
+    else if (num[a]) {
+      const v = Number(argv[++i]);
+      if (!Number.isInteger(v) || v < 1) throw new Error(`${a} needs a positive integer`);
+      (o as unknown as Record<string, number>)[num[a]] = v;
+    } else throw new Error(`unknown option ${a} (try --help)`);
+  }
+  if (o.method !== 'zmq' && o.method !== 'http') throw new Error('--method must be zmq or http');
+  if (o.engine !== 'loopback' && o.engine !== 'nixl') throw new Error('--engine must be loopback or nixl');
+  if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp)) throw new Error(`${o.heads} heads must split over both TP sizes`);
+  if (o.requests > o.blocks) throw new Error('--requests must not exceed --blocks');
+  return o;
+}
+
+const GiB = 2 ** 30;
+const fmt = (b: number) => (b >= GiB ? `${(b / GiB).toFixed(2)} GiB` : `${(b / 2 ** 20).toFixed(1)} MiB`);
+
+// A deterministic shuffle, so a run can be repeated.
+function shuffled(n: number, seed: number): number[] {
+  const a = Array.from({ length: n }, (_, i) => i);
+  let s = seed;
+  for (let i = n - 1; i > 0; i--) {
+    s = (s * 1103515245 + 12345) & 0x7fffffff;
+    const j = s % (i + 1);
+    [a[i], a[j]] = [a[j], a[i]];
+  }
+  return a;
+}
+
+function worker(file: string, cfg: unknown) {
+  return fork(path.join(__dirname, file), [JSON.stringify(cfg)], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
+}
+
+async function main(): Promise<void> {
+  const o = parse(process.argv.slice(2));
+  const regions = o.mla ? o.layers : o.layers * 2;
+  const headBytes = o.mla ? o.blockKib * 1024 : (o.blockKib * 1024) / o.heads;
+  const base = { heads: o.heads, headBytes, numBlocks: o.blocks, regions, mla: o.mla };
+  const pSpec: Omit<KvSpec, 'tpRank'> = { ...base, tpSize: o.prefillTp };
+  const dSpec = (r: number): KvSpec => ({ ...base, tpSize: o.decodeTp, tpRank: r });
+  const hash = computeCompatibilityHash({
+    vllmVersion: 'nixl-node-demo', model: 'demo-model', dtype: 'torch.bfloat16', numKvHeads: o.heads, headSize: 128,
+    numHiddenLayers: o.layers, attnBackendName: o.mla ? 'FLASHMLA' : 'FLASH_ATTN', cacheDtype: 'auto',
+  });
+  const pBlock = rankDims(pSpec).blockLen;
+  const dBlock = rankDims({ ...base, tpSize: o.decodeTp }).blockLen;
+  console.log(`nixl-node demo: prefill TP=${o.prefillTp} -> decode TP=${o.decodeTp}${o.mla ? ' (MLA)' : ''}, ${o.layers} layers x ${o.mla ? 'latent' : 'K/V'} x ${o.blocks} blocks`);
+  console.log(`  block per region: ${pBlock / 1024} KiB on a prefill rank, ${dBlock / 1024} KiB on a decode rank; ${fmt(rankBytes({ ...pSpec, tpRank: 0 }) * o.prefillTp)} of KV on the prefill side`);
+  console.log(`  engine ${o.engine}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`);
+
+  // Requests: the prefill allocated each prompt's blocks in a run; decode
+  // allocates wherever it has free blocks.
+  const per = Math.floor(o.blocks / o.requests);
+  const localOrder = shuffled(o.blocks, 7);
+  const requests = Array.from({ length: o.requests }, (_, q) => ({
+    requestId: `demo-req-${q}`,
+    remote: Array.from({ length: per }, (_, i) => q * per + i),
+    local: localOrder.slice(q * per, (q + 1) * per),
+  }));
+
+  const prefill = worker('prefill-worker.js', { spec: pSpec, method: o.method, engine: o.engine, compatibilityHash: hash } satisfies PrefillConfig);
+  const failures: string[] = [];
+  const ready = await new Promise<{ port: number; fillMs: number; engine: string }>((resolve, reject) => {
+    prefill.once('message', (m) => resolve(m as { port: number; fillMs: number; engine: string }));
+    prefill.once('exit', (c) => reject(new Error(`prefill worker exited (${c})`)));
+  });
+  console.log(`  prefill ready in ${ready.fillMs.toFixed(0)} ms (KV filled and registered), side channel on 127.0.0.1:${ready.port}`);
+  let released = 0;
+  let expired = 0;
+  const allReleased = new Promise<void>((resolve) => {
+    prefill.on('message', (m: { type: string; reasons?: string[] }) => {
+      if (m.type !== 'released') return;
+      released++;
+      if (m.reasons!.some((r) => r !== 'read')) expired++;
+      if (released === requests.length) resolve();
+    });
+  });
+  for (const q of requests) prefill.send({ type: 'expect', requestId: q.requestId, blockIds: q.remote });
+
+  const totalBytes = o.decodeTp * requests.length * per * regions * dBlock;
+  let moved = 0;
+  let lastShown = 0;
+  const tty = process.stdout.isTTY;
+  const show = (force = false) => {
+    const now = Date.now();
+    if (!force && now - lastShown < (tty ? 100 : 1000)) return;
+    lastShown = now;
+    const line = `  pulled ${fmt(moved)} / ${fmt(totalBytes)} (${((100 * moved) / totalBytes).toFixed(0)}%)`;
+    if (tty) process.stdout.write(`\r${line}`);
+    else console.log(line);
+  };
+  const reports = await Promise.all(Array.from({ length: o.decodeTp }, (_, r) => new Promise<Record<string, number>>((resolve, reject) => {
+    const w = worker('decode-worker.js', {
+      spec: dSpec(r), prefillTp: o.prefillTp, port: ready.port, method: o.method, engine: o.engine, compatibilityHash: hash, requests, inFlight: o.inFlight,
+    } satisfies DecodeConfig);
+    w.on('message', (m: { type: string; bytes?: number; message?: string }) => {
+      if (m.type === 'progress') {
+        moved += m.bytes!;
+        show();
+      } else if (m.type === 'done') resolve(m as unknown as Record<string, number>);
+      else if (m.type === 'error') reject(new Error(`decode rank ${r}: ${m.message}`));
+    });
+    w.once('exit', (c) => c !== 0 && reject(new Error(`decode rank ${r} exited (${c})`)));
+  })));
+  show(true);
+  if (tty) process.stdout.write('\n');
+  const releasedInTime = await Promise.race([allReleased.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), 10_000))]);
+  prefill.send({ type: 'exit' });
+
+  const start = Math.min(...reports.map((r) => r.start));
+  const end = Math.max(...reports.map((r) => r.end));
+  const bytes = reports.reduce((a, r) => a + r.bytes, 0);
+  const bad = reports.reduce((a, r) => a + r.bad, 0);
+  const hs = reports.map((r) => r.handshakeMs);
+  const transport = o.engine === 'nixl' ? 'NIXL (UCX)' : 'loopback engine, shared-memory mapping (one host)';
+  const rows: Array<[string, string]> = [
+    ['engine / transport', transport],
+    ['handshake', `${o.method}: ${Math.min(...hs).toFixed(1)}-${Math.max(...hs).toFixed(1)} ms per decode rank`],
+    ['requests', `${requests.length} x ${per} blocks, ${o.decodeTp} decode ranks`],
+    ['blocks moved', `${o.decodeTp * requests.length * per * regions} block slices of ${dBlock / 1024} KiB`],
+    ['bytes moved', fmt(bytes)],
+    ['descriptors', String(reports.reduce((a, r) => a + r.descriptors, 0))],
+    ['wall time', `${(end - start).toFixed(0)} ms`],
+    ['throughput', `${(bytes / ((end - start) / 1000) / 1e9).toFixed(2)} GB/s (all decode ranks together)`],
+    ['verified', bad === 0 ? `every byte (${fmt(bytes)})` : `${bad} head rows WRONG`],
+    ['prefill freed', releasedInTime ? `${released}/${requests.length} requests after all decode reads${expired ? ` (${expired} expired)` : ''}` : `${released}/${requests.length} (timed out waiting)`],
+  ];
+  console.log('');
+  const w = Math.max(...rows.map((r) => r[0].length));
+  for (const [k, v] of rows) console.log(`  ${k.padEnd(w)}  ${v}`);
+  for (const [i, r] of reports.entries()) {
+    console.log(`    decode rank ${i}: reads prefill rank(s) ${targetRemoteRanks(o.decodeTp, i, o.prefillTp).join(',')}, ${fmt(r.bytes)} in ${(r.end - r.start).toFixed(0)} ms, handshake ${r.handshakeMs.toFixed(1)} ms`);
+  }
+  if (bad || !releasedInTime || expired) failures.push('verification or release failed');
+  if (failures.length) {
+    console.error(`demo FAILED: ${failures.join('; ')}`);
+    process.exit(1);
+  }
+}
+
+main().catch((e) => {
+  console.error(`demo failed: ${(e as Error).message}`);
+  process.exit(1);
+});
