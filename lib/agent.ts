@@ -23,6 +23,8 @@ export interface AgentOptions {
   captureTelemetry?: boolean;
   /** NIXL's own metadata listener port (nixl engine; 0 = off). */
   listenPort?: number;
+  /** @internal Tests: the loopback worker waits this long before each transfer. */
+  testDelayUs?: number;
 }
 
 export interface WaitOptions {
@@ -104,6 +106,7 @@ export class NixlAgent {
         progressDelayUs: options.progressDelayUs,
         captureTelemetry: options.captureTelemetry,
         listenPort: options.listenPort,
+        testDelayUs: options.testDelayUs,
       },
       (done, notif) => this.#onEvents(done, notif),
     );

@@ -9,6 +9,7 @@ export interface NativeAgentOptions {
   progressDelayUs?: number;
   captureTelemetry?: boolean;
   listenPort?: number;
+  testDelayUs?: number;
 }
 
 export interface NativeTelemetry {

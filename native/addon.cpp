@@ -172,6 +172,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
       if (o.Get("captureTelemetry").IsBoolean()) cfg.captureTelemetry = o.Get("captureTelemetry").As<Napi::Boolean>();
       if (o.Get("progressDelayUs").IsNumber()) cfg.progressDelayUs = o.Get("progressDelayUs").As<Napi::Number>().Uint32Value();
       if (o.Get("listenPort").IsNumber()) cfg.listenPort = o.Get("listenPort").As<Napi::Number>().Int32Value();
+      if (o.Get("testDelayUs").IsNumber()) cfg.testDelayUs = o.Get("testDelayUs").As<Napi::Number>().Uint32Value();
       if (kind == "loopback") {
         engine_ = makeLoopbackEngine(name, cfg, this);
 #ifdef NIXL_NODE_WITH_NIXL

@@ -45,6 +45,9 @@ struct EngineConfig {
   uint32_t progressDelayUs = 1000;    // NIXL pthrDelay: 0 would spin a core
   bool captureTelemetry = false;
   int listenPort = 0;                 // NIXL's own metadata listener (0 = off)
+  // Tests only: the loopback worker waits this long before each transfer, so
+  // "while in flight" cases are deterministic instead of racing a fast copy.
+  uint32_t testDelayUs = 0;
 };
 
 struct PluginInfo {

@@ -141,16 +141,16 @@ describe('agent basics', () => {
   });
 
   it('a repost while in progress is NIXL_ERR_REPOST_ACTIVE', async () => {
-    const a = agent('rp-a');
+    const a = agent('rp-a', { testDelayUs: 200_000 });
     const b = agent('rp-b');
-    const src = allocate(64 << 20);
-    const dst = Buffer.alloc(64 << 20);
+    const src = allocate(1 << 20);
+    const dst = Buffer.alloc(1 << 20);
     b.registerMemory(src);
     a.registerMemory(dst);
     a.addRemoteAgent(b.getAgentMetadata());
     const h = a.initializeXfer('READ', dst, src, 'rp-b');
     a.transfer(h);
-    // 64 MiB takes milliseconds; the repost comes microseconds after the post.
+    // the worker holds the transfer for 200 ms, so it is surely in flight
     expect(() => a.transfer(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_REPOST_ACTIVE' }));
     await a.wait(h);
   });

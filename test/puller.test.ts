@@ -84,9 +84,14 @@ describe('KvPuller', () => {
   });
 
   it('a timeout rejects with the local blocks to recompute, and releases everything', async () => {
+    decode.close();
+    decode = new NixlAgent('dd', { engine: 'loopback', testDelayUs: 300_000 }); // every transfer held 300 ms
+    decode.registerMemory(dmem);
+    await puller.close();
+    puller = new KvPuller({ agent: decode, layout: layout('D', dmem), expectedHash: 'h', maxConcurrent: 1 });
     await puller.connect(remote());
     const ids = Array.from({ length: BLOCKS }, (_, i) => i);
-    const err = await puller.pullBlocks({ remote: remote(), localBlockIds: ids, remoteBlockIds: ids, requestId: 'slow', timeoutMs: 0 })
+    const err = await puller.pullBlocks({ remote: remote(), localBlockIds: ids, remoteBlockIds: ids, requestId: 'slow', timeoutMs: 50 })
       .catch((e) => e);
     expect(err).toMatchObject({ name: 'PullError', kind: 'timeout', code: 'NIXL_ERR_TIMEOUT', requestId: 'slow', localBlockIds: ids });
     expect(puller.resources()).toMatchObject({ xferHandles: 0, activePulls: 0 });

@@ -109,12 +109,12 @@ describe('descriptor validation', () => {
   });
 
   it('deregister during a transfer is refused, the transfer completes intact', async () => {
-    const a = new NixlAgent('da', { engine: 'loopback' });
+    const a = new NixlAgent('da', { engine: 'loopback', testDelayUs: 200_000 }); // held in flight 200 ms
     const b = new NixlAgent('db', { engine: 'loopback' });
     open.push(a, b);
-    const src = allocate(64 << 20);
+    const src = allocate(4 << 20);
     src.fill(9);
-    const dst = Buffer.alloc(64 << 20);
+    const dst = Buffer.alloc(4 << 20);
     const rreg = b.registerMemory(src);
     const lreg = a.registerMemory(dst);
     a.addRemoteAgent(b.getAgentMetadata());
@@ -129,11 +129,11 @@ describe('descriptor validation', () => {
   });
 
   it('releasing an in-flight handle rejects its waiters with NIXL_ERR_CANCELED', async () => {
-    const a = new NixlAgent('ra', { engine: 'loopback' });
+    const a = new NixlAgent('ra', { engine: 'loopback', testDelayUs: 100_000 });
     const b = new NixlAgent('rb', { engine: 'loopback' });
     open.push(a, b);
-    const src = allocate(64 << 20);
-    const dst = Buffer.alloc(64 << 20);
+    const src = allocate(4 << 20);
+    const dst = Buffer.alloc(4 << 20);
     b.registerMemory(src);
     const lreg = a.registerMemory(dst);
     a.addRemoteAgent(b.getAgentMetadata());

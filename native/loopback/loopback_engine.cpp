@@ -654,6 +654,7 @@ class LoopbackEngine final : public Engine {
         sock_.send(job.to, name_, job.msg, true);
         continue;
       }
+      if (cfg_.testDelayUs) std::this_thread::sleep_for(std::chrono::microseconds(cfg_.testDelayUs));
       execute(*job.req);
     }
   }
