@@ -1,9 +1,4 @@
 {
-  "variables": {
-    # NIXL_NODE_SANITIZE=1 builds with AddressSanitizer + UBSan (CI runs the
-    # native tests under it; load with LD_PRELOAD=libasan.so).
-    "sanitize%": "<!(node -p \"process.env.NIXL_NODE_SANITIZE || ''\")"
-  },
   "targets": [
     {
       "target_name": "nixl_node",
@@ -20,9 +15,13 @@
       "cflags_cc!": ["-fno-exceptions", "-fno-rtti", "-std=gnu++17", "-std=gnu++1y"],
       "cflags_cc": ["-std=c++20", "-fexceptions", "-frtti", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"],
       "conditions": [
-        ["sanitize=='1'", {
-          "cflags_cc": ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"],
-          "ldflags": ["-fsanitize=address,undefined"]
+        # NIXL_NODE_SANITIZE=1 builds with AddressSanitizer + UBSan (CI runs
+        # the native tests under it, with libasan preloaded). UBSan's vptr
+        # check is off: node-addon-api's ObjectWrap casts to the derived class
+        # inside its own constructor, which it flags on every new object.
+        ["'<!(node -p \"process.env.NIXL_NODE_SANITIZE || 0\")'=='1'", {
+          "cflags_cc": ["-fsanitize=address,undefined", "-fno-sanitize=vptr", "-fno-omit-frame-pointer", "-g", "-O1"],
+          "ldflags": ["-fsanitize=address,undefined", "-fno-sanitize=vptr"]
         }]
       ]
     }
