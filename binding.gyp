@@ -15,6 +15,17 @@
       "cflags_cc!": ["-fno-exceptions", "-fno-rtti", "-std=gnu++17", "-std=gnu++1y"],
       "cflags_cc": ["-std=c++20", "-fexceptions", "-frtti", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"],
       "conditions": [
+        # An installed NIXL (NIXL_PREFIX, else /opt/nvidia/nvda_nixl) adds the
+        # nixl engine; without it the addon is loopback-only.
+        ["'<!(node scripts/find-nixl.js found)'=='1'", {
+          "defines": ["NIXL_NODE_WITH_NIXL"],
+          "sources": ["native/nixl/nixl_engine.cpp"],
+          "include_dirs": ["<!(node scripts/find-nixl.js include)"],
+          "libraries": [
+            "-L<!(node scripts/find-nixl.js libdir)", "-lnixl", "-lnixl_build",
+            "-Wl,-rpath,<!(node scripts/find-nixl.js libdir)"
+          ]
+        }],
         # NIXL_NODE_SANITIZE=1 builds with AddressSanitizer + UBSan (CI runs
         # the native tests under it, with libasan preloaded). UBSan's vptr
         # check is off: node-addon-api's ObjectWrap casts to the derived class

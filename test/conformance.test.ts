@@ -1,0 +1,130 @@
+// One suite, every engine: the loopback engine always; the NIXL engine when
+// the addon was built against an installed NIXL (else skipped, saying why).
+// NIXL_NODE_ENGINE=nixl|loopback runs just that one.
+import { afterEach, describe, expect, it } from 'vitest';
+import { DescList, NixlAgent, NixlError, allocate, engines } from '../lib';
+import { Peer } from './helpers';
+// eslint-disable-next-line @typescript-eslint/no-require-imports
+const { setupAgent } = require('./fixtures/conformance-setup');
+
+const wanted = process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE] : ['loopback', 'nixl'];
+const skipWhy = (engine: string): string | undefined =>
+  engine === 'nixl' && !engines.includes('nixl')
+    ? 'NIXL is not compiled in: build with NIXL_PREFIX=<nixl install> npm run build'
+    : undefined;
+
+for (const e of wanted) {
+  const why = skipWhy(e);
+  if (why) console.warn(`conformance suite: ${e} engine skipped: ${why}`);
+}
+
+describe.each(wanted)('conformance: %s engine', (engine) => {
+  const why = skipWhy(engine);
+  if (why) {
+    it.skip(`skipped: ${why}`, () => {});
+    return;
+  }
+  const open: NixlAgent[] = [];
+  const mk = (name: string): NixlAgent => {
+    const a = setupAgent(NixlAgent, name, engine) as NixlAgent;
+    open.push(a);
+    return a;
+  };
+  afterEach(() => {
+    for (const a of open.splice(0)) a.close();
+  });
+
+  it('reports its engine and backend', () => {
+    const a = mk('conf-a');
+    expect(a.engine).toBe(engine);
+    expect(a.getBackends().length).toBe(1);
+    expect(a.getPluginList()).toContain(a.getBackends()[0]);
+  });
+
+  it('prepped READ and WRITE between two agents, with notifications and telemetry', async () => {
+    const a = mk('conf-a');
+    const b = mk('conf-b');
+    const block = 64 << 10;
+    const la = allocate(8 * block);
+    const lb = allocate(8 * block);
+    for (let i = 0; i < lb.length; i++) lb[i] = (i * 7) & 0xff;
+    a.registerMemory(la);
+    b.registerMemory(lb);
+    expect(a.addRemoteAgent(b.getAgentMetadata())).toBe('conf-b');
+    b.addRemoteAgent(a.getAgentMetadata());
+    const blocks = (buf: Buffer) => DescList.from(Array.from({ length: 8 }, (_, i) => buf.subarray(i * block, (i + 1) * block)));
+    const l = a.prepXferDlist('NIXL_INIT_AGENT', blocks(la));
+    const r = a.prepXferDlist('conf-b', DescList.from(Array.from({ length: 8 }, (_, i) => ({ addr: DescList.from(lb).addr(0) + BigInt(i * block), len: block }))));
+    const h = a.makePreppedXfer('READ', l, [0, 1, 2, 3], r, [7, 6, 5, 4], 'conf-read');
+    a.transfer(h);
+    await a.wait(h, { timeoutMs: 10_000 });
+    for (let i = 0; i < 4; i++) expect(la.subarray(i * block, (i + 1) * block).equals(lb.subarray((7 - i) * block, (8 - i) * block))).toBe(true);
+    expect((await b.waitForNotif({ agent: 'conf-a', msg: 'conf-read' }, { timeoutMs: 10_000 })).msg.toString()).toBe('conf-read');
+    const t = a.getXferTelemetry(h);
+    expect(t.totalBytes).toBe(4 * block);
+    la.fill(0xee, 0, block);
+    const w = a.makePreppedXfer('WRITE', l, [0], r, [0]);
+    a.transfer(w);
+    await a.wait(w, { timeoutMs: 10_000 });
+    expect(lb.subarray(0, block).every((v) => v === 0xee)).toBe(true);
+    a.sendNotif('conf-b', 'direct');
+    await b.waitForNotif({ msg: 'direct' }, { timeoutMs: 10_000 });
+    a.releaseXferHandle(h);
+    a.releaseXferHandle(w);
+    a.releaseDlistHandle(l);
+    a.releaseDlistHandle(r);
+  });
+
+  it('two processes: metadata over a pipe, blocks both ways, bytes verified', async () => {
+    const size = 1 << 20;
+    const a = mk('conf-parent');
+    const mem = allocate(size);
+    for (let i = 0; i < size; i++) mem[i] = (i * 3 + 1) & 0xff;
+    a.registerMemory(mem);
+    const peer = new Peer('conformance-peer.js', [engine]);
+    try {
+      const init = await peer.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', size });
+      expect(a.addRemoteAgent(Buffer.from(init.md))).toBe('conf-child');
+      await peer.request({ cmd: 'load', md: a.getAgentMetadata() });
+      // parent pulls the child's first quarter into its second quarter
+      await a.read(mem.subarray(size / 4, size / 2), [{ addr: init.addr, len: size / 4 }], 'conf-child', { notifMsg: 'parent-read', timeoutMs: 10_000 });
+      for (let i = 0; i < size / 4; i++) if (mem[size / 4 + i] !== ((i * 13 + 5) & 0xff)) throw new Error(`byte ${i} differs`);
+      expect(await peer.request({ cmd: 'notif', msg: 'parent-read' })).toEqual({ agent: 'conf-parent', msg: 'parent-read' });
+      // child pulls the parent's first 64 KiB
+      const got = await peer.request<{ data: Uint8Array }>({ cmd: 'read', addr: DescList.from(mem).addr(0), len: 65536, size, remote: 'conf-parent' });
+      expect(Buffer.from(got.data).equals(mem.subarray(0, 65536))).toBe(true);
+      await a.waitForNotif({ agent: 'conf-child', msg: 'child-read' }, { timeoutMs: 10_000 });
+    } finally {
+      peer.send({ cmd: 'exit' });
+      await peer.exit();
+    }
+  }, 60_000);
+
+  it('bad descriptors and handles are NixlErrors with codes, nothing copied', () => {
+    const a = mk('conf-a');
+    const b = mk('conf-b');
+    const la = allocate(4096);
+    const lb = allocate(4096);
+    la.fill(1);
+    a.registerMemory(la);
+    b.registerMemory(lb);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const expectCode = (f: () => unknown, codes: string[]) => {
+      try {
+        f();
+      } catch (e) {
+        expect(e).toBeInstanceOf(NixlError);
+        expect(codes).toContain((e as NixlError).code);
+        return;
+      }
+      throw new Error('did not throw');
+    };
+    expectCode(() => a.initializeXfer('READ', Buffer.alloc(16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'conf-b'), ['NIXL_ERR_NOT_FOUND']);
+    expectCode(() => a.initializeXfer('READ', la.subarray(0, 16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'nobody'), ['NIXL_ERR_NOT_FOUND']);
+    expectCode(() => a.prepXferDlist('nobody', [{ addr: 4096n, len: 16 }]), ['NIXL_ERR_NOT_FOUND']);
+    const h = a.initializeXfer('READ', la.subarray(0, 16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'conf-b');
+    a.releaseXferHandle(h);
+    expectCode(() => a.releaseXferHandle(h), ['NIXL_ERR_NOT_FOUND']);
+    expect(la.every((v) => v === 1)).toBe(true);
+  });
+});
