@@ -2,6 +2,7 @@
 // one process, per-block descriptors vs runs merged into larger ones, each
 // as a ratio to memcpy measured in the same run.
 import { DescList, KvPuller, NixlAgent, allocate, servePrefill, type KvLayout } from '../lib';
+import { benchAgent, type Engine } from './agents';
 import { memcpyBaseline } from './loopback';
 import { median, nowNs } from './stats';
 
@@ -29,10 +30,9 @@ function layout(engineId: string, mem: Buffer): KvLayout {
   };
 }
 
-export async function benchCoalesce(reps = 5, sizes = [1, 4, 16, 64, 256]): Promise<CoalesceRow[]> {
-  const engine = (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback' | undefined) ?? 'loopback';
-  const p = new NixlAgent('coal-p', { engine });
-  const d = new NixlAgent('coal-d', { engine });
+export async function benchCoalesce(engine: Engine, reps = 5, sizes = [1, 4, 16, 64, 256]): Promise<CoalesceRow[]> {
+  const p = benchAgent('coal-p', engine);
+  const d = benchAgent('coal-d', engine);
   const pm = allocate(REGIONS * BLOCKS * BLOCK);
   const dm = allocate(REGIONS * BLOCKS * BLOCK);
   pm.fill(3);

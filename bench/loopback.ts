@@ -4,6 +4,7 @@ import { fork } from 'node:child_process';
 import { once } from 'node:events';
 import * as path from 'node:path';
 import { DescList, NixlAgent, allocate } from '../lib';
+import { benchAgent, type Engine } from './agents';
 import { median, nowNs } from './stats';
 
 export const BLOCK_SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20];
@@ -52,14 +53,16 @@ interface Remote {
 
 async function remoteIn(proc: 'same' | 'child', shared: boolean, local: NixlAgent): Promise<Remote> {
   if (proc === 'same') {
-    const r = new NixlAgent('bench-remote', { engine: local.engine });
+    const r = benchAgent('bench-remote', local.engine);
     const mem = shared ? allocate(POOL) : Buffer.alloc(POOL);
     mem.fill(0x5a);
     r.registerMemory(mem);
     local.addRemoteAgent(r.getAgentMetadata());
     return { name: 'bench-remote', addr: DescList.from(mem).addr(0), close: async () => r.close() };
   }
-  const child = fork(path.join(__dirname, 'peer.js'), [], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'], serialization: 'advanced' });
+  const child = fork(path.join(__dirname, 'peer.js'), [], {
+    stdio: ['ignore', 'inherit', 'inherit', 'ipc'], serialization: 'advanced', env: { ...process.env, NIXL_NODE_ENGINE: local.engine },
+  });
   child.send({ cmd: 'init', bytes: POOL, shared });
   const [init] = (await once(child, 'message')) as [{ md: Uint8Array; addr: bigint }];
   local.addRemoteAgent(Buffer.from(init.md));
@@ -76,11 +79,11 @@ async function remoteIn(proc: 'same' | 'child', shared: boolean, local: NixlAgen
   };
 }
 
-export async function benchBandwidth(opts: { engine?: 'loopback' | 'nixl'; reps?: number; paths?: Path[] } = {}): Promise<BwRow[]> {
+export async function benchBandwidth(opts: { engine?: Engine; reps?: number; paths?: Path[] } = {}): Promise<BwRow[]> {
   const reps = opts.reps ?? 7;
   const paths = opts.paths ?? ['in-process', 'shared mapping', 'process_vm'];
   const rows: BwRow[] = [];
-  const local = new NixlAgent('bench-local', { engine: opts.engine ?? 'loopback' });
+  const local = benchAgent('bench-local', opts.engine ?? 'loopback');
   const mem = allocate(POOL);
   mem.fill(1);
   local.registerMemory(mem);

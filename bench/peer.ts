@@ -1,10 +1,11 @@
 // A process that owns the remote memory for cross-process benchmarks.
 import { NixlAgent, allocate, DescList } from '../lib';
+import { benchAgent, type Engine } from './agents';
 
 let agent: NixlAgent | undefined;
 process.on('message', (m: { cmd: string; bytes?: number; shared?: boolean; md?: Uint8Array }) => {
   if (m.cmd === 'init') {
-    agent = new NixlAgent('bench-remote', { engine: (process.env.NIXL_NODE_ENGINE as 'nixl') ?? 'loopback' });
+    agent = benchAgent('bench-remote', (process.env.NIXL_NODE_ENGINE as Engine) ?? 'loopback');
     const mem = m.shared ? allocate(m.bytes!) : Buffer.alloc(m.bytes!);
     mem.fill(0x5a);
     agent.registerMemory(mem);

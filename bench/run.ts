@@ -6,7 +6,9 @@ import * as os from 'node:os';
 import { makeCerts } from './certs';
 import { benchCoalesce } from './coalesce';
 import { benchHandshake } from './handshake';
-import { benchBandwidth } from './loopback';
+import { engines } from '../lib';
+import type { Engine } from './agents';
+import { benchBandwidth, type BwRow } from './loopback';
 import { fmtBytes } from './stats';
 import { barChart, type Panel } from './svg';
 
@@ -25,7 +27,10 @@ function table(head: string[], rows: Array<Array<string | number>>): void {
 async function main(): Promise<void> {
   const quick = process.argv.includes('--quick');
   const only = (arg('--only') ?? 'bandwidth,coalesce,handshake').split(',');
-  const engine = process.env.NIXL_NODE_ENGINE ?? 'loopback';
+  // Both engines side by side when NIXL is compiled in; NIXL_NODE_ENGINE picks one.
+  const runEngines: Engine[] = process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE as Engine]
+    : (engines.includes('nixl') ? ['loopback', 'nixl'] : ['loopback']);
+  const engine = runEngines.join(' + ');
   const cpu = os.cpus();
   const machine = `${cpu[0]?.model ?? 'cpu'} x${cpu.length}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB RAM, ${os.platform()} ${os.release()}, node ${process.version}`;
   console.log(`nixl-node bench (${engine} engine) on ${machine}`);
@@ -34,17 +39,22 @@ async function main(): Promise<void> {
 
   if (only.includes('bandwidth')) {
     console.log('\n# READ bandwidth: 64 MiB per request in blocks of each size; ratio = engine / memcpy of the same 64 MiB');
-    const bw = await benchBandwidth({ reps: quick ? 3 : 7, engine: engine as 'loopback' });
-    table(['path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio'], bw.map((r) => [r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio]));
+    const bw: BwRow[] = [];
+    for (const e of runEngines) {
+      // NIXL's own paths: in one process, and across processes (UCX picks the transport)
+      bw.push(...await benchBandwidth({ reps: quick ? 3 : 7, engine: e, paths: e === 'nixl' ? ['in-process', 'shared mapping'] : undefined }));
+    }
+    table(['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio'], bw.map((r) => [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio]));
     result.bandwidth = bw;
-    for (const path of new Set(bw.map((r) => r.path))) {
-      panels.push({ title: `READ / memcpy, ${path}`, reference: 1, bars: bw.filter((r) => r.path === path).map((r) => ({ label: fmtBytes(r.blockBytes), value: r.ratio })) });
+    for (const key of new Set(bw.map((r) => `${r.engine}|${r.path}`))) {
+      const [e, path] = key.split('|');
+      panels.push({ title: `READ / memcpy, ${e}, ${path}`, reference: 1, bars: bw.filter((r) => r.engine === e && r.path === path).map((r) => ({ label: fmtBytes(r.blockBytes), value: r.ratio })) });
     }
   }
 
   if (only.includes('coalesce')) {
     console.log('\n# KvPuller, 16 KiB blocks x 8 regions, adjacent block ids; ratio = pull throughput / memcpy; gain = coalesced / per-block');
-    const co = await benchCoalesce(quick ? 2 : 5);
+    const co = await benchCoalesce(runEngines[0], quick ? 2 : 5);
     table(['blocks/request', 'descs', 'merged descs', 'GB/s', 'merged GB/s', 'ratio', 'merged ratio', 'gain'],
       co.map((r) => [String(r.blocksPerRequest), r.descriptorsPlain, r.descriptorsCoalesced, r.plainGbps, r.coalescedGbps, r.plainRatio, r.coalescedRatio, r.gain]));
     result.coalesce = co;

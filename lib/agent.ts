@@ -15,6 +15,8 @@ export interface AgentOptions {
   engine?: EngineKind;
   /** Backends created at start. Default: ['UCX'] on nixl, ['LOOPBACK'] on loopback. */
   backends?: string[];
+  /** Parameters per backend created at start, e.g. { UCX: { ucx_error_handling_mode: 'none' } }. */
+  backendParams?: Record<string, Record<string, string>>;
   /** NIXL's own progress thread (nixl engine). Default true. */
   progressThread?: boolean;
   /** NIXL pthrDelay in microseconds; 0 spins a core. Default 1000. */
@@ -101,7 +103,7 @@ export class NixlAgent {
       name,
       {
         engine,
-        backends,
+        backends: [],
         progressThread: options.progressThread,
         progressDelayUs: options.progressDelayUs,
         captureTelemetry: options.captureTelemetry,
@@ -110,6 +112,12 @@ export class NixlAgent {
       },
       (done, notif) => this.#onEvents(done, notif),
     );
+    try {
+      for (const b of backends) this.#native.createBackend(b, options.backendParams?.[b] ?? {});
+    } catch (e) {
+      this.#native.close();
+      throw e;
+    }
   }
 
   /** 'loopback' or 'nixl': the engine this agent runs on. */
