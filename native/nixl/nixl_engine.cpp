@@ -1,0 +1,411 @@
+// The NIXL engine: the Engine interface over a real nixlAgent (compiled only
+// when the build found an installed NIXL; see scripts/find-nixl.js).
+//
+// NIXL has no completion callbacks: a poll thread asks getXferStatus for every
+// request in flight and drains getNotifs (which also progresses the target
+// side of READs when NIXL's own progress thread is off). The agent runs with
+// syncMode RW so that thread and the JS thread may call it concurrently.
+#include <nixl.h>
+#include <dlfcn.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "../engine.h"
+
+namespace nixlnode {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void check(nixl_status_t s, const char* what) {
+  if (s != NIXL_SUCCESS && s != NIXL_IN_PROG)
+    throw EngineError(static_cast<int>(s), std::string(what) + ": " + nixlEnumStrings::statusStr(s));
+}
+
+nixl_mem_t memType(MemType t) { return static_cast<nixl_mem_t>(static_cast<int>(t)); }
+
+nixl_xfer_dlist_t xferList(const std::vector<Desc>& descs, MemType t) {
+  nixl_xfer_dlist_t dl(memType(t));
+  for (const auto& d : descs) dl.addDesc(nixlBasicDesc(static_cast<uintptr_t>(d.addr), d.len, d.devId));
+  return dl;
+}
+
+struct Request {
+  Handle id;
+  nixlXferReqH* h = nullptr;
+  std::atomic<int> status{ERR_NOT_POSTED};
+  std::string err;
+};
+using RequestP = std::shared_ptr<Request>;
+
+class NixlEngine final : public Engine {
+ public:
+  NixlEngine(const std::string& name, const EngineConfig& cfg, CompletionSink* sink)
+      : cfg_(cfg), sink_(sink),
+        agent_(name, nixlAgentConfig(cfg.progressThread, cfg.listenPort > 0,
+                                     static_cast<uint16_t>(cfg.listenPort > 0 ? cfg.listenPort : default_comm_port),
+                                     nixl_thread_sync_t::NIXL_THREAD_SYNC_RW, 1,
+                                     cfg.progressThread ? std::max<uint64_t>(cfg.progressDelayUs, 1000) : 0,
+                                     nixlAgentConfig::kDefaultLthrDelayUs, cfg.captureTelemetry)) {
+    for (const auto& b : cfg.backends) createBackend(b, {});
+    poller_ = std::thread([this] { pollLoop(); });
+  }
+
+  ~NixlEngine() override { close(); }
+
+  const char* kind() const override { return "nixl"; }
+
+  std::vector<std::string> getPluginList() override {
+    std::vector<nixl_backend_t> plugins;
+    check(agent_.getAvailPlugins(plugins), "getAvailPlugins");
+    return {plugins.begin(), plugins.end()};
+  }
+
+  PluginInfo getPluginParams(const std::string& plugin) override {
+    nixl_mem_list_t mems;
+    nixl_b_params_t params;
+    check(agent_.getPluginParams(plugin, mems, params), "getPluginParams");
+    PluginInfo info;
+    for (auto& [k, v] : params) info.params[k] = v;
+    for (auto m : mems) info.memTypes.push_back(static_cast<MemType>(static_cast<int>(m)));
+    return info;
+  }
+
+  void createBackend(const std::string& plugin, const Params& params) override {
+    checkOpen();
+    if (backends_.count(plugin)) throw EngineError(ERR_NOT_ALLOWED, "backend " + plugin + " already created");
+    nixl_b_params_t p(params.begin(), params.end());
+    nixlBackendH* h = nullptr;
+    check(agent_.createBackend(plugin, p, h), ("createBackend(" + plugin + ")").c_str());
+    backends_[plugin] = h;
+  }
+
+  std::vector<std::string> getBackends() override {
+    std::vector<std::string> out;
+    for (auto& [n, h] : backends_) out.push_back(n);
+    return out;
+  }
+
+  Handle registerMem(const std::vector<Desc>& descs, MemType type, const std::vector<std::string>& backends) override {
+    checkOpen();
+    if (descs.empty()) throw EngineError(ERR_INVALID_PARAM, "registerMem: empty descriptor list");
+    nixl_reg_dlist_t dl(memType(type));
+    for (const auto& d : descs) dl.addDesc(nixlBlobDesc(static_cast<uintptr_t>(d.addr), d.len, d.devId, ""));
+    nixl_opt_args_t args = opts(backends);
+    check(agent_.registerMem(dl, &args), "registerMem");
+    Handle h = nextHandle_++;
+    regs_.emplace(h, std::make_pair(dl, backends));
+    return h;
+  }
+
+  void deregisterMem(Handle reg) override {
+    checkOpen();
+    auto it = regs_.find(reg);
+    if (it == regs_.end()) throw EngineError(ERR_NOT_FOUND, "deregisterMem: unknown or already deregistered memory");
+    {
+      // NIXL does not stop a transfer from using memory deregistered under it;
+      // refuse while anything is in flight rather than risk it.
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!inflight_.empty())
+        throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + std::to_string(inflight_.size()) +
+                                               " transfer(s) in flight; wait for them or release them first");
+    }
+    nixl_opt_args_t args = opts(it->second.second);
+    check(agent_.deregisterMem(it->second.first, &args), "deregisterMem");
+    regs_.erase(it);
+  }
+
+  std::string getLocalMD() override {
+    checkOpen();
+    nixl_blob_t md;
+    check(agent_.getLocalMD(md), "getLocalMD");
+    return md;
+  }
+
+  std::string loadRemoteMD(const std::string& md) override {
+    checkOpen();
+    std::string name;
+    check(agent_.loadRemoteMD(md, name), "loadRemoteMD");
+    return name;
+  }
+
+  void invalidateRemoteMD(const std::string& agent) override {
+    checkOpen();
+    check(agent_.invalidateRemoteMD(agent), "invalidateRemoteMD");
+  }
+
+  Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type,
+                       const std::vector<std::string>& backends) override {
+    checkOpen();
+    nixlDlistH* dh = nullptr;
+    nixl_opt_args_t args = opts(backends);
+    check(agent_.prepXferDlist(agent.empty() ? NIXL_INIT_AGENT : agent, xferList(descs, type), dh, &args), "prepXferDlist");
+    Handle h = nextHandle_++;
+    dlists_[h] = dh;
+    return h;
+  }
+
+  void releaseDlist(Handle h) override {
+    checkOpen();
+    auto it = dlists_.find(h);
+    if (it == dlists_.end()) throw EngineError(ERR_NOT_FOUND, "releaseDlistHandle: unknown or already released handle");
+    check(agent_.releasedDlistH(it->second), "releasedDlistH");
+    dlists_.erase(it);
+  }
+
+  Handle makeXferReq(XferOp op, Handle local, const uint32_t* li, size_t nl, Handle remote, const uint32_t* ri,
+                     size_t nr, const std::string* notif) override {
+    checkOpen();
+    auto l = dlists_.find(local);
+    auto r = dlists_.find(remote);
+    if (l == dlists_.end() || r == dlists_.end()) throw EngineError(ERR_NOT_FOUND, "makeXferReq: unknown descriptor list handle");
+    std::vector<int> lv(li, li + nl), rv(ri, ri + nr);
+    nixl_opt_args_t args;
+    setNotif(args, notif);
+    nixlXferReqH* xh = nullptr;
+    check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, l->second, lv, r->second, rv, xh, &args), "makeXferReq");
+    return addRequest(xh);
+  }
+
+  Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
+                       MemType rt, const std::string& agent, const std::string* notif) override {
+    checkOpen();
+    nixl_opt_args_t args;
+    setNotif(args, notif);
+    nixlXferReqH* xh = nullptr;
+    check(agent_.createXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, xferList(local, lt), xferList(remote, rt), agent,
+                               xh, &args), "createXferReq");
+    return addRequest(xh);
+  }
+
+  int postXferReq(Handle h, const std::string* notif) override {
+    checkOpen();
+    RequestP req = find(h);
+    if (req->status.load() == IN_PROG) throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
+    nixl_opt_args_t args;
+    setNotif(args, notif);
+    std::lock_guard<std::mutex> lk(mu_);
+    nixl_status_t s = agent_.postXferReq(req->h, notif ? &args : nullptr);
+    check(s, "postXferReq");
+    if (s == NIXL_SUCCESS) {
+      req->status = SUCCESS;
+      return SUCCESS;
+    }
+    req->status = IN_PROG;
+    inflight_.push_back(req);
+    cv_.notify_one();
+    return IN_PROG;
+  }
+
+  int getXferStatus(Handle h, std::string* errMsg) override {
+    checkOpen();
+    RequestP req = find(h);
+    int s = req->status.load(std::memory_order_acquire);
+    if (s < 0 && errMsg) *errMsg = req->err;
+    return s;
+  }
+
+  void releaseXferReq(Handle h) override {
+    checkOpen();
+    RequestP req = find(h);
+    bool wasInflight = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto it = inflight_.begin(); it != inflight_.end(); ++it) {
+        if (*it == req) {
+          inflight_.erase(it);
+          wasInflight = true;
+          break;
+        }
+      }
+      // NIXL aborts an active request on release; one it cannot abort stays
+      // with the poller, which releases it once it finishes.
+      if (agent_.releaseXferReq(req->h) != NIXL_SUCCESS) zombies_.push_back(req);
+    }
+    requests_.erase(h);
+    if (wasInflight) sink_->onComplete(h);  // every IN_PROG post completes exactly once
+  }
+
+  Telemetry getXferTelemetry(Handle h) override {
+    checkOpen();
+    RequestP req = find(h);
+    nixl_xfer_telem_t t{};
+    check(agent_.getXferTelemetry(req->h, t), "getXferTelemetry");
+    auto sinceStart = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t.startTime).count();
+    auto nowUs = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+    return Telemetry{static_cast<uint64_t>(nowUs - sinceStart), static_cast<uint64_t>(t.postDuration.count()),
+                     static_cast<uint64_t>(t.xferDuration.count()), t.totalBytes, t.descCount};
+  }
+
+  void genNotif(const std::string& agent, const std::string& msg) override {
+    checkOpen();
+    check(agent_.genNotif(agent, msg), "genNotif");
+  }
+
+  void getNotifs(std::vector<std::pair<std::string, std::string>>& out) override {
+    checkOpen();
+    drainNotifs();
+    std::lock_guard<std::mutex> lk(nMu_);
+    for (auto& n : notifs_) out.push_back(std::move(n));
+    notifs_.clear();
+  }
+
+  void close() override {
+    if (closed_.exchange(true)) return;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (poller_.joinable()) poller_.join();
+    for (auto& [h, req] : requests_) agent_.releaseXferReq(req->h);
+    requests_.clear();
+    for (auto& z : zombies_) agent_.releaseXferReq(z->h);
+    zombies_.clear();
+    for (auto& [h, d] : dlists_) agent_.releasedDlistH(d);
+    dlists_.clear();
+    for (auto& [h, r] : regs_) {
+      nixl_opt_args_t args = opts(r.second);
+      agent_.deregisterMem(r.first, &args);
+    }
+    regs_.clear();
+  }
+
+ private:
+  void checkOpen() const {
+    if (closed_) throw EngineError(ERR_NOT_ALLOWED, "agent is closed");
+  }
+
+  nixl_opt_args_t opts(const std::vector<std::string>& backends) const {
+    nixl_opt_args_t a;
+    for (const auto& b : backends) {
+      auto it = backends_.find(b);
+      if (it == backends_.end()) throw EngineError(ERR_NOT_FOUND, "backend '" + b + "' was not created");
+      a.backends.push_back(it->second);
+    }
+    return a;
+  }
+
+  static void setNotif(nixl_opt_args_t& a, const std::string* notif) {
+    if (notif) {
+      a.notifMsg = *notif;
+      a.hasNotif = true;
+    }
+  }
+
+  Handle addRequest(nixlXferReqH* xh) {
+    auto req = std::make_shared<Request>();
+    req->id = nextHandle_++;
+    req->h = xh;
+    requests_[req->id] = req;
+    return req->id;
+  }
+
+  RequestP find(Handle h) {
+    auto it = requests_.find(h);
+    if (it == requests_.end()) throw EngineError(ERR_NOT_FOUND, "unknown or released transfer handle");
+    return it->second;
+  }
+
+  void drainNotifs() {
+    nixl_notifs_t got;
+    if (agent_.getNotifs(got) != NIXL_SUCCESS || got.empty()) return;
+    bool any = false;
+    {
+      std::lock_guard<std::mutex> lk(nMu_);
+      for (auto& [from, msgs] : got)
+        for (auto& m : msgs) {
+          notifs_.emplace_back(from, std::move(m));
+          any = true;
+        }
+    }
+    if (any) sink_->onNotif();
+  }
+
+  void pollLoop() {
+    std::vector<RequestP> done;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        // Busy requests: poll again at once (yield); idle: look for notifications every ms.
+        if (inflight_.empty() && zombies_.empty()) cv_.wait_for(lk, std::chrono::milliseconds(1));
+        if (stopping_) return;
+        for (auto it = inflight_.begin(); it != inflight_.end();) {
+          nixl_status_t s = agent_.getXferStatus((*it)->h);
+          if (s == NIXL_IN_PROG) {
+            ++it;
+            continue;
+          }
+          if (s != NIXL_SUCCESS) (*it)->err = std::string("transfer failed: ") + nixlEnumStrings::statusStr(s);
+          (*it)->status.store(static_cast<int>(s), std::memory_order_release);
+          done.push_back(*it);
+          it = inflight_.erase(it);
+        }
+        for (auto it = zombies_.begin(); it != zombies_.end();) {
+          if (agent_.getXferStatus((*it)->h) != NIXL_IN_PROG && agent_.releaseXferReq((*it)->h) == NIXL_SUCCESS)
+            it = zombies_.erase(it);
+          else
+            ++it;
+        }
+      }
+      for (auto& r : done) sink_->onComplete(r->id);
+      done.clear();
+      drainNotifs();
+      std::this_thread::yield();
+    }
+  }
+
+  const EngineConfig cfg_;
+  CompletionSink* sink_;
+  nixlAgent agent_;
+  std::atomic<bool> closed_{false};
+  Handle nextHandle_ = 1;
+  std::map<std::string, nixlBackendH*> backends_;
+  std::unordered_map<Handle, std::pair<nixl_reg_dlist_t, std::vector<std::string>>> regs_;
+  std::unordered_map<Handle, nixlDlistH*> dlists_;
+  std::unordered_map<Handle, RequestP> requests_;
+
+  std::mutex mu_;  // inflight_, zombies_, stopping_
+  std::condition_variable cv_;
+  std::vector<RequestP> inflight_;
+  std::vector<RequestP> zombies_;
+  bool stopping_ = false;
+  std::thread poller_;
+
+  std::mutex nMu_;
+  std::vector<std::pair<std::string, std::string>> notifs_;
+};
+
+}  // namespace
+
+// NIXL loads plugins from NIXL_PLUGIN_DIR; when unset, point it at the
+// plugins/ directory beside the libnixl.so this addon is linked against.
+void defaultPluginDir() {
+  if (getenv("NIXL_PLUGIN_DIR")) return;
+  Dl_info info{};
+  if (!dladdr(reinterpret_cast<void*>(&nixlEnumStrings::statusStr), &info) || !info.dli_fname) return;
+  std::string lib(info.dli_fname);
+  auto slash = lib.rfind('/');
+  if (slash == std::string::npos) return;
+  std::string dir = lib.substr(0, slash) + "/plugins";
+  setenv("NIXL_PLUGIN_DIR", dir.c_str(), 0);
+}
+
+std::unique_ptr<Engine> makeNixlEngine(const std::string& name, const EngineConfig& cfg, CompletionSink* sink) {
+  defaultPluginDir();
+  try {
+    return std::make_unique<NixlEngine>(name, cfg, sink);
+  } catch (const EngineError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw EngineError(ERR_BACKEND, std::string("creating the NIXL agent failed: ") + e.what());
+  }
+}
+
+}  // namespace nixlnode
