@@ -58,7 +58,12 @@ async function remoteIn(proc: 'same' | 'child', shared: boolean, local: NixlAgen
     mem.fill(0x5a);
     r.registerMemory(mem);
     local.addRemoteAgent(r.getAgentMetadata());
-    return { name: 'bench-remote', addr: DescList.from(mem).addr(0), close: async () => r.close() };
+    return {
+      name: 'bench-remote', addr: DescList.from(mem).addr(0), close: async () => {
+        local.removeRemoteAgent('bench-remote');
+        r.close();
+      },
+    };
   }
   const child = fork(path.join(__dirname, 'peer.js'), [], {
     stdio: ['ignore', 'inherit', 'inherit', 'ipc'], serialization: 'advanced', env: { ...process.env, NIXL_NODE_ENGINE: local.engine },

@@ -184,6 +184,9 @@ describe('descriptor validation', () => {
     bad.writeUInt32LE(0xffffffff, 12); // name length
     expect(code(() => a.addRemoteAgent(bad))).toBe('NIXL_ERR_INVALID_PARAM');
     expect(code(() => a.addRemoteAgent(a.getAgentMetadata()))).toBe('NIXL_ERR_NOT_ALLOWED');
+    expect(code(() => a.addRemoteAgent(md))).toBe('NIXL_ERR_NOT_ALLOWED'); // already loaded, as NIXL
+    a.removeRemoteAgent('vb');
+    expect(a.addRemoteAgent(md)).toBe('vb');
     expect(code(() => a.addRemoteAgent('md' as unknown as Buffer))).toBe('NIXL_ERR_INVALID_PARAM');
   });
 

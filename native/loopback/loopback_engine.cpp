@@ -32,6 +32,7 @@
 #include "metadata.h"
 #include "notif_socket.h"
 #include "shm.h"
+#include "stream_copy.h"
 
 namespace nixlnode {
 namespace {
@@ -280,6 +281,9 @@ class LoopbackEngine final : public Engine {
     checkOpen();
     loopback::AgentMd md = loopback::decode(blob);
     if (md.name == name_) throw EngineError(ERR_NOT_ALLOWED, "loadRemoteMD: that is this agent's own metadata");
+    // As NIXL: a known agent is not silently replaced (its handles would point at stale memory).
+    if (remotes_.count(md.name))
+      throw EngineError(ERR_NOT_ALLOWED, "loadRemoteMD: agent '" + md.name + "' is already loaded (removeRemoteAgent first)");
     if (md.bootId != bootId_)
       throw EngineError(ERR_NOT_SUPPORTED, "agent " + md.name +
                                                " runs on another host: the loopback engine connects agents on one "
@@ -309,8 +313,6 @@ class LoopbackEngine final : public Engine {
     }
     std::sort(ra->regions.begin(), ra->regions.end(),
               [](const RemoteRegion& a, const RemoteRegion& b) { return a.r.addr < b.r.addr; });
-    auto old = remotes_.find(md.name);
-    if (old != remotes_.end()) old->second->removed = true;  // handles built on it now fail
     remotes_[md.name] = ra;
     return md.name;
   }
@@ -711,8 +713,8 @@ class LoopbackEngine final : public Engine {
       const Entry& l = req.local[i];
       const Entry& r = req.remote_[i];
       if (r.ptr) {
-        if (read) memcpy(l.ptr, r.ptr, l.d.len);
-        else memcpy(r.ptr, l.ptr, l.d.len);
+        if (read) streamCopy(l.ptr, r.ptr, l.d.len);
+        else streamCopy(r.ptr, l.ptr, l.d.len);
         continue;
       }
       if (n == 0) want = 0;
@@ -724,7 +726,9 @@ class LoopbackEngine final : public Engine {
         if (s != SUCCESS) return s;
       }
     }
-    return flush();
+    int s = flush();
+    streamFence();
+    return s;
   }
 
   void notifLoop() {
