@@ -182,6 +182,54 @@ export class NixlAgent {
     this.#native.invalidateRemoteMD(agent);
   }
 
+  /** Metadata of only the registrations covering descs (NIXL get_partial_agent_metadata). */
+  getPartialAgentMetadata(descs: DescList | MemoryLike | readonly MemoryLike[],
+                          opts: { memType?: MemType; includeConnInfo?: boolean; backends?: string[] } = {}): Buffer {
+    const d = toDescList(descs, opts.memType);
+    return this.#native.getLocalPartialMD(d.triples, memTypeId(d.memType), opts.includeConnInfo ?? false, opts.backends);
+  }
+
+  // NIXL's own metadata exchange: a peer's listener (ip, port; the peer sets
+  // listenPort) or etcd when no ip is given. The loopback engine has neither
+  // and says so (NIXL_ERR_NOT_SUPPORTED); use lib/handshake there.
+
+  sendLocalMetadata(opts: { ip?: string; port?: number } = {}): void {
+    this.#native.sendLocalMD(opts.ip, opts.port);
+  }
+
+  sendPartialAgentMetadata(descs: DescList | MemoryLike | readonly MemoryLike[],
+                           opts: { memType?: MemType; ip?: string; port?: number } = {}): void {
+    const d = toDescList(descs, opts.memType);
+    this.#native.sendLocalPartialMD(d.triples, memTypeId(d.memType), opts.ip, opts.port);
+  }
+
+  fetchRemoteMetadata(remoteAgent: string, opts: { ip?: string; port?: number } = {}): void {
+    this.#native.fetchRemoteMD(remoteAgent, opts.ip, opts.port);
+  }
+
+  invalidateLocalMetadata(opts: { ip?: string; port?: number } = {}): void {
+    this.#native.invalidateLocalMD(opts.ip, opts.port);
+  }
+
+  /** True when the agent's metadata (and memory covering descs, if given) has arrived. */
+  checkRemoteMetadata(remoteAgent: string, descs?: DescList | readonly MemoryLike[], memType: MemType = 'DRAM'): boolean {
+    const d = descs ? toDescList(descs, memType) : new DescList(new BigUint64Array(0), memType);
+    return this.#native.checkRemoteMD(remoteAgent, d.triples, memTypeId(d.memType));
+  }
+
+  makeConnection(remoteAgent: string): void {
+    this.#native.makeConnection(remoteAgent);
+  }
+
+  /** Per descriptor: what the backend knows of that memory, or null. */
+  queryMemory(descs: DescList | MemoryLike | readonly MemoryLike[],
+              opts: { memType?: MemType; backends?: string[] } = {}): Array<Record<string, string> | null> {
+    const d = toDescList(descs, opts.memType);
+    // NIXL asks for exactly one backend here; with one created, that is the one.
+    const backends = opts.backends ?? (this.getBackends().length === 1 ? this.getBackends() : undefined);
+    return this.#native.queryMem(d.triples, memTypeId(d.memType), backends);
+  }
+
   // ---- transfers ------------------------------------------------------------
 
   /** agent '' or 'NIXL_INIT_AGENT' prepares the local side. */
@@ -234,6 +282,11 @@ export class NixlAgent {
 
   releaseDlistHandle(handle: DlistHandle): void {
     this.#native.releaseDlist(handle.id);
+  }
+
+  /** The backend's estimate of a prepared transfer's duration. */
+  estimateXferCost(handle: XferHandle): { durationUs: number; errMarginUs: number; method: string } {
+    return this.#native.estimateXferCost(handle.id);
   }
 
   getXferTelemetry(handle: XferHandle): NativeTelemetry {

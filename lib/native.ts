@@ -32,6 +32,15 @@ export declare class NativeAgent {
   getLocalMD(): Buffer;
   loadRemoteMD(md: Uint8Array): string;
   invalidateRemoteMD(agent: string): void;
+  getLocalPartialMD(descs: BigUint64Array, memType: number, includeConnInfo: boolean, backends?: string[]): Buffer;
+  sendLocalMD(ip?: string, port?: number): void;
+  sendLocalPartialMD(descs: BigUint64Array, memType: number, ip?: string, port?: number): void;
+  fetchRemoteMD(agent: string, ip?: string, port?: number): void;
+  invalidateLocalMD(ip?: string, port?: number): void;
+  checkRemoteMD(agent: string, descs: BigUint64Array, memType: number): boolean;
+  makeConnection(agent: string): void;
+  queryMem(descs: BigUint64Array, memType: number, backends?: string[]): Array<Record<string, string> | null>;
+  estimateXferCost(h: number): { durationUs: number; errMarginUs: number; method: string };
   prepXferDlist(agent: string, descs: BigUint64Array, memType: number, backends?: string[]): number;
   releaseDlist(h: number): void;
   makeXferReq(op: 'READ' | 'WRITE', local: number, localIdx: Uint32Array, remote: number, remoteIdx: Uint32Array,

@@ -140,6 +140,15 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
                            InstanceMethod<&NativeAgent::DeregisterMem>("deregisterMem"),
                            InstanceMethod<&NativeAgent::GetLocalMD>("getLocalMD"),
                            InstanceMethod<&NativeAgent::LoadRemoteMD>("loadRemoteMD"),
+                           InstanceMethod<&NativeAgent::GetLocalPartialMD>("getLocalPartialMD"),
+                           InstanceMethod<&NativeAgent::SendLocalMD>("sendLocalMD"),
+                           InstanceMethod<&NativeAgent::SendLocalPartialMD>("sendLocalPartialMD"),
+                           InstanceMethod<&NativeAgent::FetchRemoteMD>("fetchRemoteMD"),
+                           InstanceMethod<&NativeAgent::InvalidateLocalMD>("invalidateLocalMD"),
+                           InstanceMethod<&NativeAgent::CheckRemoteMD>("checkRemoteMD"),
+                           InstanceMethod<&NativeAgent::MakeConnection>("makeConnection"),
+                           InstanceMethod<&NativeAgent::QueryMem>("queryMem"),
+                           InstanceMethod<&NativeAgent::EstimateXferCost>("estimateXferCost"),
                            InstanceMethod<&NativeAgent::InvalidateRemoteMD>("invalidateRemoteMD"),
                            InstanceMethod<&NativeAgent::PrepXferDlist>("prepXferDlist"),
                            InstanceMethod<&NativeAgent::ReleaseDlist>("releaseDlist"),
@@ -352,6 +361,102 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
       std::string md;
       if (!blobArg(env, info[0], &md) || info[0].IsString()) fail(env, ERR_INVALID_PARAM, "metadata must be a Buffer");
       return Napi::String::New(env, E(env).loadRemoteMD(md));
+    });
+  }
+
+  static int portArg(const Napi::Value& v) { return v.IsNumber() ? v.As<Napi::Number>().Int32Value() : 0; }
+  static std::string ipArg(Napi::Env env, const Napi::Value& v) {
+    return v.IsUndefined() || v.IsNull() ? std::string() : stringArg(env, v, "ip");
+  }
+
+  // getLocalPartialMD(descs, memType, includeConnInfo, backends) -> Buffer
+  Napi::Value GetLocalPartialMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      std::string md = E(env).getLocalPartialMD(descsArg(env, info[0], "getLocalPartialMD"), memTypeArg(env, info[1]),
+                                                info[2].ToBoolean().Value(), stringsArg(env, info[3], "backends"));
+      return Napi::Buffer<char>::Copy(env, md.data(), md.size());
+    });
+  }
+
+  Napi::Value SendLocalMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      E(env).sendLocalMD(ipArg(env, info[0]), portArg(info[1]));
+      return env.Undefined();
+    });
+  }
+
+  Napi::Value SendLocalPartialMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      E(env).sendLocalPartialMD(descsArg(env, info[0], "sendLocalPartialMD"), memTypeArg(env, info[1]), ipArg(env, info[2]),
+                                portArg(info[3]));
+      return env.Undefined();
+    });
+  }
+
+  Napi::Value FetchRemoteMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      E(env).fetchRemoteMD(stringArg(env, info[0], "agent name"), ipArg(env, info[1]), portArg(info[2]));
+      return env.Undefined();
+    });
+  }
+
+  Napi::Value InvalidateLocalMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      E(env).invalidateLocalMD(ipArg(env, info[0]), portArg(info[1]));
+      return env.Undefined();
+    });
+  }
+
+  // checkRemoteMD(agent, descs, memType) -> boolean
+  Napi::Value CheckRemoteMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      return Napi::Boolean::New(env, E(env).checkRemoteMD(stringArg(env, info[0], "agent name"),
+                                                          descsArg(env, info[1], "checkRemoteMD"), memTypeArg(env, info[2])));
+    });
+  }
+
+  Napi::Value MakeConnection(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      E(env).makeConnection(stringArg(env, info[0], "agent name"));
+      return env.Undefined();
+    });
+  }
+
+  // queryMem(descs, memType, backends) -> Array<Record<string,string> | null>
+  Napi::Value QueryMem(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      auto resp = E(env).queryMem(descsArg(env, info[0], "queryMem"), memTypeArg(env, info[1]), stringsArg(env, info[2], "backends"));
+      auto a = Napi::Array::New(env, resp.size());
+      for (uint32_t i = 0; i < resp.size(); ++i) {
+        if (!resp[i]) {
+          a.Set(i, env.Null());
+          continue;
+        }
+        auto o = Napi::Object::New(env);
+        for (auto& [k, v] : *resp[i]) o.Set(k, v);
+        a.Set(i, o);
+      }
+      return a;
+    });
+  }
+
+  Napi::Value EstimateXferCost(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return guard(env, [&] {
+      auto c = E(env).estimateXferCost(handleArg(env, info[0]));
+      auto o = Napi::Object::New(env);
+      o.Set("durationUs", Napi::Number::New(env, static_cast<double>(c.durationUs)));
+      o.Set("errMarginUs", Napi::Number::New(env, static_cast<double>(c.errMarginUs)));
+      o.Set("method", Napi::String::New(env, c.method == 0 ? "ANALYTICAL_BACKEND" : "UNKNOWN"));
+      return o;
     });
   }
 

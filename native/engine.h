@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,8 +82,23 @@ class Engine {
   virtual void deregisterMem(Handle reg) = 0;
 
   virtual std::string getLocalMD() = 0;
+  // Only the registrations covering descs (with connection info if asked):
+  // loading it for an agent already known adds those registrations.
+  virtual std::string getLocalPartialMD(const std::vector<Desc>& descs, MemType type, bool includeConnInfo,
+                                        const std::vector<std::string>& backends) = 0;
   virtual std::string loadRemoteMD(const std::string& md) = 0;  // -> agent name
   virtual void invalidateRemoteMD(const std::string& agent) = 0;
+  // NIXL's own metadata exchange (peer listener at ip:port, or etcd when ip is empty).
+  virtual void sendLocalMD(const std::string& ip, int port) = 0;
+  virtual void sendLocalPartialMD(const std::vector<Desc>& descs, MemType type, const std::string& ip, int port) = 0;
+  virtual void fetchRemoteMD(const std::string& agent, const std::string& ip, int port) = 0;
+  virtual void invalidateLocalMD(const std::string& ip, int port) = 0;
+  // True when the agent (and, if given, memory covering descs) is known.
+  virtual bool checkRemoteMD(const std::string& agent, const std::vector<Desc>& descs, MemType type) = 0;
+  virtual void makeConnection(const std::string& agent) = 0;
+  // Per descriptor: the backend's answer, or nullopt when the memory is unknown to it.
+  virtual std::vector<std::optional<Params>> queryMem(const std::vector<Desc>& descs, MemType type,
+                                                      const std::vector<std::string>& backends) = 0;
 
   // agent "" = the local side (NIXL_INIT_AGENT).
   virtual Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs,
@@ -100,6 +116,11 @@ class Engine {
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
   virtual void releaseXferReq(Handle req) = 0;
   virtual Telemetry getXferTelemetry(Handle req) = 0;
+  struct Cost {
+    uint64_t durationUs, errMarginUs;
+    int method;  // nixl_cost_t
+  };
+  virtual Cost estimateXferCost(Handle req) = 0;
 
   virtual void genNotif(const std::string& agent, const std::string& msg) = 0;
   virtual void getNotifs(std::vector<std::pair<std::string, std::string>>& out) = 0;

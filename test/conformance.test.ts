@@ -3,7 +3,7 @@
 // NIXL_NODE_ENGINE=nixl|loopback runs just that one.
 import { afterEach, describe, expect, it } from 'vitest';
 import { DescList, NixlAgent, NixlError, allocate, engines } from '../lib';
-import { Peer } from './helpers';
+import { Peer, freePort } from './helpers';
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 const { setupAgent } = require('./fixtures/conformance-setup');
 
@@ -99,6 +99,93 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
       await peer.exit();
     }
   }, 60_000);
+
+  it('partial metadata: registrations arrive piecewise, checkRemoteMetadata tells what is known', async () => {
+    const a = mk('conf-a');
+    const b = mk('conf-b');
+    const m1 = allocate(65536);
+    const m2 = allocate(65536);
+    m2.fill(0x42);
+    a.registerMemory(m1);
+    a.registerMemory(m2);
+    const dst = allocate(65536);
+    b.registerMemory(dst);
+    expect(b.checkRemoteMetadata('conf-a')).toBe(false);
+    expect(b.addRemoteAgent(a.getPartialAgentMetadata(m1, { includeConnInfo: true }))).toBe('conf-a');
+    expect(b.checkRemoteMetadata('conf-a')).toBe(true);
+    expect(b.checkRemoteMetadata('conf-a', [m1])).toBe(true);
+    expect(b.checkRemoteMetadata('conf-a', [m2])).toBe(false);
+    b.addRemoteAgent(a.getPartialAgentMetadata(m2));
+    expect(b.checkRemoteMetadata('conf-a', [m2])).toBe(true);
+    b.makeConnection('conf-a');
+    await b.read(dst, m2, 'conf-a', { timeoutMs: 10_000 });
+    expect(dst.every((v) => v === 0x42)).toBe(true);
+    expect(() => b.makeConnection('nobody')).toThrow(NixlError);
+  });
+
+  it('queryMemory and estimateXferCost answer or say they are not supported', async () => {
+    const a = mk('conf-a');
+    const b = mk('conf-b');
+    const m = allocate(65536);
+    a.registerMemory(m);
+    const other = allocate(4096);
+    const tryIt = <T>(f: () => T): T | NixlError => {
+      try {
+        return f();
+      } catch (e) {
+        expect(e).toBeInstanceOf(NixlError);
+        return e as NixlError;
+      }
+    };
+    const q = tryIt(() => a.queryMemory([m, other], { backends: a.getBackends() }));
+    if (engine === 'loopback') expect(q).toEqual([{ registered: 'true' }, null]);
+    else if (q instanceof NixlError) expect(q.code).toBe('NIXL_ERR_NOT_SUPPORTED');
+    else expect((q as unknown[]).length).toBe(2);
+    const bm = allocate(65536);
+    b.registerMemory(bm);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const h = a.initializeXfer('READ', m, bm, 'conf-b');
+    const c = tryIt(() => a.estimateXferCost(h));
+    if (c instanceof NixlError) expect(c.code).toBe('NIXL_ERR_NOT_SUPPORTED');
+    else expect(c.durationUs).toBeGreaterThanOrEqual(0);
+    a.releaseXferHandle(h);
+  });
+
+  it("NIXL's own metadata exchange (listener): send, fetch, invalidate", async () => {
+    if (engine === 'loopback') {
+      const a = mk('conf-a');
+      for (const f of [() => a.sendLocalMetadata({ ip: '127.0.0.1', port: 1 }), () => a.fetchRemoteMetadata('x', { ip: '127.0.0.1', port: 1 }),
+        () => a.invalidateLocalMetadata({ ip: '127.0.0.1', port: 1 })]) {
+        expect(f).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_SUPPORTED' }));
+      }
+      return;
+    }
+    const ports: number[] = [];
+    while (ports.length < 3) {
+      const p = await freePort();
+      if (!ports.includes(p)) ports.push(p);
+    }
+    const [pa, pb, pc] = ports;
+    const listen = (name: string, port: number) => {
+      const x = new NixlAgent(name, { engine: 'nixl', listenPort: port, backendParams: { UCX: { ucx_error_handling_mode: 'none' } } });
+      open.push(x);
+      return x;
+    };
+    const a = listen('conf-la', pa);
+    const b = listen('conf-lb', pb);
+    a.registerMemory(allocate(4096));
+    const until = async (f: () => boolean) => {
+      for (let i = 0; i < 100 && !f(); i++) await new Promise((r) => setTimeout(r, 50));
+      return f();
+    };
+    a.sendLocalMetadata({ ip: '127.0.0.1', port: pb });
+    expect(await until(() => b.checkRemoteMetadata('conf-la'))).toBe(true);
+    const c = listen('conf-lc', pc); // the answer to a fetch comes back through the asker's listener
+    c.fetchRemoteMetadata('conf-la', { ip: '127.0.0.1', port: pa });
+    expect(await until(() => c.checkRemoteMetadata('conf-la'))).toBe(true);
+    a.invalidateLocalMetadata({ ip: '127.0.0.1', port: pb });
+    expect(await until(() => !b.checkRemoteMetadata('conf-la'))).toBe(true);
+  });
 
   it('bad descriptors and handles are NixlErrors with codes, nothing copied', () => {
     const a = mk('conf-a');

@@ -181,7 +181,7 @@ describe('descriptor validation', () => {
       expect(code(() => a.addRemoteAgent(md.subarray(0, cut)))).toBe('NIXL_ERR_INVALID_PARAM');
     }
     const bad = Buffer.from(md);
-    bad.writeUInt32LE(0xffffffff, 12); // name length
+    bad.writeUInt32LE(0xffffffff, 13); // name length, after magic, version and flags
     expect(code(() => a.addRemoteAgent(bad))).toBe('NIXL_ERR_INVALID_PARAM');
     expect(code(() => a.addRemoteAgent(a.getAgentMetadata()))).toBe('NIXL_ERR_NOT_ALLOWED');
     expect(code(() => a.addRemoteAgent(md))).toBe('NIXL_ERR_NOT_ALLOWED'); // already loaded, as NIXL

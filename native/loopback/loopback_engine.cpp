@@ -262,28 +262,40 @@ class LoopbackEngine final : public Engine {
 
   std::string getLocalMD() override {
     checkOpen();
-    loopback::AgentMd md;
-    md.name = name_;
-    md.bootId = bootId_;
-    md.pid = static_cast<uint32_t>(getpid());
-    md.startTime = startTime_;
-    md.token = token_;
-    md.notifAddr = sock_.address();
     std::lock_guard<std::mutex> lk(registry_->mu);
-    for (const auto& r : registry_->regions) {
-      md.regions.push_back(loopback::MdRegion{r->d.addr, r->d.len, r->d.devId, r->type, r->shm.fd,
-                                              r->shm.offset, r->shm.size, r->shm.ino});
+    return encodeMd(registry_->regions, false, true);
+  }
+
+  std::string getLocalPartialMD(const std::vector<Desc>& descs, MemType type, bool includeConnInfo,
+                                const std::vector<std::string>& backends) override {
+    checkOpen();
+    checkBackends(backends);
+    std::vector<RegionP> picked;
+    std::lock_guard<std::mutex> lk(registry_->mu);
+    for (const auto& d : descs) {
+      RegionP r = registry_->find(d, type);
+      if (!r) throw EngineError(ERR_NOT_FOUND, "getLocalPartialMD: " + descStr(d) + " is not registered");
+      if (std::find(picked.begin(), picked.end(), r) == picked.end()) picked.push_back(r);
     }
-    return loopback::encode(md);
+    return encodeMd(picked, true, includeConnInfo);
   }
 
   std::string loadRemoteMD(const std::string& blob) override {
     checkOpen();
     loopback::AgentMd md = loopback::decode(blob);
     if (md.name == name_) throw EngineError(ERR_NOT_ALLOWED, "loadRemoteMD: that is this agent's own metadata");
-    // As NIXL: a known agent is not silently replaced (its handles would point at stale memory).
-    if (remotes_.count(md.name))
-      throw EngineError(ERR_NOT_ALLOWED, "loadRemoteMD: agent '" + md.name + "' is already loaded (removeRemoteAgent first)");
+    auto known = remotes_.find(md.name);
+    if (known != remotes_.end()) {
+      // As NIXL: partial metadata adds registrations to a known agent; full
+      // metadata does not silently replace it (its handles would go stale).
+      if (!md.partial)
+        throw EngineError(ERR_NOT_ALLOWED, "loadRemoteMD: agent '" + md.name + "' is already loaded (removeRemoteAgent first)");
+      addRegions(*known->second, md);
+      return md.name;
+    }
+    if (!md.connInfo)
+      throw EngineError(ERR_NOT_FOUND, "loadRemoteMD: partial metadata of unknown agent '" + md.name +
+                                           "' has no connection info (load its full metadata first)");
     if (md.bootId != bootId_)
       throw EngineError(ERR_NOT_SUPPORTED, "agent " + md.name +
                                                " runs on another host: the loopback engine connects agents on one "
@@ -306,13 +318,7 @@ class LoopbackEngine final : public Engine {
         throw EngineError(ERR_REMOTE_DISCONNECT, "agent " + md.name + " (pid " + std::to_string(md.pid) +
                                                      ") is no longer running");
     }
-    for (const auto& g : md.regions) {
-      RemoteRegion rr{g};
-      if (!ra->sameProcess && g.shmFd >= 0) mapShared(ra->pid, &rr);
-      ra->regions.push_back(rr);
-    }
-    std::sort(ra->regions.begin(), ra->regions.end(),
-              [](const RemoteRegion& a, const RemoteRegion& b) { return a.r.addr < b.r.addr; });
+    addRegions(*ra, md);
     remotes_[md.name] = ra;
     return md.name;
   }
@@ -323,6 +329,57 @@ class LoopbackEngine final : public Engine {
     if (it == remotes_.end()) throw EngineError(ERR_NOT_FOUND, "unknown remote agent '" + agent + "'");
     it->second->removed = true;
     remotes_.erase(it);
+  }
+
+  void sendLocalMD(const std::string&, int) override { noMetadataService("sendLocalMD"); }
+  void sendLocalPartialMD(const std::vector<Desc>&, MemType, const std::string&, int) override {
+    noMetadataService("sendLocalPartialMD");
+  }
+  void fetchRemoteMD(const std::string&, const std::string&, int) override { noMetadataService("fetchRemoteMD"); }
+  void invalidateLocalMD(const std::string&, int) override { noMetadataService("invalidateLocalMD"); }
+
+  bool checkRemoteMD(const std::string& agent, const std::vector<Desc>& descs, MemType type) override {
+    checkOpen();
+    auto it = remotes_.find(agent);
+    if (it == remotes_.end()) return false;
+    const RemoteAgent& ra = *it->second;
+    for (const auto& d : descs)
+      if (!ra.find(d, type)) return false;  // not in what its metadata told us
+    if (ra.sameProcess) {
+      auto reg = ra.registry.lock();
+      if (!reg) return false;
+      std::lock_guard<std::mutex> lk(reg->mu);
+      for (const auto& d : descs)
+        if (!reg->find(d, type)) return false;  // and still registered
+    }
+    return true;
+  }
+
+  void makeConnection(const std::string& agent) override {
+    checkOpen();
+    auto it = remotes_.find(agent);
+    if (it == remotes_.end()) throw EngineError(ERR_NOT_FOUND, "makeConnection: unknown remote agent '" + agent + "'");
+    if (!it->second->processAlive())
+      throw EngineError(ERR_REMOTE_DISCONNECT, "makeConnection: agent '" + agent + "' is gone");
+  }
+
+  std::vector<std::optional<Params>> queryMem(const std::vector<Desc>& descs, MemType type,
+                                              const std::vector<std::string>& backends) override {
+    checkOpen();
+    checkBackends(backends);
+    checkType(type);
+    std::vector<std::optional<Params>> out;
+    std::lock_guard<std::mutex> lk(registry_->mu);
+    for (const auto& d : descs) {
+      if (registry_->find(d, type)) out.push_back(Params{{"registered", "true"}});
+      else out.push_back(std::nullopt);
+    }
+    return out;
+  }
+
+  Cost estimateXferCost(Handle) override {
+    checkOpen();
+    throw EngineError(ERR_NOT_SUPPORTED, "estimateXferCost: the loopback engine has no cost model");
   }
 
   Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type,
@@ -515,6 +572,40 @@ class LoopbackEngine final : public Engine {
                                            "memory need the NIXL engine");
   }
 
+  [[noreturn]] static void noMetadataService(const char* what) {
+    throw EngineError(ERR_NOT_SUPPORTED, std::string(what) +
+                                             ": the loopback engine has no NIXL metadata listener or etcd; exchange "
+                                             "getAgentMetadata() yourself or use nixl-node's handshake module");
+  }
+
+  // Caller holds registry_->mu.
+  std::string encodeMd(const std::vector<RegionP>& regions, bool partial, bool connInfo) const {
+    loopback::AgentMd md;
+    md.partial = partial;
+    md.connInfo = connInfo;
+    md.name = name_;
+    md.bootId = bootId_;
+    md.pid = static_cast<uint32_t>(getpid());
+    md.startTime = startTime_;
+    md.token = token_;
+    md.notifAddr = sock_.address();
+    for (const auto& r : regions) {
+      md.regions.push_back(loopback::MdRegion{r->d.addr, r->d.len, r->d.devId, r->type, r->shm.fd, r->shm.offset,
+                                              r->shm.size, r->shm.ino});
+    }
+    return loopback::encode(md);
+  }
+
+  void addRegions(RemoteAgent& ra, const loopback::AgentMd& md) {
+    for (const auto& g : md.regions) {
+      RemoteRegion rr{g};
+      if (!ra.sameProcess && g.shmFd >= 0) mapShared(ra.pid, &rr);
+      ra.regions.push_back(rr);
+    }
+    std::sort(ra.regions.begin(), ra.regions.end(),
+              [](const RemoteRegion& a, const RemoteRegion& b) { return a.r.addr < b.r.addr; });
+  }
+
   Dlist buildDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type) {
     checkType(type);
     Dlist dl;
@@ -541,7 +632,8 @@ class LoopbackEngine final : public Engine {
       if (!reg) throw EngineError(ERR_REMOTE_DISCONNECT, "agent '" + agent + "' is closed");
       std::lock_guard<std::mutex> lk(reg->mu);
       for (const auto& d : descs) {
-        RegionP r = d.len ? reg->find(d, type) : nullptr;
+        // Only memory its metadata announced, and only while still registered.
+        RegionP r = d.len && ra.find(d, type) ? reg->find(d, type) : nullptr;
         if (!r)
           throw EngineError(ERR_NOT_FOUND, "descriptor " + descStr(d) + " is not inside memory registered with agent '" +
                                                agent + "'");

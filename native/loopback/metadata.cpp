@@ -52,6 +52,7 @@ std::string encode(const AgentMd& md) {
   Writer w;
   w.out.append(kMagic, sizeof kMagic);
   w.u32(kVersion);
+  w.u8(static_cast<uint8_t>((md.partial ? 1 : 0) | (md.connInfo ? 2 : 0)));
   w.str(md.name);
   w.str(md.bootId);
   w.u32(md.pid);
@@ -82,6 +83,9 @@ AgentMd decode(const std::string& blob) {
     throw EngineError(ERR_MISMATCH, "loopback metadata version " + std::to_string(version) +
                                         " is not supported (expected " + std::to_string(kVersion) + ")");
   AgentMd md;
+  uint8_t flags = r.u8();
+  md.partial = flags & 1;
+  md.connInfo = flags & 2;
   md.name = r.str(4096);
   if (md.name.empty()) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (empty name)");
   md.bootId = r.str(256);

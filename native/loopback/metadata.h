@@ -18,6 +18,8 @@ struct MdRegion {
 };
 
 struct AgentMd {
+  bool partial = false;    // only some registrations (getLocalPartialMD)
+  bool connInfo = true;    // carries what is needed to reach the agent
   std::string name;
   std::string bootId;      // kernel boot id: same host check
   uint32_t pid;

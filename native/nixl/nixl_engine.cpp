@@ -95,8 +95,7 @@ class NixlEngine final : public Engine {
   Handle registerMem(const std::vector<Desc>& descs, MemType type, const std::vector<std::string>& backends) override {
     checkOpen();
     if (descs.empty()) throw EngineError(ERR_INVALID_PARAM, "registerMem: empty descriptor list");
-    nixl_reg_dlist_t dl(memType(type));
-    for (const auto& d : descs) dl.addDesc(nixlBlobDesc(static_cast<uintptr_t>(d.addr), d.len, d.devId, ""));
+    nixl_reg_dlist_t dl = regList(descs, type);
     nixl_opt_args_t args = opts(backends);
     check(agent_.registerMem(dl, &args), "registerMem");
     Handle h = nextHandle_++;
@@ -126,6 +125,77 @@ class NixlEngine final : public Engine {
     nixl_blob_t md;
     check(agent_.getLocalMD(md), "getLocalMD");
     return md;
+  }
+
+  std::string getLocalPartialMD(const std::vector<Desc>& descs, MemType type, bool includeConnInfo,
+                                const std::vector<std::string>& backends) override {
+    checkOpen();
+    nixl_opt_args_t args = opts(backends);
+    args.includeConnInfo = includeConnInfo;
+    nixl_blob_t md;
+    check(agent_.getLocalPartialMD(regList(descs, type), md, &args), "getLocalPartialMD");
+    return md;
+  }
+
+  void sendLocalMD(const std::string& ip, int port) override {
+    checkOpen();
+    nixl_opt_args_t args = peer(ip, port);
+    check(agent_.sendLocalMD(&args), "sendLocalMD");
+  }
+
+  void sendLocalPartialMD(const std::vector<Desc>& descs, MemType type, const std::string& ip, int port) override {
+    checkOpen();
+    nixl_opt_args_t args = peer(ip, port);
+    check(agent_.sendLocalPartialMD(regList(descs, type), &args), "sendLocalPartialMD");
+  }
+
+  void fetchRemoteMD(const std::string& agent, const std::string& ip, int port) override {
+    checkOpen();
+    nixl_opt_args_t args = peer(ip, port);
+    check(agent_.fetchRemoteMD(agent, &args), "fetchRemoteMD");
+  }
+
+  void invalidateLocalMD(const std::string& ip, int port) override {
+    checkOpen();
+    nixl_opt_args_t args = peer(ip, port);
+    check(agent_.invalidateLocalMD(&args), "invalidateLocalMD");
+  }
+
+  bool checkRemoteMD(const std::string& agent, const std::vector<Desc>& descs, MemType type) override {
+    checkOpen();
+    nixl_status_t s = agent_.checkRemoteMD(agent, xferList(descs, type));
+    if (s == NIXL_SUCCESS) return true;
+    if (s == NIXL_ERR_NOT_FOUND) return false;
+    check(s, "checkRemoteMD");
+    return false;
+  }
+
+  void makeConnection(const std::string& agent) override {
+    checkOpen();
+    check(agent_.makeConnection(agent), "makeConnection");
+  }
+
+  std::vector<std::optional<Params>> queryMem(const std::vector<Desc>& descs, MemType type,
+                                              const std::vector<std::string>& backends) override {
+    checkOpen();
+    nixl_opt_args_t args = opts(backends);
+    std::vector<nixl_query_resp_t> resp;
+    check(agent_.queryMem(regList(descs, type), resp, &args), "queryMem");
+    std::vector<std::optional<Params>> out;
+    for (auto& r : resp) {
+      if (r) out.push_back(Params(r->begin(), r->end()));
+      else out.push_back(std::nullopt);
+    }
+    return out;
+  }
+
+  Cost estimateXferCost(Handle h) override {
+    checkOpen();
+    RequestP req = find(h);
+    std::chrono::microseconds d{}, m{};
+    nixl_cost_t method{};
+    check(agent_.estimateXferCost(req->h, d, m, method), "estimateXferCost");
+    return Cost{static_cast<uint64_t>(d.count()), static_cast<uint64_t>(m.count()), static_cast<int>(method)};
   }
 
   std::string loadRemoteMD(const std::string& md) override {
@@ -288,6 +358,22 @@ class NixlEngine final : public Engine {
       auto it = backends_.find(b);
       if (it == backends_.end()) throw EngineError(ERR_NOT_FOUND, "backend '" + b + "' was not created");
       a.backends.push_back(it->second);
+    }
+    return a;
+  }
+
+  static nixl_reg_dlist_t regList(const std::vector<Desc>& descs, MemType type) {
+    nixl_reg_dlist_t dl(memType(type));
+    for (const auto& d : descs) dl.addDesc(nixlBlobDesc(static_cast<uintptr_t>(d.addr), d.len, d.devId, ""));
+    return dl;
+  }
+
+  // ip empty: NIXL's etcd mode (NIXL_ETCD_ENDPOINTS), else the peer's listener.
+  static nixl_opt_args_t peer(const std::string& ip, int port) {
+    nixl_opt_args_t a;
+    if (!ip.empty()) {
+      a.ipAddr = ip;
+      a.port = port > 0 ? port : default_comm_port;
     }
     return a;
   }
