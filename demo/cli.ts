@@ -148,12 +148,18 @@ async function main(): Promise<void> {
     if (tty) process.stdout.write(`\r${line}`);
     else console.log(line);
   };
+  let handshaken = 0;
+  const decoders: ReturnType<typeof worker>[] = [];
   const reports = await Promise.all(Array.from({ length: o.decodeTp }, (_, r) => new Promise<Record<string, number>>((resolve, reject) => {
     const w = worker('decode-worker.js', {
       spec: dSpec(r), prefillTp: o.prefillTp, port: ready.port, method: o.method, engine: o.engine, compatibilityHash: hash, requests, inFlight: o.inFlight,
     } satisfies DecodeConfig);
+    decoders.push(w);
     w.on('message', (m: { type: string; bytes?: number; message?: string }) => {
-      if (m.type === 'progress') {
+      if (m.type === 'ready') {
+        // every rank has handshaken: start them together
+        if (++handshaken === o.decodeTp) for (const d of decoders) d.send({ type: 'go' });
+      } else if (m.type === 'progress') {
         moved += m.bytes!;
         show();
       } else if (m.type === 'done') resolve(m as unknown as Record<string, number>);
@@ -179,7 +185,7 @@ async function main(): Promise<void> {
     ['blocks moved', `${o.decodeTp * requests.length * per * regions} block slices of ${dBlock / 1024} KiB`],
     ['bytes moved', fmt(bytes)],
     ['descriptors', String(reports.reduce((a, r) => a + r.descriptors, 0))],
-    ['wall time', `${(end - start).toFixed(0)} ms`],
+    ['wall time', `${(end - start).toFixed(0)} ms (all ranks pulling at once)`],
     ['throughput', `${(bytes / ((end - start) / 1000) / 1e9).toFixed(2)} GB/s (all decode ranks together)`],
     ['verified', bad === 0 ? `every byte (${fmt(bytes)})` : `${bad} head rows WRONG`],
     ['prefill freed', releasedInTime ? `${released}/${requests.length} requests after all decode reads${expired ? ` (${expired} expired)` : ''}` : `${released}/${requests.length} (timed out waiting)`],

@@ -25,6 +25,9 @@ async function main(): Promise<void> {
   const puller = new KvPuller({ agent, layout, handshake: cfg.method, expectedHash: cfg.compatibilityHash, maxConcurrent: cfg.inFlight });
   const remote = { host: '127.0.0.1', port: cfg.port, tpSize: cfg.prefillTp };
   const handshakeMs = await puller.handshakeMs(remote);
+  // All decode ranks start pulling together, so the wall time measures the pulls.
+  process.send!({ type: 'ready' });
+  await new Promise<void>((resolve) => process.once('message', () => resolve()));
   const start = performance.timeOrigin + performance.now();
   let bad = 0;
   let bytes = 0;
