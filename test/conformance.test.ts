@@ -33,6 +33,16 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
   afterEach(() => {
     for (const a of open.splice(0)) a.close();
   });
+  /** Two agents, each with `size` bytes of registered memory. */
+  const pair = (size: number) => {
+    const a = mk('conf-a');
+    const b = mk('conf-b');
+    const ma = allocate(size);
+    const mb = allocate(size);
+    a.registerMemory(ma);
+    b.registerMemory(mb);
+    return { a, b, ma, mb };
+  };
 
   it('reports its engine and backend', () => {
     const a = mk('conf-a');
@@ -101,15 +111,10 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
   }, 60_000);
 
   it('partial metadata: registrations arrive piecewise, checkRemoteMetadata tells what is known', async () => {
-    const a = mk('conf-a');
-    const b = mk('conf-b');
-    const m1 = allocate(65536);
+    const { a, b, ma: m1, mb: dst } = pair(65536);
     const m2 = allocate(65536);
     m2.fill(0x42);
-    a.registerMemory(m1);
     a.registerMemory(m2);
-    const dst = allocate(65536);
-    b.registerMemory(dst);
     expect(b.checkRemoteMetadata('conf-a')).toBe(false);
     expect(b.addRemoteAgent(a.getPartialAgentMetadata(m1, { includeConnInfo: true }))).toBe('conf-a');
     expect(b.checkRemoteMetadata('conf-a')).toBe(true);
@@ -188,13 +193,8 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
   });
 
   it('bad descriptors and handles are NixlErrors with codes, nothing copied', () => {
-    const a = mk('conf-a');
-    const b = mk('conf-b');
-    const la = allocate(4096);
-    const lb = allocate(4096);
+    const { a, b, ma: la, mb: lb } = pair(4096);
     la.fill(1);
-    a.registerMemory(la);
-    b.registerMemory(lb);
     a.addRemoteAgent(b.getAgentMetadata());
     const expectCode = (f: () => unknown, codes: string[]) => {
       try {
