@@ -212,13 +212,15 @@ class LoopbackEngine final : public Engine {
     checkBackends(backends);
     checkType(type);
     if (descs.empty()) throw EngineError(ERR_INVALID_PARAM, "registerMem: empty descriptor list");
-    std::vector<RegionP> regs;
-    for (const auto& d : descs) {
+    for (const auto& d : descs)
       if (d.addr == 0 || d.len == 0 || d.addr + d.len < d.addr)
         throw EngineError(ERR_INVALID_PARAM, "registerMem: invalid descriptor " + descStr(d));
-      if (!loopback::isMappedReadWrite(d.addr, d.len))
-        throw EngineError(ERR_INVALID_PARAM, "registerMem: " + descStr(d) +
-                                                 " is not readable and writable memory of this process");
+    long bad = loopback::firstUnmapped(descs);
+    if (bad >= 0)
+      throw EngineError(ERR_INVALID_PARAM, "registerMem: " + descStr(descs[bad]) +
+                                               " is not readable and writable memory of this process");
+    std::vector<RegionP> regs;
+    for (const auto& d : descs) {
       auto r = std::make_shared<Region>();
       r->d = d;
       r->type = type;

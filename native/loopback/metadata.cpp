@@ -4,6 +4,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <algorithm>
 
 namespace nixlnode::loopback {
 namespace {
@@ -144,22 +145,31 @@ uint64_t processStartTime(uint32_t pid) {
 
 namespace nixlnode::loopback {
 
-bool isMappedReadWrite(uint64_t addr, uint64_t len) {
+long firstUnmapped(const std::vector<Desc>& descs) {
+  struct Range {
+    uint64_t lo, hi;
+    bool rw;
+  };
+  std::vector<Range> maps;
   std::ifstream f("/proc/self/maps");
   std::string line;
-  uint64_t need = addr;
-  const uint64_t end = addr + len;
-  // Lines are sorted by address; walk until [addr, end) is covered.
-  while (need < end && std::getline(f, line)) {
+  while (std::getline(f, line)) {
     uint64_t lo = 0, hi = 0;
     char perms[5] = {0};
-    if (sscanf(line.c_str(), "%lx-%lx %4s", &lo, &hi, perms) != 3) continue;
-    if (hi <= need) continue;
-    if (lo > need) return false;  // a hole
-    if (perms[0] != 'r' || perms[1] != 'w') return false;
-    need = hi;
+    if (sscanf(line.c_str(), "%lx-%lx %4s", &lo, &hi, perms) == 3) maps.push_back({lo, hi, perms[0] == 'r' && perms[1] == 'w'});
   }
-  return need >= end;
+  // Lines are sorted by address; walk each descriptor across adjacent mappings.
+  for (size_t i = 0; i < descs.size(); ++i) {
+    uint64_t need = descs[i].addr;
+    const uint64_t end = descs[i].addr + descs[i].len;
+    auto it = std::upper_bound(maps.begin(), maps.end(), need, [](uint64_t a, const Range& r) { return a < r.hi; });
+    for (; need < end && it != maps.end(); ++it) {
+      if (it->lo > need || !it->rw) break;
+      need = it->hi;
+    }
+    if (need < end) return static_cast<long>(i);
+  }
+  return -1;
 }
 
 }  // namespace nixlnode::loopback

@@ -39,8 +39,8 @@ uint64_t processStartTime(uint32_t pid);  // 0 if the process is gone
 }  // namespace nixlnode::loopback
 
 namespace nixlnode::loopback {
-// True when [addr, addr+len) is covered by read-write mappings of this
-// process (/proc/self/maps), so registering a wild pointer fails cleanly
-// instead of crashing the first copy.
-bool isMappedReadWrite(uint64_t addr, uint64_t len);
+// Index of the first descriptor not covered by read-write mappings of this
+// process (/proc/self/maps, read once), or -1 when all are: registering a
+// wild pointer fails cleanly instead of crashing the first copy.
+long firstUnmapped(const std::vector<Desc>& descs);
 }  // namespace nixlnode::loopback

@@ -443,7 +443,9 @@ class NixlEngine final : public Engine {
       for (auto& r : done) sink_->onComplete(r->id);
       done.clear();
       drainNotifs();
-      std::this_thread::yield();
+      // While requests are in flight, poll about every 50 us: completion
+      // latency stays far below a KV block pull, and no core is spun.
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
 
