@@ -84,19 +84,6 @@ export class DescList {
     return new DescList(t, memType, owners);
   }
 
-  /** Cuts [offset, offset+len) out of each given region: e.g. one block of each layer. */
-  static slices(regions: ReadonlyArray<{ addr: bigint; devId?: number }>, pieces: ReadonlyArray<[number, number, number]>,
-                memType: MemType = 'DRAM'): DescList {
-    const t = new BigUint64Array(pieces.length * 3);
-    pieces.forEach(([region, offset, len], i) => {
-      const r = regions[region];
-      if (!r) throw invalidParam(`slice ${i}: no region ${region}`);
-      t[3 * i] = r.addr + BigInt(offset);
-      t[3 * i + 1] = BigInt(len);
-      t[3 * i + 2] = BigInt(r.devId ?? 0);
-    });
-    return new DescList(t, memType);
-  }
 }
 
 export function toDescList(m: DescList | MemoryLike | readonly MemoryLike[], memType?: MemType): DescList {

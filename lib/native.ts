@@ -57,7 +57,6 @@ export declare class NativeAgent {
   /** [from0, msg0, from1, msg1, ...] */
   getNotifs(): Array<string | Buffer>;
   watchNotifs(on: boolean): void;
-  inflight(): number;
   close(): void;
 }
 

@@ -22,7 +22,6 @@ namespace {
 
 struct AddonData {
   Napi::FunctionReference errorClass;  // NixlError, handed over by lib/errors.ts
-  Napi::FunctionReference agentCtor;
 };
 
 Napi::Error makeError(Napi::Env env, int status, const std::string& msg) {
@@ -161,7 +160,6 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
                            InstanceMethod<&NativeAgent::GenNotif>("genNotif"),
                            InstanceMethod<&NativeAgent::GetNotifs>("getNotifs"),
                            InstanceMethod<&NativeAgent::WatchNotifs>("watchNotifs"),
-                           InstanceMethod<&NativeAgent::Inflight>("inflight"),
                            InstanceMethod<&NativeAgent::Close>("close"),
                        });
   }
@@ -610,8 +608,6 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     UpdateRef(env);
     return env.Undefined();
   }
-
-  Napi::Value Inflight(const Napi::CallbackInfo& info) { return Napi::Number::New(info.Env(), inflight_); }
 
   Napi::Value Close(const Napi::CallbackInfo& info) {
     if (engine_) {

@@ -80,11 +80,23 @@ interface RemoteRank {
   dlist: DlistHandle;
 }
 
+/** One planned read with its block slices on both sides, fixed at connect time. */
+interface PreparedRead {
+  read: RankRead;
+  rank: RemoteRank;
+  local: BlockSlices;
+  remote: BlockSlices;
+  /** Bytes one block contributes (all regions). */
+  blockBytes: number;
+}
+
 interface RemoteEngine {
   key: string;
   engineId: string;
   plan: ReadPlan;
   ranks: Map<number, RemoteRank>;
+  reads: PreparedRead[];
+  numBlocks: number;
   handshakeMs: number;
 }
 
@@ -138,24 +150,27 @@ export class KvPuller {
       }
     }
     const ranks = new Map<number, RemoteRank>();
+    const reads: PreparedRead[] = [];
     try {
       wanted.forEach((rank, i) => {
         const meta = metas[i];
         const read = plan.reads[i];
-        const agentName = this.#agent.addRemoteAgent(meta.agentMetadata);
-        const slices: BlockSlices = {
-          baseAddrs: meta.kvCachesBaseAddr, strides: meta.blockLens, offsets: read.remoteOffset,
-          lens: read.local.map((s) => s.len), devId: meta.deviceId,
+        const local = this.#localSlices(read);
+        const remote: BlockSlices = {
+          baseAddrs: meta.kvCachesBaseAddr, strides: meta.blockLens, offsets: read.remoteOffset, lens: local.lens, devId: meta.deviceId,
         };
-        const dlist = this.#agent.prepXferDlist(agentName, new DescList(allBlockDescs(slices, meta.numBlocks), this.#layout.memType ?? 'DRAM'));
-        ranks.set(rank, { rank, agentName, meta, dlist });
+        const agentName = this.#agent.addRemoteAgent(meta.agentMetadata);
+        const dlist = this.#agent.prepXferDlist(agentName, new DescList(allBlockDescs(remote, meta.numBlocks), this.#layout.memType ?? 'DRAM'));
+        const r = { rank, agentName, meta, dlist };
+        ranks.set(rank, r);
+        if (!read.notifyOnly) this.#localDlist(read);
+        reads.push({ read, rank: r, local, remote, blockBytes: local.lens.reduce((a, b) => a + b, 0) });
       });
-      for (const read of plan.reads) if (!read.notifyOnly) this.#localDlist(read);
     } catch (e) {
       for (const r of ranks.values()) this.#dropRank(r);
       throw e;
     }
-    return { key, engineId: metas[0].engineId, plan, ranks, handshakeMs: performance.now() - t0 };
+    return { key, engineId: metas[0].engineId, plan, ranks, reads, numBlocks: metas[0].numBlocks, handshakeMs: performance.now() - t0 };
   }
 
   #localSlices(read: RankRead): BlockSlices {
@@ -241,7 +256,7 @@ export class KvPuller {
     try {
       engine = await this.connect(opts.remote);
       stage = 'setup';
-      const nRemote = engine.ranks.values().next().value!.meta.numBlocks;
+      const nRemote = engine.numBlocks;
       if (remoteIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nRemote)) throw bad(`remote block ids must be integers in 0..${nRemote - 1}`);
       const notif = `${opts.requestId}:${this.#layout.tpSize}`;
       const t0 = performance.now();
@@ -255,31 +270,26 @@ export class KvPuller {
       let descriptors = 0;
       let coalesced = false;
       const wantCoalesce = opts.coalesce ?? this.#opts.coalesce ?? false;
-      for (const read of engine.plan.reads) {
-        const r = engine.ranks.get(read.remoteRank)!;
-        if (read.notifyOnly) continue;
-        const local = this.#localSlices(read);
-        const remote: BlockSlices = { baseAddrs: r.meta.kvCachesBaseAddr, strides: r.meta.blockLens, offsets: read.remoteOffset, lens: local.lens, devId: r.meta.deviceId };
-        const merged = wantCoalesce ? coalescedDescs(local, remote, localIds, remoteIds) : undefined;
+      const mt = this.#layout.memType ?? 'DRAM';
+      for (const p of engine.reads) {
+        if (p.read.notifyOnly) continue;
+        const merged = wantCoalesce ? coalescedDescs(p.local, p.remote, localIds, remoteIds) : undefined;
         let h: XferHandle;
         if (merged) {
-          const mt = this.#layout.memType ?? 'DRAM';
-          h = this.#agent.initializeXfer('READ', new DescList(merged.local, mt), new DescList(merged.remote, mt), r.agentName, notif);
+          h = this.#agent.initializeXfer('READ', new DescList(merged.local, mt), new DescList(merged.remote, mt), p.rank.agentName, notif);
           descriptors += merged.count;
           coalesced = true;
         } else {
-          h = this.#agent.makePreppedXfer('READ', this.#localDlist(read), blockDescIds(regions, this.#layout.numBlocks, localIds),
-            r.dlist, blockDescIds(regions, nRemote, remoteIds), notif);
+          h = this.#agent.makePreppedXfer('READ', this.#localDlist(p.read), blockDescIds(regions, this.#layout.numBlocks, localIds),
+            p.rank.dlist, blockDescIds(regions, nRemote, remoteIds), notif);
           descriptors += regions * localIds.length;
         }
         handles.push(h);
         this.#xfers++;
         this.#agent.transfer(h);
-        bytes += local.lens.reduce((a, b) => a + b, 0) * localIds.length;
+        bytes += p.blockBytes * localIds.length;
       }
-      for (const read of engine.plan.reads) {
-        if (read.notifyOnly) this.#notify(engine.ranks.get(read.remoteRank)!.agentName, notif);
-      }
+      for (const p of engine.reads) if (p.read.notifyOnly) this.#notify(p.rank.agentName, notif);
       const postMs = performance.now() - t0;
       stage = 'transfer';
       await Promise.all(handles.map((h) => this.#agent.wait(h, { timeoutMs: opts.timeoutMs, signal: opts.signal })));
