@@ -4,9 +4,11 @@
       "target_name": "nixl_node",
       "sources": [
         "native/addon.cpp",
+        "native/loopback/live_table.cpp",
         "native/loopback/loopback_engine.cpp",
         "native/loopback/metadata.cpp",
         "native/loopback/notif_socket.cpp",
+        "native/loopback/notifier.cpp",
         "native/loopback/shm.cpp"
       ],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],

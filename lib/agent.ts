@@ -1,6 +1,7 @@
 // The typed Agent API. Method names mirror NIXL's Python API (nixl._api) in
 // camelCase; promise forms (wait/read/write/waitForNotif) are resolved from
 // the addon's batched completion events.
+import { markAsUntransferable } from 'node:worker_threads';
 import { NixlError, invalidParam } from './errors';
 import { DescList, MemType, MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, NativeAgent, NativeTelemetry } from './native';
@@ -158,6 +159,11 @@ export class NixlAgent {
                  opts: { memType?: MemType; backends?: string[] } = {}): RegisteredMemory {
     const d = toDescList(mem, opts.memType);
     const id = this.#native.registerMem(d.triples, memTypeId(d.memType), opts.backends, [...d.owners]);
+    // A transfer (postMessage, structuredClone) would detach the ArrayBuffer
+    // and hand its memory to a clone that can be collected under a copy. Node
+    // copies untransferable buffers instead, as it does for its Buffer pool.
+    // The mark is permanent: it outlives deregistration.
+    for (const o of d.owners) markAsUntransferable(ArrayBuffer.isView(o) ? o.buffer : o);
     return new RegisteredMemory(id, d);
   }
 
@@ -260,6 +266,12 @@ export class NixlAgent {
 
   /** Posts (or re-posts) a transfer; notifMsg replaces the request's message. */
   transfer(handle: XferHandle, notifMsg?: NotifMsg): XferState {
+    // Waiters left from the previous posting (finished, its event not yet
+    // delivered) are settled now, so a wait never spans two postings.
+    if (this.#waiters.has(handle.id)) {
+      const s = this.#native.getXferStatus(handle.id);
+      if (stateOf(s) !== 'PROC') this.#settle(handle.id, errorOf(s));
+    }
     return stateOf(this.#native.postXferReq(handle.id, notifMsg));
   }
 
@@ -271,8 +283,7 @@ export class NixlAgent {
 
   /** The error of a transfer in state ERR, else undefined. */
   getXferError(handle: XferHandle): NixlError | undefined {
-    const s = this.#native.getXferStatus(handle.id);
-    return Array.isArray(s) ? NixlError.fromStatus(s[0], s[1] || 'transfer failed') : undefined;
+    return errorOf(this.#native.getXferStatus(handle.id));
   }
 
   releaseXferHandle(handle: XferHandle): void {
@@ -295,7 +306,12 @@ export class NixlAgent {
 
   /** Resolves when the posted transfer is DONE; rejects with its NixlError on ERR. */
   wait(handle: XferHandle, opts: WaitOptions = {}): Promise<void> {
-    const s = this.#native.getXferStatus(handle.id);
+    let s: number | [number, string];
+    try {
+      s = this.#native.getXferStatus(handle.id);
+    } catch (e) {
+      return Promise.reject(e);
+    }
     const state = stateOf(s);
     if (state === 'DONE') return Promise.resolve();
     if (state === 'ERR') {
@@ -362,6 +378,7 @@ export class NixlAgent {
    */
   waitForNotif(match: { agent?: string; msg?: NotifMsg } | ((n: Notif) => boolean) = {},
                opts: WaitOptions = {}): Promise<Notif> {
+    if (this.#closed) return Promise.reject(new NixlError(`agent '${this.name}' is closed`, 'NIXL_ERR_NOT_ALLOWED'));
     const pred = typeof match === 'function' ? match : notifMatcher(match);
     this.#pumpNotifs();
     const i = this.#notifs.findIndex(pred);
@@ -418,7 +435,10 @@ export class NixlAgent {
         this.#settle(id, e as Error);
         continue;
       }
-      this.#settle(id, Array.isArray(s) ? NixlError.fromStatus(s[0], s[1] || 'transfer failed') : undefined);
+      // The event of an earlier posting, delivered after the handle was
+      // posted again: this posting's own event is still to come.
+      if (stateOf(s) === 'PROC') continue;
+      this.#settle(id, errorOf(s));
     }
     if (notif || this.#notifWatchers.size > 0) {
       this.#pumpNotifs();
@@ -463,6 +483,10 @@ export class NixlAgent {
       else i++;
     }
   }
+}
+
+function errorOf(status: number | [number, string]): NixlError | undefined {
+  return Array.isArray(status) ? NixlError.fromStatus(status[0], status[1] || 'transfer failed') : undefined;
 }
 
 function notifMatcher(m: { agent?: string; msg?: NotifMsg }): (n: Notif) => boolean {

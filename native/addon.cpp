@@ -63,7 +63,12 @@ std::vector<Desc> descsArg(Napi::Env env, const Napi::Value& v, const char* what
     fail(env, ERR_INVALID_PARAM, std::string(what) + ": descriptor array length must be a multiple of 3");
   std::vector<Desc> out(a.ElementLength() / 3);
   const uint64_t* p = a.Data();
-  for (size_t i = 0; i < out.size(); ++i) out[i] = Desc{p[3 * i], p[3 * i + 1], p[3 * i + 2]};
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = Desc{p[3 * i], p[3 * i + 1], p[3 * i + 2]};
+    if (descWraps(out[i].addr, out[i].len))
+      fail(env, ERR_INVALID_PARAM, std::string(what) + ": descriptor " + std::to_string(i) +
+                                       " wraps past the end of the address space (addr + len >= 2^64)");
+  }
   return out;
 }
 
@@ -664,9 +669,21 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
     double n = info[0].As<Napi::Number>().DoubleValue();
     if (!(n >= 1) || n > 9007199254740991.0 || n != static_cast<double>(static_cast<uint64_t>(n)))
       fail(env, ERR_INVALID_PARAM, "allocate(bytes): bytes must be a positive integer");
+    // Raw N-API: past Node's Buffer size limit, napi_create_external_buffer
+    // fails after Node has already run the finalizer, and node-addon-api's
+    // Buffer::New then frees its finalizer data a second time.
     void* p = shm::allocate(static_cast<size_t>(n));
-    return Napi::Buffer<uint8_t>::New(env, static_cast<uint8_t*>(p), static_cast<size_t>(n),
-                                      [](Napi::Env, uint8_t* data) { shm::release(data); });
+    napi_value buf;
+    napi_status st = napi_create_external_buffer(
+        env, static_cast<size_t>(n), p, [](napi_env, void* data, void*) { shm::release(data); }, nullptr, &buf);
+    if (st != napi_ok) {
+      napi_value pending;
+      napi_get_and_clear_last_exception(env, &pending);  // Node's RangeError: ours says more
+      shm::release(p);  // no-op when Node's finalizer already ran
+      fail(env, ERR_INVALID_PARAM, "allocate(" + std::to_string(static_cast<uint64_t>(n)) +
+                                       "): larger than a Buffer can be in this Node (require('buffer').constants.MAX_LENGTH)");
+    }
+    return Napi::Value(env, buf);
   });
 }
 

@@ -29,6 +29,15 @@ struct Desc {
   uint64_t devId;
 };
 
+// [addr, addr + len) without wrapping past 2^64.
+inline bool descWraps(uint64_t addr, uint64_t len) { return len > UINT64_MAX - addr; }
+
+// [addr, addr + len) inside [base, base + size), computed so that no sum can
+// wrap: a descriptor whose end overflows is never "inside" anything.
+inline bool descWithin(uint64_t addr, uint64_t len, uint64_t base, uint64_t size) {
+  return addr >= base && len <= size && addr - base <= size - len;
+}
+
 using Handle = uint32_t;
 using Params = std::map<std::string, std::string>;
 

@@ -86,3 +86,77 @@ it('metadata of a process that is gone is refused', async () => {
   agent = new NixlAgent('parent', { engine: 'loopback' });
   expect(() => agent!.addRemoteAgent(Buffer.from(init.md))).toThrow(expect.objectContaining({ code: 'NIXL_ERR_REMOTE_DISCONNECT' }));
 });
+
+describe.each([
+  ['shared mapping (allocate)', true],
+  ['process_vm (plain Buffer)', false],
+])('a peer process deregisters or closes, %s', (_label, shared) => {
+  it('a read after the peer deregistered and reused its memory is NIXL_ERR_NOT_FOUND, not the new bytes', async () => {
+    const { mem, childAddr } = await setup(shared);
+    await peer!.request({ cmd: 'dereg', seed: 9 });
+    const before = Buffer.from(mem);
+    await expect(agent!.read(mem.subarray(0, BLOCK), [{ addr: childAddr, len: BLOCK }], 'child'))
+      .rejects.toMatchObject({ code: 'NIXL_ERR_NOT_FOUND' });
+    expect(mem.equals(before)).toBe(true);
+  });
+
+  it('a deregistration while the transfer waits in the queue fails it', async () => {
+    agent = new NixlAgent('parent', { engine: 'loopback', testDelayUs: 400_000 });
+    const mem = Buffer.alloc(SIZE);
+    agent.registerMemory(mem);
+    peer = new Peer('peer.js');
+    const init = await peer.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', name: 'child', size: SIZE, shared, seed: 2 });
+    agent.addRemoteAgent(Buffer.from(init.md));
+    const p = agent.read(mem, [{ addr: init.addr, len: SIZE }], 'child');
+    await peer.request({ cmd: 'dereg', seed: 9 });
+    await expect(p).rejects.toMatchObject({ code: 'NIXL_ERR_NOT_FOUND' });
+    expect(checkPattern(mem.subarray(0, 4096), 9)).toBe(false);
+  });
+
+  it('a read after the peer closed its agent (process alive) is NIXL_ERR_REMOTE_DISCONNECT', async () => {
+    const { mem, childAddr } = await setup(shared);
+    await peer!.request({ cmd: 'closeAgent' });
+    await expect(agent!.read(mem.subarray(0, BLOCK), [{ addr: childAddr, len: BLOCK }], 'child'))
+      .rejects.toMatchObject({ code: 'NIXL_ERR_REMOTE_DISCONNECT' });
+  });
+});
+
+it('a stopped peer does not hold up transfers from healthy peers; its notifications arrive in order once it runs', async () => {
+  agent = new NixlAgent('parent', { engine: 'loopback' });
+  const mem = allocate(SIZE);
+  agent.registerMemory(mem);
+  const healthy = new Peer('peer.js');
+  const stalled = new Peer('peer.js');
+  try {
+    const h = await healthy.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', name: 'healthy', size: SIZE, shared: true, seed: 3 });
+    const s = await stalled.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', name: 'stalled', size: SIZE, shared: true, seed: 4 });
+    agent.addRemoteAgent(Buffer.from(h.md));
+    agent.addRemoteAgent(Buffer.from(s.md));
+    process.kill(stalled.proc.pid!, 'SIGSTOP');
+    // Fill the stopped peer's socket queue; the rest queue up in order.
+    const big = Buffer.alloc(60_000, 1);
+    for (let i = 0; i < 64; i++) agent.sendNotif('stalled', Buffer.concat([Buffer.from(`n${i}:`), big]));
+    const stalledRead = agent.read(mem.subarray(0, BLOCK), [{ addr: s.addr, len: BLOCK }], 'stalled', { notifMsg: 'last' });
+    const t0 = performance.now();
+    for (let i = 0; i < 8; i++) {
+      await agent.read(mem.subarray(BLOCK, 2 * BLOCK), [{ addr: h.addr, len: BLOCK }], 'healthy', { notifMsg: `h${i}` });
+    }
+    const healthyMs = performance.now() - t0;
+    expect(healthyMs).toBeLessThan(2000);
+    expect(checkPattern(mem.subarray(BLOCK, 2 * BLOCK), 3, 0)).toBe(true);
+    process.kill(stalled.proc.pid!, 'SIGCONT');
+    await stalledRead; // its notification went out once the peer drained its queue
+    const got: string[] = [];
+    for (let t = 0; t < 100 && !got.includes('last'); t++) {
+      got.push(...(await stalled.request<{ msgs: string[] }>({ cmd: 'notifs', from: 'parent' })).msgs.map((m) => m.split(':')[0]));
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(got).toEqual([...Array.from({ length: 64 }, (_, i) => `n${i}`), 'last']);
+    const hs = (await healthy.request<{ msgs: string[] }>({ cmd: 'notifs', from: 'parent' })).msgs;
+    expect(hs).toEqual(Array.from({ length: 8 }, (_, i) => `h${i}`));
+  } finally {
+    try { process.kill(stalled.proc.pid!, 'SIGCONT'); } catch { /* gone */ }
+    healthy.kill();
+    stalled.kill();
+  }
+});

@@ -159,13 +159,17 @@ function describe(v: unknown): string {
 
 const asStr = (v: unknown) => (typeof v === 'string' ? v : undefined);
 const asBin = (v: unknown) => (v instanceof Uint8Array ? Buffer.from(v.buffer, v.byteOffset, v.byteLength) : undefined);
-const asUint = (v: unknown): bigint | undefined => {
-  if (typeof v === 'bigint') return v >= 0n ? v : undefined;
-  if (typeof v === 'number' && Number.isInteger(v) && v >= 0) return BigInt(v);
+const UINT64_END = 1n << 64n;
+// An address: a uint64 (msgpack uint 64 decodes to a bigint) or an exact
+// number. A float64 past 2^53 is no exact address, and a bigint extension may
+// carry values past 2^64 that a BigUint64Array would silently wrap.
+const asUint64 = (v: unknown): bigint | undefined => {
+  if (typeof v === 'bigint') return v >= 0n && v < UINT64_END ? v : undefined;
+  if (typeof v === 'number' && Number.isSafeInteger(v) && v >= 0) return BigInt(v);
   return undefined;
 };
 const asSmallUint = (v: unknown): number | undefined => {
-  const b = asUint(v);
+  const b = asUint64(v);
   return b !== undefined && b <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(b) : undefined;
 };
 const asList = <T>(el: (v: unknown) => T | undefined) => (v: unknown): T[] | undefined => {
@@ -188,7 +192,11 @@ export function encodeAgentMetadata(m: NixlAgentMetadata): Buffer {
   return packMsgpack(new Map<string, MpValue>([
     ['engine_id', m.engineId],
     ['agent_metadata', Buffer.from(m.agentMetadata)],
-    ['kv_caches_base_addr', m.kvCachesBaseAddr.map((a) => BigInt(a))],
+    ['kv_caches_base_addr', m.kvCachesBaseAddr.map((a, i) => {
+      const v = asUint64(a);
+      if (v === undefined) throw new HandshakeError(`kv_caches_base_addr[${i}] = ${String(a)} is not a uint64`);
+      return v;
+    })],
     ['device_id', m.deviceId],
     ['num_blocks', m.numBlocks],
     ['block_lens', m.blockLens],
@@ -206,7 +214,7 @@ export function decodeAgentMetadata(buf: Uint8Array): NixlAgentMetadata {
   return {
     engineId: field(o, 'engine_id', what, asStr, 'a string'),
     agentMetadata: field(o, 'agent_metadata', what, asBin, 'bytes'),
-    kvCachesBaseAddr: field(o, 'kv_caches_base_addr', what, asList(asUint), 'a list of unsigned integers'),
+    kvCachesBaseAddr: field(o, 'kv_caches_base_addr', what, asList(asUint64), 'a list of uint64 addresses'),
     deviceId: field(o, 'device_id', what, asSmallUint, 'an unsigned integer'),
     numBlocks: field(o, 'num_blocks', what, asSmallUint, 'an unsigned integer'),
     blockLens: field(o, 'block_lens', what, asList(asSmallUint), 'a list of unsigned integers'),

@@ -29,8 +29,10 @@
 #include <unordered_map>
 
 #include "../engine.h"
+#include "live_table.h"
 #include "metadata.h"
 #include "notif_socket.h"
+#include "notifier.h"
 #include "shm.h"
 #include "stream_copy.h"
 
@@ -60,6 +62,7 @@ struct Region {
   Desc d;
   MemType type;
   shm::Info shm{-1, 0, 0, 0};
+  loopback::LiveTable::Slot liveSlot{0, 0};  // its registration's, for peers in other processes
   std::atomic<int> inUse{0};  // in-flight requests touching it
   bool live = true;           // guarded by Registry::mu
 };
@@ -70,6 +73,10 @@ using RegionP = std::shared_ptr<Region>;
 struct Registry {
   std::mutex mu;
   std::vector<RegionP> regions;  // sorted by address
+  // Copies by any agent of this process running on this memory right now;
+  // close waits for them (the JS memory goes when it returns).
+  int copying = 0;
+  std::condition_variable idle;
 
   // Caller holds mu. Regions may overlap, so walk back over every region
   // starting at or below addr.
@@ -79,7 +86,7 @@ struct Registry {
     while (it != regions.begin()) {
       --it;
       const Region& r = **it;
-      if (d.addr + d.len <= r.d.addr + r.d.len && r.d.devId == d.devId && r.type == type) return *it;
+      if (descWithin(d.addr, d.len, r.d.addr, r.d.len) && r.d.devId == d.devId && r.type == type) return *it;
     }
     return nullptr;
   }
@@ -101,6 +108,8 @@ struct RemoteAgent {
   std::string notifAddr;
   bool sameProcess = false;
   std::weak_ptr<Registry> registry;  // same process only
+  std::unique_ptr<loopback::LiveView> live;  // other processes: their registrations' liveness
+  uint64_t agentWord = 0;
   std::vector<RemoteRegion> regions;  // sorted by address
   int pidfd = -1;
   std::atomic<bool> removed{false};
@@ -124,7 +133,7 @@ struct RemoteAgent {
     while (it != regions.begin()) {
       --it;
       const auto& r = it->r;
-      if (d.addr >= r.addr && d.addr + d.len <= r.addr + r.len && r.devId == d.devId && r.type == type)
+      if (descWithin(d.addr, d.len, r.addr, r.len) && r.devId == d.devId && r.type == type)
         return &*it;
     }
     return nullptr;
@@ -136,6 +145,8 @@ struct Entry {
   Desc d;
   RegionP region;    // local, or a same-process peer's; null for other processes
   char* ptr;         // where to memcpy; null: use process_vm_*
+  uint32_t liveSlot = 0;  // other processes: the word that says the region is still registered
+  uint64_t liveWord = 0;
 };
 
 struct Dlist {
@@ -155,15 +166,12 @@ struct Request {
   std::atomic<int> status{ERR_NOT_POSTED};
   std::string err;  // written before status is stored
   std::atomic<bool> released{false};
+  bool pinned = false;  // posted and not yet run: holds inUse on its regions
   Telemetry tel{};
   Clock::time_point postedAt;
 };
 using RequestP = std::shared_ptr<Request>;
 
-struct Job {
-  RequestP req;             // a transfer, or
-  std::string to, msg;      // a notification that found the peer's queue full
-};
 
 class LoopbackEngine final : public Engine {
  public:
@@ -175,13 +183,15 @@ class LoopbackEngine final : public Engine {
     bootId_ = loopback::bootId();
     startTime_ = loopback::processStartTime(static_cast<uint32_t>(getpid()));
     for (const auto& b : cfg.backends) createBackend(b, {});
+    agentSlot_ = live_.acquire();  // slot 0: the agent itself, dead once closed
     wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     {
       std::lock_guard<std::mutex> lk(gAgentsMu);
       gAgents[token_] = registry_;
     }
+    notifier_ = std::make_unique<loopback::Notifier>(sock_, name_);
     worker_ = std::thread([this] { workLoop(); });
-    notifier_ = std::thread([this] { notifLoop(); });
+    receiver_ = std::thread([this] { receiveLoop(); });
   }
 
   ~LoopbackEngine() override { close(); }
@@ -213,17 +223,19 @@ class LoopbackEngine final : public Engine {
     checkType(type);
     if (descs.empty()) throw EngineError(ERR_INVALID_PARAM, "registerMem: empty descriptor list");
     for (const auto& d : descs)
-      if (d.addr == 0 || d.len == 0 || d.addr + d.len < d.addr)
+      if (d.addr == 0 || d.len == 0 || descWraps(d.addr, d.len))
         throw EngineError(ERR_INVALID_PARAM, "registerMem: invalid descriptor " + descStr(d));
     long bad = loopback::firstUnmapped(descs);
     if (bad >= 0)
       throw EngineError(ERR_INVALID_PARAM, "registerMem: " + descStr(descs[bad]) +
                                                " is not readable and writable memory of this process");
     std::vector<RegionP> regs;
+    auto slot = live_.acquire();
     for (const auto& d : descs) {
       auto r = std::make_shared<Region>();
       r->d = d;
       r->type = type;
+      r->liveSlot = slot;
       shm::lookup(d.addr, d.len, &r->shm) || (r->shm.fd = -1, true);
       regs.push_back(std::move(r));
     }
@@ -237,7 +249,7 @@ class LoopbackEngine final : public Engine {
       }
     }
     Handle h = nextHandle_++;
-    registrations_[h] = std::move(regs);
+    registrations_[h] = Registration{std::move(regs), slot.index};
     return h;
   }
 
@@ -247,7 +259,7 @@ class LoopbackEngine final : public Engine {
     if (it == registrations_.end())
       throw EngineError(ERR_NOT_FOUND, "deregisterMem: unknown or already deregistered memory");
     std::lock_guard<std::mutex> lk(registry_->mu);
-    for (auto& r : it->second) {
+    for (auto& r : it->second.regions) {
       int n = r->inUse.load();
       if (n > 0)
         throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + descStr(r->d) + " is in use by " +
@@ -255,10 +267,12 @@ class LoopbackEngine final : public Engine {
                                                " in-flight transfer(s); wait for them or release them first");
     }
     auto& v = registry_->regions;
-    for (auto& r : it->second) {
+    for (auto& r : it->second.regions) {
       r->live = false;
       v.erase(std::remove(v.begin(), v.end(), r), v.end());
     }
+    // Peers in other processes see it before the caller can reuse the memory.
+    live_.kill(it->second.slot);
     registrations_.erase(it);
   }
 
@@ -319,6 +333,10 @@ class LoopbackEngine final : public Engine {
       if (st == 0 || st != md.startTime)
         throw EngineError(ERR_REMOTE_DISCONNECT, "agent " + md.name + " (pid " + std::to_string(md.pid) +
                                                      ") is no longer running");
+      ra->live = std::make_unique<loopback::LiveView>(md.pid, md.liveFd, md.liveIno);
+      ra->agentWord = md.agentWord;
+      if (!ra->live->alive(0, md.agentWord))
+        throw EngineError(ERR_REMOTE_DISCONNECT, "agent " + md.name + " is closed");
     }
     addRegions(*ra, md);
     remotes_[md.name] = ra;
@@ -454,13 +472,14 @@ class LoopbackEngine final : public Engine {
     }
     auto t0 = Clock::now();
     pin(*req);  // throws if memory went away since the handle was made
+    req->pinned = true;
     req->err.clear();
     req->tel = Telemetry{nowEpochUs(), 0, 0, req->totalBytes, req->local.size()};
     req->postedAt = t0;
     req->status.store(IN_PROG);
     {
       std::lock_guard<std::mutex> lk(qMu_);
-      queue_.push_back(Job{req, {}, {}});
+      queue_.push_back(req);
     }
     qCv_.notify_one();
     req->tel.postDurationUs = static_cast<uint64_t>(
@@ -504,14 +523,9 @@ class LoopbackEngine final : public Engine {
     auto it = remotes_.find(agent);
     if (it == remotes_.end()) throw EngineError(ERR_NOT_FOUND, "genNotif: unknown remote agent '" + agent + "'");
     if (msg.size() > NotifSocket::kMaxMsg) throw EngineError(ERR_INVALID_PARAM, "notification larger than 64 KiB");
-    int e = sock_.send(it->second->notifAddr, name_, msg, false);
-    if (e == EAGAIN || e == EWOULDBLOCK) {
-      {
-        std::lock_guard<std::mutex> lk(qMu_);
-        queue_.push_back(Job{nullptr, it->second->notifAddr, msg});
-      }
-      qCv_.notify_one();
-    } else if (e != 0) {
+    // A full peer queue queues it on the notifier (delivered later, in order).
+    int e = notifier_->send(it->second->notifAddr, msg, nullptr);
+    if (e != 0 && e != EINPROGRESS) {
       throw EngineError(ERR_REMOTE_DISCONNECT,
                         "genNotif to '" + agent + "': " + std::string(strerror(e)) + " (agent gone?)");
     }
@@ -539,21 +553,27 @@ class LoopbackEngine final : public Engine {
     uint64_t one = 1;
     if (write(wakeFd_, &one, sizeof one) < 0) { /* the loop also polls with a timeout */ }
     if (worker_.joinable()) worker_.join();
-    if (notifier_.joinable()) notifier_.join();
+    if (receiver_.joinable()) receiver_.join();
+    notifier_->stop();  // queued notifications of unfinished requests are dropped
     ::close(wakeFd_);
+    live_.killAll();  // peers in other processes refuse our memory from now on
     {
       std::lock_guard<std::mutex> lk(gAgentsMu);
       gAgents.erase(token_);
     }
-    for (auto& [h, req] : requests_) unpin(*req);  // queued, never run
+    for (auto& req : queue_) unpin(*req);  // posted, never run (released ones too)
+    queue_.clear();
     requests_.clear();
     dlists_.clear();
     for (auto& [n, r] : remotes_) r->removed = true;
     remotes_.clear();
     registrations_.clear();
-    std::lock_guard<std::mutex> lk(registry_->mu);
+    // Same-process peers: no new copy starts on our memory, and the ones
+    // running finish before the addon lets the JS memory go.
+    std::unique_lock<std::mutex> lk(registry_->mu);
     for (auto& r : registry_->regions) r->live = false;
     registry_->regions.clear();
+    registry_->idle.wait(lk, [this] { return registry_->copying == 0; });
   }
 
  private:
@@ -591,9 +611,12 @@ class LoopbackEngine final : public Engine {
     md.startTime = startTime_;
     md.token = token_;
     md.notifAddr = sock_.address();
+    md.liveFd = live_.fd();
+    md.liveIno = live_.ino();
+    md.agentWord = agentSlot_.word;
     for (const auto& r : regions) {
       md.regions.push_back(loopback::MdRegion{r->d.addr, r->d.len, r->d.devId, r->type, r->shm.fd, r->shm.offset,
-                                              r->shm.size, r->shm.ino});
+                                              r->shm.size, r->shm.ino, r->liveSlot.index, r->liveSlot.word});
     }
     return loopback::encode(md);
   }
@@ -649,7 +672,7 @@ class LoopbackEngine final : public Engine {
         throw EngineError(ERR_NOT_FOUND, "descriptor " + descStr(d) + " is not inside memory agent '" + agent +
                                              "' registered (as of its last metadata)");
       char* p = r->mapped ? r->mapped + (d.addr - r->r.addr) : nullptr;
-      dl.entries.push_back(Entry{d, nullptr, p});
+      dl.entries.push_back(Entry{d, nullptr, p, r->r.liveSlot, r->r.liveWord});
     }
     return dl;
   }
@@ -709,7 +732,8 @@ class LoopbackEngine final : public Engine {
       if (e.region) e.region->inUse.fetch_sub(1, std::memory_order_relaxed);
   }
   static void unpin(Request& req) {
-    if (req.status.load() != IN_PROG) return;
+    if (!req.pinned) return;
+    req.pinned = false;
     unpinSide(req.local);
     unpinSide(req.remote_);
   }
@@ -738,24 +762,21 @@ class LoopbackEngine final : public Engine {
 
   void workLoop() {
     for (;;) {
-      Job job;
+      RequestP req;
       {
         std::unique_lock<std::mutex> lk(qMu_);
         qCv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
         if (stopping_) return;
-        job = std::move(queue_.front());
+        req = std::move(queue_.front());
         queue_.pop_front();
       }
-      if (!job.req) {
-        sock_.send(job.to, name_, job.msg, true);
-        continue;
-      }
       if (cfg_.testDelayUs) std::this_thread::sleep_for(std::chrono::microseconds(cfg_.testDelayUs));
-      execute(*job.req);
+      execute(req);
     }
   }
 
-  void execute(Request& req) {
+  void execute(const RequestP& reqp) {
+    Request& req = *reqp;
     std::string err;
     int status = SUCCESS;
     if (req.released) {
@@ -764,23 +785,91 @@ class LoopbackEngine final : public Engine {
     } else if (!req.remote->processAlive()) {
       status = ERR_REMOTE_DISCONNECT;
       err = "agent '" + req.remote->name + "' is gone (process exited or agent closed)";
+    } else if (req.remote->sameProcess) {
+      status = copySameProcess(req, &err);
     } else {
-      status = copy(req, &err);
+      status = copyOtherProcess(req, &err);
     }
+    unpin(req);
     if (status == SUCCESS && req.hasNotif) {
-      int e = sock_.send(req.remote->notifAddr, name_, req.notif, true);
+      // The request completes once its notification is out. A peer whose
+      // queue is full delays only its own requests, never this worker.
+      int e = notifier_->send(req.remote->notifAddr, req.notif, [this, reqp](int e) {
+        finish(*reqp, e == 0 ? SUCCESS : ERR_REMOTE_DISCONNECT, notifError(*reqp, e));
+      });
+      if (e == EINPROGRESS) return;
       if (e != 0) {
         status = ERR_REMOTE_DISCONNECT;
-        err = "data moved, but the notification to '" + req.remote->name + "' failed: " + strerror(e);
+        err = notifError(req, e);
       }
     }
-    unpinSide(req.local);
-    unpinSide(req.remote_);
+    finish(req, status, err);
+  }
+
+  static std::string notifError(const Request& req, int e) {
+    if (e == 0) return {};
+    return "data moved, but the notification to '" + req.remote->name + "' failed: " +
+           (e == ETIMEDOUT ? "its queue stayed full for 5 s" : strerror(e));
+  }
+
+  void finish(Request& req, int status, const std::string& err) {
     req.tel.xferDurationUs = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - req.postedAt).count());
     req.err = err;
     req.status.store(status, std::memory_order_release);
     sink_->onComplete(req.id);
+  }
+
+  // The peer's memory is JS memory of this process: hold its registry's copy
+  // count while copying, so that closing the peer waits for us.
+  int copySameProcess(Request& req, std::string* err) {
+    auto reg = req.remote->registry.lock();
+    if (!reg) {
+      *err = "agent '" + req.remote->name + "' is closed";
+      return ERR_REMOTE_DISCONNECT;
+    }
+    {
+      std::lock_guard<std::mutex> lk(reg->mu);
+      for (const auto& e : req.remote_)
+        if (!e.region->live) {
+          *err = "agent '" + req.remote->name + "' was closed before the transfer ran";
+          return ERR_REMOTE_DISCONNECT;
+        }
+      ++reg->copying;
+    }
+    int s = copy(req, err);
+    {
+      std::lock_guard<std::mutex> lk(reg->mu);
+      --reg->copying;
+    }
+    reg->idle.notify_all();
+    return s;
+  }
+
+  // The peer may deregister (and reuse) its memory or close at any time: check
+  // its liveness words before the copy and again after it, so a copy that
+  // overlapped either fails rather than returning the bytes that replaced it.
+  int copyOtherProcess(Request& req, std::string* err) {
+    int s = checkRemoteLive(req, err);
+    if (s != SUCCESS) return s;
+    s = copy(req, err);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    int after = checkRemoteLive(req, err);
+    return s != SUCCESS ? s : after;
+  }
+
+  static int checkRemoteLive(const Request& req, std::string* err) {
+    const RemoteAgent& ra = *req.remote;
+    if (!ra.live->alive(0, ra.agentWord)) {
+      *err = "agent '" + ra.name + "' was closed";
+      return ERR_REMOTE_DISCONNECT;
+    }
+    for (const auto& e : req.remote_)
+      if (!ra.live->alive(e.liveSlot, e.liveWord)) {
+        *err = "memory " + descStr(e.d) + " of agent '" + ra.name + "' was deregistered";
+        return ERR_NOT_FOUND;
+      }
+    return SUCCESS;
   }
 
   int copy(Request& req, std::string* err) {
@@ -825,7 +914,7 @@ class LoopbackEngine final : public Engine {
     return s;
   }
 
-  void notifLoop() {
+  void receiveLoop() {
     std::string from, msg;
     for (;;) {
       pollfd p[2] = {{sock_.fd(), POLLIN, 0}, {wakeFd_, POLLIN, 0}};
@@ -855,22 +944,29 @@ class LoopbackEngine final : public Engine {
   std::atomic<bool> closed_{false};
 
   NotifSocket sock_;
+  loopback::LiveTable live_;
+  loopback::LiveTable::Slot agentSlot_{0, 0};
+  std::unique_ptr<loopback::Notifier> notifier_;
   Handle nextHandle_ = 1;
-  std::unordered_map<Handle, std::vector<RegionP>> registrations_;
+  struct Registration {
+    std::vector<RegionP> regions;
+    uint32_t slot;  // in live_
+  };
+  std::unordered_map<Handle, Registration> registrations_;
   std::unordered_map<Handle, std::shared_ptr<Dlist>> dlists_;
   std::unordered_map<Handle, RequestP> requests_;
   std::unordered_map<std::string, RemoteP> remotes_;
 
   std::mutex qMu_;
   std::condition_variable qCv_;
-  std::deque<Job> queue_;
+  std::deque<RequestP> queue_;
   bool stopping_ = false;
   std::thread worker_;
 
   int wakeFd_ = -1;
   std::mutex nMu_;
   std::vector<std::pair<std::string, std::string>> notifs_;
-  std::thread notifier_;
+  std::thread receiver_;
 };
 
 }  // namespace

@@ -10,7 +10,7 @@ namespace nixlnode::loopback {
 namespace {
 
 constexpr char kMagic[8] = {'N', 'X', 'N', 'L', 'B', 'K', 'M', 'D'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: registration liveness (LiveTable)
 constexpr uint32_t kMaxRegions = 1u << 20;
 
 struct Writer {
@@ -45,6 +45,31 @@ struct Reader {
 
 }  // namespace
 
+bool validUtf8(const std::string& s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  size_t i = 0, n = s.size();
+  while (i < n) {
+    unsigned c = p[i];
+    size_t len;
+    uint32_t cp;
+    if (c < 0x80) { ++i; continue; }
+    if (c >= 0xc2 && c <= 0xdf) { len = 2; cp = c & 0x1f; }
+    else if (c >= 0xe0 && c <= 0xef) { len = 3; cp = c & 0x0f; }
+    else if (c >= 0xf0 && c <= 0xf4) { len = 4; cp = c & 0x07; }
+    else return false;
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xc0) != 0x80) return false;
+      cp = cp << 6 | (p[i + k] & 0x3f);
+    }
+    // Overlong forms, UTF-16 surrogates and code points past U+10FFFF.
+    if ((len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10ffff)) || (cp >= 0xd800 && cp <= 0xdfff))
+      return false;
+    i += len;
+  }
+  return true;
+}
+
 bool looksLikeLoopbackMd(const std::string& blob) {
   return blob.size() >= sizeof kMagic && memcmp(blob.data(), kMagic, sizeof kMagic) == 0;
 }
@@ -60,6 +85,9 @@ std::string encode(const AgentMd& md) {
   w.u64(md.startTime);
   w.u64(md.token);
   w.str(md.notifAddr);
+  w.u32(static_cast<uint32_t>(md.liveFd));
+  w.u64(md.liveIno);
+  w.u64(md.agentWord);
   w.u32(static_cast<uint32_t>(md.regions.size()));
   for (const auto& r : md.regions) {
     w.u64(r.addr);
@@ -70,6 +98,8 @@ std::string encode(const AgentMd& md) {
     w.u64(r.shmOffset);
     w.u64(r.shmSize);
     w.u64(r.shmIno);
+    w.u32(r.liveSlot);
+    w.u64(r.liveWord);
   }
   return w.out;
 }
@@ -89,11 +119,17 @@ AgentMd decode(const std::string& blob) {
   md.connInfo = flags & 2;
   md.name = r.str(4096);
   if (md.name.empty()) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (empty name)");
+  // Names reach JS as strings: bytes that are not UTF-8 would come back as
+  // U+FFFD, and the agent could never be addressed or removed by name.
+  if (!validUtf8(md.name)) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (name is not UTF-8)");
   md.bootId = r.str(256);
   md.pid = r.u32();
   md.startTime = r.u64();
   md.token = r.u64();
   md.notifAddr = r.str(256);
+  md.liveFd = static_cast<int32_t>(r.u32());
+  md.liveIno = r.u64();
+  md.agentWord = r.u64();
   uint32_t n = r.u32();
   if (n > kMaxRegions) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (region count)");
   md.regions.reserve(n);
@@ -110,6 +146,8 @@ AgentMd decode(const std::string& blob) {
     g.shmOffset = r.u64();
     g.shmSize = r.u64();
     g.shmIno = r.u64();
+    g.liveSlot = r.u32();
+    g.liveWord = r.u64();
     if (g.len == 0 || g.addr + g.len < g.addr)
       throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (region bounds)");
     md.regions.push_back(g);

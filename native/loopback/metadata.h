@@ -15,6 +15,8 @@ struct MdRegion {
   MemType type;
   int32_t shmFd;  // -1: not shared, read with process_vm_readv
   uint64_t shmOffset, shmSize, shmIno;
+  uint32_t liveSlot;  // the registration's word in the owner's LiveTable
+  uint64_t liveWord;  // its value while the registration lives
 };
 
 struct AgentMd {
@@ -26,12 +28,16 @@ struct AgentMd {
   uint64_t startTime;      // /proc/<pid>/stat starttime: pid reuse check
   uint64_t token;          // instance id, finds same-process agents
   std::string notifAddr;
+  int32_t liveFd = -1;     // the owner's LiveTable memfd (slot 0: the agent itself)
+  uint64_t liveIno = 0;
+  uint64_t agentWord = 0;  // slot 0's value while the agent is open
   std::vector<MdRegion> regions;
 };
 
 std::string encode(const AgentMd& md);
-AgentMd decode(const std::string& blob);  // throws EngineError(ERR_INVALID_PARAM)
+AgentMd decode(const std::string& blob);  // throws EngineError(ERR_INVALID_PARAM / ERR_MISMATCH)
 bool looksLikeLoopbackMd(const std::string& blob);
+bool validUtf8(const std::string& s);
 
 std::string bootId();
 uint64_t processStartTime(uint32_t pid);  // 0 if the process is gone

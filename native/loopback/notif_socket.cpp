@@ -52,8 +52,7 @@ NotifSocket::~NotifSocket() {
   if (fd_ >= 0) close(fd_);
 }
 
-int NotifSocket::send(const std::string& to, const std::string& from, const std::string& msg,
-                      bool block) const {
+int NotifSocket::send(const std::string& to, const std::string& from, const std::string& msg) const {
   // Frame: u16 sender-name length, sender name, message.
   std::string frame;
   frame.reserve(2 + from.size() + msg.size());
@@ -63,17 +62,12 @@ int NotifSocket::send(const std::string& to, const std::string& from, const std:
   frame.append(msg);
   sockaddr_un sa;
   socklen_t len = fillAddr(to, &sa);
-  // Blocking sends (from the worker thread) wait for a full peer queue, but
-  // not forever: 50 x 100 ms, then the peer counts as stuck.
-  for (int tries = 0; tries < 50; ++tries) {
+  for (;;) {
     ssize_t r = sendto(fd_, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT,
                        reinterpret_cast<sockaddr*>(&sa), len);
     if (r >= 0) return 0;
-    if (errno == EINTR) continue;
-    if ((errno != EAGAIN && errno != EWOULDBLOCK) || !block) return errno;
-    usleep(100 * 1000);
+    if (errno != EINTR) return errno;
   }
-  return ETIMEDOUT;
 }
 
 bool NotifSocket::recv(std::string* from, std::string* msg) {

@@ -19,8 +19,9 @@ class NotifSocket {
   const std::string& address() const { return addr_; }
   int fd() const { return fd_; }
 
-  // Returns 0 or an errno (EAGAIN when !block and the peer's queue is full).
-  int send(const std::string& to, const std::string& from, const std::string& msg, bool block) const;
+  // Never blocks. Returns 0 or an errno (EAGAIN: the peer's queue is full;
+  // loopback::Notifier queues and retries).
+  int send(const std::string& to, const std::string& from, const std::string& msg) const;
   // Non-blocking; false when nothing is queued. Malformed datagrams are dropped.
   bool recv(std::string* from, std::string* msg);
 
