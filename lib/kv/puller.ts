@@ -98,7 +98,13 @@ interface RemoteEngine {
   reads: PreparedRead[];
   numBlocks: number;
   handshakeMs: number;
+  /** Its remote agents were removed and dlists released (once). */
+  dropped: boolean;
 }
+
+// Errors of the setup half of a connect (addRemoteAgent, prepXferDlist): the
+// handshake itself worked, so the pull fails as kind 'setup'.
+const setupErrors = new WeakSet<object>();
 
 export class KvPuller {
   readonly stats = new KvStats();
@@ -126,9 +132,13 @@ export class KvPuller {
     const key = `${ep.host}:${ep.port}:${ep.dpRank ?? 0}`;
     let p = this.#engines.get(key);
     if (!p) {
-      p = this.#connect(key, ep);
-      this.#engines.set(key, p);
-      p.catch(() => this.#engines.delete(key));
+      const mine = this.#connect(key, ep);
+      this.#engines.set(key, mine);
+      // Only this connect's own entry: a newer one for the same key stays.
+      mine.catch(() => {
+        if (this.#engines.get(key) === mine) this.#engines.delete(key);
+      });
+      p = mine;
     }
     return p;
   }
@@ -151,6 +161,8 @@ export class KvPuller {
     }
     const ranks = new Map<number, RemoteRank>();
     const reads: PreparedRead[] = [];
+    const added: string[] = [];
+    const dlists: DlistHandle[] = [];
     try {
       wanted.forEach((rank, i) => {
         const meta = metas[i];
@@ -160,17 +172,23 @@ export class KvPuller {
           baseAddrs: meta.kvCachesBaseAddr, strides: meta.blockLens, offsets: read.remoteOffset, lens: local.lens, devId: meta.deviceId,
         };
         const agentName = this.#agent.addRemoteAgent(meta.agentMetadata);
+        added.push(agentName);
         const dlist = this.#agent.prepXferDlist(agentName, new DescList(allBlockDescs(remote, meta.numBlocks), this.#layout.memType ?? 'DRAM'));
+        dlists.push(dlist);
         const r = { rank, agentName, meta, dlist };
         ranks.set(rank, r);
         if (!read.notifyOnly) this.#localDlist(read);
         reads.push({ read, rank: r, local, remote, blockBytes: local.lens.reduce((a, b) => a + b, 0) });
       });
     } catch (e) {
-      for (const r of ranks.values()) this.#dropRank(r);
+      // Undo everything this connect loaded, so that the next handshake
+      // (a corrected or restarted prefill with the same agent names) loads.
+      for (const d of dlists) this.#quietly(() => this.#agent.releaseDlistHandle(d));
+      for (const n of added) this.#quietly(() => this.#agent.removeRemoteAgent(n));
+      if (typeof e === 'object' && e !== null) setupErrors.add(e);
       throw e;
     }
-    return { key, engineId: metas[0].engineId, plan, ranks, reads, numBlocks: metas[0].numBlocks, handshakeMs: performance.now() - t0 };
+    return { key, engineId: metas[0].engineId, plan, ranks, reads, numBlocks: metas[0].numBlocks, handshakeMs: performance.now() - t0, dropped: false };
   }
 
   #localSlices(read: RankRead): BlockSlices {
@@ -188,16 +206,24 @@ export class KvPuller {
     return d;
   }
 
-  #dropRank(r: RemoteRank): void {
-    try { this.#agent.releaseDlistHandle(r.dlist); } catch { /* already gone */ }
-    try { this.#agent.removeRemoteAgent(r.agentName); } catch { /* already gone */ }
+  #quietly(f: () => void): void {
+    try { f(); } catch { /* already gone, or the agent is closed */ }
   }
 
-  async #forget(key: string): Promise<void> {
-    const p = this.#engines.get(key);
-    this.#engines.delete(key);
-    const eng = await p?.catch(() => undefined);
-    if (eng) for (const r of eng.ranks.values()) this.#dropRank(r);
+  /**
+   * Forgets one connected engine: its map entry only if it is still the
+   * current one (a newer connect for the key stays), and its remote agents
+   * and dlists once, however many of its pulls fail. Synchronous, so a new
+   * connect can never see the old agents still loaded.
+   */
+  #forget(engine: RemoteEngine, promise: Promise<RemoteEngine>): void {
+    if (this.#engines.get(engine.key) === promise) this.#engines.delete(engine.key);
+    if (engine.dropped) return;
+    engine.dropped = true;
+    for (const r of engine.ranks.values()) {
+      this.#quietly(() => this.#agent.releaseDlistHandle(r.dlist));
+      this.#quietly(() => this.#agent.removeRemoteAgent(r.agentName));
+    }
   }
 
   async #slot(signal?: AbortSignal): Promise<void> {
@@ -253,8 +279,9 @@ export class KvPuller {
     const handles: XferHandle[] = [];
     let stage: PullFailure = 'handshake';
     let engine: RemoteEngine | undefined;
+    const connecting = this.connect(opts.remote);
     try {
-      engine = await this.connect(opts.remote);
+      engine = await connecting;
       stage = 'setup';
       const nRemote = engine.numBlocks;
       if (remoteIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nRemote)) throw bad(`remote block ids must be integers in 0..${nRemote - 1}`);
@@ -299,12 +326,12 @@ export class KvPuller {
     } catch (e) {
       this.stats.recordFailedTransfer();
       const code = (e as NixlError)?.code;
-      let kind: PullFailure = stage;
+      let kind: PullFailure = stage === 'handshake' && setupErrors.has(e as object) ? 'setup' : stage;
       if (code === 'NIXL_ERR_TIMEOUT' && stage === 'transfer') kind = 'timeout';
       else if (code === 'NIXL_ERR_CANCELED' && opts.signal?.aborted) kind = 'aborted';
       else if (code === 'NIXL_ERR_REMOTE_DISCONNECT') kind = 'peer-gone';
       // A gone peer or a failed transfer: handshake afresh next time.
-      if (engine && (kind === 'peer-gone' || kind === 'transfer')) await this.#forget(engine.key);
+      if (engine && (kind === 'peer-gone' || kind === 'transfer')) this.#forget(engine, connecting);
       throw fail(kind, e);
     } finally {
       for (const h of handles) {
@@ -337,7 +364,10 @@ export class KvPuller {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    for (const key of [...this.#engines.keys()]) await this.#forget(key);
+    for (const p of [...this.#engines.values()]) {
+      const engine = await p.catch(() => undefined);
+      if (engine) this.#forget(engine, p);
+    }
     for (const d of this.#localDlists.values()) {
       try { this.#agent.releaseDlistHandle(d); } catch { /* agent closed */ }
     }
