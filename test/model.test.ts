@@ -1,0 +1,129 @@
+// The model-based random test (test/model-harness.ts) in one process and
+// across two. Seeded: FC_SEED=<n> replays a run; the seed is printed at the
+// start and, with the shrunk sequence, on failure.
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
+import * as fs from 'node:fs';
+import fc from 'fast-check';
+import { afterAll, describe, expect, it } from 'vitest';
+import { DescList, NixlAgent } from '../lib';
+import { CANARY, NBUF, Op, stats, RemoteSide, SIZE, canaried, canariesIntact, fillPattern, opArb, resources, runModel } from './model-harness';
+import { Peer } from './helpers';
+
+setFlagsFromString('--expose-gc');
+const gc = runInNewContext('gc') as () => void;
+const seed = process.env.FC_SEED ? Number(process.env.FC_SEED) : Math.floor(Math.random() * 2 ** 31);
+console.log(`model test seed: ${seed} (FC_SEED=${seed} replays it)`);
+
+let runs = 0;
+// Thread stacks and malloc arenas stay mapped (cached) after the threads
+// end, so mappings are compared with what the first run left, plus slack: a
+// real leak grows with every run.
+let mapsBaseline: number | undefined;
+
+class InProcess implements RemoteSide {
+  readonly crossProcess = false;
+  readonly agent: NixlAgent;
+  readonly bufs = Array.from({ length: NBUF }, (_, j) => ({ ...canaried(j === 0), reg: undefined as ReturnType<NixlAgent['registerMemory']> | undefined }));
+  readonly probe = canaried(true);
+  readonly probeAddr: bigint;
+  constructor(readonly name: string) {
+    this.agent = new NixlAgent(name, { engine: 'loopback' });
+    this.agent.registerMemory(this.probe.data);
+    this.probeAddr = DescList.from(this.probe.data).addr(0);
+  }
+  addr(j: number) { return DescList.from(this.bufs[j].data).addr(0); }
+  async register(j: number) { this.bufs[j].reg = this.agent.registerMemory(this.bufs[j].data); }
+  async deregister(j: number) {
+    try {
+      this.agent.deregisterMemory(this.bufs[j].reg!);
+      this.bufs[j].reg = undefined;
+      return 'ok';
+    } catch (e) {
+      return (e as { code: string }).code;
+    }
+  }
+  async metadata() { return this.agent.getAgentMetadata(); }
+  async read(j: number, off: number, len: number) { return Buffer.from(this.bufs[j].data.subarray(off, off + len)); }
+  async canaries() { return this.bufs.every((b) => canariesIntact(b.whole)) && canariesIntact(this.probe.whole); }
+  async fill(gen: number) { this.bufs.forEach((b, j) => fillPattern(b.data, 1, j, gen)); }
+  async scribble(j: number, gen: number) { fillPattern(this.bufs[j].data, 1, j, gen); }
+  async close() { this.agent.close(); }
+}
+
+class OtherProcess implements RemoteSide {
+  readonly crossProcess = true;
+  readonly peer: Peer;
+  addrs: bigint[] = [];
+  probeAddr = 0n;
+  constructor(readonly name: string) {
+    this.peer = new Peer('model-peer.js', [name, String(SIZE), String(CANARY), String(NBUF)]);
+  }
+  async init() {
+    const r = await this.peer.request<{ addrs: bigint[]; probe: bigint }>({ cmd: 'hello' });
+    this.addrs = r.addrs;
+    this.probeAddr = r.probe;
+    return this;
+  }
+  addr(j: number) { return this.addrs[j]; }
+  async register(j: number) { await this.peer.request({ cmd: 'register', j }); }
+  async deregister(j: number) { return (await this.peer.request<{ r: string }>({ cmd: 'deregister', j })).r; }
+  async metadata() { return Buffer.from((await this.peer.request<{ md: Uint8Array }>({ cmd: 'metadata' })).md); }
+  async read(j: number, off: number, len: number) { return Buffer.from((await this.peer.request<{ data: Uint8Array }>({ cmd: 'read', j, off, len })).data); }
+  async canaries() { return (await this.peer.request<{ ok: boolean }>({ cmd: 'canaries' })).ok; }
+  async fill(gen: number) { await this.peer.request({ cmd: 'fill', gen }); }
+  async scribble(j: number, gen: number) { await this.peer.request({ cmd: 'scribble', j, gen }); }
+  async close() {
+    await this.peer.request({ cmd: 'close' });
+    await this.peer.exit();
+  }
+}
+
+function fdList(): string[] {
+  return fs.readdirSync('/proc/self/fd').map((f) => {
+    try { return `${f} -> ${fs.readlinkSync(`/proc/self/fd/${f}`)}`; } catch { return f; }
+  });
+}
+
+// External buffers are freed by finalizers that run after the collection.
+async function settleGc() {
+  for (let i = 0; i < 5; i++) {
+    gc();
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
+async function check(ops: Op[], makeB: (name: string) => Promise<RemoteSide>) {
+  const before = resources();
+  const fdsBefore = fdList();
+  // In a function of its own, so nothing of the run is still referenced here
+  // when the garbage collector runs.
+  await (async () => {
+    const b = await makeB(`model-b-${runs}`);
+    try {
+      await runModel(ops, b, String(runs++));
+    } finally {
+      await b.close();
+    }
+  })();
+  await settleGc();
+  const after = resources();
+  expect(after.threads, 'threads left behind').toBeLessThanOrEqual(before.threads);
+  expect(after.fds, `fds left behind: ${fdList().filter((f) => !fdsBefore.includes(f)).join(', ')}`).toBeLessThanOrEqual(before.fds);
+  mapsBaseline ??= after.maps;
+  expect(after.maps, 'mappings left behind').toBeLessThanOrEqual(mapsBaseline + 32);
+}
+
+describe('random Agent API sequences (fast-check, loopback)', () => {
+  afterAll(() => console.log(`model test: ${runs} runs, ${JSON.stringify(stats)}`));
+
+  it('in one process', async () => {
+    await fc.assert(fc.asyncProperty(fc.array(opArb, { minLength: 5, maxLength: 40, size: 'max' }),
+      (ops) => check(ops, async (n) => new InProcess(n))), { seed, numRuns: Number(process.env.FC_RUNS ?? 150), endOnFailure: !!process.env.FC_NO_SHRINK });
+  }, 120_000);
+
+  it('across two processes', async () => {
+    await fc.assert(fc.asyncProperty(fc.array(opArb, { minLength: 5, maxLength: 30, size: 'max' }),
+      (ops) => check(ops, async (n) => new OtherProcess(n).init())), { seed, numRuns: Number(process.env.FC_RUNS_MP ?? 20), endOnFailure: !!process.env.FC_NO_SHRINK });
+  }, 180_000);
+});
