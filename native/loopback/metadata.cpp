@@ -115,6 +115,7 @@ AgentMd decode(const std::string& blob) {
                                         " is not supported (expected " + std::to_string(kVersion) + ")");
   AgentMd md;
   uint8_t flags = r.u8();
+  if (flags & ~3u) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (unknown flags)");
   md.partial = flags & 1;
   md.connInfo = flags & 2;
   md.name = r.str(4096);

@@ -8,7 +8,16 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__SSE2__)
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define NIXL_NODE_SANITIZED 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define NIXL_NODE_SANITIZED 1
+#endif
+// ASan does not see streaming stores: sanitized builds copy with memcpy.
+#if (defined(__x86_64__) || defined(__SSE2__)) && !defined(NIXL_NODE_SANITIZED)
 #include <emmintrin.h>
 #define NIXL_NODE_STREAM_COPY 1
 #endif
