@@ -137,8 +137,9 @@ export function countFds(): number {
   return fs.readdirSync('/proc/self/fd').length;
 }
 
+/** Mappings the engine makes: allocate() memory, peers' memfds, liveness tables. */
 export function countMaps(): number {
-  return fs.readFileSync('/proc/self/maps', 'utf8').split('\n').length;
+  return fs.readFileSync('/proc/self/maps', 'utf8').split('\n').filter((l) => l.includes('memfd:nixl-node')).length;
 }
 
 export function countThreads(): number {

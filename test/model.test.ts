@@ -16,10 +16,6 @@ const seed = process.env.FC_SEED ? Number(process.env.FC_SEED) : Math.floor(Math
 console.log(`model test seed: ${seed} (FC_SEED=${seed} replays it)`);
 
 let runs = 0;
-// Thread stacks and malloc arenas stay mapped (cached) after the threads
-// end, so mappings are compared with what the first run left, plus slack: a
-// real leak grows with every run.
-let mapsBaseline: number | undefined;
 
 class InProcess implements RemoteSide {
   readonly crossProcess = false;
@@ -110,8 +106,7 @@ async function check(ops: Op[], makeB: (name: string) => Promise<RemoteSide>) {
   const after = resources();
   expect(after.threads, 'threads left behind').toBeLessThanOrEqual(before.threads);
   expect(after.fds, `fds left behind: ${fdList().filter((f) => !fdsBefore.includes(f)).join(', ')}`).toBeLessThanOrEqual(before.fds);
-  mapsBaseline ??= after.maps;
-  expect(after.maps, 'mappings left behind').toBeLessThanOrEqual(mapsBaseline + 32);
+  expect(after.maps, 'mappings left behind').toBeLessThanOrEqual(before.maps);
 }
 
 describe('random Agent API sequences (fast-check, loopback)', () => {
