@@ -3,7 +3,10 @@
     {
       "target_name": "nixl_node",
       "sources": [
-        "native/addon.cpp",
+        "native/addon/agent.cpp",
+        "native/addon/args.cpp",
+        "native/addon/errors.cpp",
+        "native/addon/module.cpp",
         "native/loopback/live_table.cpp",
         "native/loopback/loopback_engine.cpp",
         "native/loopback/metadata.cpp",

@@ -1,7 +1,7 @@
 // NixlError: every failure of the library is one of these, with a string
-// `code` and NIXL's numeric status. The class is handed to the addon at load
-// so that errors made in C++ are real instances (instanceof works).
-import { binding } from './native';
+// `code` and NIXL's numeric status. This file owns the table of status names;
+// lib/native.ts hands the addon a factory built on it at load, so errors made
+// in C++ are real instances (instanceof works). Pure: no addon needed.
 
 export const Status = {
   NIXL_IN_PROG: 1,
@@ -42,8 +42,6 @@ export class NixlError extends Error {
     return new NixlError(message, byStatus.get(status) ?? 'NIXL_ERR_UNKNOWN', status);
   }
 }
-
-binding.setErrorClass(NixlError);
 
 export function invalidParam(message: string): NixlError {
   return new NixlError(message, 'NIXL_ERR_INVALID_PARAM');

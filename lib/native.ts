@@ -1,6 +1,8 @@
-// What the C++ addon (native/addon.cpp) exports, and the one line that loads
-// it. Everything else in lib/ builds on these declarations.
+// What the C++ addon (native/addon/) exports, and the one line that loads
+// it. Only the modules that move bytes import this; the codec, the TP mapping
+// and the errors load without the addon.
 import * as path from 'node:path';
+import { NixlError } from './errors';
 
 export interface NativeAgentOptions {
   engine: 'loopback' | 'nixl';
@@ -64,7 +66,8 @@ export interface Binding {
   NativeAgent: typeof NativeAgent;
   allocate(bytes: number): Buffer;
   addressOf(mem: ArrayBufferView | ArrayBuffer): bigint;
-  setErrorClass(cls: new (message: string, code: string, status: number) => Error): void;
+  /** The addon makes every error through this (status names live in lib/errors.ts only). */
+  setErrorFactory(make: (message: string, status: number) => Error): void;
   engines: string[];
 }
 
@@ -79,3 +82,5 @@ function packageRoot(): string {
 export const binding: Binding = process.env.NIXL_NODE_ADDON
   ? require(path.resolve(process.env.NIXL_NODE_ADDON))
   : require('node-gyp-build')(packageRoot());
+
+binding.setErrorFactory((message, status) => NixlError.fromStatus(status, message));

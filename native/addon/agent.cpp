@@ -1,0 +1,512 @@
+// NativeAgent: the flat N-API class over one Engine (native/engine.h).
+// lib/native.ts declares it; lib/agent.ts builds the typed API on it.
+//
+// Completions: engine threads call onComplete/onNotif; the first event into an
+// empty batch signals the ThreadSafeFunction once, and the JS callback gets
+// the whole batch as a Uint32Array. The TSFN is Ref'd only while transfers are
+// in flight (or someone waits for notifications), so an idle agent never keeps
+// the process alive.
+#include "agent.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "../engine.h"
+#include "args.h"
+#include "errors.h"
+
+namespace nixlnode {
+namespace {
+
+const char* memTypeName(MemType t) {
+  switch (t) {
+    case MemType::DRAM: return "DRAM";
+    case MemType::VRAM: return "VRAM";
+    case MemType::BLK: return "BLK";
+    case MemType::OBJ: return "OBJ";
+    case MemType::FILE: return "FILE";
+  }
+  return "?";
+}
+
+class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink {
+  struct TsfnCtx {};
+
+ public:
+  using Callback = Napi::Value (NativeAgent::*)(const Napi::CallbackInfo&);
+
+  // Every method is registered through Guarded: none can skip the guard that
+  // turns C++ exceptions into NixlErrors (as zeromq.js registers templated
+  // methods).
+  template <Callback M>
+  Napi::Value Guarded(const Napi::CallbackInfo& info) {
+    return guard(info.Env(), [&] { return (this->*M)(info); });
+  }
+  template <Callback M>
+  static PropertyDescriptor Method(const char* name) {
+    return InstanceMethod<&NativeAgent::Guarded<M>>(name);
+  }
+
+  static Napi::Function Init(Napi::Env env) {
+    return DefineClass(env, "NativeAgent",
+                       {
+                           InstanceAccessor<&NativeAgent::EngineKind>("engine"),
+                           Method<&NativeAgent::GetPluginList>("getPluginList"),
+                           Method<&NativeAgent::GetPluginParams>("getPluginParams"),
+                           Method<&NativeAgent::CreateBackend>("createBackend"),
+                           Method<&NativeAgent::GetBackends>("getBackends"),
+                           Method<&NativeAgent::RegisterMem>("registerMem"),
+                           Method<&NativeAgent::DeregisterMem>("deregisterMem"),
+                           Method<&NativeAgent::GetLocalMD>("getLocalMD"),
+                           Method<&NativeAgent::LoadRemoteMD>("loadRemoteMD"),
+                           Method<&NativeAgent::GetLocalPartialMD>("getLocalPartialMD"),
+                           Method<&NativeAgent::SendLocalMD>("sendLocalMD"),
+                           Method<&NativeAgent::SendLocalPartialMD>("sendLocalPartialMD"),
+                           Method<&NativeAgent::FetchRemoteMD>("fetchRemoteMD"),
+                           Method<&NativeAgent::InvalidateLocalMD>("invalidateLocalMD"),
+                           Method<&NativeAgent::CheckRemoteMD>("checkRemoteMD"),
+                           Method<&NativeAgent::MakeConnection>("makeConnection"),
+                           Method<&NativeAgent::QueryMem>("queryMem"),
+                           Method<&NativeAgent::EstimateXferCost>("estimateXferCost"),
+                           Method<&NativeAgent::InvalidateRemoteMD>("invalidateRemoteMD"),
+                           Method<&NativeAgent::PrepXferDlist>("prepXferDlist"),
+                           Method<&NativeAgent::ReleaseDlist>("releaseDlist"),
+                           Method<&NativeAgent::MakeXferReq>("makeXferReq"),
+                           Method<&NativeAgent::CreateXferReq>("createXferReq"),
+                           Method<&NativeAgent::PostXferReq>("postXferReq"),
+                           Method<&NativeAgent::GetXferStatus>("getXferStatus"),
+                           Method<&NativeAgent::ReleaseXferReq>("releaseXferReq"),
+                           Method<&NativeAgent::GetXferTelemetry>("getXferTelemetry"),
+                           Method<&NativeAgent::GenNotif>("genNotif"),
+                           Method<&NativeAgent::GetNotifs>("getNotifs"),
+                           Method<&NativeAgent::WatchNotifs>("watchNotifs"),
+                           Method<&NativeAgent::Close>("close"),
+                       });
+  }
+
+  // new NativeAgent(name, { engine, backends, progressThread, captureTelemetry, ... }, onEvents)
+  NativeAgent(const Napi::CallbackInfo& info) : Napi::ObjectWrap<NativeAgent>(info) {
+    Napi::Env env = info.Env();
+    guard(env, [&] {
+      std::string name = args::string(env, info[0], "agent name");
+      if (!info[1].IsObject() || !info[2].IsFunction()) invalidArg(env, "NativeAgent(name, options, onEvents)");
+      // Each option read once; absent means the default, a wrong type is an error.
+      auto o = info[1].As<Napi::Object>();
+      std::string kind = args::optString(env, o.Get("engine"), "options.engine");
+      if (kind.empty()) kind = "loopback";
+      EngineConfig cfg;
+      cfg.backends = args::optStrings(env, o.Get("backends"), "options.backends");
+      cfg.progressThread = args::optBoolean(env, o.Get("progressThread"), "options.progressThread").value_or(cfg.progressThread);
+      cfg.captureTelemetry = args::optBoolean(env, o.Get("captureTelemetry"), "options.captureTelemetry").value_or(false);
+      cfg.progressDelayUs = args::optUint32(env, o.Get("progressDelayUs"), "options.progressDelayUs").value_or(cfg.progressDelayUs);
+      cfg.listenPort = args::optPort(env, o.Get("listenPort"), "options.listenPort");
+      cfg.testDelayUs = args::optUint32(env, o.Get("testDelayUs"), "options.testDelayUs").value_or(0);
+      if (kind == "loopback") {
+        engine_ = makeLoopbackEngine(name, cfg, this);
+#ifdef NIXL_NODE_WITH_NIXL
+      } else if (kind == "nixl") {
+        engine_ = makeNixlEngine(name, cfg, this);
+#endif
+      } else if (kind == "nixl") {
+        fail(env, ERR_NOT_SUPPORTED,
+             "engine 'nixl' is not compiled in: NIXL was not found at build time (set NIXL_PREFIX to its install "
+             "prefix and rebuild with npm run build)");
+      } else {
+        invalidArg(env, "unknown engine '" + kind + "' (expected 'loopback' or 'nixl')");
+      }
+      tsfn_ = Tsfn::New(env, info[2].As<Napi::Function>(), "nixl-node completions", 0, 1, &tsfnCtx_);
+      tsfn_.Unref(env);
+      haveTsfn_ = true;
+      napi_add_env_cleanup_hook(env, &NativeAgent::EnvCleanup, this);
+      return 0;
+    });
+  }
+
+  ~NativeAgent() override {
+    if (engine_) {
+      napi_remove_env_cleanup_hook(Env(), &NativeAgent::EnvCleanup, this);
+      Shutdown();
+    }
+  }
+
+  // Engine threads.
+  void onComplete(Handle h) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    finished_.push_back(h);
+    SignalLocked();
+  }
+  void onNotif() override {
+    if (!notifWatch_.load()) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    notifPending_ = true;
+    SignalLocked();
+  }
+
+ private:
+  void SignalLocked() {
+    if (signalled_ || !haveTsfn_) return;
+    signalled_ = true;
+    tsfn_.NonBlockingCall(this);
+  }
+
+  // Main thread: hand the batch to JS in one call.
+  static void Deliver(Napi::Env env, Napi::Function fn, TsfnCtx*, NativeAgent* self) {
+    if (env == nullptr || self == nullptr) return;
+    std::vector<uint32_t> batch;
+    bool notif;
+    {
+      std::lock_guard<std::mutex> lk(self->mu_);
+      batch.swap(self->finished_);
+      notif = self->notifPending_;
+      self->notifPending_ = false;
+      self->signalled_ = false;
+    }
+    self->inflight_ -= std::min<uint32_t>(self->inflight_, static_cast<uint32_t>(batch.size()));
+    self->UpdateRef(env);
+    if (!self->engine_) return;  // closed meanwhile
+    auto arr = Napi::Uint32Array::New(env, batch.size());
+    if (!batch.empty()) memcpy(arr.Data(), batch.data(), batch.size() * 4);
+    fn.Call({arr, Napi::Boolean::New(env, notif)});
+  }
+
+  void UpdateRef(Napi::Env env) {
+    if (!haveTsfn_) return;
+    bool want = inflight_ > 0 || notifWatch_.load();
+    if (want == refd_) return;
+    refd_ = want;
+    if (want) tsfn_.Ref(env);
+    else tsfn_.Unref(env);
+  }
+
+  Engine& E(Napi::Env env) {
+    if (!engine_) fail(env, ERR_NOT_ALLOWED, "agent is closed");
+    return *engine_;
+  }
+
+  Napi::Value EngineKind(const Napi::CallbackInfo& info) {
+    return Napi::String::New(info.Env(), engine_ ? engine_->kind() : "closed");
+  }
+
+  Napi::Value GetPluginList(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    auto list = E(env).getPluginList();
+    auto a = Napi::Array::New(env, list.size());
+    for (uint32_t i = 0; i < list.size(); ++i) a.Set(i, list[i]);
+    return a;
+  }
+
+  Napi::Value GetPluginParams(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    PluginInfo p = E(env).getPluginParams(args::string(env, info[0], "plugin"));
+    auto params = Napi::Object::New(env);
+    for (auto& [k, v] : p.params) params.Set(k, v);
+    auto mems = Napi::Array::New(env, p.memTypes.size());
+    for (uint32_t i = 0; i < p.memTypes.size(); ++i) mems.Set(i, memTypeName(p.memTypes[i]));
+    auto o = Napi::Object::New(env);
+    o.Set("params", params);
+    o.Set("memTypes", mems);
+    return o;
+  }
+
+  Napi::Value CreateBackend(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).createBackend(args::string(env, info[0], "plugin"), args::optParams(env, info[1], "backend params"));
+    return env.Undefined();
+  }
+
+  Napi::Value GetBackends(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    auto list = E(env).getBackends();
+    auto a = Napi::Array::New(env, list.size());
+    for (uint32_t i = 0; i < list.size(); ++i) a.Set(i, list[i]);
+    return a;
+  }
+
+  // registerMem(descs, memType, backends, keepAlive[]) -> handle
+  Napi::Value RegisterMem(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    auto descs = args::descs(env, info[0], "registerMemory");
+    if (!info[3].IsArray()) invalidArg(env, "registerMem: the memory to keep alive must be an array");
+    Handle h = E(env).registerMem(descs, args::memType(env, info[1]), args::optStrings(env, info[2], "backends"));
+    // The registration owns the JS memory it covers: it cannot be collected
+    // while an engine may still copy into it.
+    auto& keep = keep_[h];
+    auto a = info[3].As<Napi::Array>();
+    for (uint32_t i = 0; i < a.Length(); ++i) keep.push_back(Napi::Persistent(a.Get(i)));
+    return Napi::Number::New(env, h);
+  }
+
+  Napi::Value DeregisterMem(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Handle h = args::handle(env, info[0], "registration");
+    E(env).deregisterMem(h);
+    keep_.erase(h);
+    return env.Undefined();
+  }
+
+  Napi::Value GetLocalMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    std::string md = E(env).getLocalMD();
+    return Napi::Buffer<char>::Copy(env, md.data(), md.size());
+  }
+
+  Napi::Value LoadRemoteMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    if (!info[0].IsTypedArray()) invalidArg(env, "metadata must be a Buffer");
+    return Napi::String::New(env, E(env).loadRemoteMD(*args::optBlob(env, info[0], "metadata")));
+  }
+
+  // getLocalPartialMD(descs, memType, includeConnInfo, backends) -> Buffer
+  Napi::Value GetLocalPartialMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    std::string md = E(env).getLocalPartialMD(args::descs(env, info[0], "getLocalPartialMD"), args::memType(env, info[1]),
+                                              args::boolean(env, info[2], "includeConnInfo"),
+                                              args::optStrings(env, info[3], "backends"));
+    return Napi::Buffer<char>::Copy(env, md.data(), md.size());
+  }
+
+  Napi::Value SendLocalMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).sendLocalMD(args::optString(env, info[0], "ip"), args::optPort(env, info[1], "port"));
+    return env.Undefined();
+  }
+
+  Napi::Value SendLocalPartialMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).sendLocalPartialMD(args::descs(env, info[0], "sendLocalPartialMD"), args::memType(env, info[1]),
+                              args::optString(env, info[2], "ip"), args::optPort(env, info[3], "port"));
+    return env.Undefined();
+  }
+
+  Napi::Value FetchRemoteMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).fetchRemoteMD(args::string(env, info[0], "agent name"), args::optString(env, info[1], "ip"),
+                         args::optPort(env, info[2], "port"));
+    return env.Undefined();
+  }
+
+  Napi::Value InvalidateLocalMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).invalidateLocalMD(args::optString(env, info[0], "ip"), args::optPort(env, info[1], "port"));
+    return env.Undefined();
+  }
+
+  // checkRemoteMD(agent, descs, memType) -> boolean
+  Napi::Value CheckRemoteMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return Napi::Boolean::New(env, E(env).checkRemoteMD(args::string(env, info[0], "agent name"),
+                                                        args::descs(env, info[1], "checkRemoteMD"),
+                                                        args::memType(env, info[2])));
+  }
+
+  Napi::Value MakeConnection(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).makeConnection(args::string(env, info[0], "agent name"));
+    return env.Undefined();
+  }
+
+  // queryMem(descs, memType, backends) -> Array<Record<string,string> | null>
+  Napi::Value QueryMem(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    auto resp = E(env).queryMem(args::descs(env, info[0], "queryMem"), args::memType(env, info[1]),
+                                args::optStrings(env, info[2], "backends"));
+    auto a = Napi::Array::New(env, resp.size());
+    for (uint32_t i = 0; i < resp.size(); ++i) {
+      if (!resp[i]) {
+        a.Set(i, env.Null());
+        continue;
+      }
+      auto o = Napi::Object::New(env);
+      for (auto& [k, v] : *resp[i]) o.Set(k, v);
+      a.Set(i, o);
+    }
+    return a;
+  }
+
+  Napi::Value EstimateXferCost(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    auto c = E(env).estimateXferCost(args::handle(env, info[0], "transfer handle"));
+    auto o = Napi::Object::New(env);
+    o.Set("durationUs", Napi::Number::New(env, static_cast<double>(c.durationUs)));
+    o.Set("errMarginUs", Napi::Number::New(env, static_cast<double>(c.errMarginUs)));
+    o.Set("method", Napi::String::New(env, c.method == 0 ? "ANALYTICAL_BACKEND" : "UNKNOWN"));
+    return o;
+  }
+
+  Napi::Value InvalidateRemoteMD(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).invalidateRemoteMD(args::string(env, info[0], "agent name"));
+    return env.Undefined();
+  }
+
+  // prepXferDlist(agent | "", descs, memType, backends) -> handle
+  Napi::Value PrepXferDlist(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Handle h = E(env).prepXferDlist(args::string(env, info[0], "agent name"), args::descs(env, info[1], "prepXferDlist"),
+                                    args::memType(env, info[2]), args::optStrings(env, info[3], "backends"));
+    return Napi::Number::New(env, h);
+  }
+
+  Napi::Value ReleaseDlist(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).releaseDlist(args::handle(env, info[0], "dlist handle"));
+    return env.Undefined();
+  }
+
+  // makeXferReq(op, localDlist, localIdx, remoteDlist, remoteIdx, notif?) -> handle
+  Napi::Value MakeXferReq(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    XferOp op = args::op(env, info[0]);
+    Handle l = args::handle(env, info[1], "local dlist handle");
+    auto li = args::indices(env, info[2], "local indices");
+    Handle r = args::handle(env, info[3], "remote dlist handle");
+    auto ri = args::indices(env, info[4], "remote indices");
+    auto notif = args::optBlob(env, info[5], "notification message");
+    Handle h = E(env).makeXferReq(op, l, li.Data(), li.ElementLength(), r, ri.Data(), ri.ElementLength(),
+                                  notif ? &*notif : nullptr);
+    return Napi::Number::New(env, h);
+  }
+
+  // createXferReq(op, localDescs, localType, remoteDescs, remoteType, agent, notif?) -> handle
+  Napi::Value CreateXferReq(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    XferOp op = args::op(env, info[0]);
+    auto local = args::descs(env, info[1], "local");
+    MemType lt = args::memType(env, info[2]);
+    auto remote = args::descs(env, info[3], "remote");
+    MemType rt = args::memType(env, info[4]);
+    std::string agent = args::string(env, info[5], "remote agent");
+    auto notif = args::optBlob(env, info[6], "notification message");
+    Handle h = E(env).createXferReq(op, local, lt, remote, rt, agent, notif ? &*notif : nullptr);
+    return Napi::Number::New(env, h);
+  }
+
+  Napi::Value PostXferReq(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Handle h = args::handle(env, info[0], "transfer handle");
+    auto notif = args::optBlob(env, info[1], "notification message");
+    int s = E(env).postXferReq(h, notif ? &*notif : nullptr);
+    if (s == IN_PROG) {
+      ++inflight_;
+      UpdateRef(env);
+    }
+    return Napi::Number::New(env, s);
+  }
+
+  // -> status number; on error also the message as second element.
+  Napi::Value GetXferStatus(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    std::string err;
+    int s = E(env).getXferStatus(args::handle(env, info[0], "transfer handle"), &err);
+    if (s >= 0) return Napi::Number::New(env, s);
+    auto a = Napi::Array::New(env, 2);
+    a.Set(0u, Napi::Number::New(env, s));
+    a.Set(1u, Napi::String::New(env, err));
+    return a;
+  }
+
+  Napi::Value ReleaseXferReq(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    E(env).releaseXferReq(args::handle(env, info[0], "transfer handle"));
+    return env.Undefined();
+  }
+
+  Napi::Value GetXferTelemetry(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Telemetry t = E(env).getXferTelemetry(args::handle(env, info[0], "transfer handle"));
+    auto o = Napi::Object::New(env);
+    o.Set("startTimeUs", Napi::Number::New(env, static_cast<double>(t.startTimeUs)));
+    o.Set("postDurationUs", Napi::Number::New(env, static_cast<double>(t.postDurationUs)));
+    o.Set("xferDurationUs", Napi::Number::New(env, static_cast<double>(t.xferDurationUs)));
+    o.Set("totalBytes", Napi::Number::New(env, static_cast<double>(t.totalBytes)));
+    o.Set("descCount", Napi::Number::New(env, static_cast<double>(t.descCount)));
+    return o;
+  }
+
+  Napi::Value GenNotif(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    std::string agent = args::string(env, info[0], "agent name");
+    auto msg = args::optBlob(env, info[1], "notification message");
+    if (!msg) invalidArg(env, "notification message is required");
+    E(env).genNotif(agent, *msg);
+    return env.Undefined();
+  }
+
+  // -> [name0, buf0, name1, buf1, ...] in arrival order
+  Napi::Value GetNotifs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    std::vector<std::pair<std::string, std::string>> list;
+    E(env).getNotifs(list);
+    auto a = Napi::Array::New(env, list.size() * 2);
+    uint32_t i = 0;
+    for (auto& [from, msg] : list) {
+      a.Set(i++, Napi::String::New(env, from));
+      a.Set(i++, Napi::Buffer<char>::Copy(env, msg.data(), msg.size()));
+    }
+    return a;
+  }
+
+  Napi::Value WatchNotifs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    notifWatch_ = args::boolean(env, info[0], "watchNotifs(on)");
+    UpdateRef(env);
+    return env.Undefined();
+  }
+
+  Napi::Value Close(const Napi::CallbackInfo& info) {
+    if (engine_) {
+      napi_remove_env_cleanup_hook(info.Env(), &NativeAgent::EnvCleanup, this);
+      Shutdown();
+    }
+    return info.Env().Undefined();
+  }
+
+  void Shutdown() {
+    engine_->close();  // joins engine threads: no more onComplete after this
+    engine_.reset();
+    keep_.clear();
+    if (haveTsfn_) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        haveTsfn_ = false;
+      }
+      tsfn_.Release();
+    }
+  }
+
+  static void EnvCleanup(void* arg) {
+    auto* self = static_cast<NativeAgent*>(arg);
+    if (self->engine_) {
+      self->engine_->close();
+      self->engine_.reset();
+    }
+  }
+
+  static void DeliverThunk(Napi::Env env, Napi::Function fn, TsfnCtx* ctx, NativeAgent* self) {
+    Deliver(env, fn, ctx, self);
+  }
+  using Tsfn = Napi::TypedThreadSafeFunction<TsfnCtx, NativeAgent, &NativeAgent::DeliverThunk>;
+
+  std::unique_ptr<nixlnode::Engine> engine_;
+  Tsfn tsfn_;
+  TsfnCtx tsfnCtx_;
+  bool haveTsfn_ = false;
+  bool refd_ = false;
+  uint32_t inflight_ = 0;
+  std::atomic<bool> notifWatch_{false};
+  std::mutex mu_;
+  std::vector<uint32_t> finished_;
+  bool notifPending_ = false;
+  bool signalled_ = false;
+  std::unordered_map<Handle, std::vector<Napi::Reference<Napi::Value>>> keep_;
+};
+
+}  // namespace
+
+Napi::Function initNativeAgent(Napi::Env env) { return NativeAgent::Init(env); }
+
+}  // namespace nixlnode
