@@ -7,6 +7,7 @@
         "native/addon/args.cpp",
         "native/addon/errors.cpp",
         "native/addon/module.cpp",
+        "native/loopback/copy.cpp",
         "native/loopback/live_table.cpp",
         "native/loopback/loopback_engine.cpp",
         "native/loopback/metadata.cpp",

@@ -8,7 +8,7 @@ secs=${1:-30}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
-loopback=(native/loopback/live_table.cpp native/loopback/loopback_engine.cpp native/loopback/metadata.cpp
+loopback=(native/loopback/copy.cpp native/loopback/live_table.cpp native/loopback/loopback_engine.cpp native/loopback/metadata.cpp
           native/loopback/notif_socket.cpp native/loopback/notifier.cpp native/loopback/shm.cpp)
 clang++ "${flags[@]}" test/fuzz/fuzz_metadata.cpp native/loopback/metadata.cpp -o "$out/fuzz_metadata"
 clang++ "${flags[@]}" test/fuzz/fuzz_descriptors.cpp "${loopback[@]}" -lpthread -o "$out/fuzz_descriptors"

@@ -34,22 +34,30 @@
 #include "notif_socket.h"
 #include "notifier.h"
 #include "shm.h"
-#include "stream_copy.h"
+#include "copy.h"
+#include "types.h"
 
 namespace nixlnode {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using namespace loopback;
 constexpr const char* kPlugin = "LOOPBACK";
 
-std::string hex(uint64_t v) {
-  std::ostringstream os;
-  os << "0x" << std::hex << v;
-  return os.str();
+// One lookup for every handle map: the entry, or NIXL_ERR_NOT_FOUND saying
+// which call looked for what.
+template <class Map>
+typename Map::mapped_type& lookup(Map& m, const typename Map::key_type& key, const char* call, const char* what) {
+  auto it = m.find(key);
+  if (it == m.end()) throw EngineError(ERR_NOT_FOUND, std::string(call) + ": unknown or released " + what);
+  return it->second;
 }
 
-std::string descStr(const Desc& d) {
-  return "[" + hex(d.addr) + ", +" + std::to_string(d.len) + ", dev " + std::to_string(d.devId) + "]";
+template <class Map>
+typename Map::mapped_type& remoteAgent(Map& m, const std::string& agent, const char* call) {
+  auto it = m.find(agent);
+  if (it == m.end())
+    throw EngineError(ERR_NOT_FOUND, std::string(call) + ": unknown remote agent '" + agent + "' (addRemoteAgent first)");
+  return it->second;
 }
 
 uint64_t nowEpochUs() {
@@ -58,120 +66,8 @@ uint64_t nowEpochUs() {
                                    .count());
 }
 
-struct Region {
-  Desc d;
-  MemType type;
-  shm::Info shm{-1, 0, 0, 0};
-  loopback::LiveTable::Slot liveSlot{0, 0};  // its registration's, for peers in other processes
-  std::atomic<int> inUse{0};  // in-flight requests touching it
-  bool live = true;           // guarded by Registry::mu
-};
-using RegionP = std::shared_ptr<Region>;
-
-// An agent's registered memory. Shared with agents of the same process, which
-// check liveness and pin regions directly.
-struct Registry {
-  std::mutex mu;
-  std::vector<RegionP> regions;  // sorted by address
-  // Copies by any agent of this process running on this memory right now;
-  // close waits for them (the JS memory goes when it returns).
-  int copying = 0;
-  std::condition_variable idle;
-
-  // Caller holds mu. Regions may overlap, so walk back over every region
-  // starting at or below addr.
-  RegionP find(const Desc& d, MemType type) const {
-    auto it = std::upper_bound(regions.begin(), regions.end(), d.addr,
-                               [](uint64_t a, const RegionP& r) { return a < r->d.addr; });
-    while (it != regions.begin()) {
-      --it;
-      const Region& r = **it;
-      if (descWithin(d.addr, d.len, r.d.addr, r.d.len) && r.d.devId == d.devId && r.type == type) return *it;
-    }
-    return nullptr;
-  }
-};
-
 std::mutex gAgentsMu;
 std::unordered_map<uint64_t, std::weak_ptr<Registry>> gAgents;  // token -> registry
-
-struct RemoteRegion {
-  loopback::MdRegion r;
-  char* mapped = nullptr;  // start of r inside our mapping of the peer's memfd
-  void* mapBase = nullptr;
-  size_t mapLen = 0;
-};
-
-struct RemoteAgent {
-  std::string name;
-  uint32_t pid = 0;
-  std::string notifAddr;
-  bool sameProcess = false;
-  std::weak_ptr<Registry> registry;  // same process only
-  std::unique_ptr<loopback::LiveView> live;  // other processes: their registrations' liveness
-  uint64_t agentWord = 0;
-  std::vector<RemoteRegion> regions;  // sorted by address
-  int pidfd = -1;
-  std::atomic<bool> removed{false};
-
-  ~RemoteAgent() {
-    for (auto& r : regions)
-      if (r.mapBase) munmap(r.mapBase, r.mapLen);
-    if (pidfd >= 0) close(pidfd);
-  }
-
-  bool processAlive() const {
-    if (sameProcess) return !registry.expired();
-    if (pidfd < 0) return true;
-    pollfd p{pidfd, POLLIN, 0};
-    return poll(&p, 1, 0) == 0;  // readable = exited
-  }
-
-  const RemoteRegion* find(const Desc& d, MemType type) const {
-    auto it = std::upper_bound(regions.begin(), regions.end(), d.addr,
-                               [](uint64_t a, const RemoteRegion& r) { return a < r.r.addr; });
-    while (it != regions.begin()) {
-      --it;
-      const auto& r = it->r;
-      if (descWithin(d.addr, d.len, r.addr, r.len) && r.devId == d.devId && r.type == type)
-        return &*it;
-    }
-    return nullptr;
-  }
-};
-using RemoteP = std::shared_ptr<RemoteAgent>;
-
-struct Entry {
-  Desc d;
-  RegionP region;    // local, or a same-process peer's; null for other processes
-  char* ptr;         // where to memcpy; null: use process_vm_*
-  uint32_t liveSlot = 0;  // other processes: the word that says the region is still registered
-  uint64_t liveWord = 0;
-};
-
-struct Dlist {
-  RemoteP remote;  // null: local
-  MemType type;
-  std::vector<Entry> entries;
-};
-
-struct Request {
-  Handle id;
-  XferOp op;
-  RemoteP remote;
-  std::vector<Entry> local, remote_;
-  uint64_t totalBytes = 0;
-  bool hasNotif = false;
-  std::string notif;
-  std::atomic<int> status{ERR_NOT_POSTED};
-  std::string err;  // written before status is stored
-  std::atomic<bool> released{false};
-  bool pinned = false;  // posted and not yet run: holds inUse on its regions
-  Telemetry tel{};
-  Clock::time_point postedAt;
-};
-using RequestP = std::shared_ptr<Request>;
-
 
 class LoopbackEngine final : public Engine {
  public:
@@ -255,11 +151,9 @@ class LoopbackEngine final : public Engine {
 
   void deregisterMem(Handle reg) override {
     checkOpen();
-    auto it = registrations_.find(reg);
-    if (it == registrations_.end())
-      throw EngineError(ERR_NOT_FOUND, "deregisterMem: unknown or already deregistered memory");
+    Registration& registration = lookup(registrations_, reg, "deregisterMem", "memory registration");
     std::lock_guard<std::mutex> lk(registry_->mu);
-    for (auto& r : it->second.regions) {
+    for (auto& r : registration.regions) {
       int n = r->inUse.load();
       if (n > 0)
         throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + descStr(r->d) + " is in use by " +
@@ -267,13 +161,13 @@ class LoopbackEngine final : public Engine {
                                                " in-flight transfer(s); wait for them or release them first");
     }
     auto& v = registry_->regions;
-    for (auto& r : it->second.regions) {
+    for (auto& r : registration.regions) {
       r->live = false;
       v.erase(std::remove(v.begin(), v.end(), r), v.end());
     }
     // Peers in other processes see it before the caller can reuse the memory.
-    live_.kill(it->second.slot);
-    registrations_.erase(it);
+    live_.kill(registration.slot);
+    registrations_.erase(reg);
   }
 
   std::string getLocalMD() override {
@@ -345,10 +239,8 @@ class LoopbackEngine final : public Engine {
 
   void invalidateRemoteMD(const std::string& agent) override {
     checkOpen();
-    auto it = remotes_.find(agent);
-    if (it == remotes_.end()) throw EngineError(ERR_NOT_FOUND, "unknown remote agent '" + agent + "'");
-    it->second->removed = true;
-    remotes_.erase(it);
+    remoteAgent(remotes_, agent, "removeRemoteAgent")->removed = true;
+    remotes_.erase(agent);
   }
 
   void sendLocalMD(const std::string&, int) override { noMetadataService("sendLocalMD"); }
@@ -377,9 +269,7 @@ class LoopbackEngine final : public Engine {
 
   void makeConnection(const std::string& agent) override {
     checkOpen();
-    auto it = remotes_.find(agent);
-    if (it == remotes_.end()) throw EngineError(ERR_NOT_FOUND, "makeConnection: unknown remote agent '" + agent + "'");
-    if (!it->second->processAlive())
+    if (!remoteAgent(remotes_, agent, "makeConnection")->processAlive())
       throw EngineError(ERR_REMOTE_DISCONNECT, "makeConnection: agent '" + agent + "' is gone");
   }
 
@@ -420,12 +310,8 @@ class LoopbackEngine final : public Engine {
   Handle makeXferReq(XferOp op, Handle localH, const uint32_t* li, size_t nl, Handle remoteH,
                      const uint32_t* ri, size_t nr, const std::string* notif) override {
     checkOpen();
-    auto lit = dlists_.find(localH);
-    auto rit = dlists_.find(remoteH);
-    if (lit == dlists_.end() || rit == dlists_.end())
-      throw EngineError(ERR_NOT_FOUND, "makeXferReq: unknown descriptor list handle");
-    const Dlist& L = *lit->second;
-    const Dlist& R = *rit->second;
+    const Dlist& L = *lookup(dlists_, localH, "makeXferReq", "local descriptor list handle");
+    const Dlist& R = *lookup(dlists_, remoteH, "makeXferReq", "remote descriptor list handle");
     if (L.remote) throw EngineError(ERR_INVALID_PARAM, "makeXferReq: the local side must be a dlist prepared for the local agent");
     if (!R.remote) throw EngineError(ERR_INVALID_PARAM, "makeXferReq: the remote side must be a dlist prepared for a remote agent");
     if (nl != nr)
@@ -457,9 +343,7 @@ class LoopbackEngine final : public Engine {
 
   int postXferReq(Handle h, const std::string* notif) override {
     checkOpen();
-    auto it = requests_.find(h);
-    if (it == requests_.end()) throw EngineError(ERR_NOT_FOUND, "postXferReq: unknown or released transfer handle");
-    RequestP req = it->second;
+    RequestP req = lookup(requests_, h, "postXferReq", "transfer handle");
     if (req->status.load() == IN_PROG)
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
     if (req->remote->removed)
@@ -489,42 +373,36 @@ class LoopbackEngine final : public Engine {
 
   int getXferStatus(Handle h, std::string* errMsg) override {
     checkOpen();
-    auto it = requests_.find(h);
-    if (it == requests_.end()) throw EngineError(ERR_NOT_FOUND, "unknown or released transfer handle");
-    int s = it->second->status.load(std::memory_order_acquire);
-    if (s < 0 && errMsg) *errMsg = it->second->err;
+    const Request& req = *lookup(requests_, h, "checkXferState", "transfer handle");
+    int s = req.status.load(std::memory_order_acquire);
+    if (s < 0 && errMsg) *errMsg = req.err;
     return s;
   }
 
   void releaseXferReq(Handle h) override {
     checkOpen();
-    auto it = requests_.find(h);
-    if (it == requests_.end())
-      throw EngineError(ERR_NOT_FOUND, "releaseXferHandle: unknown or already released transfer handle");
     // An in-flight request finishes (or is skipped, if still queued) on the
     // worker, which holds its own reference; the handle is gone at once.
-    it->second->released = true;
-    requests_.erase(it);
+    lookup(requests_, h, "releaseXferHandle", "transfer handle")->released = true;
+    requests_.erase(h);
   }
 
   Telemetry getXferTelemetry(Handle h) override {
     checkOpen();
-    auto it = requests_.find(h);
-    if (it == requests_.end()) throw EngineError(ERR_NOT_FOUND, "unknown or released transfer handle");
+    const Request& req = *lookup(requests_, h, "getXferTelemetry", "transfer handle");
     if (!cfg_.captureTelemetry)
       throw EngineError(ERR_NO_TELEMETRY, "telemetry is off: create the agent with captureTelemetry: true");
-    int s = it->second->status.load(std::memory_order_acquire);
-    if (s == ERR_NOT_POSTED) throw EngineError(ERR_NO_TELEMETRY, "transfer was never posted");
-    return it->second->tel;
+    if (req.status.load(std::memory_order_acquire) == ERR_NOT_POSTED)
+      throw EngineError(ERR_NO_TELEMETRY, "transfer was never posted");
+    return req.tel;
   }
 
   void genNotif(const std::string& agent, const std::string& msg) override {
     checkOpen();
-    auto it = remotes_.find(agent);
-    if (it == remotes_.end()) throw EngineError(ERR_NOT_FOUND, "genNotif: unknown remote agent '" + agent + "'");
+    const RemoteP& ra = remoteAgent(remotes_, agent, "genNotif");
     if (msg.size() > NotifSocket::kMaxMsg) throw EngineError(ERR_INVALID_PARAM, "notification larger than 64 KiB");
     // A full peer queue queues it on the notifier (delivered later, in order).
-    int e = notifier_->send(it->second->notifAddr, msg, nullptr);
+    int e = notifier_->send(ra->notifAddr, msg, nullptr);
     if (e != 0 && e != EINPROGRESS) {
       throw EngineError(ERR_REMOTE_DISCONNECT,
                         "genNotif to '" + agent + "': " + std::string(strerror(e)) + " (agent gone?)");
@@ -624,7 +502,10 @@ class LoopbackEngine final : public Engine {
   void addRegions(RemoteAgent& ra, const loopback::AgentMd& md) {
     for (const auto& g : md.regions) {
       RemoteRegion rr{g};
-      if (!ra.sameProcess && g.shmFd >= 0) mapShared(ra.pid, &rr);
+      if (!ra.sameProcess && g.shmFd >= 0) {
+        // Falls back to process_vm_* when the memfd cannot be mapped.
+        if (shm::mapPeer(ra.pid, g.shmFd, g.shmIno, g.shmOffset, g.len, &rr.mapping)) rr.mapped = rr.mapping.at;
+      }
       ra.regions.push_back(rr);
     }
     std::sort(ra.regions.begin(), ra.regions.end(),
@@ -647,10 +528,7 @@ class LoopbackEngine final : public Engine {
       }
       return dl;
     }
-    auto it = remotes_.find(agent);
-    if (it == remotes_.end())
-      throw EngineError(ERR_NOT_FOUND, "unknown remote agent '" + agent + "' (addRemoteAgent first)");
-    dl.remote = it->second;
+    dl.remote = remoteAgent(remotes_, agent, "prepXferDlist");
     const RemoteAgent& ra = *dl.remote;
     if (ra.sameProcess) {
       auto reg = ra.registry.lock();
@@ -738,28 +616,6 @@ class LoopbackEngine final : public Engine {
     unpinSide(req.remote_);
   }
 
-  void mapShared(uint32_t pid, RemoteRegion* rr) {
-    const auto& g = rr->r;
-    std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(g.shmFd);
-    int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) return;  // fall back to process_vm_*
-    struct stat st {};
-    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_ino) != g.shmIno ||
-        static_cast<uint64_t>(st.st_size) < g.shmOffset + g.len) {
-      ::close(fd);
-      return;
-    }
-    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    uint64_t off = g.shmOffset / page * page;
-    size_t len = static_cast<size_t>(g.shmOffset + g.len - off);
-    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(off));
-    ::close(fd);
-    if (p == MAP_FAILED) return;
-    rr->mapBase = p;
-    rr->mapLen = len;
-    rr->mapped = static_cast<char*>(p) + (g.shmOffset - off);
-  }
-
   void workLoop() {
     for (;;) {
       RequestP req;
@@ -785,10 +641,8 @@ class LoopbackEngine final : public Engine {
     } else if (!req.remote->processAlive()) {
       status = ERR_REMOTE_DISCONNECT;
       err = "agent '" + req.remote->name + "' is gone (process exited or agent closed)";
-    } else if (req.remote->sameProcess) {
-      status = copySameProcess(req, &err);
     } else {
-      status = copyOtherProcess(req, &err);
+      status = copyRequest(req, &err);
     }
     unpin(req);
     if (status == SUCCESS && req.hasNotif) {
@@ -818,100 +672,6 @@ class LoopbackEngine final : public Engine {
     req.err = err;
     req.status.store(status, std::memory_order_release);
     sink_->onComplete(req.id);
-  }
-
-  // The peer's memory is JS memory of this process: hold its registry's copy
-  // count while copying, so that closing the peer waits for us.
-  int copySameProcess(Request& req, std::string* err) {
-    auto reg = req.remote->registry.lock();
-    if (!reg) {
-      *err = "agent '" + req.remote->name + "' is closed";
-      return ERR_REMOTE_DISCONNECT;
-    }
-    {
-      std::lock_guard<std::mutex> lk(reg->mu);
-      for (const auto& e : req.remote_)
-        if (!e.region->live) {
-          *err = "agent '" + req.remote->name + "' was closed before the transfer ran";
-          return ERR_REMOTE_DISCONNECT;
-        }
-      ++reg->copying;
-    }
-    int s = copy(req, err);
-    {
-      std::lock_guard<std::mutex> lk(reg->mu);
-      --reg->copying;
-    }
-    reg->idle.notify_all();
-    return s;
-  }
-
-  // The peer may deregister (and reuse) its memory or close at any time: check
-  // its liveness words before the copy and again after it, so a copy that
-  // overlapped either fails rather than returning the bytes that replaced it.
-  int copyOtherProcess(Request& req, std::string* err) {
-    int s = checkRemoteLive(req, err);
-    if (s != SUCCESS) return s;
-    s = copy(req, err);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    int after = checkRemoteLive(req, err);
-    return s != SUCCESS ? s : after;
-  }
-
-  static int checkRemoteLive(const Request& req, std::string* err) {
-    const RemoteAgent& ra = *req.remote;
-    if (!ra.live->alive(0, ra.agentWord)) {
-      *err = "agent '" + ra.name + "' was closed";
-      return ERR_REMOTE_DISCONNECT;
-    }
-    for (const auto& e : req.remote_)
-      if (!ra.live->alive(e.liveSlot, e.liveWord)) {
-        *err = "memory " + descStr(e.d) + " of agent '" + ra.name + "' was deregistered";
-        return ERR_NOT_FOUND;
-      }
-    return SUCCESS;
-  }
-
-  int copy(Request& req, std::string* err) {
-    const bool read = req.op == XferOp::READ;
-    constexpr size_t kBatch = 64;
-    iovec liov[kBatch], riov[kBatch];
-    size_t n = 0, want = 0;
-    auto flush = [&]() -> int {
-      if (n == 0) return SUCCESS;
-      ssize_t r = read ? process_vm_readv(static_cast<pid_t>(req.remote->pid), liov, n, riov, n, 0)
-                       : process_vm_writev(static_cast<pid_t>(req.remote->pid), liov, n, riov, n, 0);
-      int e = errno;
-      n = 0;
-      if (r == static_cast<ssize_t>(want)) return SUCCESS;
-      if (r < 0 && e == ESRCH) {
-        *err = "agent '" + req.remote->name + "' process exited";
-        return ERR_REMOTE_DISCONNECT;
-      }
-      *err = std::string(read ? "process_vm_readv" : "process_vm_writev") + ": " +
-             (r < 0 ? strerror(e) : "short transfer (remote memory unmapped?)");
-      return ERR_BACKEND;
-    };
-    for (size_t i = 0; i < req.local.size(); ++i) {
-      const Entry& l = req.local[i];
-      const Entry& r = req.remote_[i];
-      if (r.ptr) {
-        if (read) streamCopy(l.ptr, r.ptr, l.d.len);
-        else streamCopy(r.ptr, l.ptr, l.d.len);
-        continue;
-      }
-      if (n == 0) want = 0;
-      liov[n] = iovec{l.ptr, l.d.len};
-      riov[n] = iovec{reinterpret_cast<void*>(r.d.addr), r.d.len};
-      want += l.d.len;
-      if (++n == kBatch) {
-        int s = flush();
-        if (s != SUCCESS) return s;
-      }
-    }
-    int s = flush();
-    streamFence();
-    return s;
   }
 
   void receiveLoop() {

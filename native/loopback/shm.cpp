@@ -1,5 +1,6 @@
 #include "shm.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -72,6 +73,32 @@ bool lookup(uint64_t addr, uint64_t len, Info* out) {
   if (addr + len > base + it->second.size) return false;
   *out = Info{it->second.fd, addr - base, it->second.size, it->second.ino};
   return true;
+}
+
+bool mapPeer(uint32_t pid, int32_t fd, uint64_t ino, uint64_t offset, uint64_t len, Mapping* out) {
+  std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  int f = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (f < 0) return false;
+  struct stat st {};
+  // The offsets come from the peer's metadata: no sum may wrap.
+  if (fstat(f, &st) != 0 || static_cast<uint64_t>(st.st_ino) != ino || st.st_size < 0 ||
+      offset > static_cast<uint64_t>(st.st_size) || len > static_cast<uint64_t>(st.st_size) - offset) {
+    close(f);
+    return false;
+  }
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  uint64_t off = offset / page * page;
+  size_t n = static_cast<size_t>(offset + len - off);
+  // MAP_POPULATE: page tables up front, as an RDMA registration would pin.
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, f, static_cast<off_t>(off));
+  close(f);
+  if (p == MAP_FAILED) return false;
+  *out = Mapping{p, n, static_cast<char*>(p) + (offset - off)};
+  return true;
+}
+
+void unmap(const Mapping& m) {
+  if (m.base) munmap(m.base, m.len);
 }
 
 }  // namespace nixlnode::shm
