@@ -8,7 +8,10 @@ export function benchAgent(name: string, engine: Engine): NixlAgent {
   if (engine === 'nixl') {
     process.env.UCX_TLS ??= 'sm,self';
     return new NixlAgent(name, {
-      engine, progressThread: true, progressDelayUs: 1000, backendParams: { UCX: { ucx_error_handling_mode: 'none' } },
+      engine,
+      progressThread: true,
+      progressDelayUs: 1000,
+      backendParams: { UCX: { ucx_error_handling_mode: 'none' } },
     });
   }
   return new NixlAgent(name, { engine });

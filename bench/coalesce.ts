@@ -1,7 +1,7 @@
 // Descriptors per request and coalescing: KvPuller pulls of 16 KiB blocks in
 // one process, per-block descriptors vs runs merged into larger ones, each
 // as a ratio to memcpy measured in the same run.
-import { DescList, KvPuller, NixlAgent, allocate, servePrefill, type KvLayout } from '../lib';
+import { DescList, KvPuller, allocate, servePrefill, type KvLayout } from '../lib';
 import { benchAgent, type Engine } from './agents';
 import { memcpyBaseline } from './loopback';
 import { median, nowNs } from './stats';
@@ -25,8 +25,15 @@ export interface CoalesceRow {
 function layout(engineId: string, mem: Buffer): KvLayout {
   const base = DescList.from(mem).addr(0);
   return {
-    engineId, tpSize: 1, tpRank: 0, numBlocks: BLOCKS, blockSize: 16, blockLens: Array(REGIONS).fill(BLOCK),
-    baseAddrs: Array.from({ length: REGIONS }, (_, i) => base + BigInt(i * BLOCK * BLOCKS)), kvCacheLayout: 'HND', totalNumKvHeads: 8,
+    engineId,
+    tpSize: 1,
+    tpRank: 0,
+    numBlocks: BLOCKS,
+    blockSize: 16,
+    blockLens: Array(REGIONS).fill(BLOCK),
+    baseAddrs: Array.from({ length: REGIONS }, (_, i) => base + BigInt(i * BLOCK * BLOCKS)),
+    kvCacheLayout: 'HND',
+    totalNumKvHeads: 8,
   };
 }
 
@@ -39,7 +46,12 @@ export async function benchCoalesce(engine: Engine, reps = 5, sizes = [1, 4, 16,
   dm.fill(4);
   p.registerMemory(pm);
   d.registerMemory(dm);
-  const server = await servePrefill({ ranks: [{ agent: p, layout: layout('P', pm) }], compatibilityHash: 'b', port: 0, logger: { warn() {} } });
+  const server = await servePrefill({
+    ranks: [{ agent: p, layout: layout('P', pm) }],
+    compatibilityHash: 'b',
+    port: 0,
+    logger: { warn() {} },
+  });
   const puller = new KvPuller({ agent: d, layout: layout('D', dm), expectedHash: 'b' });
   const remote = { host: '127.0.0.1', port: server.basePort, tpSize: 1 };
   await puller.connect(remote);
@@ -57,7 +69,13 @@ export async function benchCoalesce(engine: Engine, reps = 5, sizes = [1, 4, 16,
             // adjacent blocks, as a prefill engine allocates a prompt's blocks
             const start = (q * n) % (BLOCKS - n);
             const ids = Array.from({ length: n }, (_, i) => start + i);
-            const r = await puller.pullBlocks({ remote, localBlockIds: ids, remoteBlockIds: ids, requestId: `q${q}`, coalesce });
+            const r = await puller.pullBlocks({
+              remote,
+              localBlockIds: ids,
+              remoteBlockIds: ids,
+              requestId: `q${q}`,
+              coalesce,
+            });
             bytes += r.bytes;
             descs = r.descriptors;
           }
@@ -70,8 +88,15 @@ export async function benchCoalesce(engine: Engine, reps = 5, sizes = [1, 4, 16,
       const merged = await run(true);
       const memcpy = memcpyBaseline(5);
       rows.push({
-        blocksPerRequest: n, descriptorsPlain: plain.descs, descriptorsCoalesced: merged.descs, plainGbps: plain.gbps, coalescedGbps: merged.gbps,
-        memcpyGbps: memcpy, plainRatio: plain.gbps / memcpy, coalescedRatio: merged.gbps / memcpy, gain: merged.gbps / plain.gbps,
+        blocksPerRequest: n,
+        descriptorsPlain: plain.descs,
+        descriptorsCoalesced: merged.descs,
+        plainGbps: plain.gbps,
+        coalescedGbps: merged.gbps,
+        memcpyGbps: memcpy,
+        plainRatio: plain.gbps / memcpy,
+        coalescedRatio: merged.gbps / memcpy,
+        gain: merged.gbps / plain.gbps,
       });
     }
   } finally {

@@ -3,7 +3,7 @@
 import { fork } from 'node:child_process';
 import { once } from 'node:events';
 import * as path from 'node:path';
-import { DescList, NixlAgent, allocate } from '../lib';
+import { DescList, type NixlAgent, allocate } from '../lib';
 import { benchAgent, type Engine } from './agents';
 import { median, nowNs } from './stats';
 
@@ -59,14 +59,18 @@ async function remoteIn(proc: 'same' | 'child', shared: boolean, local: NixlAgen
     r.registerMemory(mem);
     local.addRemoteAgent(r.getAgentMetadata());
     return {
-      name: 'bench-remote', addr: DescList.from(mem).addr(0), close: async () => {
+      name: 'bench-remote',
+      addr: DescList.from(mem).addr(0),
+      close: async () => {
         local.removeRemoteAgent('bench-remote');
         r.close();
       },
     };
   }
   const child = fork(path.join(__dirname, 'peer.js'), [], {
-    stdio: ['ignore', 'inherit', 'inherit', 'ipc'], serialization: 'advanced', env: { ...process.env, NIXL_NODE_ENGINE: local.engine },
+    stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
+    serialization: 'advanced',
+    env: { ...process.env, NIXL_NODE_ENGINE: local.engine },
   });
   child.send({ cmd: 'init', bytes: POOL, shared });
   const [init] = (await once(child, 'message')) as [{ md: Uint8Array; addr: bigint }];
@@ -125,7 +129,15 @@ export async function benchBandwidth(opts: { engine?: Engine; reps?: number; pat
           }
           const memcpy = median(ms);
           const g = median(xs);
-          rows.push({ path: p, engine: local.engine, blockBytes: block, descriptors: n, gbps: g, memcpyGbps: memcpy, ratio: g / memcpy });
+          rows.push({
+            path: p,
+            engine: local.engine,
+            blockBytes: block,
+            descriptors: n,
+            gbps: g,
+            memcpyGbps: memcpy,
+            ratio: g / memcpy,
+          });
           local.releaseXferHandle(h);
           local.releaseDlistHandle(ld);
           local.releaseDlistHandle(rd);

@@ -1,5 +1,5 @@
 // A process that owns the remote memory for cross-process benchmarks.
-import { NixlAgent, allocate, DescList } from '../lib';
+import { type NixlAgent, allocate, DescList } from '../lib';
 import { benchAgent, type Engine } from './agents';
 
 let agent: NixlAgent | undefined;

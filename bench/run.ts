@@ -18,7 +18,9 @@ function arg(name: string): string | undefined {
 }
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
-  const cells = rows.map((r) => r.map((c) => (typeof c === 'number' ? (Number.isInteger(c) ? String(c) : c.toFixed(2)) : c)));
+  const cells = rows.map((r) =>
+    r.map((c) => (typeof c === 'number' ? (Number.isInteger(c) ? String(c) : c.toFixed(2)) : c)),
+  );
   const w = head.map((h, i) => Math.max(h.length, ...cells.map((r) => r[i].length)));
   console.log(head.map((h, i) => (i === 0 ? h.padEnd(w[i]) : h.padStart(w[i]))).join('  '));
   for (const r of cells) console.log(r.map((c, i) => (i === 0 ? c.padEnd(w[i]) : c.padStart(w[i]))).join('  '));
@@ -28,8 +30,11 @@ async function main(): Promise<void> {
   const quick = process.argv.includes('--quick');
   const only = (arg('--only') ?? 'bandwidth,coalesce,handshake').split(',');
   // Both engines side by side when NIXL is compiled in; NIXL_NODE_ENGINE picks one.
-  const runEngines: Engine[] = process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE as Engine]
-    : (engines.includes('nixl') ? ['loopback', 'nixl'] : ['loopback']);
+  const runEngines: Engine[] = process.env.NIXL_NODE_ENGINE
+    ? [process.env.NIXL_NODE_ENGINE as Engine]
+    : engines.includes('nixl')
+      ? ['loopback', 'nixl']
+      : ['loopback'];
   const engine = runEngines.join(' + ');
   const cpu = os.cpus();
   const machine = `${cpu[0]?.model ?? 'cpu'} x${cpu.length}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB RAM, ${os.platform()} ${os.release()}, node ${process.version}`;
@@ -38,32 +43,68 @@ async function main(): Promise<void> {
   const panels: Panel[] = [];
 
   if (only.includes('bandwidth')) {
-    console.log('\n# READ bandwidth: 64 MiB per request in blocks of each size; ratio = engine / memcpy of the same 64 MiB');
+    console.log(
+      '\n# READ bandwidth: 64 MiB per request in blocks of each size; ratio = engine / memcpy of the same 64 MiB',
+    );
     const bw: BwRow[] = [];
     for (const e of runEngines) {
       // NIXL's own paths: in one process, and across processes (UCX picks the transport)
-      bw.push(...await benchBandwidth({ reps: quick ? 3 : 7, engine: e, paths: e === 'nixl' ? ['in-process', 'shared mapping'] : undefined }));
+      bw.push(
+        ...(await benchBandwidth({
+          reps: quick ? 3 : 7,
+          engine: e,
+          paths: e === 'nixl' ? ['in-process', 'shared mapping'] : undefined,
+        })),
+      );
     }
-    table(['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio'], bw.map((r) => [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio]));
+    table(
+      ['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio'],
+      bw.map((r) => [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio]),
+    );
     result.bandwidth = bw;
     for (const key of new Set(bw.map((r) => `${r.engine}|${r.path}`))) {
       const [e, path] = key.split('|');
-      panels.push({ title: `READ / memcpy, ${e}, ${path}`, reference: 1, bars: bw.filter((r) => r.engine === e && r.path === path).map((r) => ({ label: fmtBytes(r.blockBytes), value: r.ratio })) });
+      panels.push({
+        title: `READ / memcpy, ${e}, ${path}`,
+        reference: 1,
+        bars: bw
+          .filter((r) => r.engine === e && r.path === path)
+          .map((r) => ({ label: fmtBytes(r.blockBytes), value: r.ratio })),
+      });
     }
   }
 
   if (only.includes('coalesce')) {
-    console.log('\n# KvPuller, 16 KiB blocks x 8 regions, adjacent block ids; ratio = pull throughput / memcpy; gain = coalesced / per-block');
+    console.log(
+      '\n# KvPuller, 16 KiB blocks x 8 regions, adjacent block ids; ratio = pull throughput / memcpy; gain = coalesced / per-block',
+    );
     const co = await benchCoalesce(runEngines[0], quick ? 2 : 5);
-    table(['blocks/request', 'descs', 'merged descs', 'GB/s', 'merged GB/s', 'ratio', 'merged ratio', 'gain'],
-      co.map((r) => [String(r.blocksPerRequest), r.descriptorsPlain, r.descriptorsCoalesced, r.plainGbps, r.coalescedGbps, r.plainRatio, r.coalescedRatio, r.gain]));
+    table(
+      ['blocks/request', 'descs', 'merged descs', 'GB/s', 'merged GB/s', 'ratio', 'merged ratio', 'gain'],
+      co.map((r) => [
+        String(r.blocksPerRequest),
+        r.descriptorsPlain,
+        r.descriptorsCoalesced,
+        r.plainGbps,
+        r.coalescedGbps,
+        r.plainRatio,
+        r.coalescedRatio,
+        r.gain,
+      ]),
+    );
     result.coalesce = co;
-    panels.push({ title: 'Coalescing gain (merged / per-block throughput), 16 KiB blocks', reference: 1, bars: co.map((r) => ({ label: `${r.blocksPerRequest} blocks/request`, value: r.gain })) });
+    panels.push({
+      title: 'Coalescing gain (merged / per-block throughput), 16 KiB blocks',
+      reference: 1,
+      bars: co.map((r) => ({ label: `${r.blocksPerRequest} blocks/request`, value: r.gain })),
+    });
   }
 
   if (only.includes('handshake')) {
     const n = quick ? 50 : 300;
-    console.log(`\n# Handshake latency, ${n} fetches of one rank's payload (64 regions, 4 KiB agent metadata); ratio = median / raw transport median`);
+    console.log(
+      `\n# Handshake latency, ${n} fetches of one rank's payload (64 regions, 4 KiB agent metadata); ratio = median / raw transport median`,
+    );
     let certs: ReturnType<typeof makeCerts> | undefined;
     try {
       certs = makeCerts();
@@ -72,14 +113,24 @@ async function main(): Promise<void> {
     }
     const hs = await benchHandshake(n, certs && { cert: certs.serverCert, key: certs.serverKey, ca: certs.ca });
     if (certs) fs.rmSync(certs.dir, { recursive: true, force: true });
-    table(['method', 'median ms', 'p99 ms', 'raw median ms', 'raw p99 ms', 'ratio'], hs.map((r) => [r.method, r.medianMs, r.p99Ms, r.rawMedianMs, r.rawP99Ms, r.ratio]));
+    table(
+      ['method', 'median ms', 'p99 ms', 'raw median ms', 'raw p99 ms', 'ratio'],
+      hs.map((r) => [r.method, r.medianMs, r.p99Ms, r.rawMedianMs, r.rawP99Ms, r.ratio]),
+    );
     result.handshake = hs;
-    panels.push({ title: 'Handshake median / raw transport median', reference: 1, bars: hs.map((r) => ({ label: r.method, value: r.ratio })) });
+    panels.push({
+      title: 'Handshake median / raw transport median',
+      reference: 1,
+      bars: hs.map((r) => ({ label: r.method, value: r.ratio })),
+    });
   }
 
   const json = arg('--json');
   if (json) {
-    fs.writeFileSync(json, JSON.stringify(result, (_k, v) => (typeof v === 'bigint' ? v.toString() : v), 2));
+    fs.writeFileSync(
+      json,
+      JSON.stringify(result, (_k, v) => (typeof v === 'bigint' ? v.toString() : v), 2),
+    );
     console.log(`\nwrote ${json}`);
   }
   const svg = arg('--svg');

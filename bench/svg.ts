@@ -37,10 +37,14 @@ export function barChart(title: string, panels: Panel[]): string {
     }
     if (p.reference !== undefined) {
       const x = labelW + p.reference * scale;
-      parts.push(`<line x1="${x.toFixed(1)}" y1="${top - 4}" x2="${x.toFixed(1)}" y2="${y}" stroke="#e45756" stroke-dasharray="4 3"/>`);
+      parts.push(
+        `<line x1="${x.toFixed(1)}" y1="${top - 4}" x2="${x.toFixed(1)}" y2="${y}" stroke="#e45756" stroke-dasharray="4 3"/>`,
+      );
     }
     y += 24;
   }
-  return `<svg xmlns="http://www.w3.org/2000/svg" width="${W}" height="${y}" font-family="sans-serif" font-size="12">` +
-    `<rect width="100%" height="100%" fill="white"/><text x="10" y="20" font-size="14" font-weight="bold">${esc(title)}</text>${parts.join('')}</svg>\n`;
+  return (
+    `<svg xmlns="http://www.w3.org/2000/svg" width="${W}" height="${y}" font-family="sans-serif" font-size="12">` +
+    `<rect width="100%" height="100%" fill="white"/><text x="10" y="20" font-size="14" font-weight="bold">${esc(title)}</text>${parts.join('')}</svg>\n`
+  );
 }

@@ -42,13 +42,27 @@ const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
 
 function parse(argv: string[]): Options {
   const o: Options = {
-    prefillTp: 2, decodeTp: 4, layers: 32, blocks: 256, blockKib: 64, heads: 8, requests: 16, inFlight: 4,
+    prefillTp: 2,
+    decodeTp: 4,
+    layers: 32,
+    blocks: 256,
+    blockKib: 64,
+    heads: 8,
+    requests: 16,
+    inFlight: 4,
     method: (process.env.NIXL_HANDSHAKE_METHOD as 'zmq' | 'http') ?? 'zmq',
-    engine: (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'), mla: false,
+    engine: (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'),
+    mla: false,
   };
   const num: Record<string, keyof Options> = {
-    '--prefill-tp': 'prefillTp', '--decode-tp': 'decodeTp', '--layers': 'layers', '--blocks': 'blocks', '--block-kib': 'blockKib',
-    '--heads': 'heads', '--requests': 'requests', '--in-flight': 'inFlight',
+    '--prefill-tp': 'prefillTp',
+    '--decode-tp': 'decodeTp',
+    '--layers': 'layers',
+    '--blocks': 'blocks',
+    '--block-kib': 'blockKib',
+    '--heads': 'heads',
+    '--requests': 'requests',
+    '--in-flight': 'inFlight',
   };
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i];
@@ -66,7 +80,8 @@ function parse(argv: string[]): Options {
   }
   if (o.method !== 'zmq' && o.method !== 'http') throw new Error('--method must be zmq or http');
   if (o.engine !== 'loopback' && o.engine !== 'nixl') throw new Error('--engine must be loopback or nixl');
-  if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp)) throw new Error(`${o.heads} heads must split over both TP sizes`);
+  if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp))
+    throw new Error(`${o.heads} heads must split over both TP sizes`);
   if (o.requests > o.blocks) throw new Error('--requests must not exceed --blocks');
   return o;
 }
@@ -98,14 +113,26 @@ async function main(): Promise<void> {
   const pSpec: Omit<KvSpec, 'tpRank'> = { ...base, tpSize: o.prefillTp };
   const dSpec = (r: number): KvSpec => ({ ...base, tpSize: o.decodeTp, tpRank: r });
   const hash = computeCompatibilityHash({
-    vllmVersion: 'nixl-node-demo', model: 'demo-model', dtype: 'torch.bfloat16', numKvHeads: o.heads, headSize: 128,
-    numHiddenLayers: o.layers, attnBackendName: o.mla ? 'FLASHMLA' : 'FLASH_ATTN', cacheDtype: 'auto',
+    vllmVersion: 'nixl-node-demo',
+    model: 'demo-model',
+    dtype: 'torch.bfloat16',
+    numKvHeads: o.heads,
+    headSize: 128,
+    numHiddenLayers: o.layers,
+    attnBackendName: o.mla ? 'FLASHMLA' : 'FLASH_ATTN',
+    cacheDtype: 'auto',
   });
   const pBlock = rankDims(pSpec).blockLen;
   const dBlock = rankDims({ ...base, tpSize: o.decodeTp }).blockLen;
-  console.log(`nixl-node demo: prefill TP=${o.prefillTp} -> decode TP=${o.decodeTp}${o.mla ? ' (MLA)' : ''}, ${o.layers} layers x ${o.mla ? 'latent' : 'K/V'} x ${o.blocks} blocks`);
-  console.log(`  block per region: ${pBlock / 1024} KiB on a prefill rank, ${dBlock / 1024} KiB on a decode rank; ${fmt(rankBytes({ ...pSpec, tpRank: 0 }) * o.prefillTp)} of KV on the prefill side`);
-  console.log(`  engine ${o.engine}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`);
+  console.log(
+    `nixl-node demo: prefill TP=${o.prefillTp} -> decode TP=${o.decodeTp}${o.mla ? ' (MLA)' : ''}, ${o.layers} layers x ${o.mla ? 'latent' : 'K/V'} x ${o.blocks} blocks`,
+  );
+  console.log(
+    `  block per region: ${pBlock / 1024} KiB on a prefill rank, ${dBlock / 1024} KiB on a decode rank; ${fmt(rankBytes({ ...pSpec, tpRank: 0 }) * o.prefillTp)} of KV on the prefill side`,
+  );
+  console.log(
+    `  engine ${o.engine}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`,
+  );
 
   // Requests: the prefill allocated each prompt's blocks in a run; decode
   // allocates wherever it has free blocks.
@@ -117,13 +144,20 @@ async function main(): Promise<void> {
     local: localOrder.slice(q * per, (q + 1) * per),
   }));
 
-  const prefill = worker('prefill-worker.js', { spec: pSpec, method: o.method, engine: o.engine, compatibilityHash: hash } satisfies PrefillConfig);
+  const prefill = worker('prefill-worker.js', {
+    spec: pSpec,
+    method: o.method,
+    engine: o.engine,
+    compatibilityHash: hash,
+  } satisfies PrefillConfig);
   const failures: string[] = [];
   const ready = await new Promise<{ port: number; fillMs: number; engine: string }>((resolve, reject) => {
     prefill.once('message', (m) => resolve(m as { port: number; fillMs: number; engine: string }));
     prefill.once('exit', (c) => reject(new Error(`prefill worker exited (${c})`)));
   });
-  console.log(`  prefill ready in ${ready.fillMs.toFixed(0)} ms (KV filled and registered), side channel on 127.0.0.1:${ready.port}`);
+  console.log(
+    `  prefill ready in ${ready.fillMs.toFixed(0)} ms (KV filled and registered), side channel on 127.0.0.1:${ready.port}`,
+  );
   let released = 0;
   let expired = 0;
   const allReleased = new Promise<void>((resolve) => {
@@ -150,26 +184,42 @@ async function main(): Promise<void> {
   };
   let handshaken = 0;
   const decoders: ReturnType<typeof worker>[] = [];
-  const reports = await Promise.all(Array.from({ length: o.decodeTp }, (_, r) => new Promise<Record<string, number>>((resolve, reject) => {
-    const w = worker('decode-worker.js', {
-      spec: dSpec(r), prefillTp: o.prefillTp, port: ready.port, method: o.method, engine: o.engine, compatibilityHash: hash, requests, inFlight: o.inFlight,
-    } satisfies DecodeConfig);
-    decoders.push(w);
-    w.on('message', (m: { type: string; bytes?: number; message?: string }) => {
-      if (m.type === 'ready') {
-        // every rank has handshaken: start them together
-        if (++handshaken === o.decodeTp) for (const d of decoders) d.send({ type: 'go' });
-      } else if (m.type === 'progress') {
-        moved += m.bytes!;
-        show();
-      } else if (m.type === 'done') resolve(m as unknown as Record<string, number>);
-      else if (m.type === 'error') reject(new Error(`decode rank ${r}: ${m.message}`));
-    });
-    w.once('exit', (c) => c !== 0 && reject(new Error(`decode rank ${r} exited (${c})`)));
-  })));
+  const reports = await Promise.all(
+    Array.from(
+      { length: o.decodeTp },
+      (_, r) =>
+        new Promise<Record<string, number>>((resolve, reject) => {
+          const w = worker('decode-worker.js', {
+            spec: dSpec(r),
+            prefillTp: o.prefillTp,
+            port: ready.port,
+            method: o.method,
+            engine: o.engine,
+            compatibilityHash: hash,
+            requests,
+            inFlight: o.inFlight,
+          } satisfies DecodeConfig);
+          decoders.push(w);
+          w.on('message', (m: { type: string; bytes?: number; message?: string }) => {
+            if (m.type === 'ready') {
+              // every rank has handshaken: start them together
+              if (++handshaken === o.decodeTp) for (const d of decoders) d.send({ type: 'go' });
+            } else if (m.type === 'progress') {
+              moved += m.bytes!;
+              show();
+            } else if (m.type === 'done') resolve(m as unknown as Record<string, number>);
+            else if (m.type === 'error') reject(new Error(`decode rank ${r}: ${m.message}`));
+          });
+          w.once('exit', (c) => c !== 0 && reject(new Error(`decode rank ${r} exited (${c})`)));
+        }),
+    ),
+  );
   show(true);
   if (tty) process.stdout.write('\n');
-  const releasedInTime = await Promise.race([allReleased.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), 10_000))]);
+  const releasedInTime = await Promise.race([
+    allReleased.then(() => true),
+    new Promise<boolean>((r) => setTimeout(() => r(false), 10_000)),
+  ]);
   prefill.send({ type: 'exit' });
 
   const start = Math.min(...reports.map((r) => r.start));
@@ -188,13 +238,20 @@ async function main(): Promise<void> {
     ['wall time', `${(end - start).toFixed(0)} ms (all ranks pulling at once)`],
     ['throughput', `${(bytes / ((end - start) / 1000) / 1e9).toFixed(2)} GB/s (all decode ranks together)`],
     ['verified', bad === 0 ? `every byte (${fmt(bytes)})` : `${bad} head rows WRONG`],
-    ['prefill freed', releasedInTime ? `${released}/${requests.length} requests after all decode reads${expired ? ` (${expired} expired)` : ''}` : `${released}/${requests.length} (timed out waiting)`],
+    [
+      'prefill freed',
+      releasedInTime
+        ? `${released}/${requests.length} requests after all decode reads${expired ? ` (${expired} expired)` : ''}`
+        : `${released}/${requests.length} (timed out waiting)`,
+    ],
   ];
   console.log('');
   const w = Math.max(...rows.map((r) => r[0].length));
   for (const [k, v] of rows) console.log(`  ${k.padEnd(w)}  ${v}`);
   for (const [i, r] of reports.entries()) {
-    console.log(`    decode rank ${i}: reads prefill rank(s) ${targetRemoteRanks(o.decodeTp, i, o.prefillTp).join(',')}, ${fmt(r.bytes)} in ${(r.end - r.start).toFixed(0)} ms, handshake ${r.handshakeMs.toFixed(1)} ms`);
+    console.log(
+      `    decode rank ${i}: reads prefill rank(s) ${targetRemoteRanks(o.decodeTp, i, o.prefillTp).join(',')}, ${fmt(r.bytes)} in ${(r.end - r.start).toFixed(0)} ms, handshake ${r.handshakeMs.toFixed(1)} ms`,
+    );
   }
   if (bad || !releasedInTime || expired) failures.push('verification or release failed');
   if (failures.length) {

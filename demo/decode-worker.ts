@@ -22,7 +22,13 @@ async function main(): Promise<void> {
   mem.fill(0); // a KV cache in service has its pages in place; fault them in before timing
   agent.registerMemory(mem);
   const layout = rankLayout(cfg.spec, 'demo-decode', DescList.from(mem).addr(0));
-  const puller = new KvPuller({ agent, layout, handshake: cfg.method, expectedHash: cfg.compatibilityHash, maxConcurrent: cfg.inFlight });
+  const puller = new KvPuller({
+    agent,
+    layout,
+    handshake: cfg.method,
+    expectedHash: cfg.compatibilityHash,
+    maxConcurrent: cfg.inFlight,
+  });
   const remote = { host: '127.0.0.1', port: cfg.port, tpSize: cfg.prefillTp };
   const handshakeMs = await puller.handshakeMs(remote);
   // All decode ranks start pulling together, so the wall time measures the pulls.
@@ -32,12 +38,20 @@ async function main(): Promise<void> {
   let bad = 0;
   let bytes = 0;
   let descriptors = 0;
-  await Promise.all(cfg.requests.map(async (q) => {
-    const r = await puller.pullBlocks({ remote, localBlockIds: q.local, remoteBlockIds: q.remote, requestId: q.requestId, timeoutMs: 60_000 });
-    bytes += r.bytes;
-    descriptors += r.descriptors;
-    process.send!({ type: 'progress', bytes: r.bytes });
-  }));
+  await Promise.all(
+    cfg.requests.map(async (q) => {
+      const r = await puller.pullBlocks({
+        remote,
+        localBlockIds: q.local,
+        remoteBlockIds: q.remote,
+        requestId: q.requestId,
+        timeoutMs: 60_000,
+      });
+      bytes += r.bytes;
+      descriptors += r.descriptors;
+      process.send!({ type: 'progress', bytes: r.bytes });
+    }),
+  );
   const end = performance.timeOrigin + performance.now();
   // Verify after all pulls: every byte of every block this rank received.
   for (const q of cfg.requests) bad += verifyRank(mem, cfg.spec, q.local, q.remote);

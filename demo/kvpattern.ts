@@ -17,7 +17,10 @@ export interface KvSpec {
   mla?: boolean;
 }
 
-export function rankDims(s: Pick<KvSpec, 'heads' | 'tpSize' | 'headBytes' | 'mla'>): { localHeads: number; blockLen: number } {
+export function rankDims(s: Pick<KvSpec, 'heads' | 'tpSize' | 'headBytes' | 'mla'>): {
+  localHeads: number;
+  blockLen: number;
+} {
   if (!s.mla && s.heads % s.tpSize !== 0) throw new RangeError(`${s.heads} KV heads do not split over TP ${s.tpSize}`);
   const localHeads = s.mla ? 1 : s.heads / s.tpSize;
   return { localHeads, blockLen: localHeads * s.headBytes };
@@ -57,7 +60,8 @@ export function fillRank(mem: Buffer, s: KvSpec): void {
   for (let r = 0; r < s.regions; r++) {
     for (let b = 0; b < s.numBlocks; b++) {
       const base = r * regionBytes + b * blockLen;
-      for (let h = 0; h < localHeads; h++) t[rowId(r, b, globalHead(s, h, localHeads))].copy(mem, base + h * s.headBytes);
+      for (let h = 0; h < localHeads; h++)
+        t[rowId(r, b, globalHead(s, h, localHeads))].copy(mem, base + h * s.headBytes);
     }
   }
 }
@@ -73,7 +77,8 @@ export function verifyRank(mem: Buffer, s: KvSpec, localIds: ArrayLike<number>, 
       const base = r * regionBytes + localIds[k] * blockLen;
       for (let h = 0; h < localHeads; h++) {
         const off = base + h * s.headBytes;
-        if (!t[rowId(r, remoteIds[k], globalHead(s, h, localHeads))].equals(mem.subarray(off, off + s.headBytes))) bad++;
+        if (!t[rowId(r, remoteIds[k], globalHead(s, h, localHeads))].equals(mem.subarray(off, off + s.headBytes)))
+          bad++;
       }
     }
   }
@@ -85,9 +90,15 @@ export function rankLayout(s: KvSpec, engineId: string, addr: bigint) {
   const { blockLen } = rankDims(s);
   const regionBytes = blockLen * s.numBlocks;
   return {
-    engineId, tpSize: s.tpSize, tpRank: s.tpRank, numBlocks: s.numBlocks, blockSize: 16,
+    engineId,
+    tpSize: s.tpSize,
+    tpRank: s.tpRank,
+    numBlocks: s.numBlocks,
+    blockSize: 16,
     blockLens: Array<number>(s.regions).fill(blockLen),
     baseAddrs: Array.from({ length: s.regions }, (_, i) => addr + BigInt(i * regionBytes)),
-    kvCacheLayout: 'HND' as const, isMla: !!s.mla, totalNumKvHeads: s.heads,
+    kvCacheLayout: 'HND' as const,
+    isMla: !!s.mla,
+    totalNumKvHeads: s.heads,
   };
 }

@@ -26,8 +26,18 @@ async function main(): Promise<void> {
     ranks.push({ agent, layout: rankLayout(spec, 'demo-prefill', DescList.from(mem).addr(0)) });
     trackers.push(new PrefillTracker({ agent, tpSize: cfg.spec.tpSize, expireMs: 120_000 }));
   }
-  const server = await servePrefill({ ranks, compatibilityHash: cfg.compatibilityHash, port: 0, handshake: cfg.method });
-  process.send!({ type: 'ready', port: server.basePort, fillMs: performance.now() - t0, engine: ranks[0].agent.engine });
+  const server = await servePrefill({
+    ranks,
+    compatibilityHash: cfg.compatibilityHash,
+    port: 0,
+    handshake: cfg.method,
+  });
+  process.send!({
+    type: 'ready',
+    port: server.basePort,
+    fillMs: performance.now() - t0,
+    engine: ranks[0].agent.engine,
+  });
   process.on('message', async (m: { type: string; requestId?: string; blockIds?: number[] }) => {
     if (m.type === 'expect') {
       const released = await Promise.all(trackers.map((t) => t.expect(m.requestId!, m.blockIds!)));

@@ -3,8 +3,8 @@
 // the addon's batched completion events.
 import { markAsUntransferable } from 'node:worker_threads';
 import { NixlError, invalidParam } from './errors';
-import { DescList, MemType, MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
-import { binding, NativeAgent, NativeTelemetry } from './native';
+import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
+import { binding, type NativeAgent, type NativeTelemetry } from './native';
 
 export type EngineKind = 'loopback' | 'nixl';
 export type XferOp = 'READ' | 'WRITE';
@@ -48,17 +48,27 @@ export interface Notif {
 
 /** Memory registered with an agent; pass back to deregisterMemory. */
 export class RegisteredMemory {
-  constructor(readonly id: number, readonly descs: DescList) {}
+  constructor(
+    readonly id: number,
+    readonly descs: DescList,
+  ) {}
 }
 
 /** A prepared descriptor list (prepXferDlist). */
 export class DlistHandle {
-  constructor(readonly id: number, readonly agent: string, readonly length: number) {}
+  constructor(
+    readonly id: number,
+    readonly agent: string,
+    readonly length: number,
+  ) {}
 }
 
 /** A transfer request (initializeXfer / makePreppedXfer). */
 export class XferHandle {
-  constructor(readonly id: number, readonly remoteAgent: string) {}
+  constructor(
+    readonly id: number,
+    readonly remoteAgent: string,
+  ) {}
 }
 
 interface Waiter {
@@ -155,8 +165,10 @@ export class NixlAgent {
     return toDescList(mem, memType);
   }
 
-  registerMemory(mem: DescList | MemoryLike | readonly MemoryLike[],
-                 opts: { memType?: MemType; backends?: string[] } = {}): RegisteredMemory {
+  registerMemory(
+    mem: DescList | MemoryLike | readonly MemoryLike[],
+    opts: { memType?: MemType; backends?: string[] } = {},
+  ): RegisteredMemory {
     const d = toDescList(mem, opts.memType);
     const id = this.#native.registerMem(d.triples, memTypeId(d.memType), opts.backends, [...d.owners]);
     // A transfer (postMessage, structuredClone) would detach the ArrayBuffer
@@ -189,10 +201,17 @@ export class NixlAgent {
   }
 
   /** Metadata of only the registrations covering descs (NIXL get_partial_agent_metadata). */
-  getPartialAgentMetadata(descs: DescList | MemoryLike | readonly MemoryLike[],
-                          opts: { memType?: MemType; includeConnInfo?: boolean; backends?: string[] } = {}): Buffer {
+  getPartialAgentMetadata(
+    descs: DescList | MemoryLike | readonly MemoryLike[],
+    opts: { memType?: MemType; includeConnInfo?: boolean; backends?: string[] } = {},
+  ): Buffer {
     const d = toDescList(descs, opts.memType);
-    return this.#native.getLocalPartialMD(d.triples, memTypeId(d.memType), opts.includeConnInfo ?? false, opts.backends);
+    return this.#native.getLocalPartialMD(
+      d.triples,
+      memTypeId(d.memType),
+      opts.includeConnInfo ?? false,
+      opts.backends,
+    );
   }
 
   // NIXL's own metadata exchange: a peer's listener (ip, port; the peer sets
@@ -203,8 +222,10 @@ export class NixlAgent {
     this.#native.sendLocalMD(opts.ip, opts.port);
   }
 
-  sendPartialAgentMetadata(descs: DescList | MemoryLike | readonly MemoryLike[],
-                           opts: { memType?: MemType; ip?: string; port?: number } = {}): void {
+  sendPartialAgentMetadata(
+    descs: DescList | MemoryLike | readonly MemoryLike[],
+    opts: { memType?: MemType; ip?: string; port?: number } = {},
+  ): void {
     const d = toDescList(descs, opts.memType);
     this.#native.sendLocalPartialMD(d.triples, memTypeId(d.memType), opts.ip, opts.port);
   }
@@ -218,7 +239,11 @@ export class NixlAgent {
   }
 
   /** True when the agent's metadata (and memory covering descs, if given) has arrived. */
-  checkRemoteMetadata(remoteAgent: string, descs?: DescList | readonly MemoryLike[], memType: MemType = 'DRAM'): boolean {
+  checkRemoteMetadata(
+    remoteAgent: string,
+    descs?: DescList | readonly MemoryLike[],
+    memType: MemType = 'DRAM',
+  ): boolean {
     const d = descs ? toDescList(descs, memType) : new DescList(new BigUint64Array(0), memType);
     return this.#native.checkRemoteMD(remoteAgent, d.triples, memTypeId(d.memType));
   }
@@ -228,8 +253,10 @@ export class NixlAgent {
   }
 
   /** Per descriptor: what the backend knows of that memory, or null. */
-  queryMemory(descs: DescList | MemoryLike | readonly MemoryLike[],
-              opts: { memType?: MemType; backends?: string[] } = {}): Array<Record<string, string> | null> {
+  queryMemory(
+    descs: DescList | MemoryLike | readonly MemoryLike[],
+    opts: { memType?: MemType; backends?: string[] } = {},
+  ): Array<Record<string, string> | null> {
     const d = toDescList(descs, opts.memType);
     // NIXL asks for exactly one backend here; with one created, that is the one.
     const backends = opts.backends ?? (this.getBackends().length === 1 ? this.getBackends() : undefined);
@@ -239,28 +266,54 @@ export class NixlAgent {
   // ---- transfers ------------------------------------------------------------
 
   /** agent '' or 'NIXL_INIT_AGENT' prepares the local side. */
-  prepXferDlist(agent: string, descs: DescList | MemoryLike | readonly MemoryLike[],
-                opts: { memType?: MemType; backends?: string[] } = {}): DlistHandle {
+  prepXferDlist(
+    agent: string,
+    descs: DescList | MemoryLike | readonly MemoryLike[],
+    opts: { memType?: MemType; backends?: string[] } = {},
+  ): DlistHandle {
     const local = agent === '' || agent === 'NIXL_INIT_AGENT';
     const d = toDescList(descs, opts.memType);
     const id = this.#native.prepXferDlist(local ? '' : agent, d.triples, memTypeId(d.memType), opts.backends);
     return new DlistHandle(id, local ? '' : agent, d.length);
   }
 
-  makePreppedXfer(op: XferOp, local: DlistHandle, localIndices: Uint32Array | readonly number[],
-                  remote: DlistHandle, remoteIndices: Uint32Array | readonly number[], notifMsg?: NotifMsg): XferHandle {
-    const id = this.#native.makeXferReq(op, local.id, toIndices(localIndices), remote.id, toIndices(remoteIndices),
-      notifMsg);
+  makePreppedXfer(
+    op: XferOp,
+    local: DlistHandle,
+    localIndices: Uint32Array | readonly number[],
+    remote: DlistHandle,
+    remoteIndices: Uint32Array | readonly number[],
+    notifMsg?: NotifMsg,
+  ): XferHandle {
+    const id = this.#native.makeXferReq(
+      op,
+      local.id,
+      toIndices(localIndices),
+      remote.id,
+      toIndices(remoteIndices),
+      notifMsg,
+    );
     return new XferHandle(id, remote.agent);
   }
 
-  initializeXfer(op: XferOp, local: DescList | MemoryLike | readonly MemoryLike[],
-                 remote: DescList | readonly MemoryLike[] | MemoryLike, remoteAgent: string,
-                 notifMsg?: NotifMsg): XferHandle {
+  initializeXfer(
+    op: XferOp,
+    local: DescList | MemoryLike | readonly MemoryLike[],
+    remote: DescList | readonly MemoryLike[] | MemoryLike,
+    remoteAgent: string,
+    notifMsg?: NotifMsg,
+  ): XferHandle {
     const l = toDescList(local);
     const r = toDescList(remote);
-    const id = this.#native.createXferReq(op, l.triples, memTypeId(l.memType), r.triples, memTypeId(r.memType),
-      remoteAgent, notifMsg);
+    const id = this.#native.createXferReq(
+      op,
+      l.triples,
+      memTypeId(l.memType),
+      r.triples,
+      memTypeId(r.memType),
+      remoteAgent,
+      notifMsg,
+    );
     return new XferHandle(id, remoteAgent);
   }
 
@@ -321,8 +374,14 @@ export class NixlAgent {
     return new Promise<void>((resolve, reject) => {
       const cleanup = guardWait(opts, reject, () => this.#removeWaiter(handle.id, w), 'transfer');
       const w: Waiter = {
-        resolve: () => { cleanup(); resolve(); },
-        reject: (e) => { cleanup(); reject(e); },
+        resolve: () => {
+          cleanup();
+          resolve();
+        },
+        reject: (e) => {
+          cleanup();
+          reject(e);
+        },
       };
       const list = this.#waiters.get(handle.id);
       if (list) list.push(w);
@@ -331,21 +390,38 @@ export class NixlAgent {
   }
 
   /** initializeXfer + transfer + wait + release, in one call. */
-  async read(local: DescList | MemoryLike | readonly MemoryLike[], remote: DescList | readonly MemoryLike[] | MemoryLike,
-             remoteAgent: string, opts: XferOptions = {}): Promise<void> {
+  async read(
+    local: DescList | MemoryLike | readonly MemoryLike[],
+    remote: DescList | readonly MemoryLike[] | MemoryLike,
+    remoteAgent: string,
+    opts: XferOptions = {},
+  ): Promise<void> {
     return this.#oneShot('READ', local, remote, remoteAgent, opts);
   }
 
-  async write(local: DescList | MemoryLike | readonly MemoryLike[], remote: DescList | readonly MemoryLike[] | MemoryLike,
-              remoteAgent: string, opts: XferOptions = {}): Promise<void> {
+  async write(
+    local: DescList | MemoryLike | readonly MemoryLike[],
+    remote: DescList | readonly MemoryLike[] | MemoryLike,
+    remoteAgent: string,
+    opts: XferOptions = {},
+  ): Promise<void> {
     return this.#oneShot('WRITE', local, remote, remoteAgent, opts);
   }
 
-  async #oneShot(op: XferOp, local: DescList | MemoryLike | readonly MemoryLike[],
-                 remote: DescList | readonly MemoryLike[] | MemoryLike, remoteAgent: string,
-                 opts: XferOptions): Promise<void> {
-    const h = this.initializeXfer(op, toDescList(local, opts.memType), toDescList(remote, opts.remoteMemType),
-      remoteAgent, opts.notifMsg);
+  async #oneShot(
+    op: XferOp,
+    local: DescList | MemoryLike | readonly MemoryLike[],
+    remote: DescList | readonly MemoryLike[] | MemoryLike,
+    remoteAgent: string,
+    opts: XferOptions,
+  ): Promise<void> {
+    const h = this.initializeXfer(
+      op,
+      toDescList(local, opts.memType),
+      toDescList(remote, opts.remoteMemType),
+      remoteAgent,
+      opts.notifMsg,
+    );
     try {
       this.transfer(h);
       await this.wait(h, opts);
@@ -376,8 +452,10 @@ export class NixlAgent {
    * Resolves with the first notification (consumed, not returned again by
    * getNewNotifs) that matches: a sender name, an exact message, or a predicate.
    */
-  waitForNotif(match: { agent?: string; msg?: NotifMsg } | ((n: Notif) => boolean) = {},
-               opts: WaitOptions = {}): Promise<Notif> {
+  waitForNotif(
+    match: { agent?: string; msg?: NotifMsg } | ((n: Notif) => boolean) = {},
+    opts: WaitOptions = {},
+  ): Promise<Notif> {
     if (this.#closed) return Promise.reject(new NixlError(`agent '${this.name}' is closed`, 'NIXL_ERR_NOT_ALLOWED'));
     const pred = typeof match === 'function' ? match : notifMatcher(match);
     this.#pumpNotifs();
@@ -396,10 +474,15 @@ export class NixlAgent {
           reject(e);
         },
       };
-      const cleanup = guardWait(opts, reject, () => {
-        this.#notifWatchers.delete(watcher);
-        if (this.#notifWatchers.size === 0 && !this.#closed) this.#native.watchNotifs(false);
-      }, 'notification');
+      const cleanup = guardWait(
+        opts,
+        reject,
+        () => {
+          this.#notifWatchers.delete(watcher);
+          if (this.#notifWatchers.size === 0 && !this.#closed) this.#native.watchNotifs(false);
+        },
+        'notification',
+      );
       this.#notifWatchers.add(watcher);
       this.#native.watchNotifs(true);
       // A notification that landed between the pump above and watchNotifs(true)
@@ -471,7 +554,7 @@ export class NixlAgent {
   }
 
   #runNotifWatchers(): void {
-    for (let i = 0; i < this.#notifs.length && this.#notifWatchers.size > 0;) {
+    for (let i = 0; i < this.#notifs.length && this.#notifWatchers.size > 0; ) {
       let taken = false;
       for (const w of this.#notifWatchers) {
         if (w.take(this.#notifs[i])) {

@@ -78,12 +78,13 @@ export class DescList {
         t[3 * i + 2] = 0n;
         owners.push(m);
       } else {
-        throw invalidParam(`descriptor ${i}: expected a Buffer, typed array, ArrayBuffer or {addr: bigint, len, devId}`);
+        throw invalidParam(
+          `descriptor ${i}: expected a Buffer, typed array, ArrayBuffer or {addr: bigint, len, devId}`,
+        );
       }
     });
     return new DescList(t, memType, owners);
   }
-
 }
 
 export function toDescList(m: DescList | MemoryLike | readonly MemoryLike[], memType?: MemType): DescList {

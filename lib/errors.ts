@@ -24,7 +24,9 @@ export const Status = {
 export type NixlErrorCode = Exclude<keyof typeof Status, 'NIXL_IN_PROG' | 'NIXL_SUCCESS'> | 'NIXL_ERR_TIMEOUT';
 
 const byStatus = new Map<number, NixlErrorCode>(
-  Object.entries(Status).filter(([, v]) => v < 0).map(([k, v]) => [v, k as NixlErrorCode]),
+  Object.entries(Status)
+    .filter(([, v]) => v < 0)
+    .map(([k, v]) => [v, k as NixlErrorCode]),
 );
 
 export class NixlError extends Error {

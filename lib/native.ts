@@ -45,10 +45,23 @@ export declare class NativeAgent {
   estimateXferCost(h: number): { durationUs: number; errMarginUs: number; method: string };
   prepXferDlist(agent: string, descs: BigUint64Array, memType: number, backends?: string[]): number;
   releaseDlist(h: number): void;
-  makeXferReq(op: 'READ' | 'WRITE', local: number, localIdx: Uint32Array, remote: number, remoteIdx: Uint32Array,
-              notif?: Uint8Array | string): number;
-  createXferReq(op: 'READ' | 'WRITE', local: BigUint64Array, localType: number, remote: BigUint64Array,
-                remoteType: number, agent: string, notif?: Uint8Array | string): number;
+  makeXferReq(
+    op: 'READ' | 'WRITE',
+    local: number,
+    localIdx: Uint32Array,
+    remote: number,
+    remoteIdx: Uint32Array,
+    notif?: Uint8Array | string,
+  ): number;
+  createXferReq(
+    op: 'READ' | 'WRITE',
+    local: BigUint64Array,
+    localType: number,
+    remote: BigUint64Array,
+    remoteType: number,
+    agent: string,
+    notif?: Uint8Array | string,
+  ): number;
   /** 1 = in progress (a completion event follows), 0 = already done */
   postXferReq(h: number, notif?: Uint8Array | string): number;
   /** status number, or [status, message] for an error status */

@@ -42,7 +42,7 @@ using Handle = uint32_t;
 using Params = std::map<std::string, std::string>;
 
 struct Telemetry {
-  uint64_t startTimeUs;    // wall clock (epoch) microseconds at post
+  uint64_t startTimeUs;  // wall clock (epoch) microseconds at post
   uint64_t postDurationUs;
   uint64_t xferDurationUs;
   uint64_t totalBytes;
@@ -54,7 +54,7 @@ struct EngineConfig {
   bool progressThread = true;         // NIXL's own progress thread (nixl engine)
   uint32_t progressDelayUs = 1000;    // NIXL pthrDelay: 0 would spin a core
   bool captureTelemetry = false;
-  int listenPort = 0;                 // NIXL's own metadata listener (0 = off)
+  int listenPort = 0;  // NIXL's own metadata listener (0 = off)
   // Tests only: the loopback worker waits this long before each transfer, so
   // "while in flight" cases are deterministic instead of racing a fast copy.
   uint32_t testDelayUs = 0;
@@ -110,16 +110,15 @@ class Engine {
                                                       const std::vector<std::string>& backends) = 0;
 
   // agent "" = the local side (NIXL_INIT_AGENT).
-  virtual Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs,
-                               MemType type, const std::vector<std::string>& backends) = 0;
+  virtual Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type,
+                               const std::vector<std::string>& backends) = 0;
   virtual void releaseDlist(Handle dlist) = 0;
 
-  virtual Handle makeXferReq(XferOp op, Handle localDlist, const uint32_t* localIdx,
-                             size_t nLocal, Handle remoteDlist, const uint32_t* remoteIdx,
-                             size_t nRemote, const std::string* notif) = 0;
+  virtual Handle makeXferReq(XferOp op, Handle localDlist, const uint32_t* localIdx, size_t nLocal, Handle remoteDlist,
+                             const uint32_t* remoteIdx, size_t nRemote, const std::string* notif) = 0;
   virtual Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType localType,
-                               const std::vector<Desc>& remote, MemType remoteType,
-                               const std::string& remoteAgent, const std::string* notif) = 0;
+                               const std::vector<Desc>& remote, MemType remoteType, const std::string& remoteAgent,
+                               const std::string* notif) = 0;
   // notif: nullptr keeps the request's message; otherwise replaces it.
   virtual int postXferReq(Handle req, const std::string* notif) = 0;  // IN_PROG | SUCCESS
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
@@ -138,11 +137,9 @@ class Engine {
   virtual void close() = 0;
 };
 
-std::unique_ptr<Engine> makeLoopbackEngine(const std::string& name, const EngineConfig& cfg,
-                                           CompletionSink* sink);
+std::unique_ptr<Engine> makeLoopbackEngine(const std::string& name, const EngineConfig& cfg, CompletionSink* sink);
 #ifdef NIXL_NODE_WITH_NIXL
-std::unique_ptr<Engine> makeNixlEngine(const std::string& name, const EngineConfig& cfg,
-                                       CompletionSink* sink);
+std::unique_ptr<Engine> makeNixlEngine(const std::string& name, const EngineConfig& cfg, CompletionSink* sink);
 #endif
 
 }  // namespace nixlnode

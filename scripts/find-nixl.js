@@ -6,8 +6,8 @@
 //   libdir  -> the directory holding libnixl.so (lib/x86_64-linux-gnu or lib64 or lib)
 // It only looks; it never fetches or builds NIXL.
 'use strict';
-const fs = require('fs');
-const path = require('path');
+const fs = require('node:fs');
+const path = require('node:path');
 
 function find() {
   const candidates = [process.env.NIXL_PREFIX, '/opt/nvidia/nvda_nixl'].filter(Boolean);

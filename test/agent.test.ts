@@ -61,7 +61,8 @@ describe('agent basics', () => {
 
   it('prepped dlists: block indices, repost, states and notifications', async () => {
     const { a, b, local, remote, block, blocks } = pair();
-    const slice = (buf: Buffer) => DescList.from(Array.from({ length: blocks }, (_, i) => buf.subarray(i * block, (i + 1) * block)));
+    const slice = (buf: Buffer) =>
+      DescList.from(Array.from({ length: blocks }, (_, i) => buf.subarray(i * block, (i + 1) * block)));
     const l = a.prepXferDlist('NIXL_INIT_AGENT', slice(local));
     const r = a.prepXferDlist('prefill', slice(remote));
     // local block i <- remote block (blocks-1-i)
@@ -73,7 +74,11 @@ describe('agent basics', () => {
     await a.wait(h);
     expect(a.checkXferState(h)).toBe('DONE');
     for (let i = 0; i < blocks; i++) {
-      expect(local.subarray(i * block, (i + 1) * block).equals(remote.subarray((blocks - 1 - i) * block, (blocks - i) * block))).toBe(true);
+      expect(
+        local
+          .subarray(i * block, (i + 1) * block)
+          .equals(remote.subarray((blocks - 1 - i) * block, (blocks - i) * block)),
+      ).toBe(true);
     }
     const n = await b.waitForNotif({ agent: 'decode' }, { timeoutMs: 5000 });
     expect(n.msg.toString()).toBe('req-1:0');
@@ -108,7 +113,12 @@ describe('agent basics', () => {
     b.registerMemory(src);
     a.registerMemory(dst);
     a.addRemoteAgent(b.getAgentMetadata());
-    const h = a.initializeXfer('READ', [dst.subarray(0, 32768), dst.subarray(32768)], [src.subarray(0, 32768), src.subarray(32768)], 't2');
+    const h = a.initializeXfer(
+      'READ',
+      [dst.subarray(0, 32768), dst.subarray(32768)],
+      [src.subarray(0, 32768), src.subarray(32768)],
+      't2',
+    );
     expect(() => a.getXferTelemetry(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NO_TELEMETRY' }));
     a.transfer(h);
     await a.wait(h);
@@ -125,7 +135,9 @@ describe('agent basics', () => {
 
   it('wait honours timeoutMs and AbortSignal on notifications', async () => {
     const { a } = pair();
-    await expect(a.waitForNotif({ agent: 'prefill' }, { timeoutMs: 20 })).rejects.toMatchObject({ code: 'NIXL_ERR_TIMEOUT' });
+    await expect(a.waitForNotif({ agent: 'prefill' }, { timeoutMs: 20 })).rejects.toMatchObject({
+      code: 'NIXL_ERR_TIMEOUT',
+    });
     const ac = new AbortController();
     const p = a.waitForNotif({}, { signal: ac.signal });
     ac.abort(new Error('stop'));

@@ -24,13 +24,19 @@ function copyTree(): string {
 }
 
 function loadEngines(dir: string, env: NodeJS.ProcessEnv = {}): string {
-  return execFileSync(process.execPath, ['-e', "const b=require('node-gyp-build');console.log(b.path('.'));console.log(b('.').engines.join(','))"],
-    { cwd: dir, env: { ...process.env, ...env }, encoding: 'utf8' });
+  return execFileSync(
+    process.execPath,
+    ['-e', "const b=require('node-gyp-build');console.log(b.path('.'));console.log(b('.').engines.join(','))"],
+    { cwd: dir, env: { ...process.env, ...env }, encoding: 'utf8' },
+  );
 }
 
 it('cmake-js builds the same addon', () => {
   const dir = copyTree();
-  execFileSync(path.join(ROOT, 'node_modules', '.bin', 'cmake-js'), ['rebuild', '--log-level', 'error'], { cwd: dir, stdio: 'pipe' });
+  execFileSync(path.join(ROOT, 'node_modules', '.bin', 'cmake-js'), ['rebuild', '--log-level', 'error'], {
+    cwd: dir,
+    stdio: 'pipe',
+  });
   const out = loadEngines(dir);
   expect(out).toContain(path.join('build', 'Release', 'nixl_node.node'));
   expect(out).toContain('loopback');
@@ -38,7 +44,10 @@ it('cmake-js builds the same addon', () => {
 
 it('prebuildify makes a prebuild that loads with PREBUILDS_ONLY=1', () => {
   const dir = copyTree();
-  execFileSync(path.join(ROOT, 'node_modules', '.bin', 'prebuildify'), ['-t', '20.20.2', '--napi', '--strip'], { cwd: dir, stdio: 'pipe' });
+  execFileSync(path.join(ROOT, 'node_modules', '.bin', 'prebuildify'), ['-t', '20.20.2', '--napi', '--strip'], {
+    cwd: dir,
+    stdio: 'pipe',
+  });
   fs.rmSync(path.join(dir, 'build'), { recursive: true, force: true });
   const out = loadEngines(dir, { PREBUILDS_ONLY: '1' });
   expect(out).toContain(path.join('prebuilds', `${process.platform}-${process.arch}`));

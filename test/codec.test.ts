@@ -2,9 +2,21 @@
 import { describe, expect, it } from 'vitest';
 import vectors from './vectors/handshake.json';
 import {
-  GET_META_MSG, HandshakeError, computeCompatibilityHash, decodeAgentMetadata, decodeHandshakePayload, decodeMetaRequest,
-  encodeAgentMetadata, encodeHandshakePayload, encodeMetaRequest, hashFactors, openHandshakePayload, packMsgpack, pyJsonDumps,
-  type HashFactor, type NixlAgentMetadata,
+  GET_META_MSG,
+  HandshakeError,
+  computeCompatibilityHash,
+  decodeAgentMetadata,
+  decodeHandshakePayload,
+  decodeMetaRequest,
+  encodeAgentMetadata,
+  encodeHandshakePayload,
+  encodeMetaRequest,
+  hashFactors,
+  openHandshakePayload,
+  packMsgpack,
+  pyJsonDumps,
+  type HashFactor,
+  type NixlAgentMetadata,
 } from '../lib/handshake/codec';
 
 function fromVector(v: (typeof vectors.metadata)[number]): NixlAgentMetadata {
@@ -38,18 +50,33 @@ describe('NixlAgentMetadata codec', () => {
 
   it('ignores unknown keys, rejects missing or mistyped keys with a clear error', () => {
     const base = fromVector(vectors.metadata[0]);
-    const withExtra = packMsgpack(new Map<string, never>([
-      ['engine_id', 'x' as never], ['agent_metadata', Buffer.from([1]) as never], ['kv_caches_base_addr', [1] as never],
-      ['device_id', 0 as never], ['num_blocks', 1 as never], ['block_lens', [1] as never], ['kv_cache_layout', 'HND' as never],
-      ['block_size', 16 as never], ['future_field', 'ignored' as never],
-    ]));
+    const withExtra = packMsgpack(
+      new Map<string, never>([
+        ['engine_id', 'x' as never],
+        ['agent_metadata', Buffer.from([1]) as never],
+        ['kv_caches_base_addr', [1] as never],
+        ['device_id', 0 as never],
+        ['num_blocks', 1 as never],
+        ['block_lens', [1] as never],
+        ['kv_cache_layout', 'HND' as never],
+        ['block_size', 16 as never],
+        ['future_field', 'ignored' as never],
+      ]),
+    );
     expect(decodeAgentMetadata(withExtra).engineId).toBe('x');
     const without = (key: string, replace?: unknown) => {
       const entries = Object.entries({
-        engine_id: base.engineId, agent_metadata: base.agentMetadata, kv_caches_base_addr: base.kvCachesBaseAddr,
-        device_id: base.deviceId, num_blocks: base.numBlocks, block_lens: base.blockLens, kv_cache_layout: base.kvCacheLayout,
+        engine_id: base.engineId,
+        agent_metadata: base.agentMetadata,
+        kv_caches_base_addr: base.kvCachesBaseAddr,
+        device_id: base.deviceId,
+        num_blocks: base.numBlocks,
+        block_lens: base.blockLens,
+        kv_cache_layout: base.kvCacheLayout,
         block_size: base.blockSize,
-      }).filter(([k]) => k !== key || replace !== undefined).map(([k, v]) => [k, k === key ? replace : v]);
+      })
+        .filter(([k]) => k !== key || replace !== undefined)
+        .map(([k, v]) => [k, k === key ? replace : v]);
       return packMsgpack(new Map(entries as [string, never][]));
     };
     expect(() => decodeAgentMetadata(without('num_blocks'))).toThrow(/missing key 'num_blocks'/);
@@ -74,7 +101,9 @@ describe('NixlHandshakePayload', () => {
     const p = decodeHandshakePayload(Buffer.from(v.hex, 'hex'));
     expect(openHandshakePayload(p, v.compatibility_hash).engineId).toBe('prefill-0');
     expect(openHandshakePayload(p, undefined).engineId).toBe('prefill-0');
-    expect(() => openHandshakePayload(p, 'f'.repeat(64))).toThrow(expect.objectContaining({ code: 'NIXL_ERR_MISMATCH' }));
+    expect(() => openHandshakePayload(p, 'f'.repeat(64))).toThrow(
+      expect.objectContaining({ code: 'NIXL_ERR_MISMATCH' }),
+    );
   });
 });
 
@@ -83,7 +112,9 @@ describe('handshake request', () => {
     const [a, b] = v.ranks;
     const enc = b === undefined ? encodeMetaRequest(a) : encodeMetaRequest(b, a);
     expect(enc.toString('hex')).toBe(v.hex);
-    expect(decodeMetaRequest(Buffer.from(v.hex, 'hex'))).toEqual(b === undefined ? { tpRank: a, ppRank: undefined } : { tpRank: b, ppRank: a });
+    expect(decodeMetaRequest(Buffer.from(v.hex, 'hex'))).toEqual(
+      b === undefined ? { tpRank: a, ppRank: undefined } : { tpRank: b, ppRank: a },
+    );
   });
 
   it('accepts the bare per-rank-port form and rejects junk', () => {
@@ -101,12 +132,20 @@ describe('compatibility hash', () => {
     expect(hashFactors(v.factors as { [k: string]: HashFactor })).toBe(v.sha256);
   });
 
-  it('computeCompatibilityHash uses vLLM\'s factor names', () => {
+  it("computeCompatibilityHash uses vLLM's factor names", () => {
     const f = vectors.hash[0].factors;
-    expect(computeCompatibilityHash({
-      vllmVersion: f.vllm_version, nixlConnectorVersion: f.nixl_connector_version, model: f.model, dtype: f.dtype,
-      numKvHeads: f.num_kv_heads, headSize: f.head_size, numHiddenLayers: f.num_hidden_layers,
-      attnBackendName: f.attn_backend_name, cacheDtype: f.cache_dtype,
-    })).toBe(vectors.hash[0].sha256);
+    expect(
+      computeCompatibilityHash({
+        vllmVersion: f.vllm_version,
+        nixlConnectorVersion: f.nixl_connector_version,
+        model: f.model,
+        dtype: f.dtype,
+        numKvHeads: f.num_kv_heads,
+        headSize: f.head_size,
+        numHiddenLayers: f.num_hidden_layers,
+        attnBackendName: f.attn_backend_name,
+        cacheDtype: f.cache_dtype,
+      }),
+    ).toBe(vectors.hash[0].sha256);
   });
 });

@@ -62,14 +62,23 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     b.registerMemory(lb);
     expect(a.addRemoteAgent(b.getAgentMetadata())).toBe('conf-b');
     b.addRemoteAgent(a.getAgentMetadata());
-    const blocks = (buf: Buffer) => DescList.from(Array.from({ length: 8 }, (_, i) => buf.subarray(i * block, (i + 1) * block)));
+    const blocks = (buf: Buffer) =>
+      DescList.from(Array.from({ length: 8 }, (_, i) => buf.subarray(i * block, (i + 1) * block)));
     const l = a.prepXferDlist('NIXL_INIT_AGENT', blocks(la));
-    const r = a.prepXferDlist('conf-b', DescList.from(Array.from({ length: 8 }, (_, i) => ({ addr: DescList.from(lb).addr(0) + BigInt(i * block), len: block }))));
+    const r = a.prepXferDlist(
+      'conf-b',
+      DescList.from(
+        Array.from({ length: 8 }, (_, i) => ({ addr: DescList.from(lb).addr(0) + BigInt(i * block), len: block })),
+      ),
+    );
     const h = a.makePreppedXfer('READ', l, [0, 1, 2, 3], r, [7, 6, 5, 4], 'conf-read');
     a.transfer(h);
     await a.wait(h, { timeoutMs: 10_000 });
-    for (let i = 0; i < 4; i++) expect(la.subarray(i * block, (i + 1) * block).equals(lb.subarray((7 - i) * block, (8 - i) * block))).toBe(true);
-    expect((await b.waitForNotif({ agent: 'conf-a', msg: 'conf-read' }, { timeoutMs: 10_000 })).msg.toString()).toBe('conf-read');
+    for (let i = 0; i < 4; i++)
+      expect(la.subarray(i * block, (i + 1) * block).equals(lb.subarray((7 - i) * block, (8 - i) * block))).toBe(true);
+    expect((await b.waitForNotif({ agent: 'conf-a', msg: 'conf-read' }, { timeoutMs: 10_000 })).msg.toString()).toBe(
+      'conf-read',
+    );
     const t = a.getXferTelemetry(h);
     expect(t.totalBytes).toBe(4 * block);
     la.fill(0xee, 0, block);
@@ -97,11 +106,24 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
       expect(a.addRemoteAgent(Buffer.from(init.md))).toBe('conf-child');
       await peer.request({ cmd: 'load', md: a.getAgentMetadata() });
       // parent pulls the child's first quarter into its second quarter
-      await a.read(mem.subarray(size / 4, size / 2), [{ addr: init.addr, len: size / 4 }], 'conf-child', { notifMsg: 'parent-read', timeoutMs: 10_000 });
-      for (let i = 0; i < size / 4; i++) if (mem[size / 4 + i] !== ((i * 13 + 5) & 0xff)) throw new Error(`byte ${i} differs`);
-      expect(await peer.request({ cmd: 'notif', msg: 'parent-read' })).toEqual({ agent: 'conf-parent', msg: 'parent-read' });
+      await a.read(mem.subarray(size / 4, size / 2), [{ addr: init.addr, len: size / 4 }], 'conf-child', {
+        notifMsg: 'parent-read',
+        timeoutMs: 10_000,
+      });
+      for (let i = 0; i < size / 4; i++)
+        if (mem[size / 4 + i] !== ((i * 13 + 5) & 0xff)) throw new Error(`byte ${i} differs`);
+      expect(await peer.request({ cmd: 'notif', msg: 'parent-read' })).toEqual({
+        agent: 'conf-parent',
+        msg: 'parent-read',
+      });
       // child pulls the parent's first 64 KiB
-      const got = await peer.request<{ data: Uint8Array }>({ cmd: 'read', addr: DescList.from(mem).addr(0), len: 65536, size, remote: 'conf-parent' });
+      const got = await peer.request<{ data: Uint8Array }>({
+        cmd: 'read',
+        addr: DescList.from(mem).addr(0),
+        len: 65536,
+        size,
+        remote: 'conf-parent',
+      });
       expect(Buffer.from(got.data).equals(mem.subarray(0, 65536))).toBe(true);
       await a.waitForNotif({ agent: 'conf-child', msg: 'child-read' }, { timeoutMs: 10_000 });
     } finally {
@@ -159,8 +181,11 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
   it("NIXL's own metadata exchange (listener): send, fetch, invalidate", async () => {
     if (engine === 'loopback') {
       const a = mk('conf-a');
-      for (const f of [() => a.sendLocalMetadata({ ip: '127.0.0.1', port: 1 }), () => a.fetchRemoteMetadata('x', { ip: '127.0.0.1', port: 1 }),
-        () => a.invalidateLocalMetadata({ ip: '127.0.0.1', port: 1 })]) {
+      for (const f of [
+        () => a.sendLocalMetadata({ ip: '127.0.0.1', port: 1 }),
+        () => a.fetchRemoteMetadata('x', { ip: '127.0.0.1', port: 1 }),
+        () => a.invalidateLocalMetadata({ ip: '127.0.0.1', port: 1 }),
+      ]) {
         expect(f).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_SUPPORTED' }));
       }
       return;
@@ -172,7 +197,11 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     }
     const [pa, pb, pc] = ports;
     const listen = (name: string, port: number) => {
-      const x = new NixlAgent(name, { engine: 'nixl', listenPort: port, backendParams: { UCX: { ucx_error_handling_mode: 'none' } } });
+      const x = new NixlAgent(name, {
+        engine: 'nixl',
+        listenPort: port,
+        backendParams: { UCX: { ucx_error_handling_mode: 'none' } },
+      });
       open.push(x);
       return x;
     };
@@ -206,8 +235,14 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
       }
       throw new Error('did not throw');
     };
-    expectCode(() => a.initializeXfer('READ', Buffer.alloc(16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'conf-b'), ['NIXL_ERR_NOT_FOUND']);
-    expectCode(() => a.initializeXfer('READ', la.subarray(0, 16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'nobody'), ['NIXL_ERR_NOT_FOUND']);
+    expectCode(
+      () => a.initializeXfer('READ', Buffer.alloc(16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'conf-b'),
+      ['NIXL_ERR_NOT_FOUND'],
+    );
+    expectCode(
+      () => a.initializeXfer('READ', la.subarray(0, 16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'nobody'),
+      ['NIXL_ERR_NOT_FOUND'],
+    );
     expectCode(() => a.prepXferDlist('nobody', [{ addr: 4096n, len: 16 }]), ['NIXL_ERR_NOT_FOUND']);
     const h = a.initializeXfer('READ', la.subarray(0, 16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'conf-b');
     a.releaseXferHandle(h);

@@ -44,8 +44,12 @@ describe('completions belong to their posting', () => {
     b.registerMemory(src);
     a.registerMemory(dst);
     a.addRemoteAgent(b.getPartialAgentMetadata(src, { includeConnInfo: false }));
-    const blocks = (m: Buffer | bigint) => DescList.from(Array.from({ length: N }, (_, i) =>
-      typeof m === 'bigint' ? { addr: m + BigInt(i * BLOCK), len: BLOCK } : m.subarray(i * BLOCK, (i + 1) * BLOCK)));
+    const blocks = (m: Buffer | bigint) =>
+      DescList.from(
+        Array.from({ length: N }, (_, i) =>
+          typeof m === 'bigint' ? { addr: m + BigInt(i * BLOCK), len: BLOCK } : m.subarray(i * BLOCK, (i + 1) * BLOCK),
+        ),
+      );
     const l = a.prepXferDlist('', blocks(dst));
     const r = a.prepXferDlist(b.name, blocks(binding.addressOf(src)));
     const idx = Uint32Array.from({ length: N }, (_, i) => i);
@@ -57,7 +61,10 @@ describe('completions belong to their posting', () => {
       a.transfer(h);
       // Every other posting: wait only once the copy is done, so wait() takes
       // its fast path while the completion event is still queued.
-      if (i % 2 === 1) while (a.checkXferState(h) === 'PROC') { /* spin */ }
+      if (i % 2 === 1)
+        while (a.checkXferState(h) === 'PROC') {
+          /* spin */
+        }
       await a.wait(h);
       expect(a.checkXferState(h)).toBe('DONE');
       for (let k = 0; k < N; k++) if (dst[k * BLOCK] !== mark || dst[(k + 1) * BLOCK - 1] !== mark) stale++;
@@ -71,7 +78,9 @@ describe('closed agents', () => {
   it('waitForNotif on a closed agent rejects at once with NIXL_ERR_NOT_ALLOWED', async () => {
     const { a } = pair();
     a.close();
-    await expect(a.waitForNotif({ agent: 'x' }, { timeoutMs: 5000 })).rejects.toMatchObject({ code: 'NIXL_ERR_NOT_ALLOWED' });
+    await expect(a.waitForNotif({ agent: 'x' }, { timeoutMs: 5000 })).rejects.toMatchObject({
+      code: 'NIXL_ERR_NOT_ALLOWED',
+    });
     await expect(a.wait({ id: 1, remoteAgent: 'x' } as never)).rejects.toMatchObject({ code: 'NIXL_ERR_NOT_ALLOWED' });
   });
 });
@@ -98,9 +107,12 @@ describe('descriptor overflow', () => {
       () => a.checkRemoteMetadata(b.name, [wrap(ra)]),
       () => a.queryMemory([wrap(la)]),
       () => a.registerMemory([wrap(la)]),
-    ]) expect(code(f)).toBe('NIXL_ERR_INVALID_PARAM');
+    ])
+      expect(code(f)).toBe('NIXL_ERR_INVALID_PARAM');
     // Just below the wrap: in range arithmetic, still not registered memory.
-    expect(code(() => a.prepXferDlist(b.name, [{ addr: ra + 16n, len: (1n << 64n) - ra - 17n }]))).toBe('NIXL_ERR_NOT_FOUND');
+    expect(code(() => a.prepXferDlist(b.name, [{ addr: ra + 16n, len: (1n << 64n) - ra - 17n }]))).toBe(
+      'NIXL_ERR_NOT_FOUND',
+    );
     expect(local.every((v) => v === 1)).toBe(true);
   });
 });
@@ -119,7 +131,10 @@ describe('memory lifetime', () => {
       b.registerMemory(src);
       const addr = binding.addressOf(src);
       a.addRemoteAgent(b.getAgentMetadata());
-      const p = a.read(dst, [{ addr, len: SIZE }], b.name).then(() => 'ok', (e: NixlError) => e.code);
+      const p = a.read(dst, [{ addr, len: SIZE }], b.name).then(
+        () => 'ok',
+        (e: NixlError) => e.code,
+      );
       await new Promise((r) => setTimeout(r, 2 + round * 4));
       b.close();
       b = undefined;
@@ -176,37 +191,67 @@ describe('metadata that comes off a wire', () => {
   });
 
   const base = {
-    engineId: 'e', agentMetadata: Buffer.from('md'), kvCachesBaseAddr: [0x7f0000000000n], deviceId: 0,
-    numBlocks: 4, blockLens: [4096], kvCacheLayout: 'HND' as const, blockSize: 16,
+    engineId: 'e',
+    agentMetadata: Buffer.from('md'),
+    kvCachesBaseAddr: [0x7f0000000000n],
+    deviceId: 0,
+    numBlocks: 4,
+    blockLens: [4096],
+    kvCacheLayout: 'HND' as const,
+    blockSize: 16,
   };
-  const withAddr = (addr: unknown, packr = new Packr({ useRecords: false })) => packr.pack({
-    engine_id: 'e', agent_metadata: Buffer.from('md'), kv_caches_base_addr: [addr], device_id: 0, num_blocks: 4,
-    block_lens: [4096], kv_cache_layout: 'HND', block_size: 16,
-  });
+  const withAddr = (addr: unknown, packr = new Packr({ useRecords: false })) =>
+    packr.pack({
+      engine_id: 'e',
+      agent_metadata: Buffer.from('md'),
+      kv_caches_base_addr: [addr],
+      device_id: 0,
+      num_blocks: 4,
+      block_lens: [4096],
+      kv_cache_layout: 'HND',
+      block_size: 16,
+    });
 
   it('kv_caches_base_addr values of 2^64 and above are refused when decoding', () => {
     expect(decodeAgentMetadata(encodeAgentMetadata(base)).kvCachesBaseAddr).toEqual([0x7f0000000000n]);
-    expect(decodeAgentMetadata(encodeAgentMetadata({ ...base, kvCachesBaseAddr: [(1n << 64n) - 1n] })).kvCachesBaseAddr)
-      .toEqual([(1n << 64n) - 1n]);
-    const f64 = (v: number) => Buffer.concat([Buffer.from([0xcb]), (() => { const b = Buffer.alloc(8); b.writeDoubleBE(v); return b; })()]);
+    expect(
+      decodeAgentMetadata(encodeAgentMetadata({ ...base, kvCachesBaseAddr: [(1n << 64n) - 1n] })).kvCachesBaseAddr,
+    ).toEqual([(1n << 64n) - 1n]);
+    const f64 = (v: number) =>
+      Buffer.concat([
+        Buffer.from([0xcb]),
+        (() => {
+          const b = Buffer.alloc(8);
+          b.writeDoubleBE(v);
+          return b;
+        })(),
+      ]);
     const withRaw = (raw: Buffer) => {
       const m = encodeAgentMetadata(base);
       const at = m.indexOf(packMsgpack(0x7f0000000000n));
       return Buffer.concat([m.subarray(0, at), raw, m.subarray(at + 9)]);
     };
-    for (const bad of [withRaw(f64(1e20)), withRaw(f64(2 ** 64)), withRaw(f64(2 ** 60)),
-      withAddr(1n << 64n, new Packr({ useRecords: false, useBigIntExtension: true }))]) {
+    for (const bad of [
+      withRaw(f64(1e20)),
+      withRaw(f64(2 ** 64)),
+      withRaw(f64(2 ** 60)),
+      withAddr(1n << 64n, new Packr({ useRecords: false, useBigIntExtension: true })),
+    ]) {
       expect(() => decodeAgentMetadata(bad)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }));
     }
     // Sanity: the extension really decodes to a bigint >= 2^64 in msgpackr.
-    expect(new Unpackr({ useRecords: false }).unpack(withAddr(1n << 64n, new Packr({ useRecords: false, useBigIntExtension: true }))))
-      .toMatchObject({ kv_caches_base_addr: [1n << 64n] });
+    expect(
+      new Unpackr({ useRecords: false }).unpack(
+        withAddr(1n << 64n, new Packr({ useRecords: false, useBigIntExtension: true })),
+      ),
+    ).toMatchObject({ kv_caches_base_addr: [1n << 64n] });
   });
 
   it('encodeAgentMetadata refuses addresses outside uint64', () => {
     for (const bad of [-1n, 1n << 64n, -1, 1.5, 2 ** 64]) {
-      expect(() => encodeAgentMetadata({ ...base, kvCachesBaseAddr: [bad as bigint] }))
-        .toThrow(expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }));
+      expect(() => encodeAgentMetadata({ ...base, kvCachesBaseAddr: [bad as bigint] })).toThrow(
+        expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }),
+      );
     }
   });
 });

@@ -1,11 +1,23 @@
 import { describe, expect, it } from 'vitest';
 import { adjacentRuns, allBlockDescs, blockDescIds, coalescedDescs, type BlockSlices } from '../lib/kv/descs';
 
-const whole = (base: bigint[], len: number): BlockSlices => ({ baseAddrs: base, strides: base.map(() => len), offsets: base.map(() => 0), lens: base.map(() => len), devId: 0 });
+const whole = (base: bigint[], len: number): BlockSlices => ({
+  baseAddrs: base,
+  strides: base.map(() => len),
+  offsets: base.map(() => 0),
+  lens: base.map(() => len),
+  devId: 0,
+});
 
 describe('KV descriptors', () => {
   it('prepped lists are region-major, ids are region * num_blocks + block', () => {
-    const s: BlockSlices = { baseAddrs: [1000n, 50000n], strides: [100, 100], offsets: [25, 25], lens: [50, 50], devId: 3 };
+    const s: BlockSlices = {
+      baseAddrs: [1000n, 50000n],
+      strides: [100, 100],
+      offsets: [25, 25],
+      lens: [50, 50],
+      devId: 3,
+    };
     const d = allBlockDescs(s, 4);
     expect(d.length).toBe(2 * 4 * 3);
     expect([...d.slice(0, 6)]).toEqual([1025n, 50n, 3n, 1125n, 50n, 3n]);
@@ -14,7 +26,11 @@ describe('KV descriptors', () => {
   });
 
   it('finds runs where both sides step by one', () => {
-    expect(adjacentRuns([1, 2, 3, 7, 8], [10, 11, 12, 20, 22])).toEqual([[0, 3], [3, 4], [4, 5]]);
+    expect(adjacentRuns([1, 2, 3, 7, 8], [10, 11, 12, 20, 22])).toEqual([
+      [0, 3],
+      [3, 4],
+      [4, 5],
+    ]);
     expect(adjacentRuns([5], [9])).toEqual([[0, 1]]);
   });
 

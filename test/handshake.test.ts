@@ -4,8 +4,18 @@ import * as net from 'node:net';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import {
-  GET_META_MSG, HandshakeServer, HttpHandshake, createHandshake, decodeHandshakePayload, encodeAgentMetadata, encodeMetaRequest,
-  openHandshakePayload, packMsgpack, zmqHandshake, type HandshakePayload, type NixlAgentMetadata,
+  GET_META_MSG,
+  type HandshakeServer,
+  HttpHandshake,
+  createHandshake,
+  decodeHandshakePayload,
+  encodeAgentMetadata,
+  encodeMetaRequest,
+  openHandshakePayload,
+  packMsgpack,
+  zmqHandshake,
+  type HandshakePayload,
+  type NixlAgentMetadata,
 } from '../lib/handshake';
 import { makeCerts, type Certs } from '../bench/certs';
 import { Peer, freePort } from './helpers';
@@ -14,20 +24,30 @@ const HASH = 'a'.repeat(64);
 
 function meta(rank: number): NixlAgentMetadata {
   return {
-    engineId: 'engine-P', agentMetadata: Buffer.from(`md-${rank}`), kvCachesBaseAddr: [0x7f3a00000000n + BigInt(rank), 1n << 60n],
-    deviceId: rank, numBlocks: 1000, blockLens: [32768, 32768], kvCacheLayout: 'HND', blockSize: 16,
+    engineId: 'engine-P',
+    agentMetadata: Buffer.from(`md-${rank}`),
+    kvCachesBaseAddr: [0x7f3a00000000n + BigInt(rank), 1n << 60n],
+    deviceId: rank,
+    numBlocks: 1000,
+    blockLens: [32768, 32768],
+    kvCacheLayout: 'HND',
+    blockSize: 16,
   };
 }
 
 function payloads(n: number): Map<number, HandshakePayload> {
-  return new Map(Array.from({ length: n }, (_, r) => [r, { compatibilityHash: HASH, agentMetadataBytes: encodeAgentMetadata(meta(r)) }]));
+  return new Map(
+    Array.from({ length: n }, (_, r) => [
+      r,
+      { compatibilityHash: HASH, agentMetadataBytes: encodeAgentMetadata(meta(r)) },
+    ]),
+  );
 }
 
 function quietLogger() {
   const lines: string[] = [];
   return { lines, warn: (m: string) => void lines.push(m) };
 }
-
 
 describe('ZMQ side channel', () => {
   let server: HandshakeServer;
@@ -47,10 +67,12 @@ describe('ZMQ side channel', () => {
   });
 
   it('a hash mismatch is NIXL_ERR_MISMATCH, a missing rank an error frame', async () => {
-    await expect(zmqHandshake.fetch({ host: '127.0.0.1', port: server.basePort, tpRank: 0, expectedHash: 'b'.repeat(64) }))
-      .rejects.toMatchObject({ code: 'NIXL_ERR_MISMATCH' });
-    await expect(zmqHandshake.fetch({ host: '127.0.0.1', port: server.basePort, tpRank: 9 }))
-      .rejects.toThrow(/no metadata for tp_rank 9/);
+    await expect(
+      zmqHandshake.fetch({ host: '127.0.0.1', port: server.basePort, tpRank: 0, expectedHash: 'b'.repeat(64) }),
+    ).rejects.toMatchObject({ code: 'NIXL_ERR_MISMATCH' });
+    await expect(zmqHandshake.fetch({ host: '127.0.0.1', port: server.basePort, tpRank: 9 })).rejects.toThrow(
+      /no metadata for tp_rank 9/,
+    );
   });
 
   it('answers the 3-tuple and the bare per-rank-port forms', async () => {
@@ -67,7 +89,12 @@ describe('ZMQ side channel', () => {
     const d = new zmq.Dealer({ linger: 0, receiveTimeout: 2000 });
     d.connect(`tcp://127.0.0.1:${server.port}`);
     const before = server.stats.refused;
-    for (const junk of [Buffer.from([0xc1, 0xff]), Buffer.from('hello'), packMsgpack([Buffer.from('get_meta_msg'), 'x']), packMsgpack(new Map([['a', 1]]))]) {
+    for (const junk of [
+      Buffer.from([0xc1, 0xff]),
+      Buffer.from('hello'),
+      packMsgpack([Buffer.from('get_meta_msg'), 'x']),
+      packMsgpack(new Map([['a', 1]])),
+    ]) {
       await d.send(junk);
       const [reply] = await d.receive();
       expect(() => decodeHandshakePayload(reply)).toThrow(/peer answered with an error/);
@@ -101,14 +128,16 @@ describe('ZMQ side channel', () => {
   it('a dead peer and a silent peer time out with NIXL_ERR_TIMEOUT after the retries', async () => {
     const dead = await freePort();
     const t0 = Date.now();
-    await expect(zmqHandshake.fetch({ host: '127.0.0.1', port: dead, tpRank: 0, timeoutMs: 150, retries: 1 }))
-      .rejects.toMatchObject({ code: 'NIXL_ERR_TIMEOUT' });
+    await expect(
+      zmqHandshake.fetch({ host: '127.0.0.1', port: dead, tpRank: 0, timeoutMs: 150, retries: 1 }),
+    ).rejects.toMatchObject({ code: 'NIXL_ERR_TIMEOUT' });
     expect(Date.now() - t0).toBeGreaterThanOrEqual(290);
     const silent = new zmq.Router({ linger: 0 });
     await silent.bind('tcp://127.0.0.1:*');
     const port = Number(/:(\d+)$/.exec(silent.lastEndpoint!)![1]);
-    await expect(zmqHandshake.fetch({ host: '127.0.0.1', port, tpRank: 0, timeoutMs: 150, retries: 0 }))
-      .rejects.toThrow(/no answer/);
+    await expect(
+      zmqHandshake.fetch({ host: '127.0.0.1', port, tpRank: 0, timeoutMs: 150, retries: 0 }),
+    ).rejects.toThrow(/no answer/);
     silent.close();
   });
 });
@@ -132,11 +161,16 @@ describe('HTTP/S side channel', () => {
       const r404 = await fetch(`http://127.0.0.1:${s.port}/get_kv_connector_metadata/0/7`);
       expect(r404.status).toBe(404);
       expect((await r404.json()).detail).toMatch(/no metadata for tp_rank 7/);
-      await expect(h.fetch({ host: '127.0.0.1', port: s.port, dpRank: 3, tpRank: 0 })).rejects.toThrow(/dp_rank 3 is not served/);
-      await expect(h.fetch({ host: '127.0.0.1', port: s.port, tpRank: 0, expectedHash: 'c'.repeat(64) }))
-        .rejects.toMatchObject({ code: 'NIXL_ERR_MISMATCH' });
+      await expect(h.fetch({ host: '127.0.0.1', port: s.port, dpRank: 3, tpRank: 0 })).rejects.toThrow(
+        /dp_rank 3 is not served/,
+      );
+      await expect(
+        h.fetch({ host: '127.0.0.1', port: s.port, tpRank: 0, expectedHash: 'c'.repeat(64) }),
+      ).rejects.toMatchObject({ code: 'NIXL_ERR_MISMATCH' });
       expect((await fetch(`http://127.0.0.1:${s.port}/other`)).status).toBe(404);
-      expect((await fetch(`http://127.0.0.1:${s.port}/get_kv_connector_metadata/0`, { method: 'POST', body: 'x' })).status).toBe(405);
+      expect(
+        (await fetch(`http://127.0.0.1:${s.port}/get_kv_connector_metadata/0`, { method: 'POST', body: 'x' })).status,
+      ).toBe(405);
     } finally {
       h.close();
       await s.close();
@@ -146,7 +180,10 @@ describe('HTTP/S side channel', () => {
   it('TLS with a self-signed CA, a client-certificate check and a bearer token', async () => {
     const h = new HttpHandshake();
     const s = await h.serve({
-      port: 0, payloads: payloads(1), logger: quietLogger(), bearerToken: 'sekret',
+      port: 0,
+      payloads: payloads(1),
+      logger: quietLogger(),
+      bearerToken: 'sekret',
       tls: { cert: certs.serverCert, key: certs.serverKey, clientCa: certs.ca },
     });
     try {
@@ -156,7 +193,9 @@ describe('HTTP/S side channel', () => {
       expect(got.metadata).toEqual(meta(0));
       await expect(h.fetch({ ...base, tls: good, bearerToken: 'wrong' })).rejects.toThrow(/HTTP 401/);
       await expect(h.fetch({ ...base, tls: { ca: certs.ca }, bearerToken: 'sekret' })).rejects.toThrow(); // no client cert
-      await expect(h.fetch({ ...base, tls: { ...good, ca: certs.otherCa }, bearerToken: 'sekret' })).rejects.toThrow(/certificate/);
+      await expect(h.fetch({ ...base, tls: { ...good, ca: certs.otherCa }, bearerToken: 'sekret' })).rejects.toThrow(
+        /certificate/,
+      );
       await expect(h.fetch({ ...base, bearerToken: 'sekret' })).rejects.toThrow(); // plain HTTP to a TLS port
     } finally {
       h.close();
@@ -182,13 +221,21 @@ describe('HTTP/S side channel', () => {
       expect(log.lines.length).toBeGreaterThan(0);
       expect((await h.fetch({ host: '127.0.0.1', port: s.port, tpRank: 0 })).metadata.deviceId).toBe(0);
       const dead = await freePort();
-      await expect(h.fetch({ host: '127.0.0.1', port: dead, tpRank: 0, retries: 1, timeoutMs: 200 }))
-        .rejects.toMatchObject({ code: 'NIXL_ERR_TIMEOUT' });
+      await expect(
+        h.fetch({ host: '127.0.0.1', port: dead, tpRank: 0, retries: 1, timeoutMs: 200 }),
+      ).rejects.toMatchObject({ code: 'NIXL_ERR_TIMEOUT' });
       const silent = net.createServer(() => {});
       await new Promise<void>((r) => silent.listen(0, '127.0.0.1', () => r()));
       const t0 = Date.now();
-      await expect(h.fetch({ host: '127.0.0.1', port: (silent.address() as net.AddressInfo).port, tpRank: 0, retries: 0, timeoutMs: 200 }))
-        .rejects.toThrow(/no answer within 200 ms/);
+      await expect(
+        h.fetch({
+          host: '127.0.0.1',
+          port: (silent.address() as net.AddressInfo).port,
+          tpRank: 0,
+          retries: 0,
+          timeoutMs: 200,
+        }),
+      ).rejects.toThrow(/no answer within 200 ms/);
       expect(Date.now() - t0).toBeLessThan(5000);
       silent.close();
     } finally {

@@ -1,4 +1,4 @@
-import { fork, ChildProcess } from 'node:child_process';
+import { fork, type ChildProcess } from 'node:child_process';
 import * as path from 'node:path';
 import { once } from 'node:events';
 import * as net from 'node:net';
@@ -64,7 +64,8 @@ export function pattern(buf: Uint8Array, seed: number): void {
 }
 
 export function checkPattern(buf: Uint8Array, seed: number, offset = 0): boolean {
-  for (let i = 0; i < buf.length; i++) if (buf[i] !== (((i + offset) * 31 + seed * 7 + ((i + offset) >>> 8)) & 0xff)) return false;
+  for (let i = 0; i < buf.length; i++)
+    if (buf[i] !== (((i + offset) * 31 + seed * 7 + ((i + offset) >>> 8)) & 0xff)) return false;
   return true;
 }
 

@@ -25,11 +25,20 @@ if (missing) console.warn(`interop tests skipped: ${missing}`);
 describe.skipIf(missing !== undefined)('vLLM (Python) interop over ZMQ', () => {
   it('a vLLM decode worker reads our listener', async () => {
     const meta = {
-      engineId: 'node-prefill', agentMetadata: Buffer.from([0, 1, 2, 250]), kvCachesBaseAddr: [0x7fab00000000n, 4096n],
-      deviceId: 2, numBlocks: 777, blockLens: [16384, 16384], kvCacheLayout: 'NHD' as const, blockSize: 32,
+      engineId: 'node-prefill',
+      agentMetadata: Buffer.from([0, 1, 2, 250]),
+      kvCachesBaseAddr: [0x7fab00000000n, 4096n],
+      deviceId: 2,
+      numBlocks: 777,
+      blockLens: [16384, 16384],
+      kvCacheLayout: 'NHD' as const,
+      blockSize: 32,
     };
     const hash = 'd'.repeat(64);
-    const server = await zmqHandshake.serve({ port: 0, payloads: new Map([[2, { compatibilityHash: hash, agentMetadataBytes: encodeAgentMetadata(meta) }]]) });
+    const server = await zmqHandshake.serve({
+      port: 0,
+      payloads: new Map([[2, { compatibilityHash: hash, agentMetadataBytes: encodeAgentMetadata(meta) }]]),
+    });
     try {
       const out = await new Promise<string>((resolve, reject) => {
         const p = spawn(PY, [SCRIPT, 'fetch', String(server.port), '2']);
@@ -41,8 +50,14 @@ describe.skipIf(missing !== undefined)('vLLM (Python) interop over ZMQ', () => {
       const got = JSON.parse(out);
       expect(got.compatibility_hash).toBe(hash);
       expect(got.meta).toEqual({
-        engine_id: 'node-prefill', agent_metadata: '000102fa', kv_caches_base_addr: [String(0x7fab00000000n), '4096'],
-        device_id: 2, num_blocks: 777, block_lens: [16384, 16384], kv_cache_layout: 'NHD', block_size: 32,
+        engine_id: 'node-prefill',
+        agent_metadata: '000102fa',
+        kv_caches_base_addr: [String(0x7fab00000000n), '4096'],
+        device_id: 2,
+        num_blocks: 777,
+        block_lens: [16384, 16384],
+        kv_cache_layout: 'NHD',
+        block_size: 32,
       });
     } finally {
       await server.close();
@@ -59,10 +74,22 @@ describe.skipIf(missing !== undefined)('vLLM (Python) interop over ZMQ', () => {
       });
       const hash = createHash('sha256').update('py').digest('hex');
       for (const r of [0, 1]) {
-        const got = await zmqHandshake.fetch({ host: '127.0.0.1', port, tpRank: r, expectedHash: hash, timeoutMs: 10_000 });
+        const got = await zmqHandshake.fetch({
+          host: '127.0.0.1',
+          port,
+          tpRank: r,
+          expectedHash: hash,
+          timeoutMs: 10_000,
+        });
         expect(got.metadata).toEqual({
-          engineId: 'vllm-prefill', agentMetadata: Buffer.from(`py-agent-${r}`), kvCachesBaseAddr: [0x7f0000000000n + BigInt(r) * 0x10000000n, 0x7f1000000000n],
-          deviceId: r, numBlocks: 4096, blockLens: [65536, 65536], kvCacheLayout: 'HND', blockSize: 16,
+          engineId: 'vllm-prefill',
+          agentMetadata: Buffer.from(`py-agent-${r}`),
+          kvCachesBaseAddr: [0x7f0000000000n + BigInt(r) * 0x10000000n, 0x7f1000000000n],
+          deviceId: r,
+          numBlocks: 4096,
+          blockLens: [65536, 65536],
+          kvCacheLayout: 'HND',
+          blockSize: 16,
         });
       }
     } finally {

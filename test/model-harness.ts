@@ -12,7 +12,7 @@
 import * as fs from 'node:fs';
 import fc from 'fast-check';
 import { expect } from 'vitest';
-import { DescList, NixlAgent, NixlError, XferHandle, allocate } from '../lib';
+import { DescList, NixlAgent, NixlError, type XferHandle, allocate } from '../lib';
 
 export const SIZE = 64 << 10;
 export const CANARY = 64;
@@ -36,12 +36,23 @@ export function canaried(shared: boolean): { whole: Buffer; data: Buffer } {
 }
 
 export function canariesIntact(whole: Uint8Array): boolean {
-  for (let k = 0; k < CANARY; k++) if (whole[k] !== CANARY_BYTE || whole[whole.length - 1 - k] !== CANARY_BYTE) return false;
+  for (let k = 0; k < CANARY; k++)
+    if (whole[k] !== CANARY_BYTE || whole[whole.length - 1 - k] !== CANARY_BYTE) return false;
   return true;
 }
 
 /** What the runs did, so that a reader can see the test reaches its cases. */
-export const stats = { ops: 0, created: 0, refused: 0, posted: 0, postRefused: 0, verified: 0, waitFailed: 0, released: 0, scribbled: 0 };
+export const stats = {
+  ops: 0,
+  created: 0,
+  refused: 0,
+  posted: 0,
+  postRefused: 0,
+  verified: 0,
+  waitFailed: 0,
+  released: 0,
+  scribbled: 0,
+};
 
 /** Agent B, wherever it runs. */
 export interface RemoteSide {
@@ -65,7 +76,16 @@ export interface RemoteSide {
 // ---- operations --------------------------------------------------------------
 
 type Kind = 'ok' | 'oob' | 'neg' | 'wrap';
-interface PairSpec { lb: number; lo: number; rb: number; ro: number; frac: number; kind: Kind; side: 0 | 1; mismatch: boolean }
+interface PairSpec {
+  lb: number;
+  lo: number;
+  rb: number;
+  ro: number;
+  frac: number;
+  kind: Kind;
+  side: 0 | 1;
+  mismatch: boolean;
+}
 export type Op =
   | { t: 'regL' | 'deregL' | 'regR' | 'deregR'; i: number }
   | { t: 'reload' }
@@ -79,7 +99,10 @@ export type Op =
   | { t: 'drain' };
 
 const pairArb: fc.Arbitrary<PairSpec> = fc.record({
-  lb: fc.nat(NBUF - 1), lo: fc.nat(SIZE - 1), rb: fc.nat(NBUF - 1), ro: fc.nat(SIZE - 1),
+  lb: fc.nat(NBUF - 1),
+  lo: fc.nat(SIZE - 1),
+  rb: fc.nat(NBUF - 1),
+  ro: fc.nat(SIZE - 1),
   frac: fc.integer({ min: 0, max: 1000 }).map((n) => n / 1000),
   kind: fc.oneof({ weight: 16, arbitrary: fc.constant<Kind>('ok') }, fc.constantFrom<Kind>('oob', 'neg', 'wrap')),
   side: fc.constantFrom<0 | 1>(0, 1),
@@ -87,29 +110,66 @@ const pairArb: fc.Arbitrary<PairSpec> = fc.record({
 });
 
 export const opArb: fc.Arbitrary<Op> = fc.oneof(
-  { weight: 1, arbitrary: fc.record({ t: fc.constantFrom('regL', 'deregL', 'regR', 'deregR'), i: fc.nat(NBUF - 1) }) as fc.Arbitrary<Op> },
+  {
+    weight: 1,
+    arbitrary: fc.record({
+      t: fc.constantFrom('regL', 'deregL', 'regR', 'deregR'),
+      i: fc.nat(NBUF - 1),
+    }) as fc.Arbitrary<Op>,
+  },
   { weight: 1, arbitrary: fc.constant({ t: 'reload' } as Op) },
-  { weight: 3, arbitrary: fc.record({ t: fc.constant('xfer'), op: fc.constantFrom('READ', 'WRITE'), prepped: fc.boolean(), pairs: fc.array(pairArb, { minLength: 1, maxLength: 3 }) }) as fc.Arbitrary<Op> },
+  {
+    weight: 3,
+    arbitrary: fc.record({
+      t: fc.constant('xfer'),
+      op: fc.constantFrom('READ', 'WRITE'),
+      prepped: fc.boolean(),
+      pairs: fc.array(pairArb, { minLength: 1, maxLength: 3 }),
+    }) as fc.Arbitrary<Op>,
+  },
   { weight: 5, arbitrary: fc.record({ t: fc.constant('post'), h: fc.nat(7) }) as fc.Arbitrary<Op> },
-  { weight: 5, arbitrary: fc.record({ t: fc.constant('wait'), h: fc.nat(7), mode: fc.constantFrom('now', 'spin', 'sleep'), ms: fc.nat(3) }) as fc.Arbitrary<Op> },
+  {
+    weight: 5,
+    arbitrary: fc.record({
+      t: fc.constant('wait'),
+      h: fc.nat(7),
+      mode: fc.constantFrom('now', 'spin', 'sleep'),
+      ms: fc.nat(3),
+    }) as fc.Arbitrary<Op>,
+  },
   { weight: 1, arbitrary: fc.record({ t: fc.constant('waitLater'), h: fc.nat(7) }) as fc.Arbitrary<Op> },
   { weight: 1, arbitrary: fc.record({ t: fc.constant('release'), h: fc.nat(7) }) as fc.Arbitrary<Op> },
   { weight: 1, arbitrary: fc.constant({ t: 'fill' } as Op) },
-  { weight: 3, arbitrary: fc.record({ t: fc.constant('scribble'), side: fc.constantFrom<0 | 1>(0, 1), i: fc.nat(NBUF - 1) }) as fc.Arbitrary<Op> },
+  {
+    weight: 3,
+    arbitrary: fc.record({
+      t: fc.constant('scribble'),
+      side: fc.constantFrom<0 | 1>(0, 1),
+      i: fc.nat(NBUF - 1),
+    }) as fc.Arbitrary<Op>,
+  },
   { weight: 2, arbitrary: fc.constant({ t: 'drain' } as Op) },
 );
 
 // ---- the model ---------------------------------------------------------------
 
-interface Range { side: 0 | 1; buf: number; off: number; len: number }
-interface Pair { l: Range; r: Range }
+interface Range {
+  side: 0 | 1;
+  buf: number;
+  off: number;
+  len: number;
+}
+interface Pair {
+  l: Range;
+  r: Range;
+}
 interface Handle {
   h: XferHandle;
   op: 'READ' | 'WRITE';
   pairs: Pair[];
-  localEpochs: number[];   // registration epoch of each local buffer at creation
-  remoteEpochs: number[];  // epoch the remote entries refer to (see make())
-  remoteGen: number;       // removeRemoteAgent generation at creation
+  localEpochs: number[]; // registration epoch of each local buffer at creation
+  remoteEpochs: number[]; // epoch the remote entries refer to (see make())
+  remoteGen: number; // removeRemoteAgent generation at creation
   state: 'idle' | 'posted' | 'done' | 'released';
   /** Posted, and the wait should fail (stale remote memory seen only at execution). */
   expectFail: boolean;
@@ -139,7 +199,10 @@ export function countFds(): number {
 
 /** Mappings the engine makes: allocate() memory, peers' memfds, liveness tables. */
 export function countMaps(): number {
-  return fs.readFileSync('/proc/self/maps', 'utf8').split('\n').filter((l) => l.includes('memfd:nixl-node')).length;
+  return fs
+    .readFileSync('/proc/self/maps', 'utf8')
+    .split('\n')
+    .filter((l) => l.includes('memfd:nixl-node')).length;
 }
 
 export function countThreads(): number {
@@ -153,9 +216,9 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
   const a = new NixlAgent(`model-a-${tag}`, { engine: 'loopback', testDelayUs: 1000 });
   const local = Array.from({ length: NBUF }, (_, i) => canaried(i === 0));
   const localReg: Array<ReturnType<NixlAgent['registerMemory']> | undefined> = Array(NBUF).fill(undefined);
-  const localEpoch = Array<number>(NBUF).fill(0);   // 0: never registered
-  const remoteEpoch = Array<number>(NBUF).fill(0);  // current registration epoch on B (0: none)
-  let loadedEpoch = Array<number>(NBUF).fill(0);    // what A's loaded metadata of B says
+  const localEpoch = Array<number>(NBUF).fill(0); // 0: never registered
+  const remoteEpoch = Array<number>(NBUF).fill(0); // current registration epoch on B (0: none)
+  let loadedEpoch = Array<number>(NBUF).fill(0); // what A's loaded metadata of B says
   let remoteGen = 0;
   let epochs = 0;
   let gen = 0;
@@ -198,9 +261,18 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
 
   const verify = async (x: Handle) => {
     for (const p of x.pairs) {
-      const src = x.op === 'READ' ? await b.read(p.r.buf, p.r.off, p.r.len) : local[p.l.buf].data.subarray(p.l.off, p.l.off + p.l.len);
-      const dst = x.op === 'READ' ? local[p.l.buf].data.subarray(p.l.off, p.l.off + p.l.len) : await b.read(p.r.buf, p.r.off, p.r.len);
-      expect(Buffer.compare(Buffer.from(dst), Buffer.from(src)), `${x.op} ${JSON.stringify(p)} bytes not in place`).toBe(0);
+      const src =
+        x.op === 'READ'
+          ? await b.read(p.r.buf, p.r.off, p.r.len)
+          : local[p.l.buf].data.subarray(p.l.off, p.l.off + p.l.len);
+      const dst =
+        x.op === 'READ'
+          ? local[p.l.buf].data.subarray(p.l.off, p.l.off + p.l.len)
+          : await b.read(p.r.buf, p.r.off, p.r.len);
+      expect(
+        Buffer.compare(Buffer.from(dst), Buffer.from(src)),
+        `${x.op} ${JSON.stringify(p)} bytes not in place`,
+      ).toBe(0);
     }
   };
 
@@ -224,7 +296,7 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
 
   try {
     gen = 1;
-    local.forEach((m, i) => fillPattern(m.data, 0, i, gen));
+    for (const [i, m] of local.entries()) fillPattern(m.data, 0, i, gen);
     await b.fill(gen);
     // Start with everything registered and known; the ops churn from there.
     for (let i = 0; i < NBUF; i++) {
@@ -246,7 +318,9 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
         case 'deregL': {
           const reg = localReg[op.i];
           if (!reg) break;
-          const users = inFlight().filter((x) => x.pairs.some((p, k) => p.l.buf === op.i && x.localEpochs[k] === localEpoch[op.i]));
+          const users = inFlight().filter((x) =>
+            x.pairs.some((p, k) => p.l.buf === op.i && x.localEpochs[k] === localEpoch[op.i]),
+          );
           const r = attempt(() => a.deregisterMemory(reg));
           if (users.length === 0) expect(r).toBe('ok');
           else expect(['ok', 'NIXL_ERR_NOT_ALLOWED']).toContain(r);
@@ -266,7 +340,8 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
           if (remoteEpoch[op.i] <= 0) break;
           const users = inFlight().filter((x) => x.pairs.some((p) => p.r.buf === op.i));
           const r = await b.deregister(op.i);
-          if (users.length === 0 || b.crossProcess) expect(r).toBe('ok'); // no pins across processes
+          if (users.length === 0 || b.crossProcess)
+            expect(r).toBe('ok'); // no pins across processes
           else expect(['ok', 'NIXL_ERR_NOT_ALLOWED']).toContain(r);
           if (r === 'ok') remoteEpoch[op.i] = -remoteEpoch[op.i];
           break;
@@ -292,10 +367,14 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
             let rlen = BigInt(len);
             const bad = (addr: bigint, ln: bigint): [bigint, bigint] => {
               switch (s.kind) {
-                case 'oob': return [addr - BigInt(s.side ? s.ro : s.lo) + BigInt(SIZE - 8), 16n];
-                case 'neg': return [addr - BigInt(s.side ? s.ro : s.lo) - 8n, 16n];
-                case 'wrap': return [addr, (1n << 64n) - addr + 8n];
-                default: return [addr, ln];
+                case 'oob':
+                  return [addr - BigInt(s.side ? s.ro : s.lo) + BigInt(SIZE - 8), 16n];
+                case 'neg':
+                  return [addr - BigInt(s.side ? s.ro : s.lo) - 8n, 16n];
+                case 'wrap':
+                  return [addr, (1n << 64n) - addr + 8n];
+                default:
+                  return [addr, ln];
               }
             };
             if (s.kind !== 'ok') {
@@ -312,9 +391,13 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
             pairs.push({ l, r });
           }
           // Registration state decides the rest of validity.
-          const epochsOk = pairs.every((p) => localEpoch[p.l.buf] > 0) &&
+          const epochsOk =
+            pairs.every((p) => localEpoch[p.l.buf] > 0) &&
             pairs.every((p) => loadedEpoch[p.r.buf] > 0 && (b.crossProcess || remoteEpoch[p.r.buf] > 0));
-          const toList = (t: typeof lt) => new DescList(BigUint64Array.from(t.flatMap((d) => [BigInt.asUintN(64, d.addr), BigInt.asUintN(64, d.len), 0n])));
+          const toList = (t: typeof lt) =>
+            new DescList(
+              BigUint64Array.from(t.flatMap((d) => [BigInt.asUintN(64, d.addr), BigInt.asUintN(64, d.len), 0n])),
+            );
           let h: XferHandle | undefined;
           const r = attempt(() => {
             if (op.prepped) {
@@ -347,9 +430,14 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
             // Same process: entries pin B's live regions (the current epoch).
             // Other process: they carry the loaded metadata's liveness word.
             handles.push({
-              h, op: op.op, pairs, localEpochs: pairs.map((p) => localEpoch[p.l.buf]),
+              h,
+              op: op.op,
+              pairs,
+              localEpochs: pairs.map((p) => localEpoch[p.l.buf]),
               remoteEpochs: pairs.map((p) => (b.crossProcess ? loadedEpoch[p.r.buf] : remoteEpoch[p.r.buf])),
-              remoteGen, state: 'idle', expectFail: false,
+              remoteGen,
+              state: 'idle',
+              expectFail: false,
             });
           }
           break;
@@ -374,9 +462,14 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
             else racy = true;
           }
           if (racy) break;
-          const stale = x.remoteGen !== remoteGen ? 'NIXL_ERR_NOT_FOUND'
-            : x.localEpochs.some((e, i) => e !== localEpoch[x.pairs[i].l.buf]) ? 'NIXL_ERR_NOT_FOUND'
-              : !b.crossProcess && x.remoteEpochs.some((e, i) => e !== remoteEpoch[x.pairs[i].r.buf]) ? 'NIXL_ERR_NOT_FOUND' : 'ok';
+          const stale =
+            x.remoteGen !== remoteGen
+              ? 'NIXL_ERR_NOT_FOUND'
+              : x.localEpochs.some((e, i) => e !== localEpoch[x.pairs[i].l.buf])
+                ? 'NIXL_ERR_NOT_FOUND'
+                : !b.crossProcess && x.remoteEpochs.some((e, i) => e !== remoteEpoch[x.pairs[i].r.buf])
+                  ? 'NIXL_ERR_NOT_FOUND'
+                  : 'ok';
           const r = attempt(() => a.transfer(x.h));
           if (x.state === 'posted') expect([stale, 'NIXL_ERR_REPOST_ACTIVE', 'ok']).toContain(r);
           else expect(r).toBe(stale);
@@ -409,7 +502,9 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
           }
           if (op.mode === 'spin') {
             const until = Date.now() + 5000;
-            while (a.checkXferState(x.h) === 'PROC' && Date.now() < until) { /* keep the event queued */ }
+            while (a.checkXferState(x.h) === 'PROC' && Date.now() < until) {
+              /* keep the event queued */
+            }
           } else if (op.mode === 'sleep') {
             await new Promise((r) => setTimeout(r, op.ms));
           }
@@ -422,10 +517,16 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
           if (x.state !== 'posted') break;
           // Settled later: by completion, a re-post, a release or close.
           const expectFail = x.expectFail;
-          pending.push(a.wait(x.h, { timeoutMs: 10_000 }).then(
-            () => { expect(expectFail, 'a late wait resolved over deregistered memory').toBe(false); },
-            (e) => { expect(['NIXL_ERR_CANCELED', 'NIXL_ERR_NOT_FOUND', 'NIXL_ERR_REMOTE_DISCONNECT']).toContain(code(e)); },
-          ));
+          pending.push(
+            a.wait(x.h, { timeoutMs: 10_000 }).then(
+              () => {
+                expect(expectFail, 'a late wait resolved over deregistered memory').toBe(false);
+              },
+              (e) => {
+                expect(['NIXL_ERR_CANCELED', 'NIXL_ERR_NOT_FOUND', 'NIXL_ERR_REMOTE_DISCONNECT']).toContain(code(e));
+              },
+            ),
+          );
           break;
         }
         case 'release': {
@@ -456,7 +557,7 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
         case 'fill': {
           await drain();
           gen++;
-          local.forEach((m, i) => fillPattern(m.data, 0, i, gen));
+          for (const [i, m] of local.entries()) fillPattern(m.data, 0, i, gen);
           await b.fill(gen);
           break;
         }
@@ -478,7 +579,9 @@ export async function runModel(ops: Op[], b: RemoteSide, tag: string): Promise<v
 // the run's buffers alive and show up as a leak.
 async function settledWithin<T>(p: Promise<T>, ms: number): Promise<T | 'timeout'> {
   let timer: NodeJS.Timeout | undefined;
-  const timeout = new Promise<'timeout'>((r) => { timer = setTimeout(() => r('timeout'), ms); });
+  const timeout = new Promise<'timeout'>((r) => {
+    timer = setTimeout(() => r('timeout'), ms);
+  });
   try {
     return await Promise.race([p, timeout]);
   } finally {

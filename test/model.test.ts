@@ -7,7 +7,20 @@ import * as fs from 'node:fs';
 import fc from 'fast-check';
 import { afterAll, describe, expect, it } from 'vitest';
 import { DescList, NixlAgent } from '../lib';
-import { CANARY, NBUF, Op, stats, RemoteSide, SIZE, canaried, canariesIntact, fillPattern, opArb, resources, runModel } from './model-harness';
+import {
+  CANARY,
+  NBUF,
+  type Op,
+  stats,
+  type RemoteSide,
+  SIZE,
+  canaried,
+  canariesIntact,
+  fillPattern,
+  opArb,
+  resources,
+  runModel,
+} from './model-harness';
 import { Peer } from './helpers';
 
 setFlagsFromString('--expose-gc');
@@ -20,7 +33,10 @@ let runs = 0;
 class InProcess implements RemoteSide {
   readonly crossProcess = false;
   readonly agent: NixlAgent;
-  readonly bufs = Array.from({ length: NBUF }, (_, j) => ({ ...canaried(j === 0), reg: undefined as ReturnType<NixlAgent['registerMemory']> | undefined }));
+  readonly bufs = Array.from({ length: NBUF }, (_, j) => ({
+    ...canaried(j === 0),
+    reg: undefined as ReturnType<NixlAgent['registerMemory']> | undefined,
+  }));
   readonly probe = canaried(true);
   readonly probeAddr: bigint;
   constructor(readonly name: string) {
@@ -28,8 +44,12 @@ class InProcess implements RemoteSide {
     this.agent.registerMemory(this.probe.data);
     this.probeAddr = DescList.from(this.probe.data).addr(0);
   }
-  addr(j: number) { return DescList.from(this.bufs[j].data).addr(0); }
-  async register(j: number) { this.bufs[j].reg = this.agent.registerMemory(this.bufs[j].data); }
+  addr(j: number) {
+    return DescList.from(this.bufs[j].data).addr(0);
+  }
+  async register(j: number) {
+    this.bufs[j].reg = this.agent.registerMemory(this.bufs[j].data);
+  }
   async deregister(j: number) {
     try {
       this.agent.deregisterMemory(this.bufs[j].reg!);
@@ -39,12 +59,24 @@ class InProcess implements RemoteSide {
       return (e as { code: string }).code;
     }
   }
-  async metadata() { return this.agent.getAgentMetadata(); }
-  async read(j: number, off: number, len: number) { return Buffer.from(this.bufs[j].data.subarray(off, off + len)); }
-  async canaries() { return this.bufs.every((b) => canariesIntact(b.whole)) && canariesIntact(this.probe.whole); }
-  async fill(gen: number) { this.bufs.forEach((b, j) => fillPattern(b.data, 1, j, gen)); }
-  async scribble(j: number, gen: number) { fillPattern(this.bufs[j].data, 1, j, gen); }
-  async close() { this.agent.close(); }
+  async metadata() {
+    return this.agent.getAgentMetadata();
+  }
+  async read(j: number, off: number, len: number) {
+    return Buffer.from(this.bufs[j].data.subarray(off, off + len));
+  }
+  async canaries() {
+    return this.bufs.every((b) => canariesIntact(b.whole)) && canariesIntact(this.probe.whole);
+  }
+  async fill(gen: number) {
+    for (const [j, b] of this.bufs.entries()) fillPattern(b.data, 1, j, gen);
+  }
+  async scribble(j: number, gen: number) {
+    fillPattern(this.bufs[j].data, 1, j, gen);
+  }
+  async close() {
+    this.agent.close();
+  }
 }
 
 class OtherProcess implements RemoteSide {
@@ -61,14 +93,30 @@ class OtherProcess implements RemoteSide {
     this.probeAddr = r.probe;
     return this;
   }
-  addr(j: number) { return this.addrs[j]; }
-  async register(j: number) { await this.peer.request({ cmd: 'register', j }); }
-  async deregister(j: number) { return (await this.peer.request<{ r: string }>({ cmd: 'deregister', j })).r; }
-  async metadata() { return Buffer.from((await this.peer.request<{ md: Uint8Array }>({ cmd: 'metadata' })).md); }
-  async read(j: number, off: number, len: number) { return Buffer.from((await this.peer.request<{ data: Uint8Array }>({ cmd: 'read', j, off, len })).data); }
-  async canaries() { return (await this.peer.request<{ ok: boolean }>({ cmd: 'canaries' })).ok; }
-  async fill(gen: number) { await this.peer.request({ cmd: 'fill', gen }); }
-  async scribble(j: number, gen: number) { await this.peer.request({ cmd: 'scribble', j, gen }); }
+  addr(j: number) {
+    return this.addrs[j];
+  }
+  async register(j: number) {
+    await this.peer.request({ cmd: 'register', j });
+  }
+  async deregister(j: number) {
+    return (await this.peer.request<{ r: string }>({ cmd: 'deregister', j })).r;
+  }
+  async metadata() {
+    return Buffer.from((await this.peer.request<{ md: Uint8Array }>({ cmd: 'metadata' })).md);
+  }
+  async read(j: number, off: number, len: number) {
+    return Buffer.from((await this.peer.request<{ data: Uint8Array }>({ cmd: 'read', j, off, len })).data);
+  }
+  async canaries() {
+    return (await this.peer.request<{ ok: boolean }>({ cmd: 'canaries' })).ok;
+  }
+  async fill(gen: number) {
+    await this.peer.request({ cmd: 'fill', gen });
+  }
+  async scribble(j: number, gen: number) {
+    await this.peer.request({ cmd: 'scribble', j, gen });
+  }
   async close() {
     await this.peer.request({ cmd: 'close' });
     await this.peer.exit();
@@ -77,7 +125,11 @@ class OtherProcess implements RemoteSide {
 
 function fdList(): string[] {
   return fs.readdirSync('/proc/self/fd').map((f) => {
-    try { return `${f} -> ${fs.readlinkSync(`/proc/self/fd/${f}`)}`; } catch { return f; }
+    try {
+      return `${f} -> ${fs.readlinkSync(`/proc/self/fd/${f}`)}`;
+    } catch {
+      return f;
+    }
   });
 }
 
@@ -105,7 +157,12 @@ async function check(ops: Op[], makeB: (name: string) => Promise<RemoteSide>) {
   await settleGc();
   const after = resources();
   expect(after.threads, 'threads left behind').toBeLessThanOrEqual(before.threads);
-  expect(after.fds, `fds left behind: ${fdList().filter((f) => !fdsBefore.includes(f)).join(', ')}`).toBeLessThanOrEqual(before.fds);
+  expect(
+    after.fds,
+    `fds left behind: ${fdList()
+      .filter((f) => !fdsBefore.includes(f))
+      .join(', ')}`,
+  ).toBeLessThanOrEqual(before.fds);
   expect(after.maps, 'mappings left behind').toBeLessThanOrEqual(before.maps);
 }
 
@@ -113,12 +170,20 @@ describe('random Agent API sequences (fast-check, loopback)', () => {
   afterAll(() => console.log(`model test: ${runs} runs, ${JSON.stringify(stats)}`));
 
   it('in one process', async () => {
-    await fc.assert(fc.asyncProperty(fc.array(opArb, { minLength: 5, maxLength: 40, size: 'max' }),
-      (ops) => check(ops, async (n) => new InProcess(n))), { seed, numRuns: Number(process.env.FC_RUNS ?? 150), endOnFailure: !!process.env.FC_NO_SHRINK });
+    await fc.assert(
+      fc.asyncProperty(fc.array(opArb, { minLength: 5, maxLength: 40, size: 'max' }), (ops) =>
+        check(ops, async (n) => new InProcess(n)),
+      ),
+      { seed, numRuns: Number(process.env.FC_RUNS ?? 150), endOnFailure: !!process.env.FC_NO_SHRINK },
+    );
   }, 120_000);
 
   it('across two processes', async () => {
-    await fc.assert(fc.asyncProperty(fc.array(opArb, { minLength: 5, maxLength: 30, size: 'max' }),
-      (ops) => check(ops, async (n) => new OtherProcess(n).init())), { seed, numRuns: Number(process.env.FC_RUNS_MP ?? 20), endOnFailure: !!process.env.FC_NO_SHRINK });
+    await fc.assert(
+      fc.asyncProperty(fc.array(opArb, { minLength: 5, maxLength: 30, size: 'max' }), (ops) =>
+        check(ops, async (n) => new OtherProcess(n).init()),
+      ),
+      { seed, numRuns: Number(process.env.FC_RUNS_MP ?? 20), endOnFailure: !!process.env.FC_NO_SHRINK },
+    );
   }, 180_000);
 });

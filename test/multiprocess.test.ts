@@ -23,7 +23,13 @@ async function setup(shared: boolean) {
   pattern(mem, 1);
   agent.registerMemory(mem);
   peer = new Peer('peer.js');
-  const init = await peer.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', name: 'child', size: SIZE, shared, seed: 2 });
+  const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
+    cmd: 'init',
+    name: 'child',
+    size: SIZE,
+    shared,
+    seed: 2,
+  });
   expect(agent.addRemoteAgent(Buffer.from(init.md))).toBe('child');
   await peer.request({ cmd: 'load', md: agent.getAgentMetadata() });
   return { mem, childAddr: init.addr, myAddr: DescList.from(mem).addr(0) };
@@ -45,11 +51,22 @@ describe.each([
       const slice = mem.subarray(b * BLOCK, (b + 1) * BLOCK);
       expect(checkPattern(slice, b % 2 === 0 ? 2 : 1, b * BLOCK)).toBe(true);
     }
-    expect(await peer!.request({ cmd: 'waitNotif', from: 'parent', timeoutMs: 5000 })).toEqual({ agent: 'parent', msg: 'pulled' });
+    expect(await peer!.request({ cmd: 'waitNotif', from: 'parent', timeoutMs: 5000 })).toEqual({
+      agent: 'parent',
+      msg: 'pulled',
+    });
 
     // child READs the parent's second half, then WRITEs its first quarter into the parent
     pattern(mem, 5);
-    await peer!.request({ cmd: 'xfer', op: 'READ', remote: 'parent', remoteAddr: myAddr, offset: SIZE / 2, len: SIZE / 2, notif: 'r' });
+    await peer!.request({
+      cmd: 'xfer',
+      op: 'READ',
+      remote: 'parent',
+      remoteAddr: myAddr,
+      offset: SIZE / 2,
+      len: SIZE / 2,
+      notif: 'r',
+    });
     await agent!.waitForNotif({ agent: 'child', msg: 'r' }, { timeoutMs: 5000 });
     const dump = await peer!.request<{ data: Uint8Array }>({ cmd: 'dump' });
     const child = Buffer.from(dump.data);
@@ -71,20 +88,31 @@ describe.each([
     peer!.kill();
     await peer!.exit();
     const before = Buffer.from(mem);
-    await expect(agent!.read(mem.subarray(0, BLOCK), [{ addr: childAddr, len: BLOCK }], 'child'))
-      .rejects.toMatchObject({ code: 'NIXL_ERR_REMOTE_DISCONNECT' });
+    await expect(agent!.read(mem.subarray(0, BLOCK), [{ addr: childAddr, len: BLOCK }], 'child')).rejects.toMatchObject(
+      { code: 'NIXL_ERR_REMOTE_DISCONNECT' },
+    );
     expect(mem.equals(before)).toBe(true);
-    expect(() => agent!.sendNotif('child', 'x')).toThrow(expect.objectContaining({ code: 'NIXL_ERR_REMOTE_DISCONNECT' }));
+    expect(() => agent!.sendNotif('child', 'x')).toThrow(
+      expect.objectContaining({ code: 'NIXL_ERR_REMOTE_DISCONNECT' }),
+    );
   });
 });
 
 it('metadata of a process that is gone is refused', async () => {
   peer = new Peer('peer.js');
-  const init = await peer.request<{ md: Uint8Array }>({ cmd: 'init', name: 'ghost', size: 4096, shared: true, seed: 0 });
+  const init = await peer.request<{ md: Uint8Array }>({
+    cmd: 'init',
+    name: 'ghost',
+    size: 4096,
+    shared: true,
+    seed: 0,
+  });
   peer.kill();
   await peer.exit();
   agent = new NixlAgent('parent', { engine: 'loopback' });
-  expect(() => agent!.addRemoteAgent(Buffer.from(init.md))).toThrow(expect.objectContaining({ code: 'NIXL_ERR_REMOTE_DISCONNECT' }));
+  expect(() => agent!.addRemoteAgent(Buffer.from(init.md))).toThrow(
+    expect.objectContaining({ code: 'NIXL_ERR_REMOTE_DISCONNECT' }),
+  );
 });
 
 describe.each([
@@ -95,8 +123,9 @@ describe.each([
     const { mem, childAddr } = await setup(shared);
     await peer!.request({ cmd: 'dereg', seed: 9 });
     const before = Buffer.from(mem);
-    await expect(agent!.read(mem.subarray(0, BLOCK), [{ addr: childAddr, len: BLOCK }], 'child'))
-      .rejects.toMatchObject({ code: 'NIXL_ERR_NOT_FOUND' });
+    await expect(agent!.read(mem.subarray(0, BLOCK), [{ addr: childAddr, len: BLOCK }], 'child')).rejects.toMatchObject(
+      { code: 'NIXL_ERR_NOT_FOUND' },
+    );
     expect(mem.equals(before)).toBe(true);
   });
 
@@ -105,7 +134,13 @@ describe.each([
     const mem = Buffer.alloc(SIZE);
     agent.registerMemory(mem);
     peer = new Peer('peer.js');
-    const init = await peer.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', name: 'child', size: SIZE, shared, seed: 2 });
+    const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
+      cmd: 'init',
+      name: 'child',
+      size: SIZE,
+      shared,
+      seed: 2,
+    });
     agent.addRemoteAgent(Buffer.from(init.md));
     const p = agent.read(mem, [{ addr: init.addr, len: SIZE }], 'child');
     await peer.request({ cmd: 'dereg', seed: 9 });
@@ -116,8 +151,9 @@ describe.each([
   it('a read after the peer closed its agent (process alive) is NIXL_ERR_REMOTE_DISCONNECT', async () => {
     const { mem, childAddr } = await setup(shared);
     await peer!.request({ cmd: 'closeAgent' });
-    await expect(agent!.read(mem.subarray(0, BLOCK), [{ addr: childAddr, len: BLOCK }], 'child'))
-      .rejects.toMatchObject({ code: 'NIXL_ERR_REMOTE_DISCONNECT' });
+    await expect(agent!.read(mem.subarray(0, BLOCK), [{ addr: childAddr, len: BLOCK }], 'child')).rejects.toMatchObject(
+      { code: 'NIXL_ERR_REMOTE_DISCONNECT' },
+    );
   });
 });
 
@@ -128,18 +164,34 @@ it('a stopped peer does not hold up transfers from healthy peers; its notificati
   const healthy = new Peer('peer.js');
   const stalled = new Peer('peer.js');
   try {
-    const h = await healthy.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', name: 'healthy', size: SIZE, shared: true, seed: 3 });
-    const s = await stalled.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', name: 'stalled', size: SIZE, shared: true, seed: 4 });
+    const h = await healthy.request<{ md: Uint8Array; addr: bigint }>({
+      cmd: 'init',
+      name: 'healthy',
+      size: SIZE,
+      shared: true,
+      seed: 3,
+    });
+    const s = await stalled.request<{ md: Uint8Array; addr: bigint }>({
+      cmd: 'init',
+      name: 'stalled',
+      size: SIZE,
+      shared: true,
+      seed: 4,
+    });
     agent.addRemoteAgent(Buffer.from(h.md));
     agent.addRemoteAgent(Buffer.from(s.md));
     process.kill(stalled.proc.pid!, 'SIGSTOP');
     // Fill the stopped peer's socket queue; the rest queue up in order.
     const big = Buffer.alloc(60_000, 1);
     for (let i = 0; i < 64; i++) agent.sendNotif('stalled', Buffer.concat([Buffer.from(`n${i}:`), big]));
-    const stalledRead = agent.read(mem.subarray(0, BLOCK), [{ addr: s.addr, len: BLOCK }], 'stalled', { notifMsg: 'last' });
+    const stalledRead = agent.read(mem.subarray(0, BLOCK), [{ addr: s.addr, len: BLOCK }], 'stalled', {
+      notifMsg: 'last',
+    });
     const t0 = performance.now();
     for (let i = 0; i < 8; i++) {
-      await agent.read(mem.subarray(BLOCK, 2 * BLOCK), [{ addr: h.addr, len: BLOCK }], 'healthy', { notifMsg: `h${i}` });
+      await agent.read(mem.subarray(BLOCK, 2 * BLOCK), [{ addr: h.addr, len: BLOCK }], 'healthy', {
+        notifMsg: `h${i}`,
+      });
     }
     const healthyMs = performance.now() - t0;
     expect(healthyMs).toBeLessThan(2000);
@@ -148,14 +200,22 @@ it('a stopped peer does not hold up transfers from healthy peers; its notificati
     await stalledRead; // its notification went out once the peer drained its queue
     const got: string[] = [];
     for (let t = 0; t < 100 && !got.includes('last'); t++) {
-      got.push(...(await stalled.request<{ msgs: string[] }>({ cmd: 'notifs', from: 'parent' })).msgs.map((m) => m.split(':')[0]));
+      got.push(
+        ...(await stalled.request<{ msgs: string[] }>({ cmd: 'notifs', from: 'parent' })).msgs.map(
+          (m) => m.split(':')[0],
+        ),
+      );
       await new Promise((r) => setTimeout(r, 20));
     }
     expect(got).toEqual([...Array.from({ length: 64 }, (_, i) => `n${i}`), 'last']);
     const hs = (await healthy.request<{ msgs: string[] }>({ cmd: 'notifs', from: 'parent' })).msgs;
     expect(hs).toEqual(Array.from({ length: 8 }, (_, i) => `h${i}`));
   } finally {
-    try { process.kill(stalled.proc.pid!, 'SIGCONT'); } catch { /* gone */ }
+    try {
+      process.kill(stalled.proc.pid!, 'SIGCONT');
+    } catch {
+      /* gone */
+    }
     healthy.kill();
     stalled.kill();
   }

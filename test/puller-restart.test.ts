@@ -15,7 +15,9 @@ afterEach(async () => {
 });
 
 async function startPrefill(port: number, extra: Record<string, unknown> = {}): Promise<Peer> {
-  const peer = new Peer('prefill-kv.js', [JSON.stringify({ ...spec, tpSize: 1, port, agentName: 'prefill-fixed', ...extra })]);
+  const peer = new Peer('prefill-kv.js', [
+    JSON.stringify({ ...spec, tpSize: 1, port, agentName: 'prefill-fixed', ...extra }),
+  ]);
   prefills.push(peer);
   await peer.next();
   return peer;
@@ -27,16 +29,29 @@ function decode() {
   const agent = new NixlAgent('decode-restart', { engine: 'loopback', testDelayUs: 20_000 });
   const mem = Buffer.alloc(kv.rankBytes(s));
   agent.registerMemory(mem);
-  const puller = new KvPuller({ agent, layout: kv.rankLayout(s, 'decode', DescList.from(mem).addr(0)), handshake: 'zmq',
-    expectedHash: 'kvhash', handshakeTimeoutMs: 1000 });
-  closers.push(() => agent.close(), () => puller.close());
+  const puller = new KvPuller({
+    agent,
+    layout: kv.rankLayout(s, 'decode', DescList.from(mem).addr(0)),
+    handshake: 'zmq',
+    expectedHash: 'kvhash',
+    handshakeTimeoutMs: 1000,
+  });
+  closers.push(
+    () => agent.close(),
+    () => puller.close(),
+  );
   let n = 0;
   const pull = async (port: number) => {
     const local = [n % 32, (n % 32) + 32];
     const remote = [(n * 7) % 64, (n * 7 + 3) % 64];
     n++;
-    await puller.pullBlocks({ remote: { host: '127.0.0.1', port, tpSize: 1 }, localBlockIds: local, remoteBlockIds: remote,
-      requestId: `r${n}`, timeoutMs: 5000 });
+    await puller.pullBlocks({
+      remote: { host: '127.0.0.1', port, tpSize: 1 },
+      localBlockIds: local,
+      remoteBlockIds: remote,
+      requestId: `r${n}`,
+      timeoutMs: 5000,
+    });
     return kv.verifyRank(mem, s, local, remote);
   };
   return { puller, pull };
@@ -84,7 +99,9 @@ it('a prefill SIGKILLed mid-pull and restarted on the same port: failures are pr
   await first.exit();
   await startPrefill(port);
   restarted = true;
-  const deadline = setTimeout(() => { stop = true; }, 15_000);
+  const deadline = setTimeout(() => {
+    stop = true;
+  }, 15_000);
   await Promise.all(workers);
   clearTimeout(deadline);
   expect(okAfterRestart, JSON.stringify(failures.slice(-3))).toBeGreaterThanOrEqual(20);

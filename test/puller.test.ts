@@ -11,8 +11,15 @@ const quiet = { warn() {} };
 function layout(engineId: string, mem: Buffer): KvLayout {
   const base = DescList.from(mem).addr(0);
   return {
-    engineId, tpSize: 1, tpRank: 0, numBlocks: BLOCKS, blockSize: 16, blockLens: [BLOCK, BLOCK],
-    baseAddrs: [base, base + BigInt(BLOCK * BLOCKS)], kvCacheLayout: 'HND', totalNumKvHeads: 8,
+    engineId,
+    tpSize: 1,
+    tpRank: 0,
+    numBlocks: BLOCKS,
+    blockSize: 16,
+    blockLens: [BLOCK, BLOCK],
+    baseAddrs: [base, base + BigInt(BLOCK * BLOCKS)],
+    kvCacheLayout: 'HND',
+    totalNumKvHeads: 8,
   };
 }
 
@@ -28,7 +35,12 @@ beforeEach(async () => {
   dmem = allocate(2 * BLOCK * BLOCKS);
   prefill.registerMemory(pmem);
   decode.registerMemory(dmem);
-  server = await servePrefill({ ranks: [{ agent: prefill, layout: layout('P', pmem) }], compatibilityHash: 'h', port: 0, logger: quiet });
+  server = await servePrefill({
+    ranks: [{ agent: prefill, layout: layout('P', pmem) }],
+    compatibilityHash: 'h',
+    port: 0,
+    logger: quiet,
+  });
   tracker = new PrefillTracker({ agent: prefill, tpSize: 1, expireMs: 5000, logger: quiet });
   puller = new KvPuller({ agent: decode, layout: layout('D', dmem), expectedHash: 'h', maxConcurrent: 1 });
 });
@@ -44,7 +56,13 @@ afterEach(async () => {
 describe('KvPuller', () => {
   it('pulls, reports stats like vLLM, and frees the prefill blocks', async () => {
     const released = tracker.expect('r1', [1, 2, 3]);
-    const r = await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1, 2], remoteBlockIds: [1, 2, 3], requestId: 'r1', coalesce: true });
+    const r = await puller.pullBlocks({
+      remote: remote(),
+      localBlockIds: [0, 1, 2],
+      remoteBlockIds: [1, 2, 3],
+      requestId: 'r1',
+      coalesce: true,
+    });
     expect(r.bytes).toBe(2 * 3 * BLOCK);
     expect(r.descriptors).toBe(2); // one run per region, coalesced
     expect(r.coalesced).toBe(true);
@@ -56,14 +74,24 @@ describe('KvPuller', () => {
     const text = puller.stats.prometheus({ engine: 'D' });
     expect(text).toMatch(/^nixl_node_bytes_transferred_total\{engine="D"\} 6291456$/m);
     expect(text).toMatch(/^nixl_node_transfer_seconds_bucket\{engine="D",le="\+Inf"\} 1$/m);
-    const uncoalesced = await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1, 2], remoteBlockIds: [1, 2, 3], requestId: 'r2' });
+    const uncoalesced = await puller.pullBlocks({
+      remote: remote(),
+      localBlockIds: [0, 1, 2],
+      remoteBlockIds: [1, 2, 3],
+      requestId: 'r2',
+    });
     expect(uncoalesced.descriptors).toBe(6);
     expect(puller.resources()).toMatchObject({ xferHandles: 0, activePulls: 0, engines: 1 });
   });
 
   it('a full prefix hit only notifies, so the prefill side frees its blocks', async () => {
     const released = tracker.expect('hit', [4, 5]);
-    const r = await puller.pullBlocks({ remote: remote(), localBlockIds: [], remoteBlockIds: [4, 5], requestId: 'hit' });
+    const r = await puller.pullBlocks({
+      remote: remote(),
+      localBlockIds: [],
+      remoteBlockIds: [4, 5],
+      requestId: 'hit',
+    });
     expect(r.bytes).toBe(0);
     expect((await released).reason).toBe('read');
   });
@@ -75,9 +103,14 @@ describe('KvPuller', () => {
   });
 
   it('limits pulls in flight across requests', async () => {
-    const pulls = [0, 1, 2].map((i) => puller.pullBlocks({
-      remote: remote(), localBlockIds: [i * 10, i * 10 + 1], remoteBlockIds: [i, i + 20], requestId: `c${i}`,
-    }));
+    const pulls = [0, 1, 2].map((i) =>
+      puller.pullBlocks({
+        remote: remote(),
+        localBlockIds: [i * 10, i * 10 + 1],
+        remoteBlockIds: [i, i + 20],
+        requestId: `c${i}`,
+      }),
+    );
     expect(puller.resources().activePulls).toBe(1);
     await Promise.all(pulls);
     expect(puller.resources()).toMatchObject({ activePulls: 0, xferHandles: 0 });
@@ -91,16 +124,29 @@ describe('KvPuller', () => {
     puller = new KvPuller({ agent: decode, layout: layout('D', dmem), expectedHash: 'h', maxConcurrent: 1 });
     await puller.connect(remote());
     const ids = Array.from({ length: BLOCKS }, (_, i) => i);
-    const err = await puller.pullBlocks({ remote: remote(), localBlockIds: ids, remoteBlockIds: ids, requestId: 'slow', timeoutMs: 50 })
+    const err = await puller
+      .pullBlocks({ remote: remote(), localBlockIds: ids, remoteBlockIds: ids, requestId: 'slow', timeoutMs: 50 })
       .catch((e) => e);
-    expect(err).toMatchObject({ name: 'PullError', kind: 'timeout', code: 'NIXL_ERR_TIMEOUT', requestId: 'slow', localBlockIds: ids });
+    expect(err).toMatchObject({
+      name: 'PullError',
+      kind: 'timeout',
+      code: 'NIXL_ERR_TIMEOUT',
+      requestId: 'slow',
+      localBlockIds: ids,
+    });
     expect(puller.resources()).toMatchObject({ xferHandles: 0, activePulls: 0 });
     expect(puller.stats.snapshot().failedTransfers).toBe(1);
   });
 
   it('an abort rejects as kind aborted', async () => {
     const ac = new AbortController();
-    const p = puller.pullBlocks({ remote: remote(), localBlockIds: [1, 2], remoteBlockIds: [3, 4], requestId: 'ab', signal: ac.signal });
+    const p = puller.pullBlocks({
+      remote: remote(),
+      localBlockIds: [1, 2],
+      remoteBlockIds: [3, 4],
+      requestId: 'ab',
+      signal: ac.signal,
+    });
     ac.abort();
     await expect(p).rejects.toMatchObject({ kind: 'aborted', localBlockIds: [1, 2] });
     expect(puller.resources().xferHandles).toBe(0);
@@ -108,8 +154,9 @@ describe('KvPuller', () => {
 
   it('a compatibility hash mismatch fails the handshake with NIXL_ERR_MISMATCH', async () => {
     const other = new KvPuller({ agent: decode, layout: layout('D2', dmem), expectedHash: 'other' });
-    await expect(other.pullBlocks({ remote: remote(), localBlockIds: [1], remoteBlockIds: [1], requestId: 'm' }))
-      .rejects.toMatchObject({ kind: 'handshake', code: 'NIXL_ERR_MISMATCH', localBlockIds: [1] });
+    await expect(
+      other.pullBlocks({ remote: remote(), localBlockIds: [1], remoteBlockIds: [1], requestId: 'm' }),
+    ).rejects.toMatchObject({ kind: 'handshake', code: 'NIXL_ERR_MISMATCH', localBlockIds: [1] });
     await other.close();
   });
 });

@@ -40,9 +40,13 @@ describe('descriptor validation', () => {
     const { a, local, raddr, laddr } = setup();
     // remote: one byte past the registered region
     expect(code(() => a.initializeXfer('READ', local, [{ addr: raddr, len: 8193 }], 'vb'))).toBe('NIXL_ERR_NOT_FOUND');
-    expect(code(() => a.initializeXfer('READ', local.subarray(0, 16), [{ addr: raddr - 16n, len: 16 }], 'vb'))).toBe('NIXL_ERR_NOT_FOUND');
+    expect(code(() => a.initializeXfer('READ', local.subarray(0, 16), [{ addr: raddr - 16n, len: 16 }], 'vb'))).toBe(
+      'NIXL_ERR_NOT_FOUND',
+    );
     // local: memory that was never registered
-    expect(code(() => a.initializeXfer('READ', Buffer.alloc(16), [{ addr: raddr, len: 16 }], 'vb'))).toBe('NIXL_ERR_NOT_FOUND');
+    expect(code(() => a.initializeXfer('READ', Buffer.alloc(16), [{ addr: raddr, len: 16 }], 'vb'))).toBe(
+      'NIXL_ERR_NOT_FOUND',
+    );
     expect(code(() => a.prepXferDlist('', [{ addr: laddr + 8000n, len: 400 }]))).toBe('NIXL_ERR_NOT_FOUND');
     // wrong device id
     expect(code(() => a.prepXferDlist('vb', [{ addr: raddr, len: 16, devId: 1 }]))).toBe('NIXL_ERR_NOT_FOUND');
@@ -61,10 +65,19 @@ describe('descriptor validation', () => {
 
   it('mismatched lengths, counts and indices are NIXL_ERR_INVALID_PARAM', () => {
     const { a, local, raddr } = setup();
-    expect(code(() => a.initializeXfer('READ', local.subarray(0, 100), [{ addr: raddr, len: 101 }], 'vb'))).toBe('NIXL_ERR_INVALID_PARAM');
-    expect(code(() => a.initializeXfer('READ', [local.subarray(0, 10), local.subarray(10, 20)], [{ addr: raddr, len: 10 }], 'vb'))).toBe('NIXL_ERR_INVALID_PARAM');
+    expect(code(() => a.initializeXfer('READ', local.subarray(0, 100), [{ addr: raddr, len: 101 }], 'vb'))).toBe(
+      'NIXL_ERR_INVALID_PARAM',
+    );
+    expect(
+      code(() =>
+        a.initializeXfer('READ', [local.subarray(0, 10), local.subarray(10, 20)], [{ addr: raddr, len: 10 }], 'vb'),
+      ),
+    ).toBe('NIXL_ERR_INVALID_PARAM');
     const l = a.prepXferDlist('', [local.subarray(0, 4096), local.subarray(4096)]);
-    const r = a.prepXferDlist('vb', [{ addr: raddr, len: 4096 }, { addr: raddr + 4096n, len: 4096 }]);
+    const r = a.prepXferDlist('vb', [
+      { addr: raddr, len: 4096 },
+      { addr: raddr + 4096n, len: 4096 },
+    ]);
     expect(code(() => a.makePreppedXfer('READ', l, [0, 2], r, [0, 1]))).toBe('NIXL_ERR_INVALID_PARAM');
     expect(code(() => a.makePreppedXfer('READ', l, [0], r, [0, 1]))).toBe('NIXL_ERR_INVALID_PARAM');
     expect(code(() => a.makePreppedXfer('READ', r, [0], l, [0]))).toBe('NIXL_ERR_INVALID_PARAM');
@@ -76,7 +89,9 @@ describe('descriptor validation', () => {
     expect(code(() => a.registerMemory(local, { memType: 'HBM' as 'DRAM' }))).toBe('NIXL_ERR_INVALID_PARAM');
     expect(code(() => a.registerMemory([{ addr: 1n << 40n, len: 4096 }]))).toBe('NIXL_ERR_INVALID_PARAM');
     expect(code(() => a.registerMemory([{ addr: 0n, len: 4096 }]))).toBe('NIXL_ERR_INVALID_PARAM');
-    expect(code(() => a.registerMemory([{ addr: 0x1234n, len: 8, devId: 0 }], { memType: 'VRAM' }))).toBe('NIXL_ERR_NOT_SUPPORTED');
+    expect(code(() => a.registerMemory([{ addr: 0x1234n, len: 8, devId: 0 }], { memType: 'VRAM' }))).toBe(
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
     expect(code(() => a.sendNotif('vb', Buffer.alloc(65 * 1024)))).toBe('NIXL_ERR_INVALID_PARAM');
   });
 
@@ -210,7 +225,9 @@ describe('descriptor validation', () => {
           expect(() => f()).toThrow(NixlError);
         }
       }
-      expect(() => new binding.NativeAgent('g2', { engine: 'gpu' as 'nixl', backends: [] }, () => {})).toThrow(NixlError);
+      expect(() => new binding.NativeAgent('g2', { engine: 'gpu' as 'nixl', backends: [] }, () => {})).toThrow(
+        NixlError,
+      );
       expect(() => binding.allocate(0)).toThrow(NixlError);
       expect(() => binding.allocate(-5)).toThrow(NixlError);
       expect(() => binding.addressOf({} as ArrayBuffer)).toThrow(NixlError);

@@ -78,17 +78,38 @@ class Writer {
     if (v >= 0n) {
       if (v < 0x80n) b = Buffer.from([Number(v)]);
       else if (v < 0x100n) b = Buffer.from([0xcc, Number(v)]);
-      else if (v < 0x10000n) { b = Buffer.alloc(3); b[0] = 0xcd; b.writeUInt16BE(Number(v), 1); }
-      else if (v < 0x100000000n) { b = Buffer.alloc(5); b[0] = 0xce; b.writeUInt32BE(Number(v), 1); }
-      else if (v < 1n << 64n) { b = Buffer.alloc(9); b[0] = 0xcf; b.writeBigUInt64BE(v, 1); }
-      else throw new HandshakeError(`integer ${v} does not fit in uint64`);
+      else if (v < 0x10000n) {
+        b = Buffer.alloc(3);
+        b[0] = 0xcd;
+        b.writeUInt16BE(Number(v), 1);
+      } else if (v < 0x100000000n) {
+        b = Buffer.alloc(5);
+        b[0] = 0xce;
+        b.writeUInt32BE(Number(v), 1);
+      } else if (v < 1n << 64n) {
+        b = Buffer.alloc(9);
+        b[0] = 0xcf;
+        b.writeBigUInt64BE(v, 1);
+      } else throw new HandshakeError(`integer ${v} does not fit in uint64`);
     } else {
       if (v >= -32n) b = Buffer.from([Number(v) & 0xff]);
-      else if (v >= -0x80n) { b = Buffer.alloc(2); b[0] = 0xd0; b.writeInt8(Number(v), 1); }
-      else if (v >= -0x8000n) { b = Buffer.alloc(3); b[0] = 0xd1; b.writeInt16BE(Number(v), 1); }
-      else if (v >= -0x80000000n) { b = Buffer.alloc(5); b[0] = 0xd2; b.writeInt32BE(Number(v), 1); }
-      else if (v >= -(1n << 63n)) { b = Buffer.alloc(9); b[0] = 0xd3; b.writeBigInt64BE(v, 1); }
-      else throw new HandshakeError(`integer ${v} does not fit in int64`);
+      else if (v >= -0x80n) {
+        b = Buffer.alloc(2);
+        b[0] = 0xd0;
+        b.writeInt8(Number(v), 1);
+      } else if (v >= -0x8000n) {
+        b = Buffer.alloc(3);
+        b[0] = 0xd1;
+        b.writeInt16BE(Number(v), 1);
+      } else if (v >= -0x80000000n) {
+        b = Buffer.alloc(5);
+        b[0] = 0xd2;
+        b.writeInt32BE(Number(v), 1);
+      } else if (v >= -(1n << 63n)) {
+        b = Buffer.alloc(9);
+        b[0] = 0xd3;
+        b.writeBigInt64BE(v, 1);
+      } else throw new HandshakeError(`integer ${v} does not fit in int64`);
     }
     this.#chunks.push(b);
   }
@@ -98,7 +119,8 @@ class Writer {
     else if (v === true || v === false) this.#chunks.push(Buffer.from([v ? 0xc3 : 0xc2]));
     else if (typeof v === 'bigint') this.int(v);
     else if (typeof v === 'number') {
-      if (!Number.isSafeInteger(v)) throw new HandshakeError(`${v} is not an integer the wire format can carry exactly`);
+      if (!Number.isSafeInteger(v))
+        throw new HandshakeError(`${v} is not an integer the wire format can carry exactly`);
       this.int(BigInt(v));
     } else if (typeof v === 'string') {
       const s = Buffer.from(v, 'utf8');
@@ -139,11 +161,19 @@ export function unpackMsgpack(buf: Uint8Array, what: string): unknown {
   try {
     return unpackr.unpack(Buffer.from(buf.buffer, buf.byteOffset, buf.byteLength));
   } catch (e) {
-    throw new HandshakeError(`${what}: not valid msgpack (${(e as Error).message})`, 'NIXL_ERR_INVALID_PARAM', { cause: e });
+    throw new HandshakeError(`${what}: not valid msgpack (${(e as Error).message})`, 'NIXL_ERR_INVALID_PARAM', {
+      cause: e,
+    });
   }
 }
 
-function field<T>(obj: Record<string, unknown>, key: string, what: string, check: (v: unknown) => T | undefined, expected: string): T {
+function field<T>(
+  obj: Record<string, unknown>,
+  key: string,
+  what: string,
+  check: (v: unknown) => T | undefined,
+  expected: string,
+): T {
   if (!(key in obj)) throw new HandshakeError(`${what}: missing key '${key}'`);
   const v = check(obj[key]);
   if (v === undefined) throw new HandshakeError(`${what}: key '${key}' must be ${expected}, got ${describe(obj[key])}`);
@@ -172,37 +202,47 @@ const asSmallUint = (v: unknown): number | undefined => {
   const b = asUint64(v);
   return b !== undefined && b <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(b) : undefined;
 };
-const asList = <T>(el: (v: unknown) => T | undefined) => (v: unknown): T[] | undefined => {
-  if (!Array.isArray(v)) return undefined;
-  const out: T[] = [];
-  for (const x of v) {
-    const y = el(x);
-    if (y === undefined) return undefined;
-    out.push(y);
-  }
-  return out;
-};
+const asList =
+  <T>(el: (v: unknown) => T | undefined) =>
+  (v: unknown): T[] | undefined => {
+    if (!Array.isArray(v)) return undefined;
+    const out: T[] = [];
+    for (const x of v) {
+      const y = el(x);
+      if (y === undefined) return undefined;
+      out.push(y);
+    }
+    return out;
+  };
 const asMap = (v: unknown): Record<string, unknown> | undefined =>
-  typeof v === 'object' && v !== null && !Array.isArray(v) && !(v instanceof Uint8Array) ? (v as Record<string, unknown>) : undefined;
+  typeof v === 'object' && v !== null && !Array.isArray(v) && !(v instanceof Uint8Array)
+    ? (v as Record<string, unknown>)
+    : undefined;
 
 // ---- NixlAgentMetadata ------------------------------------------------------
 
 export function encodeAgentMetadata(m: NixlAgentMetadata): Buffer {
-  if (m.kvCacheLayout !== 'HND' && m.kvCacheLayout !== 'NHD') throw new HandshakeError(`kv_cache_layout must be 'HND' or 'NHD'`);
-  return packMsgpack(new Map<string, MpValue>([
-    ['engine_id', m.engineId],
-    ['agent_metadata', Buffer.from(m.agentMetadata)],
-    ['kv_caches_base_addr', m.kvCachesBaseAddr.map((a, i) => {
-      const v = asUint64(a);
-      if (v === undefined) throw new HandshakeError(`kv_caches_base_addr[${i}] = ${String(a)} is not a uint64`);
-      return v;
-    })],
-    ['device_id', m.deviceId],
-    ['num_blocks', m.numBlocks],
-    ['block_lens', m.blockLens],
-    ['kv_cache_layout', m.kvCacheLayout],
-    ['block_size', m.blockSize],
-  ]));
+  if (m.kvCacheLayout !== 'HND' && m.kvCacheLayout !== 'NHD')
+    throw new HandshakeError(`kv_cache_layout must be 'HND' or 'NHD'`);
+  return packMsgpack(
+    new Map<string, MpValue>([
+      ['engine_id', m.engineId],
+      ['agent_metadata', Buffer.from(m.agentMetadata)],
+      [
+        'kv_caches_base_addr',
+        m.kvCachesBaseAddr.map((a, i) => {
+          const v = asUint64(a);
+          if (v === undefined) throw new HandshakeError(`kv_caches_base_addr[${i}] = ${String(a)} is not a uint64`);
+          return v;
+        }),
+      ],
+      ['device_id', m.deviceId],
+      ['num_blocks', m.numBlocks],
+      ['block_lens', m.blockLens],
+      ['kv_cache_layout', m.kvCacheLayout],
+      ['block_size', m.blockSize],
+    ]),
+  );
 }
 
 export function decodeAgentMetadata(buf: Uint8Array): NixlAgentMetadata {
@@ -210,7 +250,8 @@ export function decodeAgentMetadata(buf: Uint8Array): NixlAgentMetadata {
   const o = asMap(unpackMsgpack(buf, what));
   if (!o) throw new HandshakeError(`${what}: expected a msgpack map`);
   const layout = field(o, 'kv_cache_layout', what, asStr, 'a string');
-  if (layout !== 'HND' && layout !== 'NHD') throw new HandshakeError(`${what}: kv_cache_layout must be 'HND' or 'NHD', got '${layout}'`);
+  if (layout !== 'HND' && layout !== 'NHD')
+    throw new HandshakeError(`${what}: kv_cache_layout must be 'HND' or 'NHD', got '${layout}'`);
   return {
     engineId: field(o, 'engine_id', what, asStr, 'a string'),
     agentMetadata: field(o, 'agent_metadata', what, asBin, 'bytes'),
@@ -226,17 +267,20 @@ export function decodeAgentMetadata(buf: Uint8Array): NixlAgentMetadata {
 // ---- NixlHandshakePayload ---------------------------------------------------
 
 export function encodeHandshakePayload(p: HandshakePayload): Buffer {
-  return packMsgpack(new Map<string, MpValue>([
-    ['compatibility_hash', p.compatibilityHash],
-    ['agent_metadata_bytes', Buffer.from(p.agentMetadataBytes)],
-  ]));
+  return packMsgpack(
+    new Map<string, MpValue>([
+      ['compatibility_hash', p.compatibilityHash],
+      ['agent_metadata_bytes', Buffer.from(p.agentMetadataBytes)],
+    ]),
+  );
 }
 
 export function decodeHandshakePayload(buf: Uint8Array): HandshakePayload {
   const what = 'NixlHandshakePayload';
   const o = asMap(unpackMsgpack(buf, what));
   if (!o) throw new HandshakeError(`${what}: expected a msgpack map`);
-  if (typeof o.error === 'string') throw new HandshakeError(`peer answered with an error: ${o.error}`, 'NIXL_ERR_NOT_FOUND');
+  if (typeof o.error === 'string')
+    throw new HandshakeError(`peer answered with an error: ${o.error}`, 'NIXL_ERR_NOT_FOUND');
   return {
     compatibilityHash: field(o, 'compatibility_hash', what, asStr, 'a string'),
     agentMetadataBytes: field(o, 'agent_metadata_bytes', what, asBin, 'bytes'),
@@ -248,7 +292,9 @@ export function openHandshakePayload(p: HandshakePayload, expectedHash: string |
   if (expectedHash !== undefined && p.compatibilityHash !== expectedHash) {
     throw new HandshakeError(
       `compatibility hash mismatch: remote ${p.compatibilityHash}, local ${expectedHash} ` +
-        '(different vLLM/connector version, model, dtype or attention backend)', 'NIXL_ERR_MISMATCH');
+        '(different vLLM/connector version, model, dtype or attention backend)',
+      'NIXL_ERR_MISMATCH',
+    );
   }
   return decodeAgentMetadata(p.agentMetadataBytes);
 }
@@ -272,11 +318,13 @@ export function decodeMetaRequest(buf: Uint8Array): MetaRequest {
   }
   const msg = v[0];
   const isGet = (msg instanceof Uint8Array && Buffer.from(msg).equals(GET_META_MSG)) || msg === 'get_meta_msg';
-  if (!isGet) throw new HandshakeError(`handshake request: unknown message ${JSON.stringify(String(msg)).slice(0, 64)}`);
+  if (!isGet)
+    throw new HandshakeError(`handshake request: unknown message ${JSON.stringify(String(msg)).slice(0, 64)}`);
   const tp = asSmallUint(v[v.length - 1]);
   if (tp === undefined) throw new HandshakeError('handshake request: tp_rank must be an unsigned integer');
   const pp = v.length === 3 ? asSmallUint(v[1]) : undefined;
-  if (v.length === 3 && pp === undefined) throw new HandshakeError('handshake request: pp_rank must be an unsigned integer');
+  if (v.length === 3 && pp === undefined)
+    throw new HandshakeError('handshake request: pp_rank must be an unsigned integer');
   return { tpRank: tp, ppRank: pp };
 }
 
@@ -330,7 +378,7 @@ function pyString(s: string): string {
     else if (c < 0x20 || c > 0x7e) out += `\\u${c.toString(16).padStart(4, '0')}`;
     else out += s[i];
   }
-  return out + '"';
+  return `${out}"`;
 }
 
 /** vLLM's hash_factors: sha256(json.dumps(factors, sort_keys=True)).hexdigest(). */

@@ -8,10 +8,18 @@
 import * as http from 'node:http';
 import * as https from 'node:https';
 import type { AddressInfo } from 'node:net';
-import { HandshakeError, HandshakePayload, NixlAgentMetadata, decodeAgentMetadata } from './codec';
+import { HandshakeError, type HandshakePayload, type NixlAgentMetadata, decodeAgentMetadata } from './codec';
 import {
-  DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE, FetchOptions, FetchResult, HandshakeServer, HandshakeStrategy, ServeOptions,
-  checkRank, defaultLogger, defaultTimeoutMs,
+  DEFAULT_MAX_REQUEST,
+  DEFAULT_MAX_RESPONSE,
+  type FetchOptions,
+  type FetchResult,
+  type HandshakeServer,
+  type HandshakeStrategy,
+  type ServeOptions,
+  checkRank,
+  defaultLogger,
+  defaultTimeoutMs,
 } from './types';
 
 const PATH = '/get_kv_connector_metadata';
@@ -20,7 +28,9 @@ function metadataToJson(m: NixlAgentMetadata): Record<string, unknown> {
   return {
     engine_id: m.engineId,
     agent_metadata: m.agentMetadata.toString('base64'),
-    kv_caches_base_addr: m.kvCachesBaseAddr.map((a) => (a <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(a) : a.toString())),
+    kv_caches_base_addr: m.kvCachesBaseAddr.map((a) =>
+      a <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(a) : a.toString(),
+    ),
     device_id: m.deviceId,
     num_blocks: m.numBlocks,
     block_lens: m.blockLens,
@@ -35,14 +45,16 @@ function jsonToMetadata(o: unknown): NixlAgentMetadata {
   };
   if (typeof o !== 'object' || o === null) bad('agent_metadata must be an object');
   const r = o as Record<string, unknown>;
-  const uint = (v: unknown, k: string): number => (Number.isSafeInteger(v) && (v as number) >= 0 ? (v as number) : bad(`${k} must be an unsigned integer`));
+  const uint = (v: unknown, k: string): number =>
+    Number.isSafeInteger(v) && (v as number) >= 0 ? (v as number) : bad(`${k} must be an unsigned integer`);
   const addr = (v: unknown): bigint => {
     if (typeof v === 'number' && Number.isSafeInteger(v) && v >= 0) return BigInt(v);
     if (typeof v === 'string' && /^\d{1,20}$/.test(v) && BigInt(v) < 1n << 64n) return BigInt(v);
     return bad('kv_caches_base_addr entries must be unsigned integers');
   };
   if (typeof r.engine_id !== 'string') bad('engine_id must be a string');
-  if (typeof r.agent_metadata !== 'string' || !/^[A-Za-z0-9+/]*={0,2}$/.test(r.agent_metadata)) bad('agent_metadata must be base64');
+  if (typeof r.agent_metadata !== 'string' || !/^[A-Za-z0-9+/]*={0,2}$/.test(r.agent_metadata))
+    bad('agent_metadata must be base64');
   if (!Array.isArray(r.kv_caches_base_addr)) bad('kv_caches_base_addr must be a list');
   if (!Array.isArray(r.block_lens)) bad('block_lens must be a list');
   if (r.kv_cache_layout !== 'HND' && r.kv_cache_layout !== 'NHD') bad("kv_cache_layout must be 'HND' or 'NHD'");
@@ -79,14 +91,17 @@ class HttpServer implements HandshakeServer {
     };
     const handler = (req: http.IncomingMessage, res: http.ServerResponse) => this.#handle(req, res);
     this.#server = opts.tls
-      ? https.createServer({
-        ...common,
-        cert: opts.tls.cert,
-        key: opts.tls.key,
-        ca: opts.tls.clientCa,
-        requestCert: opts.tls.clientCa !== undefined,
-        rejectUnauthorized: opts.tls.clientCa !== undefined,
-      }, handler)
+      ? https.createServer(
+          {
+            ...common,
+            cert: opts.tls.cert,
+            key: opts.tls.key,
+            ca: opts.tls.clientCa,
+            requestCert: opts.tls.clientCa !== undefined,
+            rejectUnauthorized: opts.tls.clientCa !== undefined,
+          },
+          handler,
+        )
       : http.createServer(common, handler);
     // Garbage on the socket: answer 400 if we still can, never throw.
     this.#server.on('clientError', (err, socket) => {
@@ -104,7 +119,13 @@ class HttpServer implements HandshakeServer {
   async listen(): Promise<this> {
     const host = this.opts.host ?? '127.0.0.1';
     await new Promise<void>((resolve, reject) => {
-      this.#server.once('error', (e) => reject(new HandshakeError(`cannot listen on ${host}:${this.opts.port}: ${e.message}`, 'NIXL_ERR_BACKEND', { cause: e })));
+      this.#server.once('error', (e) =>
+        reject(
+          new HandshakeError(`cannot listen on ${host}:${this.opts.port}: ${e.message}`, 'NIXL_ERR_BACKEND', {
+            cause: e,
+          }),
+        ),
+      );
       this.#server.listen(this.opts.port, host, () => resolve());
     });
     const a = this.#server.address() as AddressInfo;
@@ -126,27 +147,57 @@ class HttpServer implements HandshakeServer {
       if (status >= 400) this.stats.refused++;
       else this.stats.served++;
       const text = JSON.stringify(body);
-      res.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text), ...extra });
+      res.writeHead(status, {
+        'content-type': 'application/json',
+        'content-length': Buffer.byteLength(text),
+        ...extra,
+      });
       res.end(text);
     };
     if (this.opts.bearerToken !== undefined && req.headers.authorization !== `Bearer ${this.opts.bearerToken}`) {
-      return send(401, { detail: 'missing or wrong bearer token' }, { 'www-authenticate': 'Bearer' });
+      send(401, { detail: 'missing or wrong bearer token' }, { 'www-authenticate': 'Bearer' });
+      return;
     }
-    if (req.method !== 'GET') return send(405, { detail: 'only GET is served' }, { allow: 'GET' });
+    if (req.method !== 'GET') {
+      send(405, { detail: 'only GET is served' }, { allow: 'GET' });
+      return;
+    }
     const len = Number(req.headers['content-length'] ?? 0);
-    if (len > 0 || req.headers['transfer-encoding']) return send(413, { detail: 'requests carry no body' }, { connection: 'close' });
+    if (len > 0 || req.headers['transfer-encoding']) {
+      send(413, { detail: 'requests carry no body' }, { connection: 'close' });
+      return;
+    }
     const url = (req.url ?? '').split('?')[0];
-    if (url !== PATH && !url.startsWith(`${PATH}/`)) return send(404, { detail: `no route ${url.slice(0, 100)}; try ${PATH}[/{dp_rank}[/{tp_rank}]]` });
+    if (url !== PATH && !url.startsWith(`${PATH}/`)) {
+      send(404, { detail: `no route ${url.slice(0, 100)}; try ${PATH}[/{dp_rank}[/{tp_rank}]]` });
+      return;
+    }
     const parts = url.slice(PATH.length).split('/').filter(Boolean);
-    if (parts.length > 2 || !parts.every((p) => /^\d{1,5}$/.test(p))) return send(404, { detail: 'ranks must be non-negative integers' });
+    if (parts.length > 2 || !parts.every((p) => /^\d{1,5}$/.test(p))) {
+      send(404, { detail: 'ranks must be non-negative integers' });
+      return;
+    }
     const [dp, tp] = parts.map(Number);
     const all = Object.fromEntries([...this.#ranks].map(([r, v]) => [String(r), v]));
-    if (dp === undefined) return send(200, { [String(this.dpRank)]: all });
-    if (dp !== this.dpRank) return send(404, { detail: `dp_rank ${dp} is not served here (this side channel serves dp_rank ${this.dpRank})` });
-    if (tp === undefined) return send(200, all);
+    if (dp === undefined) {
+      send(200, { [String(this.dpRank)]: all });
+      return;
+    }
+    if (dp !== this.dpRank) {
+      send(404, { detail: `dp_rank ${dp} is not served here (this side channel serves dp_rank ${this.dpRank})` });
+      return;
+    }
+    if (tp === undefined) {
+      send(200, all);
+      return;
+    }
     const entry = this.#ranks.get(tp);
-    if (!entry) return send(404, { detail: `no metadata for tp_rank ${tp} (serving ranks ${[...this.#ranks.keys()].join(', ')})` });
-    return send(200, entry);
+    if (!entry) {
+      send(404, { detail: `no metadata for tp_rank ${tp} (serving ranks ${[...this.#ranks.keys()].join(', ')})` });
+      return;
+    }
+    send(200, entry);
+    return;
   }
 
   close(): Promise<void> {
@@ -172,7 +223,8 @@ export class HttpHandshake implements HandshakeStrategy {
   async fetch(opts: FetchOptions): Promise<FetchResult> {
     const timeoutMs = opts.timeoutMs ?? defaultTimeoutMs();
     const attempts = 1 + (opts.retries ?? 2);
-    const url = `${opts.tls ? 'https' : 'http'}://${opts.host.includes(':') ? `[${opts.host}]` : opts.host}:${opts.port}` +
+    const url =
+      `${opts.tls ? 'https' : 'http'}://${opts.host.includes(':') ? `[${opts.host}]` : opts.host}:${opts.port}` +
       `${PATH}/${checkRank('dpRank', opts.dpRank)}/${checkRank('tpRank', opts.tpRank)}`;
     let last: unknown;
     for (let i = 0; i < attempts; i++) {
@@ -185,19 +237,28 @@ export class HttpHandshake implements HandshakeStrategy {
           throw new HandshakeError(`${url}: answer has no compatibility_hash`);
         }
         if (opts.expectedHash !== undefined && entry.compatibility_hash !== opts.expectedHash) {
-          throw new HandshakeError(`compatibility hash mismatch: remote ${entry.compatibility_hash}, local ${opts.expectedHash}`, 'NIXL_ERR_MISMATCH');
+          throw new HandshakeError(
+            `compatibility hash mismatch: remote ${entry.compatibility_hash}, local ${opts.expectedHash}`,
+            'NIXL_ERR_MISMATCH',
+          );
         }
         return { compatibilityHash: entry.compatibility_hash, metadata: jsonToMetadata(entry.agent_metadata), rttMs };
       } catch (e) {
         // A clear answer (404, mismatch, bad body, auth) is final; transport trouble is retried.
-        if (e instanceof HandshakeError && e.code !== 'NIXL_ERR_TIMEOUT' && e.code !== 'NIXL_ERR_REMOTE_DISCONNECT') throw e;
+        if (e instanceof HandshakeError && e.code !== 'NIXL_ERR_TIMEOUT' && e.code !== 'NIXL_ERR_REMOTE_DISCONNECT')
+          throw e;
         last = e;
         if (opts.signal?.aborted) break;
         if (i + 1 < attempts) await new Promise((r) => setTimeout(r, Math.min(1000, 50 * 2 ** i)));
       }
     }
-    if (opts.signal?.aborted) throw new HandshakeError(`handshake with ${url} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal.reason });
-    throw new HandshakeError(`no answer from ${url} after ${attempts} attempt(s): ${(last as Error)?.message}`, 'NIXL_ERR_TIMEOUT', { cause: last });
+    if (opts.signal?.aborted)
+      throw new HandshakeError(`handshake with ${url} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal.reason });
+    throw new HandshakeError(
+      `no answer from ${url} after ${attempts} attempt(s): ${(last as Error)?.message}`,
+      'NIXL_ERR_TIMEOUT',
+      { cause: last },
+    );
   }
 
   #agentFor(opts: FetchOptions): http.Agent | https.Agent | false {
@@ -206,7 +267,14 @@ export class HttpHandshake implements HandshakeStrategy {
     const key = JSON.stringify([opts.tls.ca?.toString(), opts.tls.cert?.toString(), opts.tls.servername]);
     let a = this.#httpsAgents.get(key);
     if (!a) {
-      a = new https.Agent({ keepAlive: true, maxSockets: 16, ca: opts.tls.ca, cert: opts.tls.cert, key: opts.tls.key, servername: opts.tls.servername });
+      a = new https.Agent({
+        keepAlive: true,
+        maxSockets: 16,
+        ca: opts.tls.ca,
+        cert: opts.tls.cert,
+        key: opts.tls.key,
+        servername: opts.tls.servername,
+      });
       this.#httpsAgents.set(key, a);
     }
     return a;
@@ -217,44 +285,60 @@ export class HttpHandshake implements HandshakeStrategy {
     const mod = opts.tls ? https : http;
     return new Promise((resolve, reject) => {
       const signals = [AbortSignal.timeout(timeoutMs), ...(opts.signal ? [opts.signal] : [])];
-      const req = mod.request(url, {
-        method: 'GET',
-        agent: this.#agentFor(opts),
-        signal: AbortSignal.any(signals),
-        headers: opts.bearerToken ? { authorization: `Bearer ${opts.bearerToken}` } : {},
-        ...(opts.tls && !this.keepAlive ? { ca: opts.tls.ca, cert: opts.tls.cert, key: opts.tls.key, servername: opts.tls.servername } : {}),
-      }, (res) => {
-        const chunks: Buffer[] = [];
-        let size = 0;
-        res.on('data', (c: Buffer) => {
-          size += c.length;
-          if (size > max) {
-            req.destroy(new HandshakeError(`${url}: answer larger than ${max} bytes`));
-            return;
-          }
-          chunks.push(c);
-        });
-        res.on('error', (e) => reject(e));
-        res.on('end', () => {
-          const text = Buffer.concat(chunks).toString('utf8');
-          let body: unknown;
-          try {
-            body = JSON.parse(text);
-          } catch {
-            return reject(new HandshakeError(`${url}: HTTP ${res.statusCode}, not JSON`));
-          }
-          if (res.statusCode !== 200) {
-            const detail = (body as { detail?: unknown })?.detail;
-            return reject(new HandshakeError(`${url}: HTTP ${res.statusCode}: ${typeof detail === 'string' ? detail : text.slice(0, 200)}`, 'NIXL_ERR_NOT_FOUND'));
-          }
-          resolve(body);
-        });
-      });
+      const req = mod.request(
+        url,
+        {
+          method: 'GET',
+          agent: this.#agentFor(opts),
+          signal: AbortSignal.any(signals),
+          headers: opts.bearerToken ? { authorization: `Bearer ${opts.bearerToken}` } : {},
+          ...(opts.tls && !this.keepAlive
+            ? { ca: opts.tls.ca, cert: opts.tls.cert, key: opts.tls.key, servername: opts.tls.servername }
+            : {}),
+        },
+        (res) => {
+          const chunks: Buffer[] = [];
+          let size = 0;
+          res.on('data', (c: Buffer) => {
+            size += c.length;
+            if (size > max) {
+              req.destroy(new HandshakeError(`${url}: answer larger than ${max} bytes`));
+              return;
+            }
+            chunks.push(c);
+          });
+          res.on('error', (e) => reject(e));
+          res.on('end', () => {
+            const text = Buffer.concat(chunks).toString('utf8');
+            let body: unknown;
+            try {
+              body = JSON.parse(text);
+            } catch {
+              return reject(new HandshakeError(`${url}: HTTP ${res.statusCode}, not JSON`));
+            }
+            if (res.statusCode !== 200) {
+              const detail = (body as { detail?: unknown })?.detail;
+              return reject(
+                new HandshakeError(
+                  `${url}: HTTP ${res.statusCode}: ${typeof detail === 'string' ? detail : text.slice(0, 200)}`,
+                  'NIXL_ERR_NOT_FOUND',
+                ),
+              );
+            }
+            resolve(body);
+          });
+        },
+      );
       req.on('error', (e) => {
         if (e instanceof HandshakeError) return reject(e);
         const timedOut = e.name === 'AbortError' || e.name === 'TimeoutError';
-        reject(new HandshakeError(`${url}: ${timedOut ? `no answer within ${timeoutMs} ms` : e.message}`,
-          timedOut ? 'NIXL_ERR_TIMEOUT' : 'NIXL_ERR_REMOTE_DISCONNECT', { cause: e }));
+        reject(
+          new HandshakeError(
+            `${url}: ${timedOut ? `no answer within ${timeoutMs} ms` : e.message}`,
+            timedOut ? 'NIXL_ERR_TIMEOUT' : 'NIXL_ERR_REMOTE_DISCONNECT',
+            { cause: e },
+          ),
+        );
       });
       req.end();
     });

@@ -1,6 +1,6 @@
 // Picks a handshake strategy: option, else NIXL_HANDSHAKE_METHOD (zmq|http), else zmq.
 import { HttpHandshake } from './http';
-import { HandshakeMethod, HandshakeStrategy } from './types';
+import type { HandshakeMethod, HandshakeStrategy } from './types';
 import { zmqHandshake } from './zmq';
 
 export function createHandshake(method?: HandshakeMethod, opts: { keepAlive?: boolean } = {}): HandshakeStrategy {

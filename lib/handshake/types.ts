@@ -111,6 +111,7 @@ export function defaultTimeoutMs(): number {
 
 export function checkRank(name: string, v: number | undefined): number {
   const r = v ?? 0;
-  if (!Number.isInteger(r) || r < 0 || r > 65535) throw new RangeError(`${name} must be an integer in 0..65535, got ${v}`);
+  if (!Number.isInteger(r) || r < 0 || r > 65535)
+    throw new RangeError(`${name} must be an integer in 0..65535, got ${v}`);
   return r;
 }

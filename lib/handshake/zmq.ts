@@ -3,12 +3,26 @@
 // REQ clients with a timeout and retries.
 import * as zmq from 'zeromq';
 import {
-  HandshakeError, HandshakePayload, decodeHandshakePayload, decodeMetaRequest, encodeHandshakePayload, encodeMetaRequest,
-  openHandshakePayload, packMsgpack,
+  HandshakeError,
+  type HandshakePayload,
+  decodeHandshakePayload,
+  decodeMetaRequest,
+  encodeHandshakePayload,
+  encodeMetaRequest,
+  openHandshakePayload,
+  packMsgpack,
 } from './codec';
 import {
-  DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE, FetchOptions, FetchResult, HandshakeServer, HandshakeStrategy, ServeOptions,
-  checkRank, defaultLogger, defaultTimeoutMs,
+  DEFAULT_MAX_REQUEST,
+  DEFAULT_MAX_RESPONSE,
+  type FetchOptions,
+  type FetchResult,
+  type HandshakeServer,
+  type HandshakeStrategy,
+  type ServeOptions,
+  checkRank,
+  defaultLogger,
+  defaultTimeoutMs,
 } from './types';
 
 function errorFrame(message: string): Buffer {
@@ -32,21 +46,33 @@ class ZmqServer implements HandshakeServer {
   #closed = false;
   #loop: Promise<void> = Promise.resolve();
 
-  private constructor(readonly host: string, readonly port: number, readonly basePort: number, readonly dpRank: number,
-                      private readonly sock: zmq.Router, private readonly opts: ServeOptions) {
+  private constructor(
+    readonly host: string,
+    readonly port: number,
+    readonly basePort: number,
+    readonly dpRank: number,
+    private readonly sock: zmq.Router,
+    private readonly opts: ServeOptions,
+  ) {
     for (const [r, p] of opts.payloads) this.setPayload(r, p);
   }
 
   static async start(opts: ServeOptions): Promise<ZmqServer> {
     const host = opts.host ?? '127.0.0.1';
     const dp = checkRank('dpRank', opts.dpRank);
-    const sock = new zmq.Router({ linger: 0, maxMessageSize: opts.maxRequestBytes ?? DEFAULT_MAX_REQUEST, sendTimeout: 1000 });
+    const sock = new zmq.Router({
+      linger: 0,
+      maxMessageSize: opts.maxRequestBytes ?? DEFAULT_MAX_REQUEST,
+      sendTimeout: 1000,
+    });
     const want = opts.port === 0 ? '*' : opts.port + dp;
     try {
       await sock.bind(tcp(host, want));
     } catch (e) {
       sock.close();
-      throw new HandshakeError(`cannot listen on ${tcp(host, want)}: ${(e as Error).message}`, 'NIXL_ERR_BACKEND', { cause: e });
+      throw new HandshakeError(`cannot listen on ${tcp(host, want)}: ${(e as Error).message}`, 'NIXL_ERR_BACKEND', {
+        cause: e,
+      });
     }
     const port = endpointPort(sock.lastEndpoint);
     const s = new ZmqServer(host, port, opts.port === 0 ? port : opts.port, dp, sock, opts);
@@ -73,7 +99,8 @@ class ZmqServer implements HandshakeServer {
       if (frames.length < 2 || frames.length > 3 || (frames.length === 3 && frames[1].length !== 0)) {
         this.stats.refused++;
         log.warn(`ignored a message of ${frames.length} frames`);
-        if (frames.length >= 2) await this.#reply(frames[0], frames.length === 3, errorFrame('malformed request frames'));
+        if (frames.length >= 2)
+          await this.#reply(frames[0], frames.length === 3, errorFrame('malformed request frames'));
         continue;
       }
       const withDelimiter = frames.length === 3;
@@ -82,7 +109,10 @@ class ZmqServer implements HandshakeServer {
         const req = decodeMetaRequest(frames[frames.length - 1]);
         const rank = req.tpRank ?? this.opts.defaultTpRank ?? 0;
         const payload = this.#encoded.get(rank);
-        if (!payload) throw new HandshakeError(`no metadata for tp_rank ${rank} (serving ranks ${[...this.#encoded.keys()].join(', ')})`);
+        if (!payload)
+          throw new HandshakeError(
+            `no metadata for tp_rank ${rank} (serving ranks ${[...this.#encoded.keys()].join(', ')})`,
+          );
         answer = payload;
         this.stats.served++;
       } catch (e) {
@@ -140,7 +170,8 @@ export const zmqHandshake: HandshakeStrategy = {
     const where = tcp(opts.host, opts.port + (opts.dpRank ?? 0));
     let last: unknown;
     for (let i = 0; i < attempts; i++) {
-      if (opts.signal?.aborted) throw new HandshakeError(`handshake with ${where} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal.reason });
+      if (opts.signal?.aborted)
+        throw new HandshakeError(`handshake with ${where} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal.reason });
       const t0 = performance.now();
       let reply: Buffer;
       try {
@@ -151,11 +182,19 @@ export const zmqHandshake: HandshakeStrategy = {
         continue;
       }
       const payload = decodeHandshakePayload(reply);
-      return { compatibilityHash: payload.compatibilityHash, metadata: openHandshakePayload(payload, opts.expectedHash), rttMs: performance.now() - t0 };
+      return {
+        compatibilityHash: payload.compatibilityHash,
+        metadata: openHandshakePayload(payload, opts.expectedHash),
+        rttMs: performance.now() - t0,
+      };
     }
-    if (opts.signal?.aborted) throw new HandshakeError(`handshake with ${where} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal.reason });
-    throw new HandshakeError(`no answer from ${where} (tp_rank ${opts.tpRank}) after ${attempts} attempt(s) of ${timeoutMs} ms: ${(last as Error)?.message ?? 'timeout'}`,
-      'NIXL_ERR_TIMEOUT', { cause: last });
+    if (opts.signal?.aborted)
+      throw new HandshakeError(`handshake with ${where} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal.reason });
+    throw new HandshakeError(
+      `no answer from ${where} (tp_rank ${opts.tpRank}) after ${attempts} attempt(s) of ${timeoutMs} ms: ${(last as Error)?.message ?? 'timeout'}`,
+      'NIXL_ERR_TIMEOUT',
+      { cause: last },
+    );
   },
   close() {},
 };

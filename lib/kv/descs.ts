@@ -69,12 +69,22 @@ export interface CoalescedDescs {
  * whole block stride), else one per block. Returns undefined when nothing
  * would merge, so callers keep the prepped lists.
  */
-export function coalescedDescs(local: BlockSlices, remote: BlockSlices, localIds: ArrayLike<number>,
-                               remoteIds: ArrayLike<number>): CoalescedDescs | undefined {
+export function coalescedDescs(
+  local: BlockSlices,
+  remote: BlockSlices,
+  localIds: ArrayLike<number>,
+  remoteIds: ArrayLike<number>,
+): CoalescedDescs | undefined {
   const regions = local.baseAddrs.length;
   const runs = adjacentRuns(localIds, remoteIds);
-  const mergeable = Array.from({ length: regions }, (_, r) =>
-    local.offsets[r] === 0 && local.lens[r] === local.strides[r] && remote.offsets[r] === 0 && remote.lens[r] === remote.strides[r]);
+  const mergeable = Array.from(
+    { length: regions },
+    (_, r) =>
+      local.offsets[r] === 0 &&
+      local.lens[r] === local.strides[r] &&
+      remote.offsets[r] === 0 &&
+      remote.lens[r] === remote.strides[r],
+  );
   if (runs.length === localIds.length || !mergeable.some(Boolean)) return undefined;
   let count = 0;
   for (let r = 0; r < regions; r++) count += mergeable[r] ? runs.length : localIds.length;

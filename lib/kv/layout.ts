@@ -32,11 +32,13 @@ export function checkLayout(l: KvLayout): void {
   };
   if (!l.engineId) bad('engineId is empty');
   if (!Number.isInteger(l.tpSize) || l.tpSize < 1) bad('tpSize must be a positive integer');
-  if (!Number.isInteger(l.tpRank) || l.tpRank < 0 || l.tpRank >= l.tpSize) bad(`tpRank ${l.tpRank} is not in 0..${l.tpSize - 1}`);
+  if (!Number.isInteger(l.tpRank) || l.tpRank < 0 || l.tpRank >= l.tpSize)
+    bad(`tpRank ${l.tpRank} is not in 0..${l.tpSize - 1}`);
   if (!Number.isInteger(l.numBlocks) || l.numBlocks < 1) bad('numBlocks must be a positive integer');
   if (!Number.isInteger(l.blockSize) || l.blockSize < 1) bad('blockSize must be a positive integer');
   if (l.baseAddrs.length === 0) bad('no regions');
-  if (l.blockLens.length !== l.baseAddrs.length) bad(`${l.blockLens.length} block lens for ${l.baseAddrs.length} regions`);
+  if (l.blockLens.length !== l.baseAddrs.length)
+    bad(`${l.blockLens.length} block lens for ${l.baseAddrs.length} regions`);
   if (l.blockLens.some((b) => !Number.isInteger(b) || b < 1)) bad('block lens must be positive integers');
   if (!Number.isInteger(l.totalNumKvHeads) || l.totalNumKvHeads < 1) bad('totalNumKvHeads must be a positive integer');
   if (l.kvCacheLayout !== 'HND' && l.kvCacheLayout !== 'NHD') bad("kvCacheLayout must be 'HND' or 'NHD'");

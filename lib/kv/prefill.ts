@@ -4,7 +4,13 @@
 import type { NixlAgent, Notif } from '../agent';
 import { createHandshake } from '../handshake';
 import { encodeAgentMetadata } from '../handshake/codec';
-import type { HandshakeLogger, HandshakeMethod, HandshakeServer, HandshakeStrategy, TlsServerOptions } from '../handshake/types';
+import type {
+  HandshakeLogger,
+  HandshakeMethod,
+  HandshakeServer,
+  HandshakeStrategy,
+  TlsServerOptions,
+} from '../handshake/types';
 import { defaultLogger } from '../handshake/types';
 import { toAgentMetadata, type KvLayout } from './layout';
 import { consumersPerProducer } from './tp';
@@ -29,11 +35,24 @@ export interface ServePrefillOptions {
 /** Serves the payload of every given rank (re-call setPayload after registering more memory). */
 export async function servePrefill(o: ServePrefillOptions): Promise<HandshakeServer> {
   const hs = typeof o.handshake === 'object' ? o.handshake : createHandshake(o.handshake);
-  const payloads = new Map(o.ranks.map(({ agent, layout }) => [layout.tpRank, {
-    compatibilityHash: o.compatibilityHash,
-    agentMetadataBytes: encodeAgentMetadata(toAgentMetadata(layout, agent.getAgentMetadata())),
-  }]));
-  return hs.serve({ host: o.host, port: o.port, dpRank: o.dpRank, payloads, tls: o.tls, bearerToken: o.bearerToken, logger: o.logger });
+  const payloads = new Map(
+    o.ranks.map(({ agent, layout }) => [
+      layout.tpRank,
+      {
+        compatibilityHash: o.compatibilityHash,
+        agentMetadataBytes: encodeAgentMetadata(toAgentMetadata(layout, agent.getAgentMetadata())),
+      },
+    ]),
+  );
+  return hs.serve({
+    host: o.host,
+    port: o.port,
+    dpRank: o.dpRank,
+    payloads,
+    tls: o.tls,
+    bearerToken: o.bearerToken,
+    logger: o.logger,
+  });
 }
 
 const KV_NOTIF = /^(.+):(\d+)$/;
@@ -101,7 +120,9 @@ export class PrefillTracker {
       while (!this.#abort.signal.aborted) {
         let n: Notif;
         try {
-          n = await this.#o.agent.waitForNotif((x) => KV_NOTIF.test(x.msg.toString('utf8')), { signal: this.#abort.signal });
+          n = await this.#o.agent.waitForNotif((x) => KV_NOTIF.test(x.msg.toString('utf8')), {
+            signal: this.#abort.signal,
+          });
         } catch {
           return; // closed
         }

@@ -7,10 +7,10 @@ import { NixlError } from '../errors';
 import { createHandshake } from '../handshake';
 import type { HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../handshake/types';
 import type { NixlAgentMetadata } from '../handshake/codec';
-import { BlockSlices, allBlockDescs, blockDescIds, coalescedDescs } from './descs';
+import { type BlockSlices, allBlockDescs, blockDescIds, coalescedDescs } from './descs';
 import { checkLayout, type KvLayout } from './layout';
 import { KvStats } from './stats';
-import { ReadPlan, RankRead, planReads, targetRemoteRanks } from './tp';
+import { type ReadPlan, type RankRead, planReads, targetRemoteRanks } from './tp';
 
 export interface RemoteEndpoint {
   host: string;
@@ -24,8 +24,14 @@ export type PullFailure = 'handshake' | 'setup' | 'transfer' | 'timeout' | 'peer
 
 /** A failed pull: the local blocks named here hold no valid KV and must be recomputed. */
 export class PullError extends NixlError {
-  constructor(message: string, code: string, readonly kind: PullFailure, readonly requestId: string,
-              readonly localBlockIds: number[], cause?: unknown) {
+  constructor(
+    message: string,
+    code: string,
+    readonly kind: PullFailure,
+    readonly requestId: string,
+    readonly localBlockIds: number[],
+    cause?: unknown,
+  ) {
     super(message, code, undefined, { cause });
     this.name = 'PullError';
   }
@@ -146,17 +152,30 @@ export class KvPuller {
   async #connect(key: string, ep: RemoteEndpoint): Promise<RemoteEngine> {
     const t0 = performance.now();
     const wanted = targetRemoteRanks(this.#layout.tpSize, this.#layout.tpRank, ep.tpSize);
-    const fetched = await Promise.all(wanted.map((tpRank) => this.#hs.fetch({
-      host: ep.host, port: ep.port, dpRank: ep.dpRank, tpRank, expectedHash: this.#opts.expectedHash,
-      timeoutMs: this.#opts.handshakeTimeoutMs, tls: this.#opts.tls, bearerToken: this.#opts.bearerToken,
-    })));
+    const fetched = await Promise.all(
+      wanted.map((tpRank) =>
+        this.#hs.fetch({
+          host: ep.host,
+          port: ep.port,
+          dpRank: ep.dpRank,
+          tpRank,
+          expectedHash: this.#opts.expectedHash,
+          timeoutMs: this.#opts.handshakeTimeoutMs,
+          tls: this.#opts.tls,
+          bearerToken: this.#opts.bearerToken,
+        }),
+      ),
+    );
     const metas = fetched.map((f) => f.metadata);
     // Every rank must agree with us (and with each other) before anything is registered.
     const plan = planReads(this.#layout, ep.tpSize, metas[0]);
     for (const m of metas.slice(1)) {
       planReads(this.#layout, ep.tpSize, m);
       if (m.engineId !== metas[0].engineId || m.numBlocks !== metas[0].numBlocks) {
-        throw new NixlError(`remote ranks disagree on engine id or num_blocks (${metas[0].engineId}/${metas[0].numBlocks} vs ${m.engineId}/${m.numBlocks})`, 'NIXL_ERR_MISMATCH');
+        throw new NixlError(
+          `remote ranks disagree on engine id or num_blocks (${metas[0].engineId}/${metas[0].numBlocks} vs ${m.engineId}/${m.numBlocks})`,
+          'NIXL_ERR_MISMATCH',
+        );
       }
     }
     const ranks = new Map<number, RemoteRank>();
@@ -169,11 +188,18 @@ export class KvPuller {
         const read = plan.reads[i];
         const local = this.#localSlices(read);
         const remote: BlockSlices = {
-          baseAddrs: meta.kvCachesBaseAddr, strides: meta.blockLens, offsets: read.remoteOffset, lens: local.lens, devId: meta.deviceId,
+          baseAddrs: meta.kvCachesBaseAddr,
+          strides: meta.blockLens,
+          offsets: read.remoteOffset,
+          lens: local.lens,
+          devId: meta.deviceId,
         };
         const agentName = this.#agent.addRemoteAgent(meta.agentMetadata);
         added.push(agentName);
-        const dlist = this.#agent.prepXferDlist(agentName, new DescList(allBlockDescs(remote, meta.numBlocks), this.#layout.memType ?? 'DRAM'));
+        const dlist = this.#agent.prepXferDlist(
+          agentName,
+          new DescList(allBlockDescs(remote, meta.numBlocks), this.#layout.memType ?? 'DRAM'),
+        );
         dlists.push(dlist);
         const r = { rank, agentName, meta, dlist };
         ranks.set(rank, r);
@@ -188,26 +214,48 @@ export class KvPuller {
       if (typeof e === 'object' && e !== null) setupErrors.add(e);
       throw e;
     }
-    return { key, engineId: metas[0].engineId, plan, ranks, reads, numBlocks: metas[0].numBlocks, handshakeMs: performance.now() - t0, dropped: false };
+    return {
+      key,
+      engineId: metas[0].engineId,
+      plan,
+      ranks,
+      reads,
+      numBlocks: metas[0].numBlocks,
+      handshakeMs: performance.now() - t0,
+      dropped: false,
+    };
   }
 
   #localSlices(read: RankRead): BlockSlices {
     const l = this.#layout;
-    return { baseAddrs: l.baseAddrs, strides: l.blockLens, offsets: read.local.map((s) => s.offset), lens: read.local.map((s) => s.len), devId: l.deviceId ?? 0 };
+    return {
+      baseAddrs: l.baseAddrs,
+      strides: l.blockLens,
+      offsets: read.local.map((s) => s.offset),
+      lens: read.local.map((s) => s.len),
+      devId: l.deviceId ?? 0,
+    };
   }
 
   #localDlist(read: RankRead): DlistHandle {
     const key = read.local.map((s) => `${s.offset}+${s.len}`).join(',');
     let d = this.#localDlists.get(key);
     if (!d) {
-      d = this.#agent.prepXferDlist('', new DescList(allBlockDescs(this.#localSlices(read), this.#layout.numBlocks), this.#layout.memType ?? 'DRAM'));
+      d = this.#agent.prepXferDlist(
+        '',
+        new DescList(allBlockDescs(this.#localSlices(read), this.#layout.numBlocks), this.#layout.memType ?? 'DRAM'),
+      );
       this.#localDlists.set(key, d);
     }
     return d;
   }
 
   #quietly(f: () => void): void {
-    try { f(); } catch { /* already gone, or the agent is closed */ }
+    try {
+      f();
+    } catch {
+      /* already gone, or the agent is closed */
+    }
   }
 
   /**
@@ -258,15 +306,23 @@ export class KvPuller {
     const fail = (kind: PullFailure, e: unknown): PullError => {
       if (e instanceof PullError) return e;
       const err = e as NixlError;
-      return new PullError(`pull of request '${opts.requestId}' failed (${kind}): ${err?.message ?? e}`,
-        err?.code ?? 'NIXL_ERR_UNKNOWN', kind, opts.requestId, localIds, e);
+      return new PullError(
+        `pull of request '${opts.requestId}' failed (${kind}): ${err?.message ?? e}`,
+        err?.code ?? 'NIXL_ERR_UNKNOWN',
+        kind,
+        opts.requestId,
+        localIds,
+        e,
+      );
     };
     if (this.#closed) throw fail('setup', new NixlError('puller is closed', 'NIXL_ERR_NOT_ALLOWED'));
     let remoteIds = Array.from(opts.remoteBlockIds);
     const bad = (m: string) => fail('setup', new NixlError(m, 'NIXL_ERR_INVALID_PARAM'));
-    if (localIds.length > remoteIds.length) throw bad(`${localIds.length} local blocks but only ${remoteIds.length} remote blocks`);
+    if (localIds.length > remoteIds.length)
+      throw bad(`${localIds.length} local blocks but only ${remoteIds.length} remote blocks`);
     const nLocal = this.#layout.numBlocks;
-    if (localIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nLocal)) throw bad(`local block ids must be integers in 0..${nLocal - 1}`);
+    if (localIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nLocal))
+      throw bad(`local block ids must be integers in 0..${nLocal - 1}`);
     // Partial prefix hit: only the last blocks are missing here.
     if (localIds.length < remoteIds.length) remoteIds = remoteIds.slice(remoteIds.length - localIds.length);
 
@@ -284,13 +340,22 @@ export class KvPuller {
       engine = await connecting;
       stage = 'setup';
       const nRemote = engine.numBlocks;
-      if (remoteIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nRemote)) throw bad(`remote block ids must be integers in 0..${nRemote - 1}`);
+      if (remoteIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nRemote))
+        throw bad(`remote block ids must be integers in 0..${nRemote - 1}`);
       const notif = `${opts.requestId}:${this.#layout.tpSize}`;
       const t0 = performance.now();
       if (localIds.length === 0) {
         // Full prefix hit: nothing to read, but the prefill side must free its blocks.
         for (const r of engine.ranks.values()) this.#notify(r.agentName, notif);
-        return { requestId: opts.requestId, bytes: 0, descriptors: 0, postMs: 0, transferMs: 0, remoteRanks: [...engine.ranks.keys()], coalesced: false };
+        return {
+          requestId: opts.requestId,
+          bytes: 0,
+          descriptors: 0,
+          postMs: 0,
+          transferMs: 0,
+          remoteRanks: [...engine.ranks.keys()],
+          coalesced: false,
+        };
       }
       const regions = this.#layout.baseAddrs.length;
       let bytes = 0;
@@ -303,12 +368,24 @@ export class KvPuller {
         const merged = wantCoalesce ? coalescedDescs(p.local, p.remote, localIds, remoteIds) : undefined;
         let h: XferHandle;
         if (merged) {
-          h = this.#agent.initializeXfer('READ', new DescList(merged.local, mt), new DescList(merged.remote, mt), p.rank.agentName, notif);
+          h = this.#agent.initializeXfer(
+            'READ',
+            new DescList(merged.local, mt),
+            new DescList(merged.remote, mt),
+            p.rank.agentName,
+            notif,
+          );
           descriptors += merged.count;
           coalesced = true;
         } else {
-          h = this.#agent.makePreppedXfer('READ', this.#localDlist(p.read), blockDescIds(regions, this.#layout.numBlocks, localIds),
-            p.rank.dlist, blockDescIds(regions, nRemote, remoteIds), notif);
+          h = this.#agent.makePreppedXfer(
+            'READ',
+            this.#localDlist(p.read),
+            blockDescIds(regions, this.#layout.numBlocks, localIds),
+            p.rank.dlist,
+            blockDescIds(regions, nRemote, remoteIds),
+            notif,
+          );
           descriptors += regions * localIds.length;
         }
         handles.push(h);
@@ -322,7 +399,15 @@ export class KvPuller {
       await Promise.all(handles.map((h) => this.#agent.wait(h, { timeoutMs: opts.timeoutMs, signal: opts.signal })));
       const transferMs = performance.now() - t0;
       this.stats.recordTransfer(bytes, descriptors, postMs, transferMs);
-      return { requestId: opts.requestId, bytes, descriptors, postMs, transferMs, remoteRanks: engine.plan.reads.map((x) => x.remoteRank), coalesced };
+      return {
+        requestId: opts.requestId,
+        bytes,
+        descriptors,
+        postMs,
+        transferMs,
+        remoteRanks: engine.plan.reads.map((x) => x.remoteRank),
+        coalesced,
+      };
     } catch (e) {
       this.stats.recordFailedTransfer();
       const code = (e as NixlError)?.code;
@@ -335,7 +420,11 @@ export class KvPuller {
       throw fail(kind, e);
     } finally {
       for (const h of handles) {
-        try { this.#agent.releaseXferHandle(h); } catch { /* agent closed */ }
+        try {
+          this.#agent.releaseXferHandle(h);
+        } catch {
+          /* agent closed */
+        }
         this.#xfers--;
       }
       this.#release();
@@ -358,7 +447,12 @@ export class KvPuller {
 
   /** What the puller holds right now (tests check nothing leaks). */
   resources(): { xferHandles: number; localDlists: number; engines: number; activePulls: number } {
-    return { xferHandles: this.#xfers, localDlists: this.#localDlists.size, engines: this.#engines.size, activePulls: this.#active };
+    return {
+      xferHandles: this.#xfers,
+      localDlists: this.#localDlists.size,
+      engines: this.#engines.size,
+      activePulls: this.#active,
+    };
   }
 
   async close(): Promise<void> {
@@ -369,7 +463,11 @@ export class KvPuller {
       if (engine) this.#forget(engine, p);
     }
     for (const d of this.#localDlists.values()) {
-      try { this.#agent.releaseDlistHandle(d); } catch { /* agent closed */ }
+      try {
+        this.#agent.releaseDlistHandle(d);
+      } catch {
+        /* agent closed */
+      }
     }
     this.#localDlists.clear();
     this.#hs.close();

@@ -78,16 +78,26 @@ export class KvStats {
 
   /** Prometheus text exposition; labels like { engine_id: 'decode-0' }. */
   prometheus(labels: Record<string, string> = {}): string {
-    const l = Object.entries(labels).map(([k, v]) => `${k}="${v.replace(/["\\\n]/g, '_')}"`).join(',');
-    const counter = (name: string, help: string, v: number) => [`# HELP ${name} ${help}`, `# TYPE ${name} counter`, `${name}{${l}} ${v}`];
-    return [
+    const l = Object.entries(labels)
+      .map(([k, v]) => `${k}="${v.replace(/["\\\n]/g, '_')}"`)
+      .join(',');
+    const counter = (name: string, help: string, v: number) => [
+      `# HELP ${name} ${help}`,
+      `# TYPE ${name} counter`,
+      `${name}{${l}} ${v}`,
+    ];
+    return `${[
       ...counter('nixl_node_transfers_total', 'KV block pulls completed', this.transfers),
       ...counter('nixl_node_failed_transfers_total', 'KV block pulls that failed', this.failedTransfers),
-      ...counter('nixl_node_failed_notifications_total', 'notifications that could not be sent', this.failedNotifications),
+      ...counter(
+        'nixl_node_failed_notifications_total',
+        'notifications that could not be sent',
+        this.failedNotifications,
+      ),
       ...counter('nixl_node_bytes_transferred_total', 'bytes pulled', this.bytesTransferred),
       ...counter('nixl_node_descriptors_total', 'descriptors posted', this.descriptors),
       ...this.#xfer.lines('nixl_node_transfer_seconds', 'time from post to completion', l),
       ...this.#post.lines('nixl_node_post_seconds', 'time to build and post the transfer', l),
-    ].join('\n') + '\n';
+    ].join('\n')}\n`;
   }
 }

@@ -21,10 +21,12 @@ export class KvLayoutError extends NixlError {
 
 export function tpRatio(localTp: number, remoteTp: number): number {
   if (localTp >= remoteTp) {
-    if (localTp % remoteTp !== 0) throw new KvLayoutError(`local TP ${localTp} is not a multiple of remote TP ${remoteTp}`);
+    if (localTp % remoteTp !== 0)
+      throw new KvLayoutError(`local TP ${localTp} is not a multiple of remote TP ${remoteTp}`);
     return localTp / remoteTp;
   }
-  if (remoteTp % localTp !== 0) throw new KvLayoutError(`remote TP ${remoteTp} is not a multiple of local TP ${localTp}`);
+  if (remoteTp % localTp !== 0)
+    throw new KvLayoutError(`remote TP ${remoteTp} is not a multiple of local TP ${localTp}`);
   return -(remoteTp / localTp);
 }
 
@@ -77,37 +79,58 @@ export function planReads(local: KvLayout, remoteTp: number, remote: NixlAgentMe
   const replicated = isMla || kvReplicated;
   const where = `remote engine '${remote.engineId}'`;
   if (ratio < 0 && kvReplicated && !isMla) {
-    throw new KvLayoutError(`${where}: remote TP ${remoteTp} > local TP ${local.tpSize} with a replicated KV cache (TP >= ${local.totalNumKvHeads} KV heads) is not supported`);
+    throw new KvLayoutError(
+      `${where}: remote TP ${remoteTp} > local TP ${local.tpSize} with a replicated KV cache (TP >= ${local.totalNumKvHeads} KV heads) is not supported`,
+    );
   }
   if (!isMla && remote.kvCacheLayout !== local.kvCacheLayout) {
-    throw new KvLayoutError(`${where}: KV cache layout ${remote.kvCacheLayout} differs from local ${local.kvCacheLayout}; heterogeneous TP needs the same layout (HND)`);
+    throw new KvLayoutError(
+      `${where}: KV cache layout ${remote.kvCacheLayout} differs from local ${local.kvCacheLayout}; heterogeneous TP needs the same layout (HND)`,
+    );
   }
   if (remote.blockSize !== local.blockSize) {
-    throw new KvLayoutError(`${where}: block size ${remote.blockSize} tokens differs from local ${local.blockSize}; different block sizes are not supported`);
+    throw new KvLayoutError(
+      `${where}: block size ${remote.blockSize} tokens differs from local ${local.blockSize}; different block sizes are not supported`,
+    );
   }
   if (remote.kvCachesBaseAddr.length !== local.baseAddrs.length) {
-    throw new KvLayoutError(`${where}: ${remote.kvCachesBaseAddr.length} KV regions, local has ${local.baseAddrs.length} (different model or layer count?)`);
+    throw new KvLayoutError(
+      `${where}: ${remote.kvCachesBaseAddr.length} KV regions, local has ${local.baseAddrs.length} (different model or layer count?)`,
+    );
   }
   if (remote.blockLens.length !== remote.kvCachesBaseAddr.length) {
-    throw new KvLayoutError(`${where}: ${remote.blockLens.length} block lens for ${remote.kvCachesBaseAddr.length} regions`);
+    throw new KvLayoutError(
+      `${where}: ${remote.blockLens.length} block lens for ${remote.kvCachesBaseAddr.length} regions`,
+    );
   }
   if (!replicated && Math.abs(ratio) !== 1 && local.kvCacheLayout !== 'HND') {
-    throw new KvLayoutError(`${where}: heterogeneous TP slices heads and needs the HND layout, not ${local.kvCacheLayout}`);
+    throw new KvLayoutError(
+      `${where}: heterogeneous TP slices heads and needs the HND layout, not ${local.kvCacheLayout}`,
+    );
   }
   if (replicated) {
     local.blockLens.forEach((l, i) => {
-      if (remote.blockLens[i] !== l) throw new KvLayoutError(`${where}: region ${i} block len ${remote.blockLens[i]} != local ${l}; KV cache sizes must match when replicated`);
+      if (remote.blockLens[i] !== l)
+        throw new KvLayoutError(
+          `${where}: region ${i} block len ${remote.blockLens[i]} != local ${l}; KV cache sizes must match when replicated`,
+        );
     });
   } else {
     const rb = remote.blockLens[0];
-    if (remote.blockLens.some((b) => b !== rb)) throw new KvLayoutError(`${where}: all remote regions must have the same block len`);
+    if (remote.blockLens.some((b) => b !== rb))
+      throw new KvLayoutError(`${where}: all remote regions must have the same block len`);
     const lb = local.blockLens[0];
-    if (local.blockLens.some((b) => b !== lb)) throw new KvLayoutError('local regions must all have the same block len');
+    if (local.blockLens.some((b) => b !== lb))
+      throw new KvLayoutError('local regions must all have the same block len');
     if (ratio > 0 && rb !== lb * ratio) {
-      throw new KvLayoutError(`${where}: remote block len ${rb} != local ${lb} x tp_ratio ${ratio} (remote cache must be [2, N, local_kv_heads*${ratio}, page, head_dim], same dtype)`);
+      throw new KvLayoutError(
+        `${where}: remote block len ${rb} != local ${lb} x tp_ratio ${ratio} (remote cache must be [2, N, local_kv_heads*${ratio}, page, head_dim], same dtype)`,
+      );
     }
     if (ratio < 0 && rb * -ratio !== lb) {
-      throw new KvLayoutError(`${where}: remote block len ${rb} != local ${lb} / ${-ratio} (remote cache must be [2, N, local_kv_heads/${-ratio}, page, head_dim], same dtype)`);
+      throw new KvLayoutError(
+        `${where}: remote block len ${rb} != local ${lb} / ${-ratio} (remote cache must be [2, N, local_kv_heads/${-ratio}, page, head_dim], same dtype)`,
+      );
     }
   }
 
@@ -117,9 +140,14 @@ export function planReads(local: KvLayout, remoteTp: number, remote: NixlAgentMe
     if (ratio < 0 && !isMla) {
       // Our block is |r| remote blocks side by side: chunk i from remote rank i.
       const chunk = local.blockLens.map((l) => l / -ratio);
-      return { remoteRank, local: chunk.map((len) => ({ offset: i * len, len })), remoteOffset: chunk.map(() => 0), notifyOnly: false };
+      return {
+        remoteRank,
+        local: chunk.map((len) => ({ offset: i * len, len })),
+        remoteOffset: chunk.map(() => 0),
+        notifyOnly: false,
+      };
     }
-    const rankOffset = indexesIntoRemote ? (local.tpRank % ratio) : 0;
+    const rankOffset = indexesIntoRemote ? local.tpRank % ratio : 0;
     return {
       remoteRank,
       local: local.blockLens.map((len) => ({ offset: 0, len })),

@@ -100,9 +100,12 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
       if (kind.empty()) kind = "loopback";
       EngineConfig cfg;
       cfg.backends = args::optStrings(env, o.Get("backends"), "options.backends");
-      cfg.progressThread = args::optBoolean(env, o.Get("progressThread"), "options.progressThread").value_or(cfg.progressThread);
-      cfg.captureTelemetry = args::optBoolean(env, o.Get("captureTelemetry"), "options.captureTelemetry").value_or(false);
-      cfg.progressDelayUs = args::optUint32(env, o.Get("progressDelayUs"), "options.progressDelayUs").value_or(cfg.progressDelayUs);
+      cfg.progressThread =
+          args::optBoolean(env, o.Get("progressThread"), "options.progressThread").value_or(cfg.progressThread);
+      cfg.captureTelemetry =
+          args::optBoolean(env, o.Get("captureTelemetry"), "options.captureTelemetry").value_or(false);
+      cfg.progressDelayUs =
+          args::optUint32(env, o.Get("progressDelayUs"), "options.progressDelayUs").value_or(cfg.progressDelayUs);
       cfg.listenPort = args::optPort(env, o.Get("listenPort"), "options.listenPort");
       cfg.testDelayUs = args::optUint32(env, o.Get("testDelayUs"), "options.testDelayUs").value_or(0);
       if (kind == "loopback") {
@@ -178,8 +181,10 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     bool want = inflight_ > 0 || notifWatch_.load();
     if (want == refd_) return;
     refd_ = want;
-    if (want) tsfn_.Ref(env);
-    else tsfn_.Unref(env);
+    if (want)
+      tsfn_.Ref(env);
+    else
+      tsfn_.Unref(env);
   }
 
   Engine& E(Napi::Env env) {
@@ -263,9 +268,9 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   // getLocalPartialMD(descs, memType, includeConnInfo, backends) -> Buffer
   Napi::Value GetLocalPartialMD(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    std::string md = E(env).getLocalPartialMD(args::descs(env, info[0], "getLocalPartialMD"), args::memType(env, info[1]),
-                                              args::boolean(env, info[2], "includeConnInfo"),
-                                              args::optStrings(env, info[3], "backends"));
+    std::string md = E(env).getLocalPartialMD(
+        args::descs(env, info[0], "getLocalPartialMD"), args::memType(env, info[1]),
+        args::boolean(env, info[2], "includeConnInfo"), args::optStrings(env, info[3], "backends"));
     return Napi::Buffer<char>::Copy(env, md.data(), md.size());
   }
 
@@ -298,9 +303,9 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   // checkRemoteMD(agent, descs, memType) -> boolean
   Napi::Value CheckRemoteMD(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    return Napi::Boolean::New(env, E(env).checkRemoteMD(args::string(env, info[0], "agent name"),
-                                                        args::descs(env, info[1], "checkRemoteMD"),
-                                                        args::memType(env, info[2])));
+    return Napi::Boolean::New(
+        env, E(env).checkRemoteMD(args::string(env, info[0], "agent name"), args::descs(env, info[1], "checkRemoteMD"),
+                                  args::memType(env, info[2])));
   }
 
   Napi::Value MakeConnection(const Napi::CallbackInfo& info) {
@@ -346,8 +351,9 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   // prepXferDlist(agent | "", descs, memType, backends) -> handle
   Napi::Value PrepXferDlist(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    Handle h = E(env).prepXferDlist(args::string(env, info[0], "agent name"), args::descs(env, info[1], "prepXferDlist"),
-                                    args::memType(env, info[2]), args::optStrings(env, info[3], "backends"));
+    Handle h =
+        E(env).prepXferDlist(args::string(env, info[0], "agent name"), args::descs(env, info[1], "prepXferDlist"),
+                             args::memType(env, info[2]), args::optStrings(env, info[3], "backends"));
     return Napi::Number::New(env, h);
   }
 

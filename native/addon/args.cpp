@@ -25,7 +25,8 @@ std::vector<Desc> descs(Napi::Env env, const Napi::Value& v, const char* what) {
   if (!v.IsTypedArray() || v.As<Napi::TypedArray>().TypedArrayType() != napi_biguint64_array)
     wrongType(env, what, "a BigUint64Array of [addr, len, devId] triples");
   auto a = v.As<Napi::BigUint64Array>();
-  if (a.ElementLength() % 3 != 0) invalidArg(env, std::string(what) + ": descriptor array length must be a multiple of 3");
+  if (a.ElementLength() % 3 != 0)
+    invalidArg(env, std::string(what) + ": descriptor array length must be a multiple of 3");
   std::vector<Desc> out(a.ElementLength() / 3);
   const uint64_t* p = a.Data();
   for (size_t i = 0; i < out.size(); ++i) {
@@ -38,7 +39,8 @@ std::vector<Desc> descs(Napi::Env env, const Napi::Value& v, const char* what) {
 }
 
 MemType memType(Napi::Env env, const Napi::Value& v) {
-  if (!isInteger(v, 0, static_cast<double>(MemType::FILE))) wrongType(env, "memory type", "an integer 0-4 (DRAM..FILE)");
+  if (!isInteger(v, 0, static_cast<double>(MemType::FILE)))
+    wrongType(env, "memory type", "an integer 0-4 (DRAM..FILE)");
   return static_cast<MemType>(v.As<Napi::Number>().Int32Value());
 }
 

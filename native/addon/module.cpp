@@ -27,9 +27,9 @@ Napi::Value Allocate(const Napi::CallbackInfo& info) {
   if (st != napi_ok) {
     napi_value pending;
     napi_get_and_clear_last_exception(env, &pending);  // Node's RangeError: ours says more
-    shm::release(p);  // no-op when Node's finalizer already ran
+    shm::release(p);                                   // no-op when Node's finalizer already ran
     invalidArg(env, "allocate(" + std::to_string(static_cast<uint64_t>(n)) +
-                                     "): larger than a Buffer can be in this Node (require('buffer').constants.MAX_LENGTH)");
+                        "): larger than a Buffer can be in this Node (require('buffer').constants.MAX_LENGTH)");
   }
   return Napi::Value(env, buf);
 }

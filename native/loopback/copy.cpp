@@ -40,8 +40,10 @@ int copyBytes(Request& req, std::string* err) {
     const Entry& l = req.local[i];
     const Entry& r = req.remote_[i];
     if (r.ptr) {
-      if (read) streamCopy(l.ptr, r.ptr, l.d.len);
-      else streamCopy(r.ptr, l.ptr, l.d.len);
+      if (read)
+        streamCopy(l.ptr, r.ptr, l.d.len);
+      else
+        streamCopy(r.ptr, l.ptr, l.d.len);
       continue;
     }
     if (n == 0) want = 0;

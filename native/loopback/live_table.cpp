@@ -81,12 +81,14 @@ LiveView::LiveView(uint32_t pid, int32_t fd, uint64_t ino) {
   struct stat st {};
   if (fstat(f, &st) != 0 || static_cast<uint64_t>(st.st_ino) != ino || static_cast<uint64_t>(st.st_size) < kBytes) {
     close(f);
-    throw EngineError(ERR_REMOTE_DISCONNECT, "the peer's registration table is gone (agent closed or process restarted)");
+    throw EngineError(ERR_REMOTE_DISCONNECT,
+                      "the peer's registration table is gone (agent closed or process restarted)");
   }
   void* p = mmap(nullptr, kBytes, PROT_READ, MAP_SHARED, f, 0);
   int e = errno;
   close(f);
-  if (p == MAP_FAILED) throw EngineError(ERR_BACKEND, std::string("mapping the peer's registration table: ") + strerror(e));
+  if (p == MAP_FAILED)
+    throw EngineError(ERR_BACKEND, std::string("mapping the peer's registration table: ") + strerror(e));
   words_ = static_cast<const std::atomic<uint64_t>*>(p);
 }
 

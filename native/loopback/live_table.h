@@ -27,7 +27,7 @@ class LiveTable {
     uint32_t index;
     uint64_t word;  // what readers must see while the registration lives
   };
-  Slot acquire();           // throws EngineError(ERR_NOT_ALLOWED) when full
+  Slot acquire();             // throws EngineError(ERR_NOT_ALLOWED) when full
   void kill(uint32_t index);  // dead at once; the slot may be reused later
   void killAll();
 

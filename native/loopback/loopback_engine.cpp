@@ -6,13 +6,13 @@
 // Every descriptor is resolved against registered memory before any byte is
 // touched; a request pins the regions it uses so they cannot be deregistered
 // under it.
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,12 +29,12 @@
 #include <unordered_map>
 
 #include "../engine.h"
+#include "copy.h"
 #include "live_table.h"
 #include "metadata.h"
 #include "notif_socket.h"
 #include "notifier.h"
 #include "shm.h"
-#include "copy.h"
 #include "types.h"
 
 namespace nixlnode {
@@ -56,14 +56,15 @@ template <class Map>
 typename Map::mapped_type& remoteAgent(Map& m, const std::string& agent, const char* call) {
   auto it = m.find(agent);
   if (it == m.end())
-    throw EngineError(ERR_NOT_FOUND, std::string(call) + ": unknown remote agent '" + agent + "' (addRemoteAgent first)");
+    throw EngineError(ERR_NOT_FOUND,
+                      std::string(call) + ": unknown remote agent '" + agent + "' (addRemoteAgent first)");
   return it->second;
 }
 
 uint64_t nowEpochUs() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                   std::chrono::system_clock::now().time_since_epoch())
-                                   .count());
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
 }
 
 std::mutex gAgentsMu;
@@ -112,8 +113,7 @@ class LoopbackEngine final : public Engine {
     return {};
   }
 
-  Handle registerMem(const std::vector<Desc>& descs, MemType type,
-                     const std::vector<std::string>& backends) override {
+  Handle registerMem(const std::vector<Desc>& descs, MemType type, const std::vector<std::string>& backends) override {
     checkOpen();
     checkBackends(backends);
     checkType(type);
@@ -123,8 +123,8 @@ class LoopbackEngine final : public Engine {
         throw EngineError(ERR_INVALID_PARAM, "registerMem: invalid descriptor " + descStr(d));
     long bad = loopback::firstUnmapped(descs);
     if (bad >= 0)
-      throw EngineError(ERR_INVALID_PARAM, "registerMem: " + descStr(descs[bad]) +
-                                               " is not readable and writable memory of this process");
+      throw EngineError(ERR_INVALID_PARAM,
+                        "registerMem: " + descStr(descs[bad]) + " is not readable and writable memory of this process");
     std::vector<RegionP> regs;
     auto slot = live_.acquire();
     for (const auto& d : descs) {
@@ -139,8 +139,8 @@ class LoopbackEngine final : public Engine {
       std::lock_guard<std::mutex> lk(registry_->mu);
       auto& v = registry_->regions;
       for (auto& r : regs) {
-        auto pos = std::upper_bound(v.begin(), v.end(), r->d.addr,
-                                    [](uint64_t a, const RegionP& x) { return a < x->d.addr; });
+        auto pos =
+            std::upper_bound(v.begin(), v.end(), r->d.addr, [](uint64_t a, const RegionP& x) { return a < x->d.addr; });
         v.insert(pos, r);
       }
     }
@@ -156,8 +156,7 @@ class LoopbackEngine final : public Engine {
     for (auto& r : registration.regions) {
       int n = r->inUse.load();
       if (n > 0)
-        throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + descStr(r->d) + " is in use by " +
-                                               std::to_string(n) +
+        throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + descStr(r->d) + " is in use by " + std::to_string(n) +
                                                " in-flight transfer(s); wait for them or release them first");
     }
     auto& v = registry_->regions;
@@ -199,7 +198,8 @@ class LoopbackEngine final : public Engine {
       // As NIXL: partial metadata adds registrations to a known agent; full
       // metadata does not silently replace it (its handles would go stale).
       if (!md.partial)
-        throw EngineError(ERR_NOT_ALLOWED, "loadRemoteMD: agent '" + md.name + "' is already loaded (removeRemoteAgent first)");
+        throw EngineError(ERR_NOT_ALLOWED,
+                          "loadRemoteMD: agent '" + md.name + "' is already loaded (removeRemoteAgent first)");
       addRegions(*known->second, md);
       return md.name;
     }
@@ -225,8 +225,8 @@ class LoopbackEngine final : public Engine {
       ra->pidfd = static_cast<int>(syscall(SYS_pidfd_open, md.pid, 0));
       uint64_t st = loopback::processStartTime(md.pid);
       if (st == 0 || st != md.startTime)
-        throw EngineError(ERR_REMOTE_DISCONNECT, "agent " + md.name + " (pid " + std::to_string(md.pid) +
-                                                     ") is no longer running");
+        throw EngineError(ERR_REMOTE_DISCONNECT,
+                          "agent " + md.name + " (pid " + std::to_string(md.pid) + ") is no longer running");
       ra->live = std::make_unique<loopback::LiveView>(md.pid, md.liveFd, md.liveIno);
       ra->agentWord = md.agentWord;
       if (!ra->live->alive(0, md.agentWord))
@@ -281,8 +281,10 @@ class LoopbackEngine final : public Engine {
     std::vector<std::optional<Params>> out;
     std::lock_guard<std::mutex> lk(registry_->mu);
     for (const auto& d : descs) {
-      if (registry_->find(d, type)) out.push_back(Params{{"registered", "true"}});
-      else out.push_back(std::nullopt);
+      if (registry_->find(d, type))
+        out.push_back(Params{{"registered", "true"}});
+      else
+        out.push_back(std::nullopt);
     }
     return out;
   }
@@ -304,19 +306,22 @@ class LoopbackEngine final : public Engine {
 
   void releaseDlist(Handle h) override {
     checkOpen();
-    if (dlists_.erase(h) == 0) throw EngineError(ERR_NOT_FOUND, "releaseDlistHandle: unknown or already released handle");
+    if (dlists_.erase(h) == 0)
+      throw EngineError(ERR_NOT_FOUND, "releaseDlistHandle: unknown or already released handle");
   }
 
-  Handle makeXferReq(XferOp op, Handle localH, const uint32_t* li, size_t nl, Handle remoteH,
-                     const uint32_t* ri, size_t nr, const std::string* notif) override {
+  Handle makeXferReq(XferOp op, Handle localH, const uint32_t* li, size_t nl, Handle remoteH, const uint32_t* ri,
+                     size_t nr, const std::string* notif) override {
     checkOpen();
     const Dlist& L = *lookup(dlists_, localH, "makeXferReq", "local descriptor list handle");
     const Dlist& R = *lookup(dlists_, remoteH, "makeXferReq", "remote descriptor list handle");
-    if (L.remote) throw EngineError(ERR_INVALID_PARAM, "makeXferReq: the local side must be a dlist prepared for the local agent");
-    if (!R.remote) throw EngineError(ERR_INVALID_PARAM, "makeXferReq: the remote side must be a dlist prepared for a remote agent");
+    if (L.remote)
+      throw EngineError(ERR_INVALID_PARAM, "makeXferReq: the local side must be a dlist prepared for the local agent");
+    if (!R.remote)
+      throw EngineError(ERR_INVALID_PARAM, "makeXferReq: the remote side must be a dlist prepared for a remote agent");
     if (nl != nr)
-      throw EngineError(ERR_INVALID_PARAM, "makeXferReq: " + std::to_string(nl) + " local vs " +
-                                               std::to_string(nr) + " remote indices");
+      throw EngineError(ERR_INVALID_PARAM,
+                        "makeXferReq: " + std::to_string(nl) + " local vs " + std::to_string(nr) + " remote indices");
     std::vector<Entry> le, re;
     le.reserve(nl);
     re.reserve(nr);
@@ -349,8 +354,7 @@ class LoopbackEngine final : public Engine {
     if (req->remote->removed)
       throw EngineError(ERR_NOT_FOUND, "postXferReq: remote agent '" + req->remote->name + "' was removed");
     if (notif) {
-      if (notif->size() > NotifSocket::kMaxMsg)
-        throw EngineError(ERR_INVALID_PARAM, "notification larger than 64 KiB");
+      if (notif->size() > NotifSocket::kMaxMsg) throw EngineError(ERR_INVALID_PARAM, "notification larger than 64 KiB");
       req->hasNotif = true;
       req->notif = *notif;
     }
@@ -366,8 +370,8 @@ class LoopbackEngine final : public Engine {
       queue_.push_back(req);
     }
     qCv_.notify_one();
-    req->tel.postDurationUs = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
+    req->tel.postDurationUs =
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
     return IN_PROG;
   }
 
@@ -429,7 +433,8 @@ class LoopbackEngine final : public Engine {
     }
     qCv_.notify_all();
     uint64_t one = 1;
-    if (write(wakeFd_, &one, sizeof one) < 0) { /* the loop also polls with a timeout */ }
+    if (write(wakeFd_, &one, sizeof one) < 0) { /* the loop also polls with a timeout */
+    }
     if (worker_.joinable()) worker_.join();
     if (receiver_.joinable()) receiver_.join();
     notifier_->stop();  // queued notifications of unfinished requests are dropped
@@ -468,8 +473,9 @@ class LoopbackEngine final : public Engine {
   }
   static void checkType(MemType t) {
     if (t != MemType::DRAM)
-      throw EngineError(ERR_NOT_SUPPORTED, "the loopback engine handles DRAM only; VRAM, block, object and file "
-                                           "memory need the NIXL engine");
+      throw EngineError(ERR_NOT_SUPPORTED,
+                        "the loopback engine handles DRAM only; VRAM, block, object and file "
+                        "memory need the NIXL engine");
   }
 
   [[noreturn]] static void noMetadataService(const char* what) {
@@ -522,8 +528,8 @@ class LoopbackEngine final : public Engine {
       for (const auto& d : descs) {
         RegionP r = d.len ? registry_->find(d, type) : nullptr;
         if (!r)
-          throw EngineError(ERR_NOT_FOUND, "descriptor " + descStr(d) + " is not inside memory registered with agent '" +
-                                               name_ + "'");
+          throw EngineError(ERR_NOT_FOUND,
+                            "descriptor " + descStr(d) + " is not inside memory registered with agent '" + name_ + "'");
         dl.entries.push_back(Entry{d, r, reinterpret_cast<char*>(d.addr)});
       }
       return dl;
@@ -538,8 +544,8 @@ class LoopbackEngine final : public Engine {
         // Only memory its metadata announced, and only while still registered.
         RegionP r = d.len && ra.find(d, type) ? reg->find(d, type) : nullptr;
         if (!r)
-          throw EngineError(ERR_NOT_FOUND, "descriptor " + descStr(d) + " is not inside memory registered with agent '" +
-                                               agent + "'");
+          throw EngineError(ERR_NOT_FOUND,
+                            "descriptor " + descStr(d) + " is not inside memory registered with agent '" + agent + "'");
         dl.entries.push_back(Entry{d, r, reinterpret_cast<char*>(d.addr)});
       }
       return dl;
@@ -555,8 +561,7 @@ class LoopbackEngine final : public Engine {
     return dl;
   }
 
-  Handle newRequest(XferOp op, RemoteP remote, std::vector<Entry> le, std::vector<Entry> re,
-                    const std::string* notif) {
+  Handle newRequest(XferOp op, RemoteP remote, std::vector<Entry> le, std::vector<Entry> re, const std::string* notif) {
     if (le.empty()) throw EngineError(ERR_INVALID_PARAM, "transfer request with no descriptors");
     auto req = std::make_shared<Request>();
     for (size_t i = 0; i < le.size(); ++i) {
@@ -662,8 +667,8 @@ class LoopbackEngine final : public Engine {
 
   static std::string notifError(const Request& req, int e) {
     if (e == 0) return {};
-    return "data moved, but the notification to '" + req.remote->name + "' failed: " +
-           (e == ETIMEDOUT ? "its queue stayed full for 5 s" : strerror(e));
+    return "data moved, but the notification to '" + req.remote->name +
+           "' failed: " + (e == ETIMEDOUT ? "its queue stayed full for 5 s" : strerror(e));
   }
 
   void finish(Request& req, int status, const std::string& err) {
@@ -731,8 +736,7 @@ class LoopbackEngine final : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> makeLoopbackEngine(const std::string& name, const EngineConfig& cfg,
-                                           CompletionSink* sink) {
+std::unique_ptr<Engine> makeLoopbackEngine(const std::string& name, const EngineConfig& cfg, CompletionSink* sink) {
   return std::make_unique<LoopbackEngine>(name, cfg, sink);
 }
 

@@ -1,10 +1,10 @@
 #include "metadata.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
-#include <algorithm>
 
 namespace nixlnode::loopback {
 namespace {
@@ -30,9 +30,24 @@ struct Reader {
   void need(size_t n) {
     if (in.size() - pos < n) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (truncated)");
   }
-  uint8_t u8() { need(1); return static_cast<uint8_t>(in[pos++]); }
-  uint32_t u32() { need(4); uint32_t v; memcpy(&v, in.data() + pos, 4); pos += 4; return v; }
-  uint64_t u64() { need(8); uint64_t v; memcpy(&v, in.data() + pos, 8); pos += 8; return v; }
+  uint8_t u8() {
+    need(1);
+    return static_cast<uint8_t>(in[pos++]);
+  }
+  uint32_t u32() {
+    need(4);
+    uint32_t v;
+    memcpy(&v, in.data() + pos, 4);
+    pos += 4;
+    return v;
+  }
+  uint64_t u64() {
+    need(8);
+    uint64_t v;
+    memcpy(&v, in.data() + pos, 8);
+    pos += 8;
+    return v;
+  }
   std::string str(size_t max) {
     uint32_t n = u32();
     if (n > max) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (string too long)");
@@ -52,11 +67,21 @@ bool validUtf8(const std::string& s) {
     unsigned c = p[i];
     size_t len;
     uint32_t cp;
-    if (c < 0x80) { ++i; continue; }
-    if (c >= 0xc2 && c <= 0xdf) { len = 2; cp = c & 0x1f; }
-    else if (c >= 0xe0 && c <= 0xef) { len = 3; cp = c & 0x0f; }
-    else if (c >= 0xf0 && c <= 0xf4) { len = 4; cp = c & 0x07; }
-    else return false;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    if (c >= 0xc2 && c <= 0xdf) {
+      len = 2;
+      cp = c & 0x1f;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      len = 3;
+      cp = c & 0x0f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      len = 4;
+      cp = c & 0x07;
+    } else
+      return false;
     if (n - i < len) return false;
     for (size_t k = 1; k < len; ++k) {
       if ((p[i + k] & 0xc0) != 0x80) return false;
@@ -106,8 +131,7 @@ std::string encode(const AgentMd& md) {
 
 AgentMd decode(const std::string& blob) {
   if (!looksLikeLoopbackMd(blob))
-    throw EngineError(ERR_INVALID_PARAM,
-                      "not loopback-engine metadata (from a NIXL engine agent, or corrupt?)");
+    throw EngineError(ERR_INVALID_PARAM, "not loopback-engine metadata (from a NIXL engine agent, or corrupt?)");
   Reader r{blob, sizeof kMagic};
   uint32_t version = r.u32();
   if (version != kVersion)
@@ -122,7 +146,8 @@ AgentMd decode(const std::string& blob) {
   if (md.name.empty()) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (empty name)");
   // Names reach JS as strings: bytes that are not UTF-8 would come back as
   // U+FFFD, and the agent could never be addressed or removed by name.
-  if (!validUtf8(md.name)) throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (name is not UTF-8)");
+  if (!validUtf8(md.name))
+    throw EngineError(ERR_INVALID_PARAM, "malformed loopback agent metadata (name is not UTF-8)");
   md.bootId = r.str(256);
   md.pid = r.u32();
   md.startTime = r.u64();
@@ -195,7 +220,8 @@ long firstUnmapped(const std::vector<Desc>& descs) {
   while (std::getline(f, line)) {
     uint64_t lo = 0, hi = 0;
     char perms[5] = {0};
-    if (sscanf(line.c_str(), "%lx-%lx %4s", &lo, &hi, perms) == 3) maps.push_back({lo, hi, perms[0] == 'r' && perms[1] == 'w'});
+    if (sscanf(line.c_str(), "%lx-%lx %4s", &lo, &hi, perms) == 3)
+      maps.push_back({lo, hi, perms[0] == 'r' && perms[1] == 'w'});
   }
   // Lines are sorted by address; walk each descriptor across adjacent mappings.
   for (size_t i = 0; i < descs.size(); ++i) {

@@ -20,15 +20,15 @@ struct MdRegion {
 };
 
 struct AgentMd {
-  bool partial = false;    // only some registrations (getLocalPartialMD)
-  bool connInfo = true;    // carries what is needed to reach the agent
+  bool partial = false;  // only some registrations (getLocalPartialMD)
+  bool connInfo = true;  // carries what is needed to reach the agent
   std::string name;
-  std::string bootId;      // kernel boot id: same host check
+  std::string bootId;  // kernel boot id: same host check
   uint32_t pid;
-  uint64_t startTime;      // /proc/<pid>/stat starttime: pid reuse check
-  uint64_t token;          // instance id, finds same-process agents
+  uint64_t startTime;  // /proc/<pid>/stat starttime: pid reuse check
+  uint64_t token;      // instance id, finds same-process agents
   std::string notifAddr;
-  int32_t liveFd = -1;     // the owner's LiveTable memfd (slot 0: the agent itself)
+  int32_t liveFd = -1;  // the owner's LiveTable memfd (slot 0: the agent itself)
   uint64_t liveIno = 0;
   uint64_t agentWord = 0;  // slot 0's value while the agent is open
   std::vector<MdRegion> regions;

@@ -34,8 +34,7 @@ NotifSocket::NotifSocket() {
   static std::atomic<uint32_t> counter{0};
   std::random_device rd;
   for (int attempt = 0; attempt < 8; ++attempt) {
-    addr_ = "nixl-node." + std::to_string(getpid()) + "." + std::to_string(counter++) + "." +
-            std::to_string(rd());
+    addr_ = "nixl-node." + std::to_string(getpid()) + "." + std::to_string(counter++) + "." + std::to_string(rd());
     sockaddr_un sa;
     socklen_t len = fillAddr(addr_, &sa);
     if (bind(fd_, reinterpret_cast<sockaddr*>(&sa), len) == 0) {
@@ -63,8 +62,8 @@ int NotifSocket::send(const std::string& to, const std::string& from, const std:
   sockaddr_un sa;
   socklen_t len = fillAddr(to, &sa);
   for (;;) {
-    ssize_t r = sendto(fd_, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT,
-                       reinterpret_cast<sockaddr*>(&sa), len);
+    ssize_t r =
+        sendto(fd_, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&sa), len);
     if (r >= 0) return 0;
     if (errno != EINTR) return errno;
   }

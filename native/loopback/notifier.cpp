@@ -78,8 +78,10 @@ void Notifier::loop() {
       lk.lock();
       continue;
     }
-    if (peers_.empty()) cv_.wait(lk, [this] { return stopping_ || !peers_.empty(); });
-    else cv_.wait_until(lk, wake);
+    if (peers_.empty())
+      cv_.wait(lk, [this] { return stopping_ || !peers_.empty(); });
+    else
+      cv_.wait_until(lk, wake);
   }
 }
 

@@ -32,8 +32,8 @@ struct Region {
   MemType type;
   shm::Info shm{-1, 0, 0, 0};
   LiveTable::Slot liveSlot{0, 0};  // its registration's, for peers in other processes
-  std::atomic<int> inUse{0};  // in-flight requests touching it
-  bool live = true;           // guarded by Registry::mu
+  std::atomic<int> inUse{0};       // in-flight requests touching it
+  bool live = true;                // guarded by Registry::mu
 };
 using RegionP = std::shared_ptr<Region>;
 
@@ -73,7 +73,7 @@ struct RemoteAgent {
   std::string notifAddr;
   bool sameProcess = false;
   std::weak_ptr<Registry> registry;  // same process only
-  std::unique_ptr<LiveView> live;  // other processes: their registrations' liveness
+  std::unique_ptr<LiveView> live;    // other processes: their registrations' liveness
   uint64_t agentWord = 0;
   std::vector<RemoteRegion> regions;  // sorted by address
   int pidfd = -1;
@@ -97,8 +97,7 @@ struct RemoteAgent {
     while (it != regions.begin()) {
       --it;
       const auto& r = it->r;
-      if (descWithin(d.addr, d.len, r.addr, r.len) && r.devId == d.devId && r.type == type)
-        return &*it;
+      if (descWithin(d.addr, d.len, r.addr, r.len) && r.devId == d.devId && r.type == type) return &*it;
     }
     return nullptr;
   }
@@ -107,8 +106,8 @@ using RemoteP = std::shared_ptr<RemoteAgent>;
 
 struct Entry {
   Desc d;
-  RegionP region;    // local, or a same-process peer's; null for other processes
-  char* ptr;         // where to memcpy; null: use process_vm_*
+  RegionP region;         // local, or a same-process peer's; null for other processes
+  char* ptr;              // where to memcpy; null: use process_vm_*
   uint32_t liveSlot = 0;  // other processes: the word that says the region is still registered
   uint64_t liveWord = 0;
 };

@@ -5,8 +5,8 @@
 // request in flight and drains getNotifs (which also progresses the target
 // side of READs when NIXL's own progress thread is off). The agent runs with
 // syncMode RW so that thread and the JS thread may call it concurrently.
-#include <nixl.h>
 #include <dlfcn.h>
+#include <nixl.h>
 
 #include <atomic>
 #include <chrono>
@@ -47,7 +47,8 @@ using RequestP = std::shared_ptr<Request>;
 class NixlEngine final : public Engine {
  public:
   NixlEngine(const std::string& name, const EngineConfig& cfg, CompletionSink* sink)
-      : cfg_(cfg), sink_(sink),
+      : cfg_(cfg),
+        sink_(sink),
         agent_(name, nixlAgentConfig(cfg.progressThread, cfg.listenPort > 0,
                                      static_cast<uint16_t>(cfg.listenPort > 0 ? cfg.listenPort : default_comm_port),
                                      nixl_thread_sync_t::NIXL_THREAD_SYNC_RW, 1,
@@ -183,8 +184,10 @@ class NixlEngine final : public Engine {
     check(agent_.queryMem(regList(descs, type), resp, &args), "queryMem");
     std::vector<std::optional<Params>> out;
     for (auto& r : resp) {
-      if (r) out.push_back(Params(r->begin(), r->end()));
-      else out.push_back(std::nullopt);
+      if (r)
+        out.push_back(Params(r->begin(), r->end()));
+      else
+        out.push_back(std::nullopt);
     }
     return out;
   }
@@ -215,7 +218,8 @@ class NixlEngine final : public Engine {
     checkOpen();
     nixlDlistH* dh = nullptr;
     nixl_opt_args_t args = opts(backends);
-    check(agent_.prepXferDlist(agent.empty() ? NIXL_INIT_AGENT : agent, xferList(descs, type), dh, &args), "prepXferDlist");
+    check(agent_.prepXferDlist(agent.empty() ? NIXL_INIT_AGENT : agent, xferList(descs, type), dh, &args),
+          "prepXferDlist");
     Handle h = nextHandle_++;
     dlists_[h] = dh;
     return h;
@@ -234,12 +238,14 @@ class NixlEngine final : public Engine {
     checkOpen();
     auto l = dlists_.find(local);
     auto r = dlists_.find(remote);
-    if (l == dlists_.end() || r == dlists_.end()) throw EngineError(ERR_NOT_FOUND, "makeXferReq: unknown descriptor list handle");
+    if (l == dlists_.end() || r == dlists_.end())
+      throw EngineError(ERR_NOT_FOUND, "makeXferReq: unknown descriptor list handle");
     std::vector<int> lv(li, li + nl), rv(ri, ri + nr);
     nixl_opt_args_t args;
     setNotif(args, notif);
     nixlXferReqH* xh = nullptr;
-    check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, l->second, lv, r->second, rv, xh, &args), "makeXferReq");
+    check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, l->second, lv, r->second, rv, xh, &args),
+          "makeXferReq");
     return addRequest(xh);
   }
 
@@ -249,15 +255,17 @@ class NixlEngine final : public Engine {
     nixl_opt_args_t args;
     setNotif(args, notif);
     nixlXferReqH* xh = nullptr;
-    check(agent_.createXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, xferList(local, lt), xferList(remote, rt), agent,
-                               xh, &args), "createXferReq");
+    check(agent_.createXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, xferList(local, lt), xferList(remote, rt),
+                               agent, xh, &args),
+          "createXferReq");
     return addRequest(xh);
   }
 
   int postXferReq(Handle h, const std::string* notif) override {
     checkOpen();
     RequestP req = find(h);
-    if (req->status.load() == IN_PROG) throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
+    if (req->status.load() == IN_PROG)
+      throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
     nixl_opt_args_t args;
     setNotif(args, notif);
     std::lock_guard<std::mutex> lk(mu_);
@@ -308,7 +316,9 @@ class NixlEngine final : public Engine {
     nixl_xfer_telem_t t{};
     check(agent_.getXferTelemetry(req->h, t), "getXferTelemetry");
     auto sinceStart = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t.startTime).count();
-    auto nowUs = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+    auto nowUs =
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
     return Telemetry{static_cast<uint64_t>(nowUs - sinceStart), static_cast<uint64_t>(t.postDuration.count()),
                      static_cast<uint64_t>(t.xferDuration.count()), t.totalBytes, t.descCount};
   }

@@ -108,7 +108,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (size_t i = 0; i < n; ++i) {
     local.push_back(pick(r, w->a));
     remote.push_back(pick(r, w->b));
-    allInside = allInside && inside(local.back(), w->a) && inside(remote.back(), w->b) && local.back().len == remote.back().len;
+    allInside =
+        allInside && inside(local.back(), w->a) && inside(remote.back(), w->b) && local.back().len == remote.back().len;
   }
   // Each side on its own (prepXferDlist), then the request.
   auto prepOk = [&](const std::string& agent, const std::vector<Desc>& d) {

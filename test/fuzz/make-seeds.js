@@ -1,9 +1,9 @@
 // Writes the seed corpora of the fuzz targets (committed; rerun after a
 // metadata format change): node test/fuzz/make-seeds.js
 'use strict';
-const fs = require('fs');
-const path = require('path');
-const { NixlAgent, allocate, DescList } = require(path.join(__dirname, '..', '..', 'dist', 'lib'));
+const fs = require('node:fs');
+const path = require('node:path');
+const { NixlAgent, allocate } = require(path.join(__dirname, '..', '..', 'dist', 'lib'));
 
 const dir = (t) => path.join(__dirname, 'corpus', t);
 const a = new NixlAgent('seed-agent-é', { engine: 'loopback' });
@@ -29,7 +29,11 @@ const pair = (sel, off, len) => {
   return b;
 };
 write('descriptors', 'read-inside.bin', Buffer.concat([Buffer.from([0, 0]), pair(0, 0, 4096), pair(1, 0, 4096)]));
-write('descriptors', 'write-two.bin', Buffer.concat([Buffer.from([1, 1]), pair(0, 16, 100), pair(0, 200, 100), pair(1, 4000, 96), pair(1, 0, 96)]));
+write(
+  'descriptors',
+  'write-two.bin',
+  Buffer.concat([Buffer.from([1, 1]), pair(0, 16, 100), pair(0, 200, 100), pair(1, 4000, 96), pair(1, 0, 96)]),
+);
 write('descriptors', 'one-past-end.bin', Buffer.concat([Buffer.from([0, 0]), pair(0, 1, 4096), pair(0, 0, 4096)]));
 write('descriptors', 'before-start.bin', Buffer.concat([Buffer.from([0, 0]), pair(0, -8, 16), pair(0, 0, 16)]));
 const wrap = Buffer.alloc(13);
