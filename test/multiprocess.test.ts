@@ -83,6 +83,25 @@ describe.each([
     expect(after.equals(mem)).toBe(true);
   });
 
+  it('descriptors whose addr + len wraps past 2^64 are refused before any byte moves', async () => {
+    const { mem, childAddr } = await setup(shared);
+    const before = Buffer.from(mem);
+    const wrap = { addr: childAddr + 16n, len: (1n << 64n) - 8n };
+    expect(() => agent!.prepXferDlist('child', [wrap])).toThrow(
+      expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }),
+    );
+    await expect(
+      agent!.read([{ addr: DescList.from(mem).addr(0), len: (1n << 64n) - 8n }], [wrap], 'child'),
+    ).rejects.toMatchObject({
+      code: 'NIXL_ERR_INVALID_PARAM',
+    });
+    // One byte past the end of the peer's region, computed without wrapping: not registered memory.
+    expect(() => agent!.prepXferDlist('child', [{ addr: childAddr + 1n, len: SIZE }])).toThrow(
+      expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }),
+    );
+    expect(mem.equals(before)).toBe(true);
+  });
+
   it('a dead peer fails the transfer with NIXL_ERR_REMOTE_DISCONNECT, and this process lives on', async () => {
     const { mem, childAddr } = await setup(shared);
     peer!.kill();
