@@ -17,8 +17,8 @@ afterEach(async () => {
   peer = undefined;
 });
 
-async function setup(shared: boolean) {
-  agent = new NixlAgent('parent', { engine: 'loopback' });
+async function setup(shared: boolean, testDelayUs?: number) {
+  agent = new NixlAgent('parent', { engine: 'loopback', testDelayUs });
   const mem = shared ? allocate(SIZE) : Buffer.alloc(SIZE);
   pattern(mem, 1);
   agent.registerMemory(mem);
@@ -149,20 +149,10 @@ describe.each([
   });
 
   it('a deregistration while the transfer waits in the queue fails it', async () => {
-    agent = new NixlAgent('parent', { engine: 'loopback', testDelayUs: 400_000 });
-    const mem = Buffer.alloc(SIZE);
-    agent.registerMemory(mem);
-    peer = new Peer('peer.js');
-    const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
-      cmd: 'init',
-      name: 'child',
-      size: SIZE,
-      shared,
-      seed: 2,
-    });
-    agent.addRemoteAgent(Buffer.from(init.md));
-    const p = agent.read(mem, [{ addr: init.addr, len: SIZE }], 'child');
-    await peer.request({ cmd: 'dereg', seed: 9 });
+    // The transfer waits 400 ms in the worker; the peer deregisters meanwhile.
+    const { mem, childAddr } = await setup(shared, 400_000);
+    const p = agent!.read(mem, [{ addr: childAddr, len: SIZE }], 'child');
+    await peer!.request({ cmd: 'dereg', seed: 9 });
     await expect(p).rejects.toMatchObject({ code: 'NIXL_ERR_NOT_FOUND' });
     expect(checkPattern(mem.subarray(0, 4096), 9)).toBe(false);
   });
