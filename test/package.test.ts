@@ -1,0 +1,108 @@
+// As a user gets it: pack the tarball, install it into a fresh app with an
+// empty user npmrc, check that nothing was compiled (the prebuild loads), and
+// import it by name from CommonJS, ESM and strict TypeScript (nodenext),
+// each running a READ with every byte verified.
+import { execFileSync } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { afterAll, beforeAll, expect, it } from 'vitest';
+import { ROOT } from './helpers';
+
+const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-pack-'));
+const app = path.join(tmp, 'app');
+let installLog = '';
+afterAll(() => fs.rmSync(tmp, { recursive: true, force: true }));
+
+const npm = (args: string[], cwd: string) =>
+  execFileSync('npm', args, {
+    cwd,
+    encoding: 'utf8',
+    stdio: 'pipe',
+    // An empty user npmrc, and none of this repo's settings (nodedir=/usr).
+    env: { ...process.env, npm_config_userconfig: path.join(tmp, 'empty-npmrc'), npm_config_nodedir: '' },
+  });
+
+// The same job in every form: READ 1 MiB between two agents, check each byte.
+const body = `
+const a = new NixlAgent('pkg-a', { engine: 'loopback' });
+const b = new NixlAgent('pkg-b', { engine: 'loopback' });
+const src = allocate(1 << 20);
+for (let i = 0; i < src.length; i++) src[i] = (i * 7 + 3) & 0xff;
+const dst = Buffer.alloc(1 << 20);
+a.registerMemory(dst);
+b.registerMemory(src);
+a.addRemoteAgent(b.getAgentMetadata());
+await a.read(dst, [{ addr: DescList.from(src).addr(0), len: src.length }], 'pkg-b');
+if (!dst.equals(src)) throw new Error('bytes differ');
+a.close();
+b.close();
+console.log('READ ok');
+`;
+
+beforeAll(() => {
+  fs.writeFileSync(path.join(tmp, 'empty-npmrc'), '');
+  const tarball = npm(['pack', '--pack-destination', tmp, '--silent'], ROOT).trim().split('\n').pop()!;
+  fs.mkdirSync(app);
+  fs.writeFileSync(path.join(app, 'package.json'), JSON.stringify({ name: 'app', version: '1.0.0', private: true }));
+  installLog = npm(
+    ['install', '--no-audit', '--no-fund', '--prefer-offline', '--foreground-scripts', path.join(tmp, tarball)],
+    app,
+  );
+}, 300_000);
+
+it('the tarball ships the built JavaScript, types and a prebuild, and no tests or source maps', () => {
+  const pkg = path.join(app, 'node_modules', 'nixl-node');
+  expect(fs.existsSync(path.join(pkg, 'dist', 'lib', 'index.js'))).toBe(true);
+  expect(fs.existsSync(path.join(pkg, 'dist', 'lib', 'index.d.ts'))).toBe(true);
+  expect(fs.existsSync(path.join(pkg, 'LICENSE'))).toBe(true);
+  expect(fs.readdirSync(path.join(pkg, 'prebuilds'))).toContain(`${process.platform}-${process.arch}`);
+  const all = fs.readdirSync(pkg, { recursive: true }).map(String);
+  expect(all.filter((f) => f.endsWith('.map') || f.startsWith('test'))).toEqual([]);
+});
+
+it('installing compiles nothing: the prebuild loads', () => {
+  expect(installLog).toContain('using the prebuilt addon');
+  expect(fs.existsSync(path.join(app, 'node_modules', 'nixl-node', 'build'))).toBe(false);
+});
+
+it('require by name (CommonJS)', () => {
+  fs.writeFileSync(
+    path.join(app, 'cjs.cjs'),
+    `const { NixlAgent, DescList, allocate } = require('nixl-node');\n(async () => {${body}})().catch((e) => { console.error(e); process.exit(1); });`,
+  );
+  expect(execFileSync(process.execPath, ['cjs.cjs'], { cwd: app, encoding: 'utf8' })).toContain('READ ok');
+});
+
+it('import by name (ESM, named exports)', () => {
+  fs.writeFileSync(path.join(app, 'esm.mjs'), `import { NixlAgent, DescList, allocate } from 'nixl-node';\n${body}`);
+  expect(execFileSync(process.execPath, ['esm.mjs'], { cwd: app, encoding: 'utf8' })).toContain('READ ok');
+});
+
+it('strict TypeScript with nodenext resolution compiles and runs', () => {
+  fs.mkdirSync(path.join(app, 'node_modules', '@types'), { recursive: true });
+  fs.symlinkSync(path.join(ROOT, 'node_modules', '@types', 'node'), path.join(app, 'node_modules', '@types', 'node'));
+  fs.writeFileSync(
+    path.join(app, 'tsconfig.json'),
+    JSON.stringify({
+      compilerOptions: {
+        module: 'nodenext',
+        moduleResolution: 'nodenext',
+        target: 'ES2022',
+        strict: true,
+        outDir: 'out',
+        types: ['node'],
+      },
+      files: ['main.mts'],
+    }),
+  );
+  fs.writeFileSync(
+    path.join(app, 'main.mts'),
+    `import { NixlAgent, DescList, allocate, NixlError, type XferState } from 'nixl-node';\nconst s: XferState = 'DONE';\nvoid s;\nvoid NixlError;\n${body}`,
+  );
+  execFileSync(process.execPath, [path.join(ROOT, 'node_modules', 'typescript', 'bin', 'tsc'), '-p', '.'], {
+    cwd: app,
+    encoding: 'utf8',
+  });
+  expect(execFileSync(process.execPath, ['out/main.mjs'], { cwd: app, encoding: 'utf8' })).toContain('READ ok');
+});
