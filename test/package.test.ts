@@ -105,4 +105,28 @@ it('strict TypeScript with nodenext resolution compiles and runs', () => {
     encoding: 'utf8',
   });
   expect(execFileSync(process.execPath, ['out/main.mjs'], { cwd: app, encoding: 'utf8' })).toContain('READ ok');
+  // The types resolve under node16 and bundler resolution as well.
+  for (const [module, moduleResolution] of [
+    ['node16', 'node16'],
+    ['esnext', 'bundler'],
+  ]) {
+    execFileSync(
+      process.execPath,
+      [
+        path.join(ROOT, 'node_modules', 'typescript', 'bin', 'tsc'),
+        '--noEmit',
+        '--strict',
+        '--module',
+        module,
+        '--moduleResolution',
+        moduleResolution,
+        '--target',
+        'ES2022',
+        '--types',
+        'node',
+        'main.mts',
+      ],
+      { cwd: app, encoding: 'utf8' },
+    );
+  }
 });
