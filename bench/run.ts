@@ -1,4 +1,4 @@
-// npm run bench [-- --json out.json] [--svg out.svg] [--quick] [--only bandwidth,coalesce,handshake]
+// nixl-node bench / npm run bench [-- --json out.json] [--svg out.svg] [--quick] [--only bandwidth,coalesce,handshake]
 // Every figure is a ratio against a baseline measured in the same run:
 // memcpy for copies, the raw ZMQ / HTTP round trip for handshakes.
 import * as fs from 'node:fs';
@@ -11,11 +11,17 @@ import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { fmtBytes } from './stats';
 import { barChart, type Panel } from './svg';
+import { parse, run, UsageError } from '../cli/args';
 
-function arg(name: string): string | undefined {
-  const i = process.argv.indexOf(name);
-  return i >= 0 ? process.argv[i + 1] : undefined;
-}
+const HELP = `nixl-node bench: bandwidth, coalescing and handshake latency, as ratios to baselines of the same run
+
+Usage: nixl-node bench [options]   (or npm run bench -- [options])
+  --json FILE      write the results as JSON
+  --svg FILE       write a bar chart
+  --quick          fewer repetitions
+  --only LIST      comma-separated: bandwidth,coalesce,handshake (default all)
+`;
+const SECTIONS = ['bandwidth', 'coalesce', 'handshake'];
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -26,9 +32,17 @@ function table(head: string[], rows: Array<Array<string | number>>): void {
   for (const r of cells) console.log(r.map((c, i) => (i === 0 ? c.padEnd(w[i]) : c.padStart(w[i]))).join('  '));
 }
 
-async function main(): Promise<void> {
-  const quick = process.argv.includes('--quick');
-  const only = (arg('--only') ?? 'bandwidth,coalesce,handshake').split(',');
+export async function runBench(argv: string[]): Promise<void> {
+  const v = parse(
+    argv,
+    { json: { type: 'string' }, svg: { type: 'string' }, quick: { type: 'boolean' }, only: { type: 'string' } },
+    HELP,
+  );
+  const quick = v.quick === true;
+  const only = String(v.only ?? SECTIONS.join(',')).split(',');
+  const unknown = only.filter((x) => !SECTIONS.includes(x));
+  if (unknown.length)
+    throw new UsageError(`--only: unknown section(s) ${unknown.join(', ')} (expected ${SECTIONS.join(', ')})`);
   // Both engines side by side when NIXL is compiled in; NIXL_NODE_ENGINE picks one.
   const runEngines: Engine[] = process.env.NIXL_NODE_ENGINE
     ? [process.env.NIXL_NODE_ENGINE as Engine]
@@ -125,7 +139,7 @@ async function main(): Promise<void> {
     });
   }
 
-  const json = arg('--json');
+  const json = v.json as string | undefined;
   if (json) {
     fs.writeFileSync(
       json,
@@ -133,14 +147,11 @@ async function main(): Promise<void> {
     );
     console.log(`\nwrote ${json}`);
   }
-  const svg = arg('--svg');
+  const svg = v.svg as string | undefined;
   if (svg) {
     fs.writeFileSync(svg, barChart(`nixl-node bench, ${engine} engine: ${machine}`, panels));
     console.log(`wrote ${svg}`);
   }
 }
 
-main().catch((e) => {
-  console.error(e);
-  process.exit(1);
-});
+if (require.main === module) run('bench', () => runBench(process.argv.slice(2)));

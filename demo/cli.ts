@@ -1,9 +1,12 @@
-// npm run demo [-- --prefill-tp 2 --decode-tp 4 --layers 32 --blocks 256 --block-kib 64
+// nixl-node demo / npm run demo [-- --prefill-tp 2 --decode-tp 4 --layers 32 --blocks 256 --block-kib 64
 //                  --requests 16 --method zmq|http --engine loopback|nixl --mla]
 // A prefill worker and decode workers as real processes: handshake, pull a
 // realistic KV cache, check every byte, print what happened.
+import { constants as bufferConstants } from 'node:buffer';
 import { fork } from 'node:child_process';
+import * as os from 'node:os';
 import * as path from 'node:path';
+import { parse, positiveInt, oneOf, run, UsageError } from '../cli/args';
 import { engines } from '../lib';
 import { computeCompatibilityHash } from '../lib/handshake';
 import { targetRemoteRanks } from '../lib/kv';
@@ -27,6 +30,8 @@ interface Options {
 
 const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
 
+Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works too
+
   --prefill-tp N   prefill tensor-parallel size (default 2)
   --decode-tp N    decode tensor-parallel size (default 4)
   --layers N       model layers; K and V make 2 regions each (default 32)
@@ -40,50 +45,73 @@ const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
   --mla            MLA: one latent cache per layer, replicated on every rank
 `;
 
-function parse(argv: string[]): Options {
+const ARGS = {
+  'prefill-tp': { type: 'string' },
+  'decode-tp': { type: 'string' },
+  layers: { type: 'string' },
+  blocks: { type: 'string' },
+  'block-kib': { type: 'string' },
+  heads: { type: 'string' },
+  requests: { type: 'string' },
+  'in-flight': { type: 'string' },
+  method: { type: 'string' },
+  engine: { type: 'string' },
+  mla: { type: 'boolean' },
+} as const;
+
+export function parseDemoArgs(argv: string[]): Options {
+  const v = parse(argv, ARGS, HELP);
+  const envMethod = process.env.NIXL_HANDSHAKE_METHOD;
   const o: Options = {
-    prefillTp: 2,
-    decodeTp: 4,
-    layers: 32,
-    blocks: 256,
-    blockKib: 64,
-    heads: 8,
-    requests: 16,
-    inFlight: 4,
-    method: (process.env.NIXL_HANDSHAKE_METHOD as 'zmq' | 'http') ?? 'zmq',
-    engine: (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'),
-    mla: false,
+    prefillTp: positiveInt(v, 'prefill-tp', 2, 64),
+    decodeTp: positiveInt(v, 'decode-tp', 4, 64),
+    layers: positiveInt(v, 'layers', 32, 4096),
+    blocks: positiveInt(v, 'blocks', 256),
+    blockKib: positiveInt(v, 'block-kib', 64),
+    heads: positiveInt(v, 'heads', 8, 4096),
+    requests: positiveInt(v, 'requests', 16),
+    inFlight: positiveInt(v, 'in-flight', 4, 1024),
+    method: oneOf(v, 'method', ['zmq', 'http'] as const, envMethod === 'http' ? 'http' : 'zmq'),
+    engine: oneOf(
+      v,
+      'engine',
+      ['loopback', 'nixl'] as const,
+      (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'),
+    ),
+    mla: v.mla === true,
   };
-  const num: Record<string, keyof Options> = {
-    '--prefill-tp': 'prefillTp',
-    '--decode-tp': 'decodeTp',
-    '--layers': 'layers',
-    '--blocks': 'blocks',
-    '--block-kib': 'blockKib',
-    '--heads': 'heads',
-    '--requests': 'requests',
-    '--in-flight': 'inFlight',
-  };
-  for (let i = 0; i < argv.length; i++) {
-    const a = argv[i];
-    if (a === '--help' || a === '-h') {
-      process.stdout.write(HELP);
-      process.exit(0);
-    } else if (a === '--mla') o.mla = true;
-    else if (a === '--method') o.method = argv[++i] as Options['method'];
-    else if (a === '--engine') o.engine = argv[++i] as Options['engine'];
-    else if (num[a]) {
-      const v = Number(argv[++i]);
-      if (!Number.isInteger(v) || v < 1) throw new Error(`${a} needs a positive integer`);
-      (o as unknown as Record<string, number>)[num[a]] = v;
-    } else throw new Error(`unknown option ${a} (try --help)`);
+  if (o.engine === 'nixl' && !engines.includes('nixl')) {
+    throw new UsageError('--engine nixl: NIXL is not compiled in (install NIXL, set NIXL_PREFIX and rebuild)');
   }
-  if (o.method !== 'zmq' && o.method !== 'http') throw new Error('--method must be zmq or http');
-  if (o.engine !== 'loopback' && o.engine !== 'nixl') throw new Error('--engine must be loopback or nixl');
-  if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp))
-    throw new Error(`${o.heads} heads must split over both TP sizes`);
-  if (o.requests > o.blocks) throw new Error('--requests must not exceed --blocks');
+  if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp)) {
+    throw new UsageError(`${o.heads} heads must split over both TP sizes`);
+  }
+  if (o.requests > o.blocks) throw new UsageError('--requests must not exceed --blocks');
+  if (!o.mla && (o.blockKib * 1024) % o.heads) throw new UsageError('--block-kib x 1024 must split over --heads');
+  checkMemory(o);
   return o;
+}
+
+// Refuses, before allocating anything, sizes that cannot be held: one
+// rank's KV must fit in one Buffer, and all ranks together in free memory.
+function checkMemory(o: Options): void {
+  const regions = o.mla ? o.layers : o.layers * 2;
+  const headBytes = o.mla ? o.blockKib * 1024 : (o.blockKib * 1024) / o.heads;
+  const base = { heads: o.heads, headBytes, numBlocks: o.blocks, regions, mla: o.mla };
+  const p = rankBytes({ ...base, tpSize: o.prefillTp, tpRank: 0 });
+  const d = rankBytes({ ...base, tpSize: o.decodeTp, tpRank: 0 });
+  const biggest = Math.max(p, d);
+  if (biggest > bufferConstants.MAX_LENGTH) {
+    throw new UsageError(
+      `one rank would hold ${fmt(biggest)} of KV, more than one Buffer can (${fmt(bufferConstants.MAX_LENGTH)}); use fewer --layers, --blocks or --block-kib`,
+    );
+  }
+  const total = p * o.prefillTp + d * o.decodeTp;
+  if (total > os.freemem() * 0.8) {
+    throw new UsageError(
+      `the demo needs ${fmt(total)} of KV in memory, and ${fmt(os.freemem())} is free; use fewer --layers, --blocks or --block-kib`,
+    );
+  }
 }
 
 const GiB = 2 ** 30;
@@ -105,8 +133,8 @@ function worker(file: string, cfg: unknown) {
   return fork(path.join(__dirname, file), [JSON.stringify(cfg)], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
 }
 
-async function main(): Promise<void> {
-  const o = parse(process.argv.slice(2));
+export async function runDemo(argv: string[]): Promise<void> {
+  const o = parseDemoArgs(argv);
   const regions = o.mla ? o.layers : o.layers * 2;
   const headBytes = o.mla ? o.blockKib * 1024 : (o.blockKib * 1024) / o.heads;
   const base = { heads: o.heads, headBytes, numBlocks: o.blocks, regions, mla: o.mla };
@@ -254,13 +282,7 @@ async function main(): Promise<void> {
     );
   }
   if (bad || !releasedInTime || expired) failures.push('verification or release failed');
-  if (failures.length) {
-    console.error(`demo FAILED: ${failures.join('; ')}`);
-    process.exit(1);
-  }
+  if (failures.length) throw new Error(`demo FAILED: ${failures.join('; ')}`);
 }
 
-main().catch((e) => {
-  console.error(`demo failed: ${(e as Error).message}`);
-  process.exit(1);
-});
+if (require.main === module) run('demo', () => runDemo(process.argv.slice(2)));

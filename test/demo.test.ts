@@ -1,10 +1,14 @@
-// npm run demo's CLI, small: it must verify every byte and free every request.
+// The nixl-node command (npm run demo / bench run it too): the demo, small,
+// must verify every byte and free every request; bad input is one line on
+// stderr and exit code 2, never a stack trace.
 import { execFileSync } from 'node:child_process';
 import * as path from 'node:path';
 import { expect, it } from 'vitest';
+import { engines } from '../lib';
 import { ROOT } from './helpers';
 
-const cli = path.join(ROOT, 'dist', 'demo', 'cli.js');
+const bin = path.join(ROOT, 'bin', 'nixl-node.js');
+const cli = [bin, 'demo'];
 
 it.each([
   [['--prefill-tp', '2', '--decode-tp', '4', '--layers', '4', '--blocks', '32', '--requests', '8']],
@@ -28,7 +32,7 @@ it.each([
 ])(
   'demo %j',
   (args) => {
-    const out = execFileSync(process.execPath, [cli, ...args, '--engine', 'loopback'], {
+    const out = execFileSync(process.execPath, [...cli, ...args, '--engine=loopback'], {
       encoding: 'utf8',
       stdio: ['ignore', 'pipe', 'pipe'],
     });
@@ -38,13 +42,37 @@ it.each([
   60_000,
 );
 
-it('demo rejects bad options with a clear message and exit code 1', () => {
-  let err: { status?: number; stderr?: string } = {};
+function fails(args: string[]): { status?: number; stderr?: string; stdout?: string } {
   try {
-    execFileSync(process.execPath, [cli, '--decode-tp', '3'], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+    execFileSync(process.execPath, [bin, ...args], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
   } catch (e) {
-    err = e as typeof err;
+    return e as { status?: number; stderr?: string };
   }
-  expect(err.status).toBe(1);
-  expect(err.stderr).toMatch(/heads must split over both TP sizes/);
+  throw new Error(`nixl-node ${args.join(' ')} succeeded`);
+}
+
+it.each([
+  [['demo', '--decode-tp', '3'], /heads must split over both TP sizes/],
+  [['demo', '--blocks=abc'], /--blocks must be an integer/],
+  [['demo', '--blocks', '100000000'], /more than one Buffer can/],
+  [['demo', '--layers=64', '--blocks=60000', '--block-kib=64'], /more than one Buffer can|is free/],
+  [['demo', '--method', 'grpc'], /--method must be one of zmq, http/],
+  [['demo', '--bogus'], /Unknown option '--bogus'/],
+  [['bench', '--only=nothing'], /unknown section/],
+  [['frobnicate'], /unknown command 'frobnicate'/],
+  ...(engines.includes('nixl') ? [] : [[['demo', '--engine', 'nixl'], /NIXL is not compiled in/]]),
+] as Array<[string[], RegExp]>)('nixl-node %j: one line, exit code 2', (args, message) => {
+  const r = fails(args);
+  expect(r.status).toBe(2);
+  expect(r.stderr).toMatch(message);
+  expect(r.stderr!.trim().split('\n')).toHaveLength(1);
+});
+
+it('--help everywhere, and info says what loaded', () => {
+  for (const args of [['--help'], ['demo', '--help'], ['bench', '-h'], ['info', '--help']]) {
+    expect(execFileSync(process.execPath, [bin, ...args], { encoding: 'utf8' })).toMatch(/Usage: nixl-node/);
+  }
+  const info = JSON.parse(execFileSync(process.execPath, [bin, 'info', '--json'], { encoding: 'utf8' }));
+  expect(info.engines).toEqual(engines);
+  expect(info.addon).toMatch(/\.node$/);
 });

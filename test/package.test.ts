@@ -40,9 +40,39 @@ b.close();
 console.log('READ ok');
 `;
 
+// npm pack runs prepack (tsc, prebuildify), and prebuildify rebuilds build/:
+// pack a copy, so the tests running beside this one keep their addon.
+function copyTree(): string {
+  const dir = path.join(tmp, 'src');
+  for (const f of [
+    'native',
+    'scripts',
+    'lib',
+    'demo',
+    'bench',
+    'cli',
+    'bin',
+    'binding.gyp',
+    'CMakeLists.txt',
+    'package.json',
+    '.npmrc',
+    'tsconfig.json',
+    'LICENSE',
+    'README.md',
+  ]) {
+    fs.cpSync(path.join(ROOT, f), path.join(dir, f), { recursive: true });
+  }
+  fs.symlinkSync(path.join(ROOT, 'node_modules'), path.join(dir, 'node_modules'));
+  return dir;
+}
+
 beforeAll(() => {
   fs.writeFileSync(path.join(tmp, 'empty-npmrc'), '');
-  const tarball = npm(['pack', '--pack-destination', tmp, '--silent'], ROOT).trim().split('\n').pop()!;
+  const src = copyTree();
+  const tarball = execFileSync('npm', ['pack', '--pack-destination', tmp, '--silent'], { cwd: src, encoding: 'utf8' })
+    .trim()
+    .split('\n')
+    .pop()!;
   fs.mkdirSync(app);
   fs.writeFileSync(path.join(app, 'package.json'), JSON.stringify({ name: 'app', version: '1.0.0', private: true }));
   installLog = npm(

@@ -1,0 +1,63 @@
+// Argument parsing shared by the nixl-node commands: util.parseArgs (so
+// --x=y works), --help everywhere, and a bad value is one line on stderr and
+// exit code 2, never a stack trace.
+import { parseArgs, type ParseArgsConfig } from 'node:util';
+
+export class UsageError extends Error {}
+
+export type Options = NonNullable<ParseArgsConfig['options']>;
+
+/** Parses argv; prints help and exits 0 on --help; throws UsageError on anything wrong. */
+export function parse(argv: string[], options: Options, help: string): Record<string, string | boolean | undefined> {
+  let values: Record<string, string | boolean | (string | boolean)[] | undefined>;
+  try {
+    ({ values } = parseArgs({
+      args: argv,
+      options: { ...options, help: { type: 'boolean', short: 'h' } },
+      strict: true,
+    }));
+  } catch (e) {
+    throw new UsageError(`${(e as Error).message.split('\n')[0]} (try --help)`);
+  }
+  if (values.help) {
+    process.stdout.write(help);
+    process.exit(0);
+  }
+  return values as Record<string, string | boolean | undefined>;
+}
+
+/** A positive integer option, at most max. */
+export function positiveInt(values: Record<string, unknown>, name: string, def: number, max = 1 << 30): number {
+  const v = values[name];
+  if (v === undefined) return def;
+  const n = Number(v);
+  if (!/^\d+$/.test(String(v)) || !Number.isSafeInteger(n) || n < 1 || n > max) {
+    throw new UsageError(`--${name} must be an integer from 1 to ${max}, got '${String(v)}'`);
+  }
+  return n;
+}
+
+export function oneOf<T extends string>(
+  values: Record<string, unknown>,
+  name: string,
+  allowed: readonly T[],
+  def: T,
+): T {
+  const v = values[name];
+  if (v === undefined) return def;
+  if (!allowed.includes(v as T))
+    throw new UsageError(`--${name} must be one of ${allowed.join(', ')}, got '${String(v)}'`);
+  return v as T;
+}
+
+/** Runs a command's main: a UsageError (or a NixlError of bad input) is one line and exit 2. */
+export function run(what: string, main: () => Promise<void>): void {
+  main().catch((e: Error & { code?: string }) => {
+    if (e instanceof UsageError || e?.code === 'NIXL_ERR_INVALID_PARAM' || e?.code === 'NIXL_ERR_NOT_SUPPORTED') {
+      process.stderr.write(`nixl-node ${what}: ${e.message}\n`);
+      process.exit(2);
+    }
+    process.stderr.write(`nixl-node ${what} failed: ${e?.message ?? e}\n`);
+    process.exit(1);
+  });
+}
