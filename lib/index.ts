@@ -8,5 +8,14 @@ export * as handshake from './handshake';
 export { createHandshake } from './handshake';
 export type { HandshakeServer, HandshakeStrategy, HandshakeMethod, FetchOptions, ServeOptions } from './handshake';
 export * as kv from './kv';
-export { KvPuller, PullError, PrefillTracker, servePrefill, planReads, targetRemoteRanks, tpRatio } from './kv';
-export type { KvLayout, PullOptions, PullResult, RemoteEndpoint } from './kv';
+export {
+  KvPuller,
+  PullError,
+  PrefillTracker,
+  servePrefill,
+  planReads,
+  targetRemoteRanks,
+  tpRatio,
+  registerKvMetrics,
+} from './kv';
+export type { KvLayout, KvMetricsOptions, PromRegistry, PullOptions, PullResult, RemoteEndpoint } from './kv';

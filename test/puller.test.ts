@@ -160,3 +160,32 @@ describe('KvPuller', () => {
     await other.close();
   });
 });
+
+describe('metrics in prom-client', () => {
+  it("the puller's and the tracker's counters and histograms land in the caller's Registry", async () => {
+    const { Registry } = await import('prom-client');
+    const { registerKvMetrics } = await import('../lib');
+    const registry = new Registry();
+    const stop = registerKvMetrics(registry, { puller, tracker, labels: { rank: '0' } });
+    const released = tracker.expect('m1', [4, 5]);
+    await puller.pullBlocks({ remote: remote(), localBlockIds: [0, 1], remoteBlockIds: [4, 5], requestId: 'm1' });
+    await released;
+    await expect(
+      puller.pullBlocks({ remote: remote(), localBlockIds: [0], remoteBlockIds: [999], requestId: 'm2' }),
+    ).rejects.toMatchObject({ kind: 'setup' });
+    const text = await registry.metrics();
+    expect(text).toMatch(/^nixl_node_transfers_total\{rank="0"\} 1$/m);
+    expect(text).toMatch(/^nixl_node_failed_transfers_total\{rank="0"\} 1$/m);
+    expect(text).toMatch(new RegExp(`^nixl_node_bytes_transferred_total\\{rank="0"\\} ${2 * 2 * BLOCK}$`, 'm'));
+    expect(text).toMatch(/^nixl_node_transfer_seconds_count\{rank="0"\} 1$/m);
+    expect(text).toMatch(/^nixl_node_post_seconds_bucket\{le="\+Inf",rank="0"\} 1$/m);
+    expect(text).toMatch(/^nixl_node_prefill_released_total\{rank="0",reason="read"\} 1$/m);
+    expect(text).toMatch(/^nixl_node_prefill_hold_seconds_count\{rank="0"\} 1$/m);
+    expect(text).toMatch(/^nixl_node_prefill_pending_requests\{rank="0"\} 0$/m);
+    stop();
+    await puller.pullBlocks({ remote: remote(), localBlockIds: [2], remoteBlockIds: [6], requestId: 'm3' });
+    expect(await registry.metrics()).toMatch(/^nixl_node_transfers_total\{rank="0"\} 1$/m);
+    // The text format without prom-client goes on counting.
+    expect(puller.stats.prometheus({ rank: '0' })).toMatch(/^nixl_node_transfers_total\{rank="0"\} 2$/m);
+  });
+});

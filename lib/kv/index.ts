@@ -4,3 +4,4 @@ export * from './descs';
 export * from './stats';
 export * from './puller';
 export * from './prefill';
+export * from './metrics';

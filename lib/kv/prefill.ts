@@ -65,6 +65,7 @@ export interface Released {
 
 interface Pending {
   blockIds: number[];
+  since: number; // performance.now() at expect()
   timer: NodeJS.Timeout;
   resolve(r: Released): void;
 }
@@ -78,7 +79,14 @@ export interface PrefillTrackerOptions {
   logger?: HandshakeLogger;
 }
 
+/** Told of each release and each notification for an untracked request (registerKvMetrics). */
+export interface PrefillTrackerSink {
+  released(r: Released, heldMs: number): void;
+  unrecognized(): void;
+}
+
 export class PrefillTracker {
+  readonly sinks = new Set<PrefillTrackerSink>();
   readonly #o: PrefillTrackerOptions;
   readonly #pending = new Map<string, Pending>();
   /** Reads reported before expect() was called, with when they came. */
@@ -104,7 +112,7 @@ export class PrefillTracker {
     this.#start();
     return new Promise<Released>((resolve) => {
       const timer = setTimeout(() => this.#finish(requestId, 'expired'), this.#o.expireMs ?? 480_000);
-      this.#pending.set(requestId, { blockIds, timer, resolve });
+      this.#pending.set(requestId, { blockIds, since: performance.now(), timer, resolve });
       const e = this.#early.get(requestId);
       if (e) {
         this.#early.delete(requestId);
@@ -147,6 +155,7 @@ export class PrefillTracker {
       return;
     }
     this.unrecognized++;
+    for (const s of this.sinks) s.unrecognized();
     (this.#o.logger ?? defaultLogger).warn(`notification for request '${requestId}' that is not (yet) tracked`);
     this.#early.set(requestId, e);
     // Forget stale early reports.
@@ -158,7 +167,9 @@ export class PrefillTracker {
     if (!p) return;
     this.#pending.delete(requestId);
     clearTimeout(p.timer);
-    p.resolve({ requestId, blockIds: p.blockIds, reason });
+    const r: Released = { requestId, blockIds: p.blockIds, reason };
+    for (const s of this.sinks) s.released(r, performance.now() - p.since);
+    p.resolve(r);
   }
 
   /** Stops listening; pending requests are released as expired. */

@@ -1,6 +1,6 @@
 // Transfer statistics like vLLM's NixlKVConnectorStats, as an object and as
 // Prometheus text.
-const BUCKETS_MS = [0.1, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 5000];
+export const BUCKETS_MS = [0.1, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 5000];
 
 class Histogram {
   readonly counts = new Array<number>(BUCKETS_MS.length + 1).fill(0);
@@ -38,7 +38,15 @@ export interface KvStatsSnapshot {
   postTimeMs: { sum: number; count: number; avg: number };
 }
 
+/** Told of every record as it happens (registerKvMetrics feeds prom-client from it). */
+export interface KvStatsSink {
+  transfer(bytes: number, descriptors: number, postMs: number, transferMs: number): void;
+  failedTransfer(): void;
+  failedNotification(): void;
+}
+
 export class KvStats {
+  readonly sinks = new Set<KvStatsSink>();
   transfers = 0;
   failedTransfers = 0;
   failedNotifications = 0;
@@ -53,14 +61,17 @@ export class KvStats {
     this.descriptors += descriptors;
     this.#post.observe(postMs);
     this.#xfer.observe(transferMs);
+    for (const s of this.sinks) s.transfer(bytes, descriptors, postMs, transferMs);
   }
 
   recordFailedTransfer(): void {
     this.failedTransfers++;
+    for (const s of this.sinks) s.failedTransfer();
   }
 
   recordFailedNotification(): void {
     this.failedNotifications++;
+    for (const s of this.sinks) s.failedNotification();
   }
 
   snapshot(): KvStatsSnapshot {

@@ -1,0 +1,124 @@
+// The puller's and the tracker's metrics in prom-client, the library Node
+// services already expose: registered in the Registry the caller passes.
+// prom-client is an optional peer dependency, loaded only here; without it,
+// KvStats.prometheus() still gives the text format.
+import type { Registry } from 'prom-client';
+import { NixlError } from '../errors';
+import type { KvPuller } from './puller';
+import type { PrefillTracker } from './prefill';
+import { BUCKETS_MS } from './stats';
+
+/**
+ * A prom-client Registry, typed structurally so that this package's types
+ * compile for users who do not install prom-client.
+ */
+export interface PromRegistry {
+  registerMetric(metric: never): void;
+}
+
+export interface KvMetricsOptions {
+  puller?: KvPuller;
+  tracker?: PrefillTracker;
+  /** Constant labels on every metric, e.g. { engine_id: 'decode-0', rank: '0' }. */
+  labels?: Record<string, string>;
+  /** Metric name prefix. Default 'nixl_node_'. */
+  prefix?: string;
+}
+
+type PromClient = typeof import('prom-client');
+
+function promClient(): PromClient {
+  try {
+    return require('prom-client') as PromClient;
+  } catch (e) {
+    throw new NixlError(
+      'registerKvMetrics needs prom-client: npm install prom-client',
+      'NIXL_ERR_NOT_FOUND',
+      undefined,
+      {
+        cause: e,
+      },
+    );
+  }
+}
+
+/**
+ * Registers counters and histograms of a KvPuller and/or a PrefillTracker in
+ * `registry`; they follow every transfer from now on (counters start at what
+ * the puller counted so far). Returns a function that stops the updates.
+ */
+export function registerKvMetrics(promRegistry: PromRegistry, o: KvMetricsOptions): () => void {
+  const prom = promClient();
+  const registry = promRegistry as unknown as Registry;
+  const p = o.prefix ?? 'nixl_node_';
+  const labels = o.labels ?? {};
+  const labelNames = Object.keys(labels);
+  const buckets = BUCKETS_MS.map((ms) => ms / 1000);
+  const counter = (name: string, help: string, extra: string[] = []) =>
+    new prom.Counter({ name: p + name, help, labelNames: [...labelNames, ...extra], registers: [registry] });
+  const histogram = (name: string, help: string) =>
+    new prom.Histogram({ name: p + name, help, labelNames, buckets, registers: [registry] });
+  const stops: Array<() => void> = [];
+
+  if (o.puller) {
+    const stats = o.puller.stats;
+    const transfers = counter('transfers_total', 'KV block pulls completed');
+    const failed = counter('failed_transfers_total', 'KV block pulls that failed');
+    const failedNotifs = counter('failed_notifications_total', 'notifications that could not be sent');
+    const bytes = counter('bytes_transferred_total', 'bytes pulled');
+    const descs = counter('descriptors_total', 'descriptors posted');
+    const xfer = histogram('transfer_seconds', 'time from post to completion of a pull');
+    const post = histogram('post_seconds', 'time to build and post the transfers of a pull');
+    transfers.inc(labels, stats.transfers);
+    failed.inc(labels, stats.failedTransfers);
+    failedNotifs.inc(labels, stats.failedNotifications);
+    bytes.inc(labels, stats.bytesTransferred);
+    descs.inc(labels, stats.descriptors);
+    const sink = {
+      transfer(b: number, d: number, postMs: number, transferMs: number) {
+        transfers.inc(labels);
+        bytes.inc(labels, b);
+        descs.inc(labels, d);
+        post.observe(labels, postMs / 1000);
+        xfer.observe(labels, transferMs / 1000);
+      },
+      failedTransfer: () => failed.inc(labels),
+      failedNotification: () => failedNotifs.inc(labels),
+    };
+    stats.sinks.add(sink);
+    stops.push(() => stats.sinks.delete(sink));
+  }
+
+  if (o.tracker) {
+    const tracker = o.tracker;
+    const released = counter('prefill_released_total', 'requests whose prefill blocks were freed, by reason', [
+      'reason',
+    ]);
+    const unrecognized = counter(
+      'prefill_unrecognized_notifications_total',
+      'notifications for requests not tracked (yet)',
+    );
+    const held = histogram('prefill_hold_seconds', 'time a request held its prefill blocks');
+    new prom.Gauge({
+      name: `${p}prefill_pending_requests`,
+      help: 'requests whose blocks wait for decode reads',
+      labelNames,
+      registers: [registry],
+      collect() {
+        this.set(labels, tracker.pending);
+      },
+    });
+    const sink = {
+      released(r: { reason: string }, heldMs: number) {
+        released.inc({ ...labels, reason: r.reason });
+        held.observe(labels, heldMs / 1000);
+      },
+      unrecognized: () => unrecognized.inc(labels),
+    };
+    tracker.sinks.add(sink);
+    stops.push(() => tracker.sinks.delete(sink));
+  }
+  return () => {
+    for (const s of stops) s();
+  };
+}
