@@ -149,7 +149,7 @@ export async function runBench(argv: string[]): Promise<void> {
   }
   const svg = v.svg as string | undefined;
   if (svg) {
-    fs.writeFileSync(svg, barChart(`nixl-node bench, ${engine} engine: ${machine}`, panels));
+    fs.writeFileSync(svg, barChart(`nixl-node bench, ${engine} engine`, panels, machine));
     console.log(`wrote ${svg}`);
   }
 }

@@ -15,12 +15,13 @@ function esc(s: string): string {
   return s.replace(/&/g, '&amp;').replace(/</g, '&lt;').replace(/>/g, '&gt;');
 }
 
-export function barChart(title: string, panels: Panel[]): string {
+/** title: one line; subtitle (the machine): a smaller second line, so both fit the width. */
+export function barChart(title: string, panels: Panel[], subtitle = ''): string {
   const W = 760;
   const labelW = 260;
   const barH = 16;
   const gap = 6;
-  let y = 40;
+  let y = subtitle ? 58 : 40;
   const parts: string[] = [];
   for (const p of panels) {
     const max = Math.max(p.reference ?? 0, ...p.bars.map((b) => b.value)) * 1.1 || 1;
@@ -45,6 +46,8 @@ export function barChart(title: string, panels: Panel[]): string {
   }
   return (
     `<svg xmlns="http://www.w3.org/2000/svg" width="${W}" height="${y}" font-family="sans-serif" font-size="12">` +
-    `<rect width="100%" height="100%" fill="white"/><text x="10" y="20" font-size="14" font-weight="bold">${esc(title)}</text>${parts.join('')}</svg>\n`
+    `<rect width="100%" height="100%" fill="white"/><text x="10" y="20" font-size="14" font-weight="bold">${esc(title)}</text>` +
+    (subtitle ? `<text x="10" y="38" font-size="11" fill="#555">${esc(subtitle)}</text>` : '') +
+    `${parts.join('')}</svg>\n`
   );
 }

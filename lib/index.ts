@@ -5,8 +5,15 @@ export type { MemType, MemoryLike, RawDesc } from './descriptors';
 export { NixlError, Status } from './errors';
 export type { NixlErrorCode } from './errors';
 export * as handshake from './handshake';
-export { createHandshake } from './handshake';
-export type { HandshakeServer, HandshakeStrategy, HandshakeMethod, FetchOptions, ServeOptions } from './handshake';
+export { computeCompatibilityHash, createHandshake } from './handshake';
+export type {
+  CompatibilityFactors,
+  HandshakeServer,
+  HandshakeStrategy,
+  HandshakeMethod,
+  FetchOptions,
+  ServeOptions,
+} from './handshake';
 export * as kv from './kv';
 export {
   KvPuller,

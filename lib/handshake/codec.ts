@@ -399,7 +399,30 @@ export interface CompatibilityFactors {
   cacheDtype: string; // e.g. 'auto'
 }
 
+const FACTOR_TYPES: Record<keyof CompatibilityFactors, 'string' | 'number'> = {
+  vllmVersion: 'string',
+  nixlConnectorVersion: 'number',
+  model: 'string',
+  dtype: 'string',
+  numKvHeads: 'number',
+  headSize: 'number',
+  numHiddenLayers: 'number',
+  attnBackendName: 'string',
+  cacheDtype: 'string',
+};
+
 export function computeCompatibilityHash(f: CompatibilityFactors): string {
+  if (typeof f !== 'object' || f === null)
+    throw new HandshakeError('computeCompatibilityHash expects the factors object');
+  for (const [k, t] of Object.entries(FACTOR_TYPES)) {
+    const v = (f as unknown as Record<string, unknown>)[k];
+    if (v === undefined && k === 'nixlConnectorVersion') continue;
+    if (typeof v !== t || (t === 'number' && !Number.isInteger(v))) {
+      throw new HandshakeError(
+        `computeCompatibilityHash: factor '${k}' must be ${t === 'number' ? 'an integer' : 'a string'}, got ${v === undefined ? 'nothing' : JSON.stringify(v)}`,
+      );
+    }
+  }
   return hashFactors({
     vllm_version: f.vllmVersion,
     nixl_connector_version: f.nixlConnectorVersion ?? 2,

@@ -1,0 +1,70 @@
+// Doc test: every TypeScript block of README.md is a complete program that
+// compiles under strict TypeScript (nodenext) against the package by name,
+// and runs, printing what its comments say (`// <printed>` after a
+// console.log). Blocks that only export functions (the NIXL/VRAM one) run
+// as modules that define them.
+import { execFileSync } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { afterAll, expect, it } from 'vitest';
+import { ROOT } from './helpers';
+
+const blocks = [...fs.readFileSync(path.join(ROOT, 'README.md'), 'utf8').matchAll(/```ts\n([\s\S]*?)```/g)].map(
+  (m) => m[1],
+);
+const app = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-readme-'));
+afterAll(() => fs.rmSync(app, { recursive: true, force: true }));
+
+// The package by name, as a user's app sees it (this checkout, built).
+fs.mkdirSync(path.join(app, 'node_modules', '@types'), { recursive: true });
+fs.symlinkSync(ROOT, path.join(app, 'node_modules', 'nixl-node'));
+fs.symlinkSync(path.join(ROOT, 'node_modules', 'prom-client'), path.join(app, 'node_modules', 'prom-client'));
+fs.symlinkSync(path.join(ROOT, 'node_modules', '@types', 'node'), path.join(app, 'node_modules', '@types', 'node'));
+fs.writeFileSync(path.join(app, 'package.json'), JSON.stringify({ name: 'readme-app', private: true }));
+fs.writeFileSync(
+  path.join(app, 'tsconfig.json'),
+  JSON.stringify({
+    compilerOptions: {
+      module: 'nodenext',
+      moduleResolution: 'nodenext',
+      target: 'ES2022',
+      strict: true,
+      outDir: 'out',
+      types: ['node'],
+      skipLibCheck: false,
+    },
+    include: ['*.mts'],
+  }),
+);
+blocks.forEach((b, i) => fs.writeFileSync(path.join(app, `block${i}.mts`), b));
+
+it('README.md has its examples', () => {
+  expect(blocks.length).toBeGreaterThanOrEqual(4);
+});
+
+it('every block compiles under strict TypeScript, importing nixl-node by name', () => {
+  execFileSync(process.execPath, [path.join(ROOT, 'node_modules', 'typescript', 'bin', 'tsc'), '-p', '.'], {
+    cwd: app,
+    encoding: 'utf8',
+  });
+}, 60_000);
+
+it.each(blocks.map((b, i) => [i, b] as const))(
+  'block %i runs and prints what its comments say',
+  (i, b) => {
+    const out = execFileSync(process.execPath, [`out/block${i}.mjs`], {
+      cwd: app,
+      encoding: 'utf8',
+      env: { ...process.env, NIXL_NODE_ENGINE: 'loopback' },
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
+    // `console.log(...);   // expected output` lines, in order.
+    const expected = [...b.matchAll(/console\.log\(.*\);\s*\/\/ (.*)$/gm)].map((m) => m[1].split(':')[0].trim());
+    const lines = out.trim().split('\n');
+    expected.forEach((want, k) =>
+      expect(lines[k], `line ${k} of block ${i}`).toContain(want.replace(/\.\.\./g, '').trim()),
+    );
+  },
+  60_000,
+);
