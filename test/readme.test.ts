@@ -37,7 +37,7 @@ fs.writeFileSync(
     include: ['*.mts'],
   }),
 );
-blocks.forEach((b, i) => fs.writeFileSync(path.join(app, `block${i}.mts`), b));
+for (const [i, b] of blocks.entries()) fs.writeFileSync(path.join(app, `block${i}.mts`), b);
 
 it('README.md has its examples', () => {
   expect(blocks.length).toBeGreaterThanOrEqual(4);
@@ -62,9 +62,9 @@ it.each(blocks.map((b, i) => [i, b] as const))(
     // `console.log(...);   // expected output` lines, in order.
     const expected = [...b.matchAll(/console\.log\(.*\);\s*\/\/ (.*)$/gm)].map((m) => m[1].split(':')[0].trim());
     const lines = out.trim().split('\n');
-    expected.forEach((want, k) =>
-      expect(lines[k], `line ${k} of block ${i}`).toContain(want.replace(/\.\.\./g, '').trim()),
-    );
+    for (const [k, want] of expected.entries()) {
+      expect(lines[k], `line ${k} of block ${i}`).toContain(want.replace(/\.\.\./g, '').trim());
+    }
   },
   60_000,
 );

@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <sstream>
 
 #include "stream_copy.h"
 
@@ -113,12 +112,6 @@ int checkRemoteLive(const Request& req, std::string* err) {
 }
 
 }  // namespace
-
-std::string descStr(const Desc& d) {
-  std::ostringstream os;
-  os << "[0x" << std::hex << d.addr << std::dec << ", +" << d.len << ", dev " << d.devId << "]";
-  return os.str();
-}
 
 int copyRequest(Request& req, std::string* err) {
   return req.remote->sameProcess ? copySameProcess(req, err) : copyOtherProcess(req, err);

@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -25,7 +26,12 @@ namespace nixlnode::loopback {
 
 using Clock = std::chrono::steady_clock;
 
-std::string descStr(const Desc& d);  // "[0x..., +len, dev n]" for messages
+// "[0x..., +len, dev n]", for error messages.
+inline std::string descStr(const Desc& d) {
+  std::ostringstream os;
+  os << "[0x" << std::hex << d.addr << std::dec << ", +" << d.len << ", dev " << d.devId << "]";
+  return os.str();
+}
 
 struct Region {
   Desc d;
