@@ -103,8 +103,8 @@ int checkRemoteLive(const Request& req, std::string* err) {
     *err = "agent '" + ra.name + "' was closed";
     return ERR_REMOTE_DISCONNECT;
   }
-  for (const auto& e : req.remote_)
-    if (!ra.live->alive(e.liveSlot, e.liveWord)) {
+  for (size_t i : req.liveChecks)
+    if (const Entry& e = req.remote_[i]; !ra.live->alive(e.liveSlot, e.liveWord)) {
       *err = "memory " + descStr(e.d) + " of agent '" + ra.name + "' was deregistered";
       return ERR_NOT_FOUND;
     }

@@ -24,6 +24,7 @@
 #include <deque>
 #include <mutex>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -580,6 +581,11 @@ class LoopbackEngine final : public Engine {
     req->remote = std::move(remote);
     req->local = std::move(le);
     req->remote_ = std::move(re);
+    if (!req->remote->sameProcess) {
+      std::set<std::pair<uint32_t, uint64_t>> seen;  // (slot, word): a reused slot has a new word
+      for (size_t i = 0; i < req->remote_.size(); ++i)
+        if (seen.emplace(req->remote_[i].liveSlot, req->remote_[i].liveWord).second) req->liveChecks.push_back(i);
+    }
     req->id = nextHandle_++;
     requests_[req->id] = req;
     return req->id;

@@ -136,6 +136,10 @@ struct Request {
   std::string err;  // written before status is stored
   std::atomic<bool> released{false};
   bool pinned = false;  // posted and not yet run: holds inUse on its regions
+  // Other processes: each distinct registration the remote entries use, once
+  // (index of its first entry), so the liveness check costs per registration,
+  // not per descriptor. Filled when the request is made.
+  std::vector<size_t> liveChecks;
   Telemetry tel{};
   Clock::time_point postedAt;
 };
