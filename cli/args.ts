@@ -57,7 +57,7 @@ export function run(what: string, main: () => Promise<void>): void {
       process.stderr.write(`nixl-node ${what}: ${e.message}\n`);
       process.exit(2);
     }
-    process.stderr.write(`nixl-node ${what} failed: ${e?.message ?? e}\n`);
+    process.stderr.write(`nixl-node ${what} failed: ${e?.code ? `${e.code}: ` : ''}${e?.message ?? e}\n`);
     process.exit(1);
   });
 }

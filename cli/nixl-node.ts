@@ -8,6 +8,7 @@ Usage: nixl-node <command> [options]
   info     package version, engines compiled in, NIXL plugins, which addon build loaded
   demo     disaggregated prefill -> decode KV transfer between processes (nixl-node demo --help)
   bench    bandwidth and handshake benchmarks (nixl-node bench --help)
+  sidechannel fetch|serve   ask a side channel for a rank's metadata, or serve synthetic metadata
 `;
 
 function packageRoot(): string {
@@ -56,6 +57,8 @@ run(cmd ?? '', async () => {
       return (await import('../demo/cli')).runDemo(rest);
     case 'bench':
       return (await import('../bench/run')).runBench(rest);
+    case 'sidechannel':
+      return (await import('./sidechannel')).sidechannel(rest);
     case undefined:
     case '--help':
     case '-h':
