@@ -160,3 +160,34 @@ it('strict TypeScript with nodenext resolution compiles and runs', () => {
     );
   }
 });
+
+// linux-arm64 (Grace hosts): the cross-compiled prebuild, loaded by name by an
+// arm64 Node under qemu-user. CI provides both (see .ci/run); elsewhere the
+// test says what is missing.
+const arm64Node = process.env.NIXL_NODE_ARM64_NODE;
+const qemu = ['/usr/bin/qemu-aarch64', '/usr/bin/qemu-aarch64-static'].find((q) => fs.existsSync(q));
+const armMissing = !arm64Node
+  ? 'NIXL_NODE_ARM64_NODE (an arm64 node binary) is not set'
+  : !qemu
+    ? 'qemu-user is not installed'
+    : '';
+if (armMissing) console.log(`linux-arm64 test skipped: ${armMissing}`);
+
+it.skipIf(!!armMissing)(
+  'linux-arm64: the prebuild ships, loads by name under qemu, and moves bytes',
+  () => {
+    const pkg = path.join(app, 'node_modules', 'nixl-node');
+    expect(fs.readdirSync(path.join(pkg, 'prebuilds'))).toContain('linux-arm64');
+    fs.writeFileSync(
+      path.join(app, 'arm64.cjs'),
+      `const { NixlAgent, DescList, allocate } = require('nixl-node');\nconsole.log(process.arch);\n(async () => {${body}})().catch((e) => { console.error(e); process.exit(1); });`,
+    );
+    const out = execFileSync(qemu!, ['-L', '/usr/aarch64-linux-gnu', arm64Node!, 'arm64.cjs'], {
+      cwd: app,
+      encoding: 'utf8',
+    });
+    expect(out).toContain('arm64');
+    expect(out).toContain('READ ok');
+  },
+  120_000,
+);
