@@ -96,6 +96,17 @@ it('installing compiles nothing: the prebuild loads', () => {
   expect(fs.existsSync(path.join(app, 'node_modules', 'nixl-node', 'build'))).toBe(false);
 });
 
+it('the nixl-node command runs from the app (bin): info names the prebuild, the demo verifies every byte', () => {
+  const bin = path.join(app, 'node_modules', '.bin', 'nixl-node');
+  const info = JSON.parse(execFileSync(bin, ['info', '--json'], { cwd: app, encoding: 'utf8' }));
+  expect(info.addon).toMatch(/^prebuilds\/linux-x64\//);
+  const demo = execFileSync(bin, ['demo', '--engine=loopback', '--layers=2', '--blocks=16', '--requests=4'], {
+    cwd: app,
+    encoding: 'utf8',
+  });
+  expect(demo).toMatch(/verified\s+every byte/);
+}, 60_000);
+
 it('require by name (CommonJS)', () => {
   fs.writeFileSync(
     path.join(app, 'cjs.cjs'),
