@@ -1,4 +1,5 @@
 import { fork, type ChildProcess } from 'node:child_process';
+import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { once } from 'node:events';
 import * as net from 'node:net';
@@ -76,4 +77,22 @@ export async function freePort(): Promise<number> {
   const port = (s.address() as net.AddressInfo).port;
   await new Promise((r) => s.close(r));
   return port;
+}
+
+/**
+ * Makes `dir` a strict TypeScript app (nodenext, ES2022, Node's types from
+ * this checkout), compiling `sources` (tsconfig "files" or "include") to out/.
+ */
+export function strictTsApp(dir: string, sources: { files?: string[]; include?: string[] }): void {
+  fs.mkdirSync(path.join(dir, 'node_modules', '@types'), { recursive: true });
+  fs.symlinkSync(path.join(ROOT, 'node_modules', '@types', 'node'), path.join(dir, 'node_modules', '@types', 'node'));
+  const compilerOptions = {
+    module: 'nodenext',
+    moduleResolution: 'nodenext',
+    target: 'ES2022',
+    strict: true,
+    outDir: 'out',
+    types: ['node'],
+  };
+  fs.writeFileSync(path.join(dir, 'tsconfig.json'), JSON.stringify({ compilerOptions, ...sources }));
 }

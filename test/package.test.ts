@@ -7,7 +7,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { afterAll, beforeAll, expect, it } from 'vitest';
-import { ROOT } from './helpers';
+import { ROOT, strictTsApp } from './helpers';
 
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-pack-'));
 const app = path.join(tmp, 'app');
@@ -121,22 +121,7 @@ it('import by name (ESM, named exports)', () => {
 });
 
 it('strict TypeScript with nodenext resolution compiles and runs', () => {
-  fs.mkdirSync(path.join(app, 'node_modules', '@types'), { recursive: true });
-  fs.symlinkSync(path.join(ROOT, 'node_modules', '@types', 'node'), path.join(app, 'node_modules', '@types', 'node'));
-  fs.writeFileSync(
-    path.join(app, 'tsconfig.json'),
-    JSON.stringify({
-      compilerOptions: {
-        module: 'nodenext',
-        moduleResolution: 'nodenext',
-        target: 'ES2022',
-        strict: true,
-        outDir: 'out',
-        types: ['node'],
-      },
-      files: ['main.mts'],
-    }),
-  );
+  strictTsApp(app, { files: ['main.mts'] });
   fs.writeFileSync(
     path.join(app, 'main.mts'),
     `import { NixlAgent, DescList, allocate, NixlError, type XferState } from 'nixl-node';\nconst s: XferState = 'DONE';\nvoid s;\nvoid NixlError;\n${body}`,

@@ -8,7 +8,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { afterAll, expect, it } from 'vitest';
-import { ROOT } from './helpers';
+import { ROOT, strictTsApp } from './helpers';
 
 const blocks = [...fs.readFileSync(path.join(ROOT, 'README.md'), 'utf8').matchAll(/```ts\n([\s\S]*?)```/g)].map(
   (m) => m[1],
@@ -17,26 +17,10 @@ const app = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-readme-'));
 afterAll(() => fs.rmSync(app, { recursive: true, force: true }));
 
 // The package by name, as a user's app sees it (this checkout, built).
-fs.mkdirSync(path.join(app, 'node_modules', '@types'), { recursive: true });
+strictTsApp(app, { include: ['*.mts'] });
 fs.symlinkSync(ROOT, path.join(app, 'node_modules', 'nixl-node'));
 fs.symlinkSync(path.join(ROOT, 'node_modules', 'prom-client'), path.join(app, 'node_modules', 'prom-client'));
-fs.symlinkSync(path.join(ROOT, 'node_modules', '@types', 'node'), path.join(app, 'node_modules', '@types', 'node'));
 fs.writeFileSync(path.join(app, 'package.json'), JSON.stringify({ name: 'readme-app', private: true }));
-fs.writeFileSync(
-  path.join(app, 'tsconfig.json'),
-  JSON.stringify({
-    compilerOptions: {
-      module: 'nodenext',
-      moduleResolution: 'nodenext',
-      target: 'ES2022',
-      strict: true,
-      outDir: 'out',
-      types: ['node'],
-      skipLibCheck: false,
-    },
-    include: ['*.mts'],
-  }),
-);
 for (const [i, b] of blocks.entries()) fs.writeFileSync(path.join(app, `block${i}.mts`), b);
 
 it('README.md has its examples', () => {
