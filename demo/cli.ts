@@ -149,6 +149,8 @@ export async function runDemo(argv: string[]): Promise<void> {
     numHiddenLayers: o.layers,
     attnBackendName: o.mla ? 'FLASHMLA' : 'FLASH_ATTN',
     cacheDtype: 'auto',
+    isHmaEnabled: false,
+    transferMode: 'pull',
   });
   const pBlock = rankDims(pSpec).blockLen;
   const dBlock = rankDims({ ...base, tpSize: o.decodeTp }).blockLen;

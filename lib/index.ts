@@ -5,9 +5,20 @@ export type { MemType, MemoryLike, RawDesc } from './descriptors';
 export { NixlError, Status } from './errors';
 export type { NixlErrorCode } from './errors';
 export * as handshake from './handshake';
-export { computeCompatibilityHash, createHandshake } from './handshake';
+export {
+  buildKvTransferParams,
+  computeCompatibilityHash,
+  createHandshake,
+  parseKvTransferParams,
+  prefillRequestParams,
+  wireProfile,
+} from './handshake';
 export type {
   CompatibilityFactors,
+  KvTransferParams,
+  NixlAgentMetadata,
+  WireName,
+  WireProfile,
   HandshakeServer,
   HandshakeStrategy,
   HandshakeMethod,

@@ -25,7 +25,7 @@ function cli(args: string[]): Promise<{ code: number; stdout: string; stderr: st
   });
 }
 
-async function serve(method: string, port: number): Promise<ChildProcess> {
+async function serve(method: string, port: number, wire: string, extra: string[] = []): Promise<ChildProcess> {
   server = spawn(
     process.execPath,
     [
@@ -35,9 +35,11 @@ async function serve(method: string, port: number): Promise<ChildProcess> {
       `--port=${port}`,
       '--tp-size=2',
       `--method=${method}`,
+      `--wire=${wire}`,
       '--synthetic',
       '--hash',
       'abc123',
+      ...extra,
     ],
     {
       stdio: ['ignore', 'pipe', 'pipe'],
@@ -50,26 +52,45 @@ async function serve(method: string, port: number): Promise<ChildProcess> {
   return server;
 }
 
-describe.each(['zmq', 'http'])('sidechannel over %s', (method) => {
+describe.each([
+  ['zmq', 'v12'],
+  ['http', 'v12'],
+  ['zmq', 'v0.13'],
+  ['http', 'v0.13'],
+])('sidechannel over %s, wire %s', (method, wire) => {
   it('fetch prints what serve serves; wrong hash, missing rank: the error code and a non-zero exit', async () => {
     const port = await freePort();
-    const srv = await serve(method, port);
-    const text = await cli(['sidechannel', 'fetch', '--port', String(port), '--tp-rank', '1', '--method', method]);
+    const srv = await serve(method, port, wire);
+    const text = await cli([
+      'sidechannel',
+      'fetch',
+      '--port',
+      String(port),
+      '--tp-rank',
+      '1',
+      '--method',
+      method,
+      '--wire',
+      wire,
+    ]);
     expect(text.code, text.stderr).toBe(0);
     expect(text.stdout).toMatch(/engine id\s+synthetic/);
+    expect(text.stdout).toMatch(wire === 'v12' ? /clock offset\s+-?\d+\.\d+ ms/ : /wire v0.13/);
     const json = await cli([
       'sidechannel',
       'fetch',
       `--port=${port}`,
       '--tp-rank=1',
       `--method=${method}`,
+      `--wire=${wire}`,
       '--json',
       '--expect-hash=abc123',
     ]);
     expect(json.code, json.stderr).toBe(0);
     const j = JSON.parse(json.stdout);
     expect(j).toMatchObject({
-      wire: 'v0.13',
+      wire,
+      nixlConnectorVersion: wire === 'v12' ? 12 : 2,
       method,
       compatibilityHash: 'abc123',
       hashVerdict: 'match',
@@ -80,6 +101,25 @@ describe.each(['zmq', 'http'])('sidechannel over %s', (method) => {
     expect(j.kvCachesBaseAddr[0]).toBe(String(0x7f0000000000n + (1n << 32n)));
     expect(Buffer.from(j.agentMetadata, 'hex').toString()).toBe('synthetic agent metadata, tp rank 1');
     expect(typeof j.rttMs).toBe('number');
+    // Both ends are processes of this machine: the offset between their monotonic clocks is finite, not bounded.
+    expect(j.clockOffsetS === null).toBe(wire === 'v0.13');
+    expect(Object.keys(j)).toEqual(
+      expect.arrayContaining(['blockStrides', 'ssmSizes', 'regionMembers', 'physicalBlocksPerLogical']),
+    );
+    // The other profile gets an error that names the mismatch.
+    const other = await cli([
+      'sidechannel',
+      'fetch',
+      '--port',
+      String(port),
+      '--method',
+      method,
+      '--wire',
+      wire === 'v12' ? 'v0.13' : 'v12',
+    ]);
+    expect(other.code).not.toBe(0);
+    expect(other.stderr).toMatch(/NIXL_ERR_MISMATCH/);
+    expect(other.stderr).toMatch(new RegExp(`speaks ${wire.replace('.', '\\.')}`));
     const bad = await cli([
       'sidechannel',
       'fetch',
@@ -87,6 +127,8 @@ describe.each(['zmq', 'http'])('sidechannel over %s', (method) => {
       String(port),
       '--method',
       method,
+      '--wire',
+      wire,
       '--expect-hash',
       'nope',
     ]);
@@ -101,6 +143,8 @@ describe.each(['zmq', 'http'])('sidechannel over %s', (method) => {
       method,
       '--tp-rank',
       '7',
+      '--wire',
+      wire,
       '--timeout-ms',
       '2000',
     ]);
@@ -112,13 +156,28 @@ describe.each(['zmq', 'http'])('sidechannel over %s', (method) => {
   }, 30_000);
 });
 
+it('serve --pp-size: fetch --pp-rank reads each pipeline rank (v12, the default)', async () => {
+  const port = await freePort();
+  await serve('zmq', port, 'v12', ['--pp-size', '2']);
+  const r = await cli(['sidechannel', 'fetch', '--port', String(port), '--pp-rank', '1', '--tp-rank', '1', '--json']);
+  expect(r.code, r.stderr).toBe(0);
+  const j = JSON.parse(r.stdout);
+  expect(j).toMatchObject({ wire: 'v12', ppRank: 1, tpRank: 1 });
+  expect(j.kvCachesBaseAddr[0]).toBe(String(0x7f0000000000n + (1n << 40n) + (1n << 32n)));
+  const none = await cli(['sidechannel', 'fetch', '--port', String(port), '--pp-rank', '2', '--timeout-ms', '2000']);
+  expect(none.code).not.toBe(0);
+  expect(none.stderr).toMatch(/NIXL_ERR_NOT_FOUND.*pp_rank 2/);
+}, 30_000);
+
 it('nobody listening: a timeout with its code; bad usage: exit code 2', async () => {
   const port = await freePort();
   const none = await cli(['sidechannel', 'fetch', '--port', String(port), '--timeout-ms', '300']);
   expect(none.code).toBe(1);
   expect(none.stderr).toMatch(/NIXL_ERR_TIMEOUT/);
   for (const args of [
-    ['sidechannel', 'fetch', '--port', String(port), '--wire', 'v12'],
+    ['sidechannel', 'fetch', '--port', String(port), '--wire', 'v11'],
+    ['sidechannel', 'fetch', '--port', String(port), '--wire', 'v0.13', '--pp-rank', '1'],
+    ['sidechannel', 'serve', '--port', '0', '--tp-size', '2', '--synthetic', '--wire', 'v0.13', '--pp-size', '2'],
     ['sidechannel', 'fetch'],
     ['sidechannel', 'fetch', '--port', 'x'],
     ['sidechannel', 'serve', '--port', '0', '--tp-size', '2'],

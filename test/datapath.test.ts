@@ -5,7 +5,7 @@ import { runInNewContext } from 'node:vm';
 import { afterEach, describe, expect, it } from 'vitest';
 import { Unpackr, Packr } from 'msgpackr';
 import { DescList, NixlAgent, NixlError, allocate } from '../lib';
-import { decodeAgentMetadata, encodeAgentMetadata, packMsgpack } from '../lib/handshake/codec';
+import { decodeAgentMetadata, encodeAgentMetadata, packMsgpack } from '../lib/handshake';
 import { binding } from '../lib/native';
 
 setFlagsFromString('--expose-gc');
@@ -213,9 +213,12 @@ describe('metadata that comes off a wire', () => {
     });
 
   it('kv_caches_base_addr values of 2^64 and above are refused when decoding', () => {
-    expect(decodeAgentMetadata(encodeAgentMetadata(base)).kvCachesBaseAddr).toEqual([0x7f0000000000n]);
+    expect(decodeAgentMetadata(encodeAgentMetadata(base, 'v0.13'), 'v0.13').kvCachesBaseAddr).toEqual([
+      0x7f0000000000n,
+    ]);
     expect(
-      decodeAgentMetadata(encodeAgentMetadata({ ...base, kvCachesBaseAddr: [(1n << 64n) - 1n] })).kvCachesBaseAddr,
+      decodeAgentMetadata(encodeAgentMetadata({ ...base, kvCachesBaseAddr: [(1n << 64n) - 1n] }, 'v0.13'), 'v0.13')
+        .kvCachesBaseAddr,
     ).toEqual([(1n << 64n) - 1n]);
     const f64 = (v: number) =>
       Buffer.concat([
@@ -227,7 +230,7 @@ describe('metadata that comes off a wire', () => {
         })(),
       ]);
     const withRaw = (raw: Buffer) => {
-      const m = encodeAgentMetadata(base);
+      const m = encodeAgentMetadata(base, 'v0.13');
       const at = m.indexOf(packMsgpack(0x7f0000000000n));
       return Buffer.concat([m.subarray(0, at), raw, m.subarray(at + 9)]);
     };
@@ -237,7 +240,9 @@ describe('metadata that comes off a wire', () => {
       withRaw(f64(2 ** 60)),
       withAddr(1n << 64n, new Packr({ useRecords: false, useBigIntExtension: true })),
     ]) {
-      expect(() => decodeAgentMetadata(bad)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }));
+      expect(() => decodeAgentMetadata(bad, 'v0.13')).toThrow(
+        expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }),
+      );
     }
     // Sanity: the extension really decodes to a bigint >= 2^64 in msgpackr.
     expect(
@@ -249,7 +254,7 @@ describe('metadata that comes off a wire', () => {
 
   it('encodeAgentMetadata refuses addresses outside uint64', () => {
     for (const bad of [-1n, 1n << 64n, -1, 1.5, 2 ** 64]) {
-      expect(() => encodeAgentMetadata({ ...base, kvCachesBaseAddr: [bad as bigint] })).toThrow(
+      expect(() => encodeAgentMetadata({ ...base, kvCachesBaseAddr: [bad as bigint] }, 'v0.13')).toThrow(
         expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }),
       );
     }

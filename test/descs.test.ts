@@ -22,7 +22,8 @@ describe('KV descriptors', () => {
     expect(d.length).toBe(2 * 4 * 3);
     expect([...d.slice(0, 6)]).toEqual([1025n, 50n, 3n, 1125n, 50n, 3n]);
     expect([...d.slice(12, 15)]).toEqual([50025n, 50n, 3n]);
-    expect([...blockDescIds(2, 4, [3, 1])]).toEqual([3, 1, 7, 5]);
+    expect([...blockDescIds([4, 4], [3, 1])]).toEqual([3, 1, 7, 5]);
+    expect([...blockDescIds([4, 6, 2], [1])]).toEqual([1, 5, 11]);
   });
 
   it('finds runs where both sides step by one', () => {

@@ -255,7 +255,7 @@ it('the codec, the TP mapping and the errors load without the addon', async () =
     [
       '-e',
       `
-    const c = require('./dist/lib/handshake/codec');
+    const c = require('./dist/lib/handshake');
     const tp = require('./dist/lib/kv/tp');
     const e = require('./dist/lib/errors');
     console.log(typeof c.encodeAgentMetadata, typeof tp.planReads, new e.NixlError('x', 'NIXL_ERR_NOT_FOUND').status);

@@ -1,9 +1,13 @@
 // The TP mapping, table-driven against vLLM's rules.
 import { describe, expect, it } from 'vitest';
-import type { NixlAgentMetadata } from '../lib/handshake/codec';
+import { absentMetadataFields, wireV12, wireV013, type NixlAgentMetadata } from '../lib/handshake';
 import {
   KvLayoutError,
+  completionNotif,
   consumersPerProducer,
+  expectedConsumers,
+  handshakeTargets,
+  notifsToWaitFor,
   isKvReplicated,
   planReads,
   targetRemoteRanks,
@@ -38,8 +42,11 @@ function remote(tpSize: number, heads = 8, mla = false, over: Partial<NixlAgentM
     deviceId: 0,
     numBlocks: 50,
     blockLens: [blockLen, blockLen],
-    kvCacheLayout: 'HND',
+    blockStrides: [blockLen, blockLen],
+    kvCacheLayout: 'LBHNC',
     blockSize: 16,
+    ...absentMetadataFields(),
+    attnBackendName: 'FLASH_ATTN',
     ...over,
   };
 }
@@ -126,6 +133,8 @@ describe('TP mapping (vLLM rules)', () => {
     expect(plan.reads).toEqual([
       {
         remoteRank: 1,
+        ppRank: 0,
+        regionStart: 0,
         local: [
           { offset: 0, len: HEAD },
           { offset: 0, len: HEAD },
@@ -145,25 +154,116 @@ describe('TP mapping (vLLM rules)', () => {
     expect(consumersPerProducer(2, 2)).toBe(1);
   });
 
-  it('refuses layouts that cannot be read, saying why', () => {
+  it('refuses metadata vLLM refuses, naming the field and both values (spec section 4)', () => {
+    const bad = (l: KvLayout, tp: number, r: NixlAgentMetadata, re: RegExp, code = 'NIXL_ERR_MISMATCH') =>
+      expect(() => planReads(l, tp, r)).toThrow(expect.objectContaining({ code, message: expect.stringMatching(re) }));
     expect(() => tpRatio(3, 2)).toThrow(KvLayoutError);
     expect(() => tpRatio(2, 3)).toThrow(/not a multiple/);
-    expect(() => planReads(local(2, 0), 1, remote(1, 8, false, { kvCacheLayout: 'NHD' }))).toThrow(
-      /layout NHD differs/,
+    bad(local(2, 0), 1, remote(1, 8, false, { kvCacheLayout: 'LBNHC' }), /kv_cache_layout: remote LBNHC, local LBHNC/);
+    bad(
+      local(2, 0),
+      1,
+      remote(1, 8, false, { blockLens: [HEAD, HEAD] }),
+      /block_lens\[0\]: remote 1024, local 4096 .*tp_ratio 2/,
     );
-    expect(() => planReads(local(2, 0), 1, remote(1, 8, false, { blockLens: [HEAD, HEAD] }))).toThrow(/x tp_ratio 2/);
-    expect(() => planReads(local(1, 0), 2, remote(2, 8, false, { blockLens: [HEAD, HEAD] }))).toThrow(/\/ 2/);
-    expect(() => planReads(local(1, 0), 1, remote(1, 8, false, { blockLens: [8 * HEAD, 4 * HEAD] }))).toThrow(
-      /same block len/,
+    bad(
+      local(1, 0),
+      2,
+      remote(2, 8, false, { blockLens: [HEAD, HEAD] }),
+      /block_lens\[0\]: remote 1024, local 8192 .*\/ 2/,
     );
-    expect(() => planReads(local(1, 0), 1, remote(1, 8, false, { blockSize: 32 }))).toThrow(/block size 32/);
-    expect(() => planReads(local(1, 0), 1, remote(1, 8, false, { kvCachesBaseAddr: [1n] }))).toThrow(/1 KV regions/);
-    expect(() => planReads(local(2, 0, 8, false, 'NHD'), 1, remote(1, 8, false, { kvCacheLayout: 'NHD' }))).toThrow(
-      /needs the HND layout/,
+    bad(
+      local(1, 0),
+      1,
+      remote(1, 8, false, { blockLens: [8 * HEAD, 4 * HEAD] }),
+      /block_lens\[1\]: remote 4096, local 8192/,
     );
-    expect(() => planReads(local(2, 0, 8, true), 1, remote(1, 8, true, { blockLens: [4096, 2048] }))).toThrow(
-      /must match when replicated/,
+    bad(local(1, 0), 1, remote(1, 8, false, { blockSize: 24 }), /block_size: remote 24, local 16/);
+    bad(local(1, 0), 1, remote(1, 8, false, { blockSize: 8 }), /block size ratio of 2/, 'NIXL_ERR_NOT_SUPPORTED');
+    bad(
+      local(1, 0),
+      1,
+      remote(1, 8, false, { kvCachesBaseAddr: [1n] }),
+      /kv_caches_base_addr \(regions\): remote 1, local 2/,
     );
+    bad(local(2, 0, 8, false, 'NHD'), 1, remote(1, 8, false, { kvCacheLayout: 'LBNHC' }), /heads-major layout/);
+    bad(
+      local(2, 0, 8, true),
+      1,
+      remote(1, 8, true, { blockLens: [4096, 2048] }),
+      /block_lens\[1\]: remote 2048, local 4096/,
+    );
+    bad(
+      local(1, 0),
+      1,
+      remote(1, 8, false, { blockStrides: [8 * HEAD, 4 * HEAD] }),
+      /block_strides\[1\] 4096 is below block_lens\[1\] 8192/,
+    );
+    bad(
+      local(1, 0),
+      1,
+      remote(1, 8, false, { blockStrides: [8 * HEAD] }),
+      /block_strides \(entries\): remote 1, local 2/,
+    );
+    bad(local(1, 0), 1, remote(1, 8, false, { regionNumBlocks: [5] }), /region_num_blocks \(entries\)/);
+    bad(local(1, 0), 1, remote(1, 8, false, { regionGroupIds: [0, 0, 0] }), /region_group_ids \(entries\): remote 3/);
+    bad(
+      local(1, 0),
+      1,
+      remote(1, 8, false, { regionMemTypes: ['VRAM', 'DRAM'] }),
+      /mixed-memory/,
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
+    bad(local(1, 0), 1, remote(1, 8, false, { ssmSizes: [4, 8] }), /ssm_sizes \[4, 8\]/, 'NIXL_ERR_NOT_SUPPORTED');
+    bad(local(1, 0), 1, remote(1, 8, false, { dcpSize: 2 }), /dcp_size: remote 2, local 1/);
+    const named = { ...local(1, 0), regionNames: ['layers.0', 'layers.1'] };
+    bad(
+      named,
+      1,
+      remote(1, 8, false, { regionNames: ['layers.0', 'layers.2'] }),
+      /region_names\[1\]: remote layers.2, local layers.1/,
+    );
+    expect(planReads(named, 1, remote(1, 8, false, { regionNames: ['layers.0', 'layers.1'] })).reads).toHaveLength(1);
+    expect(planReads(named, 1, remote(1, 8, false, { regionNames: null })).reads).toHaveLength(1);
     expect(() => tpRatio(3, 2)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_MISMATCH' }));
+  });
+
+  it('pipeline ranks: each maps to the next of our regions, and handshake targets are only real ranks', () => {
+    const l = { ...local(2, 1), baseAddrs: [1n, 2n, 3n, 4n], blockLens: Array(4).fill(4 * HEAD) };
+    const r = (n: number) =>
+      remote(1, 8, false, {
+        kvCachesBaseAddr: Array(n).fill(0x9000n),
+        blockLens: Array(n).fill(8 * HEAD),
+        blockStrides: Array(n).fill(8 * HEAD),
+      });
+    const p1 = planReads(l, 1, r(3), { ppRank: 1, regionStart: 1 });
+    expect(p1.reads[0]).toMatchObject({ ppRank: 1, regionStart: 1, remoteOffset: [4 * HEAD, 4 * HEAD, 4 * HEAD] });
+    expect(() => planReads(l, 1, r(4), { ppRank: 1, regionStart: 1 })).toThrow(/regions\): remote 4, local 3/);
+    expect(handshakeTargets(4, 3, { tpSize: 2, ppSize: 2 })).toEqual([
+      { ppRank: 0, tpRank: 1 },
+      { ppRank: 1, tpRank: 1 },
+    ]);
+    expect(handshakeTargets(2, 1, { tpSize: 4 })).toEqual([
+      { ppRank: 0, tpRank: 2 },
+      { ppRank: 0, tpRank: 3 },
+    ]);
+    expect(() => handshakeTargets(2, 1, { tpSize: 4, dcpSize: 2 })).toThrow(
+      expect.objectContaining({ code: 'NIXL_ERR_NOT_SUPPORTED' }),
+    );
+  });
+
+  it('completion notifications: v0.13 sends the decode TP size, v12 the count the prefill rank waits for', () => {
+    // D_tp 4 reading P_tp 2: each P rank is read by 2 D ranks.
+    expect(completionNotif(wireV013, 'req-1', 4, 2)).toBe('req-1:4');
+    expect(completionNotif(wireV12, 'req-1', 4, 2)).toBe('req-1:2');
+    expect(completionNotif(wireV12, 'req:with:colons', 2, 4)).toBe('req:with:colons:1');
+    expect(notifsToWaitFor(wireV013, 4, 2)).toBe(2);
+    expect(notifsToWaitFor(wireV12, 2, 2)).toBe(2);
+    expect(notifsToWaitFor(wireV12, 0, 2)).toBe(1);
+    // DCP rules (vLLM's dcp_consumer_count).
+    expect(expectedConsumers(4, 2, 1, 2)).toBe(4);
+    expect(expectedConsumers(4, 2, 4, 2)).toBe(2);
+    expect(expectedConsumers(4, 2, 1, 4)).toBe(4);
+    expect(expectedConsumers(2, 8)).toBe(1);
   });
 });

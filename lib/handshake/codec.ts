@@ -1,36 +1,13 @@
-// The wire format, in one file: vLLM NixlConnector's handshake messages,
-// byte-compatible with what vLLM (msgspec) puts on the wire.
-//
-//   NixlHandshakePayload = msgpack map {compatibility_hash: str, agent_metadata_bytes: bin}
-//   agent_metadata_bytes = msgpack map NixlAgentMetadata {engine_id, agent_metadata (bin),
-//       kv_caches_base_addr [uint], device_id, num_blocks, block_lens [uint],
-//       kv_cache_layout 'HND'|'NHD', block_size}
-//   ZMQ request          = msgpack [b"get_meta_msg", tp_rank]  (or [msg, pp_rank, tp_rank],
-//                          or the bare bytes b"get_meta_msg" of the per-rank-port form)
-//
-// Encoding is our own minimal msgpack writer (smallest int/str/bin/array/map
-// headers, keys in field order: exactly msgspec's output); 64-bit addresses
-// travel as uint64, never float64. Decoding uses msgpackr, then checks every
-// field's type.
+// What both wire profiles share: a msgpack writer with msgspec's encoding
+// (smallest int/str/bin/array/map headers, map keys in field order, 64-bit
+// addresses as uint64, floats only where a field is a float), a strict
+// reader, a field-table codec that the profiles (wire-v0.13.ts, wire-v12.ts)
+// describe their maps with, the NixlHandshakePayload envelope, and Python's
+// json.dumps for vLLM's compatibility hash.
 import { createHash } from 'node:crypto';
-import { Unpackr } from 'msgpackr';
 import { NixlError } from '../errors';
 
 export const GET_META_MSG = Buffer.from('get_meta_msg');
-
-export type KvCacheLayout = 'HND' | 'NHD';
-
-/** vLLM's NixlAgentMetadata. */
-export interface NixlAgentMetadata {
-  engineId: string;
-  agentMetadata: Buffer;
-  kvCachesBaseAddr: bigint[];
-  deviceId: number;
-  numBlocks: number;
-  blockLens: number[];
-  kvCacheLayout: KvCacheLayout;
-  blockSize: number;
-}
 
 /** vLLM's NixlHandshakePayload, with the inner metadata still encoded. */
 export interface HandshakePayload {
@@ -47,7 +24,12 @@ export class HandshakeError extends NixlError {
 
 // ---- msgpack writer ---------------------------------------------------------
 
-type MpValue = string | number | bigint | boolean | null | Buffer | MpValue[] | Map<string, MpValue>;
+/** A msgpack float64 (msgspec encodes a Python float as 0xcb even when it is whole). */
+export class Float64 {
+  constructor(readonly value: number) {}
+}
+
+export type MpValue = string | number | bigint | boolean | null | Buffer | Float64 | MpValue[] | Map<string, MpValue>;
 
 class Writer {
   #chunks: Buffer[] = [];
@@ -118,7 +100,12 @@ class Writer {
     if (v === null) this.#chunks.push(Buffer.from([0xc0]));
     else if (v === true || v === false) this.#chunks.push(Buffer.from([v ? 0xc3 : 0xc2]));
     else if (typeof v === 'bigint') this.int(v);
-    else if (typeof v === 'number') {
+    else if (v instanceof Float64) {
+      const b = Buffer.alloc(9);
+      b[0] = 0xcb;
+      b.writeDoubleBE(v.value, 1);
+      this.#chunks.push(b);
+    } else if (typeof v === 'number') {
       if (!Number.isSafeInteger(v))
         throw new HandshakeError(`${v} is not an integer the wire format can carry exactly`);
       this.int(BigInt(v));
@@ -154,12 +141,154 @@ export function packMsgpack(v: MpValue): Buffer {
 }
 
 // ---- msgpack reader ---------------------------------------------------------
+// Our own, not msgpackr: msgspec's typed decoder tells an int from a float
+// (1 vs 1.0) and str from bin, and refuses trailing bytes; msgpackr turns
+// 1.0 into 1, so a float where vLLM sends an int would pass unnoticed.
+// Ints come back as numbers when exact, else as bigints (int64/uint64
+// range); floats as Float64; maps as null-prototype objects with string keys.
 
-const unpackr = new Unpackr({ useRecords: false, mapsAsObjects: true, int64AsType: 'bigint' });
+const MAX_DEPTH = 32;
+
+class Reader {
+  #p = 0;
+  constructor(private readonly b: Buffer) {}
+
+  #need(n: number): void {
+    if (this.#p + n > this.b.length) throw new Error(`truncated at byte ${this.#p}`);
+  }
+
+  #u8(): number {
+    this.#need(1);
+    return this.b[this.#p++];
+  }
+
+  #bytes(n: number): Buffer {
+    this.#need(n);
+    const out = this.b.subarray(this.#p, this.#p + n);
+    this.#p += n;
+    return out;
+  }
+
+  #uint(size: 1 | 2 | 4): number {
+    this.#need(size);
+    const v = size === 1 ? this.b[this.#p] : size === 2 ? this.b.readUInt16BE(this.#p) : this.b.readUInt32BE(this.#p);
+    this.#p += size;
+    return v;
+  }
+
+  #int(v: bigint): number | bigint {
+    return v >= BigInt(Number.MIN_SAFE_INTEGER) && v <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(v) : v;
+  }
+
+  #str(n: number): string {
+    const s = this.#bytes(n);
+    const t = s.toString('utf8');
+    if (!Buffer.from(t, 'utf8').equals(s)) throw new Error('a str that is not valid UTF-8');
+    return t;
+  }
+
+  #array(n: number, depth: number): unknown[] {
+    if (n > this.b.length - this.#p) throw new Error(`array of ${n} elements in ${this.b.length - this.#p} bytes`);
+    const out: unknown[] = [];
+    for (let i = 0; i < n; i++) out.push(this.value(depth + 1));
+    return out;
+  }
+
+  #map(n: number, depth: number): Record<string, unknown> {
+    if (n > this.b.length - this.#p) throw new Error(`map of ${n} entries in ${this.b.length - this.#p} bytes`);
+    const out: Record<string, unknown> = Object.create(null);
+    for (let i = 0; i < n; i++) {
+      const k = this.value(depth + 1);
+      if (typeof k !== 'string') throw new Error('a map key that is not a str');
+      out[k] = this.value(depth + 1);
+    }
+    return out;
+  }
+
+  value(depth = 0): unknown {
+    if (depth > MAX_DEPTH) throw new Error(`nested deeper than ${MAX_DEPTH}`);
+    const c = this.#u8();
+    if (c <= 0x7f) return c;
+    if (c >= 0xe0) return c - 0x100;
+    if ((c & 0xf0) === 0x80) return this.#map(c & 0x0f, depth);
+    if ((c & 0xf0) === 0x90) return this.#array(c & 0x0f, depth);
+    if ((c & 0xe0) === 0xa0) return this.#str(c & 0x1f);
+    switch (c) {
+      case 0xc0:
+        return null;
+      case 0xc2:
+        return false;
+      case 0xc3:
+        return true;
+      case 0xc4:
+        return Buffer.from(this.#bytes(this.#uint(1)));
+      case 0xc5:
+        return Buffer.from(this.#bytes(this.#uint(2)));
+      case 0xc6:
+        return Buffer.from(this.#bytes(this.#uint(4)));
+      case 0xca:
+        this.#need(4);
+        this.#p += 4;
+        return new Float64(this.b.readFloatBE(this.#p - 4));
+      case 0xcb:
+        this.#need(8);
+        this.#p += 8;
+        return new Float64(this.b.readDoubleBE(this.#p - 8));
+      case 0xcc:
+        return this.#uint(1);
+      case 0xcd:
+        return this.#uint(2);
+      case 0xce:
+        return this.#uint(4);
+      case 0xcf:
+        this.#need(8);
+        this.#p += 8;
+        return this.#int(this.b.readBigUInt64BE(this.#p - 8));
+      case 0xd0:
+        this.#need(1);
+        return this.b.readInt8(this.#p++);
+      case 0xd1:
+        this.#need(2);
+        this.#p += 2;
+        return this.b.readInt16BE(this.#p - 2);
+      case 0xd2:
+        this.#need(4);
+        this.#p += 4;
+        return this.b.readInt32BE(this.#p - 4);
+      case 0xd3:
+        this.#need(8);
+        this.#p += 8;
+        return this.#int(this.b.readBigInt64BE(this.#p - 8));
+      case 0xd9:
+        return this.#str(this.#uint(1));
+      case 0xda:
+        return this.#str(this.#uint(2));
+      case 0xdb:
+        return this.#str(this.#uint(4));
+      case 0xdc:
+        return this.#array(this.#uint(2), depth);
+      case 0xdd:
+        return this.#array(this.#uint(4), depth);
+      case 0xde:
+        return this.#map(this.#uint(2), depth);
+      case 0xdf:
+        return this.#map(this.#uint(4), depth);
+      default:
+        throw new Error(`type byte 0x${c.toString(16)} (ext types are not part of this format)`);
+    }
+  }
+
+  end(): void {
+    if (this.#p !== this.b.length) throw new Error(`${this.b.length - this.#p} trailing bytes`);
+  }
+}
 
 export function unpackMsgpack(buf: Uint8Array, what: string): unknown {
+  const r = new Reader(Buffer.from(buf.buffer, buf.byteOffset, buf.byteLength));
   try {
-    return unpackr.unpack(Buffer.from(buf.buffer, buf.byteOffset, buf.byteLength));
+    const v = r.value();
+    r.end();
+    return v;
   } catch (e) {
     throw new HandshakeError(`${what}: not valid msgpack (${(e as Error).message})`, 'NIXL_ERR_INVALID_PARAM', {
       cause: e,
@@ -167,42 +296,59 @@ export function unpackMsgpack(buf: Uint8Array, what: string): unknown {
   }
 }
 
-function field<T>(
-  obj: Record<string, unknown>,
-  key: string,
-  what: string,
-  check: (v: unknown) => T | undefined,
-  expected: string,
-): T {
-  if (!(key in obj)) throw new HandshakeError(`${what}: missing key '${key}'`);
-  const v = check(obj[key]);
-  if (v === undefined) throw new HandshakeError(`${what}: key '${key}' must be ${expected}, got ${describe(obj[key])}`);
-  return v;
+// ---- field tables -----------------------------------------------------------
+// A profile describes each map it sends as a table of fields; one codec
+// encodes, decodes, checks types and converts to JSON from it.
+
+export type FieldType =
+  | 'str'
+  | 'bin'
+  | 'bool'
+  | 'int' // any int64/uint64 that a JS number holds exactly
+  | 'uint'
+  | 'float' // a float, or an int (msgspec's float accepts both)
+  | 'u64[]' // addresses: bigint
+  | 'uint[]'
+  | 'int[]'
+  | 'uint[][]'
+  | 'int2' // tuple[int, int]
+  | 'str[]'
+  | 'str[][]';
+
+export interface FieldSpec {
+  key: string;
+  /** Property of the model object. */
+  prop: string;
+  type: FieldType;
+  /** Absent from the wire: an error. Otherwise `default` is used. */
+  required?: boolean;
+  /** nil on the wire means null. */
+  nullable?: boolean;
+  default?: unknown;
+  /** Added to a type error: which other format sends this shape. */
+  hint?: string;
 }
+
+const UINT64_END = 1n << 64n;
 
 function describe(v: unknown): string {
   if (v === null) return 'nil';
-  if (Array.isArray(v)) return 'an array';
-  if (v instanceof Uint8Array) return 'bytes';
+  if (Array.isArray(v)) return `an array of ${v.length}`;
+  if (v instanceof Uint8Array) return 'bin';
+  if (v instanceof Float64) return `float ${v.value}`;
+  if (typeof v === 'string') return `str ${JSON.stringify(v.length > 40 ? `${v.slice(0, 40)}...` : v)}`;
+  if (typeof v === 'number' || typeof v === 'bigint') return `int ${v}`;
+  if (typeof v === 'boolean') return `bool ${v}`;
   return typeof v;
 }
 
-const asStr = (v: unknown) => (typeof v === 'string' ? v : undefined);
-const asBin = (v: unknown) => (v instanceof Uint8Array ? Buffer.from(v.buffer, v.byteOffset, v.byteLength) : undefined);
-const UINT64_END = 1n << 64n;
-// An address: a uint64 (msgpack uint 64 decodes to a bigint) or an exact
-// number. A float64 past 2^53 is no exact address, and a bigint extension may
-// carry values past 2^64 that a BigUint64Array would silently wrap.
+const isInt = (v: unknown): v is number => typeof v === 'number' && Number.isSafeInteger(v);
 const asUint64 = (v: unknown): bigint | undefined => {
   if (typeof v === 'bigint') return v >= 0n && v < UINT64_END ? v : undefined;
-  if (typeof v === 'number' && Number.isSafeInteger(v) && v >= 0) return BigInt(v);
+  if (isInt(v) && v >= 0) return BigInt(v);
   return undefined;
 };
-const asSmallUint = (v: unknown): number | undefined => {
-  const b = asUint64(v);
-  return b !== undefined && b <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(b) : undefined;
-};
-const asList =
+const listOf =
   <T>(el: (v: unknown) => T | undefined) =>
   (v: unknown): T[] | undefined => {
     if (!Array.isArray(v)) return undefined;
@@ -214,118 +360,146 @@ const asList =
     }
     return out;
   };
-const asMap = (v: unknown): Record<string, unknown> | undefined =>
-  typeof v === 'object' && v !== null && !Array.isArray(v) && !(v instanceof Uint8Array)
-    ? (v as Record<string, unknown>)
-    : undefined;
+const asInt = (v: unknown) => (isInt(v) ? v : undefined);
+const asUint = (v: unknown) => (isInt(v) && v >= 0 ? v : undefined);
+const asStr = (v: unknown) => (typeof v === 'string' ? v : undefined);
 
-// ---- NixlAgentMetadata ------------------------------------------------------
+const READERS: Record<FieldType, [(v: unknown) => unknown, string]> = {
+  str: [asStr, 'a str'],
+  bin: [(v) => (v instanceof Uint8Array ? Buffer.from(v.buffer, v.byteOffset, v.byteLength) : undefined), 'bin'],
+  bool: [(v) => (typeof v === 'boolean' ? v : undefined), 'a bool'],
+  int: [asInt, 'an int'],
+  uint: [asUint, 'an unsigned int'],
+  float: [(v) => (v instanceof Float64 ? v.value : isInt(v) ? v : undefined), 'a float'],
+  'u64[]': [listOf(asUint64), 'an array of uint64 addresses'],
+  'uint[]': [listOf(asUint), 'an array of unsigned ints'],
+  'int[]': [listOf(asInt), 'an array of ints'],
+  'uint[][]': [listOf(listOf(asUint)), 'an array of arrays of unsigned ints'],
+  int2: [(v) => (Array.isArray(v) && v.length === 2 ? listOf(asInt)(v) : undefined), 'an array of exactly 2 ints'],
+  'str[]': [listOf(asStr), 'an array of str'],
+  'str[][]': [listOf(listOf(asStr)), 'an array of arrays of str'],
+};
 
-export function encodeAgentMetadata(m: NixlAgentMetadata): Buffer {
-  if (m.kvCacheLayout !== 'HND' && m.kvCacheLayout !== 'NHD')
-    throw new HandshakeError(`kv_cache_layout must be 'HND' or 'NHD'`);
-  return packMsgpack(
-    new Map<string, MpValue>([
-      ['engine_id', m.engineId],
-      ['agent_metadata', Buffer.from(m.agentMetadata)],
-      [
-        'kv_caches_base_addr',
-        m.kvCachesBaseAddr.map((a, i) => {
-          const v = asUint64(a);
-          if (v === undefined) throw new HandshakeError(`kv_caches_base_addr[${i}] = ${String(a)} is not a uint64`);
-          return v;
-        }),
-      ],
-      ['device_id', m.deviceId],
-      ['num_blocks', m.numBlocks],
-      ['block_lens', m.blockLens],
-      ['kv_cache_layout', m.kvCacheLayout],
-      ['block_size', m.blockSize],
-    ]),
-  );
+/** Reads one map by its table: missing required keys and type mismatches name the key and what came. */
+export function decodeFields(fields: readonly FieldSpec[], o: unknown, what: string): Record<string, unknown> {
+  if (typeof o !== 'object' || o === null || Array.isArray(o) || o instanceof Uint8Array || o instanceof Float64)
+    throw new HandshakeError(`${what}: expected a map, got ${describe(o)}`);
+  const m = o as Record<string, unknown>;
+  const out: Record<string, unknown> = {};
+  for (const f of fields) {
+    if (!Object.hasOwn(m, f.key)) {
+      if (f.required)
+        throw new HandshakeError(`${what}: missing required field '${f.key}'${f.hint ? ` (${f.hint})` : ''}`);
+      out[f.prop] = structuredClone(f.default);
+      continue;
+    }
+    const v = m[f.key];
+    if (v === null && f.nullable) {
+      out[f.prop] = null;
+      continue;
+    }
+    const [read, expected] = READERS[f.type];
+    const got = read(v);
+    if (got === undefined)
+      throw new HandshakeError(
+        `${what}: field '${f.key}' must be ${expected}${f.nullable ? ' or nil' : ''}, got ${describe(v)}${f.hint ? ` (${f.hint})` : ''}`,
+      );
+    out[f.prop] = got;
+  }
+  return out;
 }
 
-export function decodeAgentMetadata(buf: Uint8Array): NixlAgentMetadata {
-  const what = 'NixlAgentMetadata';
-  const o = asMap(unpackMsgpack(buf, what));
-  if (!o) throw new HandshakeError(`${what}: expected a msgpack map`);
-  const layout = field(o, 'kv_cache_layout', what, asStr, 'a string');
-  if (layout !== 'HND' && layout !== 'NHD')
-    throw new HandshakeError(`${what}: kv_cache_layout must be 'HND' or 'NHD', got '${layout}'`);
-  return {
-    engineId: field(o, 'engine_id', what, asStr, 'a string'),
-    agentMetadata: field(o, 'agent_metadata', what, asBin, 'bytes'),
-    kvCachesBaseAddr: field(o, 'kv_caches_base_addr', what, asList(asUint64), 'a list of uint64 addresses'),
-    deviceId: field(o, 'device_id', what, asSmallUint, 'an unsigned integer'),
-    numBlocks: field(o, 'num_blocks', what, asSmallUint, 'an unsigned integer'),
-    blockLens: field(o, 'block_lens', what, asList(asSmallUint), 'a list of unsigned integers'),
-    kvCacheLayout: layout,
-    blockSize: field(o, 'block_size', what, asSmallUint, 'an unsigned integer'),
-  };
+/** Writes one map by its table, keys in table order (msgspec's field order). */
+export function encodeFields(
+  fields: readonly FieldSpec[],
+  obj: Record<string, unknown>,
+  what: string,
+): Map<string, MpValue> {
+  const out = new Map<string, MpValue>();
+  for (const f of fields) {
+    let v = obj[f.prop];
+    if (v === undefined) {
+      if (f.required && f.default === undefined) throw new HandshakeError(`${what}: '${f.prop}' is required`);
+      v = f.default ?? null;
+    }
+    if (v === null) {
+      if (!f.nullable) throw new HandshakeError(`${what}: '${f.prop}' must not be null`);
+      out.set(f.key, null);
+      continue;
+    }
+    const [read, expected] = READERS[f.type];
+    const ok = f.type === 'float' ? typeof v === 'number' && Number.isFinite(v) : read(v) !== undefined;
+    if (!ok) throw new HandshakeError(`${what}: '${f.prop}' must be ${expected}, got ${describe(v)}`);
+    out.set(f.key, toWire(f.type, v));
+  }
+  return out;
+}
+
+function toWire(t: FieldType, v: unknown): MpValue {
+  if (t === 'bin') return Buffer.from(v as Uint8Array);
+  if (t === 'float') return new Float64(v as number);
+  if (t === 'u64[]') return (v as Array<bigint | number>).map((a) => BigInt(a));
+  return v as MpValue;
+}
+
+/** The same table as JSON: bin as base64, addresses past 2^53 as decimal strings, nil as null. */
+export function fieldsToJson(fields: readonly FieldSpec[], obj: Record<string, unknown>): Record<string, unknown> {
+  const out: Record<string, unknown> = {};
+  for (const f of fields) {
+    const v = obj[f.prop] ?? (f.default === undefined ? null : f.default);
+    if (v === null) out[f.key] = null;
+    else if (f.type === 'bin') out[f.key] = Buffer.from(v as Uint8Array).toString('base64');
+    else if (f.type === 'u64[]')
+      out[f.key] = (v as bigint[]).map((a) => (a <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(a) : a.toString()));
+    else out[f.key] = v;
+  }
+  return out;
+}
+
+/** Reads fieldsToJson's output back, with decodeFields' checks. */
+export function fieldsFromJson(fields: readonly FieldSpec[], o: unknown, what: string): Record<string, unknown> {
+  if (typeof o !== 'object' || o === null || Array.isArray(o))
+    throw new HandshakeError(`${what}: expected a JSON object`);
+  const src = o as Record<string, unknown>;
+  const m: Record<string, unknown> = Object.create(null);
+  for (const [k, v] of Object.entries(src)) m[k] = v;
+  for (const f of fields) {
+    if (!Object.hasOwn(m, f.key) || m[f.key] === null) continue;
+    const v = m[f.key];
+    if (f.type === 'bin') {
+      if (typeof v !== 'string' || !/^[A-Za-z0-9+/]*={0,2}$/.test(v))
+        throw new HandshakeError(`${what}: field '${f.key}' must be base64, got ${describe(v)}`);
+      m[f.key] = Buffer.from(v, 'base64');
+    } else if (f.type === 'u64[]' && Array.isArray(v)) {
+      m[f.key] = v.map((a) => (typeof a === 'string' && /^\d{1,20}$/.test(a) ? BigInt(a) : a));
+    } else if (f.type === 'float' && typeof v === 'number' && !Number.isInteger(v)) {
+      m[f.key] = new Float64(v);
+    }
+  }
+  return decodeFields(fields, m, what);
 }
 
 // ---- NixlHandshakePayload ---------------------------------------------------
 
+// The same envelope in both profiles (vLLM's NixlHandshakePayload).
+const PAYLOAD_FIELDS: readonly FieldSpec[] = [
+  { key: 'compatibility_hash', prop: 'compatibilityHash', type: 'str', required: true },
+  { key: 'agent_metadata_bytes', prop: 'agentMetadataBytes', type: 'bin', required: true },
+];
+
 export function encodeHandshakePayload(p: HandshakePayload): Buffer {
-  return packMsgpack(
-    new Map<string, MpValue>([
-      ['compatibility_hash', p.compatibilityHash],
-      ['agent_metadata_bytes', Buffer.from(p.agentMetadataBytes)],
-    ]),
-  );
+  return packMsgpack(encodeFields(PAYLOAD_FIELDS, p as unknown as Record<string, unknown>, 'NixlHandshakePayload'));
 }
 
 export function decodeHandshakePayload(buf: Uint8Array): HandshakePayload {
   const what = 'NixlHandshakePayload';
-  const o = asMap(unpackMsgpack(buf, what));
-  if (!o) throw new HandshakeError(`${what}: expected a msgpack map`);
-  if (typeof o.error === 'string')
-    throw new HandshakeError(`peer answered with an error: ${o.error}`, 'NIXL_ERR_NOT_FOUND');
-  return {
-    compatibilityHash: field(o, 'compatibility_hash', what, asStr, 'a string'),
-    agentMetadataBytes: field(o, 'agent_metadata_bytes', what, asBin, 'bytes'),
-  };
-}
-
-/** Checks the hash (unless expected is undefined) and decodes the inner metadata. */
-export function openHandshakePayload(p: HandshakePayload, expectedHash: string | undefined): NixlAgentMetadata {
-  if (expectedHash !== undefined && p.compatibilityHash !== expectedHash) {
-    throw new HandshakeError(
-      `compatibility hash mismatch: remote ${p.compatibilityHash}, local ${expectedHash} ` +
-        '(different vLLM/connector version, model, dtype or attention backend)',
-      'NIXL_ERR_MISMATCH',
-    );
+  const o = unpackMsgpack(buf, what) as Record<string, unknown>;
+  if (typeof o === 'object' && o !== null && typeof o.error === 'string') {
+    const code = typeof o.code === 'string' && /^NIXL_ERR_[A-Z_]+$/.test(o.code) ? o.code : 'NIXL_ERR_NOT_FOUND';
+    throw new HandshakeError(`peer answered with an error: ${o.error}`, code);
   }
-  return decodeAgentMetadata(p.agentMetadataBytes);
-}
-
-// ---- ZMQ request ------------------------------------------------------------
-
-export interface MetaRequest {
-  tpRank: number | undefined; // undefined: the bare per-rank-port form
-  ppRank?: number;
-}
-
-export function encodeMetaRequest(tpRank: number, ppRank?: number): Buffer {
-  return packMsgpack(ppRank === undefined ? [GET_META_MSG, tpRank] : [GET_META_MSG, ppRank, tpRank]);
-}
-
-export function decodeMetaRequest(buf: Uint8Array): MetaRequest {
-  if (Buffer.from(buf.buffer, buf.byteOffset, buf.byteLength).equals(GET_META_MSG)) return { tpRank: undefined };
-  const v = unpackMsgpack(buf, 'handshake request');
-  if (!Array.isArray(v) || (v.length !== 2 && v.length !== 3)) {
-    throw new HandshakeError('handshake request: expected [get_meta_msg, tp_rank] or [get_meta_msg, pp_rank, tp_rank]');
-  }
-  const msg = v[0];
-  const isGet = (msg instanceof Uint8Array && Buffer.from(msg).equals(GET_META_MSG)) || msg === 'get_meta_msg';
-  if (!isGet)
-    throw new HandshakeError(`handshake request: unknown message ${JSON.stringify(String(msg)).slice(0, 64)}`);
-  const tp = asSmallUint(v[v.length - 1]);
-  if (tp === undefined) throw new HandshakeError('handshake request: tp_rank must be an unsigned integer');
-  const pp = v.length === 3 ? asSmallUint(v[1]) : undefined;
-  if (v.length === 3 && pp === undefined)
-    throw new HandshakeError('handshake request: pp_rank must be an unsigned integer');
-  return { tpRank: tp, ppRank: pp };
+  const p = decodeFields(PAYLOAD_FIELDS, o, what);
+  return { compatibilityHash: p.compatibilityHash as string, agentMetadataBytes: p.agentMetadataBytes as Buffer };
 }
 
 // ---- compatibility hash -----------------------------------------------------
@@ -384,54 +558,4 @@ function pyString(s: string): string {
 /** vLLM's hash_factors: sha256(json.dumps(factors, sort_keys=True)).hexdigest(). */
 export function hashFactors(factors: { [k: string]: HashFactor }): string {
   return createHash('sha256').update(pyJsonDumps(factors), 'utf8').digest('hex');
-}
-
-/** The factors vLLM's compute_nixl_compatibility_hash uses. */
-export interface CompatibilityFactors {
-  vllmVersion: string;
-  nixlConnectorVersion?: number; // vLLM's NIXL_CONNECTOR_VERSION (2 in v0.13)
-  model: string;
-  dtype: string; // e.g. 'torch.bfloat16'
-  numKvHeads: number;
-  headSize: number;
-  numHiddenLayers: number;
-  attnBackendName: string;
-  cacheDtype: string; // e.g. 'auto'
-}
-
-const FACTOR_TYPES: Record<keyof CompatibilityFactors, 'string' | 'number'> = {
-  vllmVersion: 'string',
-  nixlConnectorVersion: 'number',
-  model: 'string',
-  dtype: 'string',
-  numKvHeads: 'number',
-  headSize: 'number',
-  numHiddenLayers: 'number',
-  attnBackendName: 'string',
-  cacheDtype: 'string',
-};
-
-export function computeCompatibilityHash(f: CompatibilityFactors): string {
-  if (typeof f !== 'object' || f === null)
-    throw new HandshakeError('computeCompatibilityHash expects the factors object');
-  for (const [k, t] of Object.entries(FACTOR_TYPES)) {
-    const v = (f as unknown as Record<string, unknown>)[k];
-    if (v === undefined && k === 'nixlConnectorVersion') continue;
-    if (typeof v !== t || (t === 'number' && !Number.isInteger(v))) {
-      throw new HandshakeError(
-        `computeCompatibilityHash: factor '${k}' must be ${t === 'number' ? 'an integer' : 'a string'}, got ${v === undefined ? 'nothing' : JSON.stringify(v)}`,
-      );
-    }
-  }
-  return hashFactors({
-    vllm_version: f.vllmVersion,
-    nixl_connector_version: f.nixlConnectorVersion ?? 2,
-    model: f.model,
-    dtype: f.dtype,
-    num_kv_heads: f.numKvHeads,
-    head_size: f.headSize,
-    num_hidden_layers: f.numHiddenLayers,
-    attn_backend_name: f.attnBackendName,
-    cache_dtype: f.cacheDtype,
-  });
 }

@@ -1,14 +1,15 @@
-// A dedicated HTTP/S side channel (never the user-facing API server):
-//   GET /get_kv_connector_metadata[/{dp_rank}[/{tp_rank}]]
-// answers JSON; each rank entry is
-//   { compatibility_hash, agent_metadata: { engine_id, agent_metadata: <base64>,
-//     kv_caches_base_addr: [int | decimal string], device_id, num_blocks,
-//     block_lens, kv_cache_layout, block_size } }
+// A dedicated HTTP/S side channel (never the user-facing API server); vLLM
+// never merged one, so this is the reference. Schema: docs/side-channel-http.md
+// (SCHEMA below), carrying either wire profile's metadata as JSON:
+//   GET /get_kv_connector_metadata/{dp_rank}/{tp_rank}[?pp_rank=Q]  one rank
+//   GET /get_kv_connector_metadata[/{dp_rank}]                       all ranks
 // Addresses above 2^53 travel as decimal strings so JSON never rounds them.
 import * as http from 'node:http';
 import * as https from 'node:https';
 import type { AddressInfo } from 'node:net';
-import { HandshakeError, type HandshakePayload, type NixlAgentMetadata, decodeAgentMetadata } from './codec';
+import { HandshakeError, type HandshakePayload } from './codec';
+import type { WireProfile } from './model';
+import { agentMetadataFromJson, agentMetadataToJson, decodeAgentMetadata, wireProfile } from './wire';
 import {
   DEFAULT_MAX_REQUEST,
   DEFAULT_MAX_RESPONSE,
@@ -20,60 +21,28 @@ import {
   checkRank,
   defaultLogger,
   defaultTimeoutMs,
+  monotonicSeconds,
+  payloadList,
+  rankKey,
 } from './types';
 
 const PATH = '/get_kv_connector_metadata';
+/** The JSON schema's name and version (docs/side-channel-http.md). */
+export const HTTP_SCHEMA = 'nixl-node/side-channel/1';
 
-function metadataToJson(m: NixlAgentMetadata): Record<string, unknown> {
-  return {
-    engine_id: m.engineId,
-    agent_metadata: m.agentMetadata.toString('base64'),
-    kv_caches_base_addr: m.kvCachesBaseAddr.map((a) =>
-      a <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(a) : a.toString(),
-    ),
-    device_id: m.deviceId,
-    num_blocks: m.numBlocks,
-    block_lens: m.blockLens,
-    kv_cache_layout: m.kvCacheLayout,
-    block_size: m.blockSize,
-  };
-}
-
-function jsonToMetadata(o: unknown): NixlAgentMetadata {
-  const bad = (what: string): never => {
-    throw new HandshakeError(`side channel answer: ${what}`);
-  };
-  if (typeof o !== 'object' || o === null) bad('agent_metadata must be an object');
-  const r = o as Record<string, unknown>;
-  const uint = (v: unknown, k: string): number =>
-    Number.isSafeInteger(v) && (v as number) >= 0 ? (v as number) : bad(`${k} must be an unsigned integer`);
-  const addr = (v: unknown): bigint => {
-    if (typeof v === 'number' && Number.isSafeInteger(v) && v >= 0) return BigInt(v);
-    if (typeof v === 'string' && /^\d{1,20}$/.test(v) && BigInt(v) < 1n << 64n) return BigInt(v);
-    return bad('kv_caches_base_addr entries must be unsigned integers');
-  };
-  if (typeof r.engine_id !== 'string') bad('engine_id must be a string');
-  if (typeof r.agent_metadata !== 'string' || !/^[A-Za-z0-9+/]*={0,2}$/.test(r.agent_metadata))
-    bad('agent_metadata must be base64');
-  if (!Array.isArray(r.kv_caches_base_addr)) bad('kv_caches_base_addr must be a list');
-  if (!Array.isArray(r.block_lens)) bad('block_lens must be a list');
-  if (r.kv_cache_layout !== 'HND' && r.kv_cache_layout !== 'NHD') bad("kv_cache_layout must be 'HND' or 'NHD'");
-  return {
-    engineId: r.engine_id as string,
-    agentMetadata: Buffer.from(r.agent_metadata as string, 'base64'),
-    kvCachesBaseAddr: (r.kv_caches_base_addr as unknown[]).map(addr),
-    deviceId: uint(r.device_id, 'device_id'),
-    numBlocks: uint(r.num_blocks, 'num_blocks'),
-    blockLens: (r.block_lens as unknown[]).map((v) => uint(v, 'block_lens')),
-    kvCacheLayout: r.kv_cache_layout as 'HND' | 'NHD',
-    blockSize: uint(r.block_size, 'block_size'),
-  };
+interface RankEntry {
+  ppRank: number;
+  tpRank: number;
+  compatibilityHash: string;
+  agentMetadata: Record<string, unknown>;
 }
 
 class HttpServer implements HandshakeServer {
   readonly method = 'http' as const;
   readonly stats = { served: 0, refused: 0 };
-  readonly #ranks = new Map<number, Record<string, unknown>>();
+  readonly #ranks = new Map<string, RankEntry>();
+  readonly wire: WireProfile;
+  readonly #clock: () => number;
   host = '';
   port = 0;
   basePort = 0;
@@ -82,7 +51,9 @@ class HttpServer implements HandshakeServer {
 
   constructor(private readonly opts: ServeOptions) {
     this.dpRank = checkRank('dpRank', opts.dpRank);
-    for (const [r, p] of opts.payloads) this.setPayload(r, p);
+    this.wire = wireProfile(opts.wire);
+    this.#clock = opts.clock ?? monotonicSeconds;
+    for (const r of payloadList(opts.payloads)) this.setPayload(r.tpRank, r.payload, r.ppRank);
     const common: http.ServerOptions = {
       maxHeaderSize: Math.max(1024, opts.maxRequestBytes ?? DEFAULT_MAX_REQUEST),
       requestTimeout: 10_000,
@@ -135,11 +106,31 @@ class HttpServer implements HandshakeServer {
     return this;
   }
 
-  setPayload(tpRank: number, p: HandshakePayload): void {
-    this.#ranks.set(checkRank('tpRank', tpRank), {
-      compatibility_hash: p.compatibilityHash,
-      agent_metadata: metadataToJson(decodeAgentMetadata(p.agentMetadataBytes)),
+  setPayload(tpRank: number, p: HandshakePayload, ppRank = 0): void {
+    const pp = checkRank('ppRank', ppRank);
+    const tp = checkRank('tpRank', tpRank);
+    if (pp !== 0 && this.wire.requestRanks.length === 1)
+      throw new HandshakeError(`the ${this.wire.name} format has no pipeline ranks (pp_rank ${pp})`);
+    this.#ranks.set(rankKey(pp, tp), {
+      ppRank: pp,
+      tpRank: tp,
+      compatibilityHash: p.compatibilityHash,
+      agentMetadata: agentMetadataToJson(decodeAgentMetadata(p.agentMetadataBytes, this.wire), this.wire),
     });
+  }
+
+  #entry(e: RankEntry): Record<string, unknown> {
+    return {
+      schema: HTTP_SCHEMA,
+      wire: this.wire.name,
+      nixl_connector_version: this.wire.connectorVersion,
+      dp_rank: this.dpRank,
+      pp_rank: e.ppRank,
+      tp_rank: e.tpRank,
+      server_time: this.wire.replyFrames === 2 ? this.#clock() : null,
+      compatibility_hash: e.compatibilityHash,
+      agent_metadata: e.agentMetadata,
+    };
   }
 
   #handle(req: http.IncomingMessage, res: http.ServerResponse): void {
@@ -167,9 +158,9 @@ class HttpServer implements HandshakeServer {
       send(413, { detail: 'requests carry no body' }, { connection: 'close' });
       return;
     }
-    const url = (req.url ?? '').split('?')[0];
+    const [url, query = ''] = (req.url ?? '').split('?', 2);
     if (url !== PATH && !url.startsWith(`${PATH}/`)) {
-      send(404, { detail: `no route ${url.slice(0, 100)}; try ${PATH}[/{dp_rank}[/{tp_rank}]]` });
+      send(404, { detail: `no route ${url.slice(0, 100)}; try ${PATH}[/{dp_rank}[/{tp_rank}]][?pp_rank=Q]` });
       return;
     }
     const parts = url.slice(PATH.length).split('/').filter(Boolean);
@@ -177,27 +168,36 @@ class HttpServer implements HandshakeServer {
       send(404, { detail: 'ranks must be non-negative integers' });
       return;
     }
-    const [dp, tp] = parts.map(Number);
-    const all = Object.fromEntries([...this.#ranks].map(([r, v]) => [String(r), v]));
-    if (dp === undefined) {
-      send(200, { [String(this.dpRank)]: all });
+    const q = new URLSearchParams(query);
+    const ppText = q.get('pp_rank') ?? '0';
+    if (!/^\d{1,5}$/.test(ppText) || [...q.keys()].some((k) => k !== 'pp_rank')) {
+      send(400, { detail: 'the only query parameter is pp_rank, a non-negative integer' });
       return;
     }
-    if (dp !== this.dpRank) {
+    const [dp, tp] = parts.map(Number);
+    if (dp !== undefined && dp !== this.dpRank) {
       send(404, { detail: `dp_rank ${dp} is not served here (this side channel serves dp_rank ${this.dpRank})` });
       return;
     }
     if (tp === undefined) {
-      send(200, all);
+      send(200, {
+        schema: HTTP_SCHEMA,
+        wire: this.wire.name,
+        nixl_connector_version: this.wire.connectorVersion,
+        dp_rank: this.dpRank,
+        ranks: [...this.#ranks.values()].map((e) => this.#entry(e)),
+      });
       return;
     }
-    const entry = this.#ranks.get(tp);
+    const pp = Number(ppText);
+    const entry = this.#ranks.get(rankKey(pp, tp));
     if (!entry) {
-      send(404, { detail: `no metadata for tp_rank ${tp} (serving ranks ${[...this.#ranks.keys()].join(', ')})` });
+      send(404, {
+        detail: `no metadata for (pp_rank ${pp}, tp_rank ${tp}) (serving ${[...this.#ranks.keys()].map((k) => `(${k})`).join(', ')})`,
+      });
       return;
     }
-    send(200, entry);
-    return;
+    send(200, this.#entry(entry));
   }
 
   close(): Promise<void> {
@@ -223,26 +223,45 @@ export class HttpHandshake implements HandshakeStrategy {
   async fetch(opts: FetchOptions): Promise<FetchResult> {
     const timeoutMs = opts.timeoutMs ?? defaultTimeoutMs();
     const attempts = 1 + (opts.retries ?? 2);
+    const wire = wireProfile(opts.wire);
+    const pp = checkRank('ppRank', opts.ppRank);
     const url =
       `${opts.tls ? 'https' : 'http'}://${opts.host.includes(':') ? `[${opts.host}]` : opts.host}:${opts.port}` +
-      `${PATH}/${checkRank('dpRank', opts.dpRank)}/${checkRank('tpRank', opts.tpRank)}`;
+      `${PATH}/${checkRank('dpRank', opts.dpRank)}/${checkRank('tpRank', opts.tpRank)}${pp ? `?pp_rank=${pp}` : ''}`;
     let last: unknown;
     for (let i = 0; i < attempts; i++) {
-      const t0 = performance.now();
+      const t0 = monotonicSeconds();
       try {
         const body = await this.#get(url, opts, timeoutMs);
-        const rttMs = performance.now() - t0;
-        const entry = body as { compatibility_hash?: unknown; agent_metadata?: unknown };
-        if (typeof entry !== 'object' || entry === null || typeof entry.compatibility_hash !== 'string') {
+        const t1 = monotonicSeconds();
+        const entry = body as Record<string, unknown>;
+        if (typeof entry !== 'object' || entry === null || entry.schema !== HTTP_SCHEMA)
+          throw new HandshakeError(
+            `${url}: answer is not schema ${HTTP_SCHEMA} (got ${JSON.stringify(entry?.schema ?? null)})`,
+            'NIXL_ERR_MISMATCH',
+          );
+        if (entry.wire !== wire.name)
+          throw new HandshakeError(
+            `${url}: the side channel speaks ${String(entry.wire)}, this client ${wire.name}: set the wire profile to ${String(entry.wire)}`,
+            'NIXL_ERR_MISMATCH',
+          );
+        if (typeof entry.compatibility_hash !== 'string')
           throw new HandshakeError(`${url}: answer has no compatibility_hash`);
-        }
         if (opts.expectedHash !== undefined && entry.compatibility_hash !== opts.expectedHash) {
           throw new HandshakeError(
             `compatibility hash mismatch: remote ${entry.compatibility_hash}, local ${opts.expectedHash}`,
             'NIXL_ERR_MISMATCH',
           );
         }
-        return { compatibilityHash: entry.compatibility_hash, metadata: jsonToMetadata(entry.agent_metadata), rttMs };
+        const remoteSeconds = typeof entry.server_time === 'number' ? entry.server_time : undefined;
+        return {
+          compatibilityHash: entry.compatibility_hash,
+          metadata: agentMetadataFromJson(entry.agent_metadata, wire),
+          rttMs: (t1 - t0) * 1000,
+          wire: wire.name,
+          remoteSeconds,
+          clockOffsetS: remoteSeconds === undefined ? undefined : remoteSeconds - (t0 + t1) / 2,
+        };
       } catch (e) {
         // A clear answer (404, mismatch, bad body, auth) is final; transport trouble is retried.
         if (e instanceof HandshakeError && e.code !== 'NIXL_ERR_TIMEOUT' && e.code !== 'NIXL_ERR_REMOTE_DISCONNECT')

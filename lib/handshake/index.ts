@@ -1,4 +1,5 @@
 // Picks a handshake strategy: option, else NIXL_HANDSHAKE_METHOD (zmq|http), else zmq.
+// The wire profile is chosen per call (option, else NIXL_WIRE, else v12).
 import { HttpHandshake } from './http';
 import type { HandshakeMethod, HandshakeStrategy } from './types';
 import { zmqHandshake } from './zmq';
@@ -11,6 +12,10 @@ export function createHandshake(method?: HandshakeMethod, opts: { keepAlive?: bo
 }
 
 export * from './codec';
+export * from './model';
 export * from './types';
-export { HttpHandshake } from './http';
+export * from './wire';
+export { wireV013 } from './wire-v0.13';
+export { wireV12 } from './wire-v12';
+export { HttpHandshake, HTTP_SCHEMA } from './http';
 export { zmqHandshake } from './zmq';

@@ -1,7 +1,9 @@
-// The handshake strategy interface: a prefill engine serves each TP rank's
-// NixlHandshakePayload; a decode worker fetches the ranks it needs. ZMQ
-// (zmq.ts) and HTTP/S (http.ts) implement it; index.ts picks one.
-import type { HandshakePayload, NixlAgentMetadata } from './codec';
+// The handshake strategy interface: a prefill engine serves the
+// NixlHandshakePayload of each of its (pp_rank, tp_rank); a decode worker
+// fetches the ranks it needs. ZMQ (zmq.ts) and HTTP/S (http.ts) implement
+// it, in either wire profile; index.ts picks one.
+import type { HandshakePayload } from './codec';
+import type { NixlAgentMetadata, WireName, WireProfile } from './model';
 
 export type HandshakeMethod = 'zmq' | 'http';
 
@@ -35,8 +37,12 @@ export interface ServeOptions {
   /** Base port; ZMQ binds port + dpRank. 0 = any free port. */
   port: number;
   dpRank?: number;
-  /** tp_rank -> payload. */
-  payloads: Map<number, HandshakePayload>;
+  /** tp_rank -> payload (pipeline rank 0), or every (pp_rank, tp_rank) served. */
+  payloads: Map<number, HandshakePayload> | RankPayload[];
+  /** Wire profile (metadata in the payloads must be encoded with it). Default: NIXL_WIRE, else v12. */
+  wire?: WireName | WireProfile;
+  /** The clock sent with v12 replies, seconds. Default: this process's monotonic clock. */
+  clock?: () => number;
   /** Rank answered to the bare b"get_meta_msg" of the per-rank-port form (ZMQ). Default 0. */
   defaultTpRank?: number;
   /** Largest request accepted, bytes. Default 4096. */
@@ -48,8 +54,26 @@ export interface ServeOptions {
   bearerToken?: string;
 }
 
+export interface RankPayload {
+  ppRank: number;
+  tpRank: number;
+  payload: HandshakePayload;
+}
+
+/** Seconds on this process's monotonic clock (what v12 replies carry). */
+export const monotonicSeconds = (): number => performance.now() / 1000;
+
+export function rankKey(ppRank: number, tpRank: number): string {
+  return `${ppRank}:${tpRank}`;
+}
+
+export function payloadList(p: ServeOptions['payloads']): RankPayload[] {
+  return Array.isArray(p) ? p : [...p].map(([tpRank, payload]) => ({ ppRank: 0, tpRank, payload }));
+}
+
 export interface HandshakeServer {
   readonly method: HandshakeMethod;
+  readonly wire: WireProfile;
   readonly host: string;
   /** The port clients use (for ZMQ: base port + dpRank, or the ephemeral one). */
   readonly port: number;
@@ -58,7 +82,7 @@ export interface HandshakeServer {
   readonly dpRank: number;
   /** Requests answered and requests refused so far. */
   readonly stats: { served: number; refused: number };
-  setPayload(tpRank: number, payload: HandshakePayload): void;
+  setPayload(tpRank: number, payload: HandshakePayload, ppRank?: number): void;
   close(): Promise<void>;
 }
 
@@ -68,6 +92,10 @@ export interface FetchOptions {
   port: number;
   dpRank?: number;
   tpRank: number;
+  /** Pipeline rank (v12 only). Default 0. */
+  ppRank?: number;
+  /** Wire profile. Default: NIXL_WIRE, else v12. */
+  wire?: WireName | WireProfile;
   /** Per attempt. Default from NIXL_HANDSHAKE_TIMEOUT (seconds), else 5 s. */
   timeoutMs?: number;
   /** Attempts after the first. Default 2. */
@@ -87,6 +115,11 @@ export interface FetchResult {
   metadata: NixlAgentMetadata;
   /** Round trip of the successful attempt, ms. */
   rttMs: number;
+  wire: WireName;
+  /** v12: the server's clock at its reply, seconds. */
+  remoteSeconds?: number;
+  /** v12: remote clock - local clock (monotonicSeconds), seconds, from this round trip's midpoint. */
+  clockOffsetS?: number;
 }
 
 export interface HandshakeStrategy {

@@ -1,17 +1,19 @@
 // vLLM's ZMQ side channel: a ROUTER per engine (port + dp_rank) answering
-// msgpack [b"get_meta_msg", tp_rank] with that rank's NixlHandshakePayload;
-// REQ clients with a timeout and retries.
+// each (pp_rank, tp_rank) request with that rank's NixlHandshakePayload, in
+// the frames of the wire profile; REQ clients with a timeout and retries.
+// Unlike vLLM's listener, ours answers garbage with an error and stays up.
 import * as zmq from 'zeromq';
+import { HandshakeError, type HandshakePayload, decodeHandshakePayload, encodeHandshakePayload } from './codec';
+import type { WireProfile } from './model';
 import {
-  HandshakeError,
-  type HandshakePayload,
-  decodeHandshakePayload,
   decodeMetaRequest,
-  encodeHandshakePayload,
   encodeMetaRequest,
+  errorFrames,
   openHandshakePayload,
-  packMsgpack,
-} from './codec';
+  readReply,
+  replyFrames,
+  wireProfile,
+} from './wire';
 import {
   DEFAULT_MAX_REQUEST,
   DEFAULT_MAX_RESPONSE,
@@ -23,11 +25,10 @@ import {
   checkRank,
   defaultLogger,
   defaultTimeoutMs,
+  monotonicSeconds,
+  payloadList,
+  rankKey,
 } from './types';
-
-function errorFrame(message: string): Buffer {
-  return packMsgpack(new Map([['error', message]]));
-}
 
 function endpointPort(ep: string | null): number {
   const m = /:(\d+)$/.exec(ep ?? '');
@@ -42,7 +43,9 @@ function tcp(host: string, port: number | '*'): string {
 class ZmqServer implements HandshakeServer {
   readonly method = 'zmq' as const;
   readonly stats = { served: 0, refused: 0 };
-  readonly #encoded = new Map<number, Buffer>();
+  readonly #encoded = new Map<string, Buffer>();
+  readonly wire: WireProfile;
+  readonly #clock: () => number;
   #closed = false;
   #loop: Promise<void> = Promise.resolve();
 
@@ -54,12 +57,15 @@ class ZmqServer implements HandshakeServer {
     private readonly sock: zmq.Router,
     private readonly opts: ServeOptions,
   ) {
-    for (const [r, p] of opts.payloads) this.setPayload(r, p);
+    this.wire = wireProfile(opts.wire);
+    this.#clock = opts.clock ?? monotonicSeconds;
+    for (const r of payloadList(opts.payloads)) this.setPayload(r.tpRank, r.payload, r.ppRank);
   }
 
   static async start(opts: ServeOptions): Promise<ZmqServer> {
     const host = opts.host ?? '127.0.0.1';
     const dp = checkRank('dpRank', opts.dpRank);
+    wireProfile(opts.wire); // a bad profile name fails before binding
     const sock = new zmq.Router({
       linger: 0,
       maxMessageSize: opts.maxRequestBytes ?? DEFAULT_MAX_REQUEST,
@@ -80,8 +86,19 @@ class ZmqServer implements HandshakeServer {
     return s;
   }
 
-  setPayload(tpRank: number, payload: HandshakePayload): void {
-    this.#encoded.set(checkRank('tpRank', tpRank), encodeHandshakePayload(payload));
+  setPayload(tpRank: number, payload: HandshakePayload, ppRank = 0): void {
+    if (ppRank !== 0 && this.wire.requestRanks.length === 1)
+      throw new HandshakeError(`the ${this.wire.name} format has no pipeline ranks (pp_rank ${ppRank})`);
+    this.#encoded.set(
+      rankKey(checkRank('ppRank', ppRank), checkRank('tpRank', tpRank)),
+      encodeHandshakePayload(payload),
+    );
+  }
+
+  #ranks(): string {
+    return [...this.#encoded.keys()]
+      .map((k) => (this.wire.requestRanks.length === 1 ? k.split(':')[1] : `(${k})`))
+      .join(', ');
   }
 
   async #serve(): Promise<void> {
@@ -100,33 +117,39 @@ class ZmqServer implements HandshakeServer {
         this.stats.refused++;
         log.warn(`ignored a message of ${frames.length} frames`);
         if (frames.length >= 2)
-          await this.#reply(frames[0], frames.length === 3, errorFrame('malformed request frames'));
+          await this.#reply(
+            frames[0],
+            frames.length === 3,
+            errorFrames('malformed request frames', 'NIXL_ERR_INVALID_PARAM', this.wire, this.#clock()),
+          );
         continue;
       }
       const withDelimiter = frames.length === 3;
-      let answer: Buffer;
+      let answer: Buffer[];
       try {
-        const req = decodeMetaRequest(frames[frames.length - 1]);
-        const rank = req.tpRank ?? this.opts.defaultTpRank ?? 0;
-        const payload = this.#encoded.get(rank);
+        const req = decodeMetaRequest(frames[frames.length - 1], this.wire);
+        const tp = req.tpRank ?? this.opts.defaultTpRank ?? 0;
+        const payload = this.#encoded.get(rankKey(req.ppRank, tp));
         if (!payload)
           throw new HandshakeError(
-            `no metadata for tp_rank ${rank} (serving ranks ${[...this.#encoded.keys()].join(', ')})`,
+            `no metadata for ${this.wire.requestRanks.length === 1 ? `tp_rank ${tp}` : `(pp_rank ${req.ppRank}, tp_rank ${tp})`} (serving ${this.#ranks()})`,
+            'NIXL_ERR_NOT_FOUND',
           );
-        answer = payload;
+        answer = replyFrames(payload, this.wire, this.#clock());
         this.stats.served++;
       } catch (e) {
         this.stats.refused++;
         log.warn(`refused a request: ${(e as Error).message}`);
-        answer = errorFrame((e as Error).message);
+        const code = (e as HandshakeError).code ?? 'NIXL_ERR_INVALID_PARAM';
+        answer = errorFrames((e as Error).message, code, this.wire, this.#clock());
       }
       await this.#reply(frames[0], withDelimiter, answer);
     }
   }
 
-  async #reply(identity: Buffer, withDelimiter: boolean, body: Buffer): Promise<void> {
+  async #reply(identity: Buffer, withDelimiter: boolean, body: Buffer[]): Promise<void> {
     try {
-      await this.sock.send(withDelimiter ? [identity, Buffer.alloc(0), body] : [identity, body]);
+      await this.sock.send(withDelimiter ? [identity, Buffer.alloc(0), ...body] : [identity, ...body]);
     } catch (e) {
       if (!this.#closed) (this.opts.logger ?? defaultLogger).warn(`reply failed: ${(e as Error).message}`);
     }
@@ -140,7 +163,7 @@ class ZmqServer implements HandshakeServer {
   }
 }
 
-async function fetchOnce(opts: FetchOptions, timeoutMs: number): Promise<Buffer> {
+async function fetchOnce(opts: FetchOptions, wire: WireProfile, timeoutMs: number): Promise<Buffer[]> {
   const sock = new zmq.Request({
     linger: 0,
     receiveTimeout: timeoutMs,
@@ -152,9 +175,8 @@ async function fetchOnce(opts: FetchOptions, timeoutMs: number): Promise<Buffer>
   opts.signal?.addEventListener('abort', onAbort, { once: true });
   try {
     sock.connect(tcp(opts.host, opts.port + checkRank('dpRank', opts.dpRank)));
-    await sock.send(encodeMetaRequest(checkRank('tpRank', opts.tpRank)));
-    const [reply] = await sock.receive();
-    return reply;
+    await sock.send(encodeMetaRequest(checkRank('tpRank', opts.tpRank), checkRank('ppRank', opts.ppRank), wire));
+    return await sock.receive();
   } finally {
     opts.signal?.removeEventListener('abort', onAbort);
     if (!sock.closed) sock.close();
@@ -167,31 +189,37 @@ export const zmqHandshake: HandshakeStrategy = {
   async fetch(opts: FetchOptions): Promise<FetchResult> {
     const timeoutMs = opts.timeoutMs ?? defaultTimeoutMs();
     const attempts = 1 + (opts.retries ?? 2);
+    const wire = wireProfile(opts.wire);
     const where = tcp(opts.host, opts.port + (opts.dpRank ?? 0));
     let last: unknown;
     for (let i = 0; i < attempts; i++) {
       if (opts.signal?.aborted)
         throw new HandshakeError(`handshake with ${where} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal.reason });
-      const t0 = performance.now();
-      let reply: Buffer;
+      const t0 = monotonicSeconds();
+      let frames: Buffer[];
       try {
-        reply = await fetchOnce(opts, timeoutMs);
+        frames = await fetchOnce(opts, wire, timeoutMs);
       } catch (e) {
         last = e;
         if (i + 1 < attempts) await new Promise((r) => setTimeout(r, Math.min(1000, 50 * 2 ** i)));
         continue;
       }
-      const payload = decodeHandshakePayload(reply);
+      const t1 = monotonicSeconds();
+      const { payload, remoteSeconds } = readReply(frames, wire);
+      const p = decodeHandshakePayload(payload);
       return {
-        compatibilityHash: payload.compatibilityHash,
-        metadata: openHandshakePayload(payload, opts.expectedHash),
-        rttMs: performance.now() - t0,
+        compatibilityHash: p.compatibilityHash,
+        metadata: openHandshakePayload(p, opts.expectedHash, wire),
+        rttMs: (t1 - t0) * 1000,
+        wire: wire.name,
+        remoteSeconds,
+        clockOffsetS: remoteSeconds === undefined ? undefined : remoteSeconds - (t0 + t1) / 2,
       };
     }
     if (opts.signal?.aborted)
       throw new HandshakeError(`handshake with ${where} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal.reason });
     throw new HandshakeError(
-      `no answer from ${where} (tp_rank ${opts.tpRank}) after ${attempts} attempt(s) of ${timeoutMs} ms: ${(last as Error)?.message ?? 'timeout'}`,
+      `no answer from ${where} (${wire.name}, pp_rank ${opts.ppRank ?? 0}, tp_rank ${opts.tpRank}) after ${attempts} attempt(s) of ${timeoutMs} ms: ${(last as Error)?.message ?? 'timeout'}`,
       'NIXL_ERR_TIMEOUT',
       { cause: last },
     );

@@ -1,5 +1,5 @@
 // KV block descriptors: prepped lists are region-major (descriptor id =
-// region * num_blocks + block, as vLLM), built once per remote engine and
+// blocks of the regions before + block, as vLLM), built once per remote engine and
 // rank; per-request index lists are Uint32Arrays. Coalescing turns runs of
 // adjacent blocks into single larger descriptors where both sides are
 // contiguous in memory.
@@ -14,17 +14,23 @@ export interface BlockSlices {
   devId: number;
 }
 
+/** Blocks per region: one count for all, or one per region. */
+export function regionCounts(regions: number, numBlocks: number | readonly number[]): readonly number[] {
+  return typeof numBlocks === 'number' ? Array(regions).fill(numBlocks) : numBlocks;
+}
+
 /** [addr, len, devId] triples for every block of every region, region-major. */
-export function allBlockDescs(s: BlockSlices, numBlocks: number): BigUint64Array {
+export function allBlockDescs(s: BlockSlices, numBlocks: number | readonly number[]): BigUint64Array {
   const regions = s.baseAddrs.length;
-  const out = new BigUint64Array(regions * numBlocks * 3);
+  const counts = regionCounts(regions, numBlocks);
+  const out = new BigUint64Array(counts.reduce((a, b) => a + b, 0) * 3);
   const dev = BigInt(s.devId);
   let k = 0;
   for (let r = 0; r < regions; r++) {
     const base = s.baseAddrs[r] + BigInt(s.offsets[r]);
     const stride = BigInt(s.strides[r]);
     const len = BigInt(s.lens[r]);
-    for (let b = 0; b < numBlocks; b++) {
+    for (let b = 0; b < counts[r]; b++) {
       out[k++] = base + BigInt(b) * stride;
       out[k++] = len;
       out[k++] = dev;
@@ -33,13 +39,14 @@ export function allBlockDescs(s: BlockSlices, numBlocks: number): BigUint64Array
   return out;
 }
 
-/** Region-major descriptor ids of the given blocks. */
-export function blockDescIds(regions: number, numBlocks: number, blockIds: ArrayLike<number>): Uint32Array {
+/** Region-major descriptor ids of the given blocks (counts: blocks per region of the prepped list). */
+export function blockDescIds(counts: readonly number[], blockIds: ArrayLike<number>): Uint32Array {
   const n = blockIds.length;
-  const out = new Uint32Array(regions * n);
-  for (let r = 0; r < regions; r++) {
-    const base = r * numBlocks;
+  const out = new Uint32Array(counts.length * n);
+  let base = 0;
+  for (let r = 0; r < counts.length; r++) {
     for (let i = 0; i < n; i++) out[r * n + i] = base + blockIds[i];
+    base += counts[r];
   }
   return out;
 }

@@ -1,9 +1,11 @@
-// The prefill side: serve each local rank's handshake payload, and count the
-// decode side's "<request_id>:<decode_tp>" notifications to know when a
-// request's blocks may be freed (or expire them after a timeout).
+// The prefill side: serve each local (pp, tp) rank's handshake payload, and
+// count the decode side's "<request_id>:<n>" notifications to know when a
+// request's blocks may be freed. A request holds a lease (v12: 30 s, kept
+// alive by the decode side's "HB:id1,id2" heartbeats; v0.13: 480 s) and its
+// blocks are freed when the lease runs out without the reads.
 import type { NixlAgent, Notif } from '../agent';
 import { createHandshake } from '../handshake';
-import { encodeAgentMetadata } from '../handshake/codec';
+import type { WireName, WireProfile } from '../handshake/model';
 import type {
   HandshakeLogger,
   HandshakeMethod,
@@ -12,8 +14,9 @@ import type {
   TlsServerOptions,
 } from '../handshake/types';
 import { defaultLogger } from '../handshake/types';
-import { toAgentMetadata, type KvLayout } from './layout';
-import { consumersPerProducer } from './tp';
+import { encodeAgentMetadata, wireProfile } from '../handshake/wire';
+import { type KvLayout, toAgentMetadata } from './layout';
+import { notifsToWaitFor } from './tp';
 
 export interface PrefillRank {
   agent: NixlAgent;
@@ -24,6 +27,8 @@ export interface ServePrefillOptions {
   ranks: PrefillRank[];
   compatibilityHash: string;
   handshake?: HandshakeStrategy | HandshakeMethod;
+  /** Default: NIXL_WIRE, else v12. */
+  wire?: WireName | WireProfile;
   host?: string;
   port: number;
   dpRank?: number;
@@ -32,30 +37,32 @@ export interface ServePrefillOptions {
   logger?: HandshakeLogger;
 }
 
-/** Serves the payload of every given rank (re-call setPayload after registering more memory). */
+/** Serves the payload of every given rank (call setPayload again after registering more memory). */
 export async function servePrefill(o: ServePrefillOptions): Promise<HandshakeServer> {
   const hs = typeof o.handshake === 'object' ? o.handshake : createHandshake(o.handshake);
-  const payloads = new Map(
-    o.ranks.map(({ agent, layout }) => [
-      layout.tpRank,
-      {
-        compatibilityHash: o.compatibilityHash,
-        agentMetadataBytes: encodeAgentMetadata(toAgentMetadata(layout, agent.getAgentMetadata())),
-      },
-    ]),
-  );
+  const wire = wireProfile(o.wire);
+  const payloads = o.ranks.map(({ agent, layout }) => ({
+    ppRank: layout.ppRank ?? 0,
+    tpRank: layout.tpRank,
+    payload: {
+      compatibilityHash: o.compatibilityHash,
+      agentMetadataBytes: encodeAgentMetadata(toAgentMetadata(layout, agent.getAgentMetadata()), wire),
+    },
+  }));
   return hs.serve({
     host: o.host,
     port: o.port,
     dpRank: o.dpRank,
     payloads,
+    wire,
     tls: o.tls,
     bearerToken: o.bearerToken,
     logger: o.logger,
   });
 }
 
-const KV_NOTIF = /^(.+):(\d+)$/;
+const KV_NOTIF = /^(.+):(\d+)$/s;
+const HEARTBEAT = /^HB:(.*)$/s;
 
 export interface Released {
   requestId: string;
@@ -65,7 +72,9 @@ export interface Released {
 
 interface Pending {
   blockIds: number[];
-  since: number; // performance.now() at expect()
+  since: number; // now() at expect()
+  /** now() when the lease runs out. */
+  expiry: number;
   timer: NodeJS.Timeout;
   resolve(r: Released): void;
 }
@@ -74,8 +83,17 @@ export interface PrefillTrackerOptions {
   agent: NixlAgent;
   /** This prefill engine's TP size. */
   tpSize: number;
-  /** Free blocks of requests nobody read after this long (vLLM VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s). */
+  /** How the decode side counts (default: NIXL_WIRE, else v12). */
+  wire?: WireName | WireProfile;
+  /**
+   * Blocks of a request nobody read are freed after this long (vLLM
+   * kv_lease_duration: 30 s in v12, extended by heartbeats; 480 s in v0.13).
+   */
+  leaseMs?: number;
+  /** Older name of leaseMs. */
   expireMs?: number;
+  /** Monotonic clock in ms (tests pass a fake one). Default performance.now. */
+  now?: () => number;
   logger?: HandshakeLogger;
 }
 
@@ -90,13 +108,28 @@ export class PrefillTracker {
   readonly #o: PrefillTrackerOptions;
   readonly #pending = new Map<string, Pending>();
   /** Reads reported before expect() was called, with when they came. */
-  readonly #early = new Map<string, { count: number; decodeTp: number; at: number }>();
+  readonly #early = new Map<string, { count: number; suffix: number; at: number }>();
+  /** Requests whose lease ran out, so that a late read is not taken for a new request of that id. */
+  readonly #expired = new Map<string, number>();
+  readonly #wire: WireProfile;
+  readonly #leaseMs: number;
+  readonly #now: () => number;
   readonly #abort = new AbortController();
   #loop: Promise<void> | undefined;
   unrecognized = 0;
+  heartbeats = 0;
 
   constructor(o: PrefillTrackerOptions) {
     this.#o = o;
+    this.#wire = wireProfile(o.wire);
+    this.#leaseMs = o.leaseMs ?? o.expireMs ?? this.#wire.defaultLeaseMs;
+    if (!(this.#leaseMs > 0)) throw new RangeError(`leaseMs must be positive, got ${this.#leaseMs}`);
+    this.#now = o.now ?? (() => performance.now());
+  }
+
+  /** When a tracked request's lease runs out, on the tracker's clock (ms); undefined if not tracked. */
+  leaseExpiry(requestId: string): number | undefined {
+    return this.#pending.get(requestId)?.expiry;
   }
 
   get pending(): number {
@@ -110,16 +143,30 @@ export class PrefillTracker {
   expect(requestId: string, blockIds: number[]): Promise<Released> {
     if (this.#pending.has(requestId)) throw new RangeError(`request '${requestId}' is already tracked`);
     this.#start();
+    this.#expired.delete(requestId);
     return new Promise<Released>((resolve) => {
-      const timer = setTimeout(() => this.#finish(requestId, 'expired'), this.#o.expireMs ?? 480_000);
-      this.#pending.set(requestId, { blockIds, since: performance.now(), timer, resolve });
+      const now = this.#now();
+      const p: Pending = { blockIds, since: now, expiry: now + this.#leaseMs, timer: undefined as never, resolve };
+      this.#pending.set(requestId, p);
+      this.#arm(requestId, p);
       const e = this.#early.get(requestId);
-      if (e) {
+      if (e && e.count >= notifsToWaitFor(this.#wire, e.suffix, this.#o.tpSize)) {
         this.#early.delete(requestId);
-        if (e.count >= consumersPerProducer(this.#o.tpSize, e.decodeTp)) this.#finish(requestId, 'read');
-        else this.#early.set(requestId, e);
+        this.#finish(requestId, 'read');
       }
     });
+  }
+
+  #arm(requestId: string, p: Pending): void {
+    clearTimeout(p.timer);
+    p.timer = setTimeout(
+      () => {
+        if (this.#pending.get(requestId) !== p) return;
+        if (this.#now() >= p.expiry) this.#finish(requestId, 'expired');
+        else this.#arm(requestId, p);
+      },
+      Math.max(0, p.expiry - this.#now()),
+    );
   }
 
   #start(): void {
@@ -128,7 +175,7 @@ export class PrefillTracker {
       while (!this.#abort.signal.aborted) {
         let n: Notif;
         try {
-          n = await this.#o.agent.waitForNotif((x) => KV_NOTIF.test(x.msg.toString('utf8')), {
+          n = await this.#o.agent.waitForNotif((x) => isTrackerNotif(x.msg.toString('utf8')), {
             signal: this.#abort.signal,
           });
         } catch {
@@ -140,13 +187,23 @@ export class PrefillTracker {
   }
 
   #onNotif(msg: string): void {
+    const hb = HEARTBEAT.exec(msg);
+    if (hb) {
+      this.#onHeartbeat(hb[1].split(','));
+      return;
+    }
     const m = KV_NOTIF.exec(msg)!;
-    const [requestId, decodeTp] = [m[1], Number(m[2])];
-    const now = Date.now();
-    const e = this.#early.get(requestId) ?? { count: 0, decodeTp, at: now };
+    const [requestId, suffix] = [m[1], Number(m[2])];
+    const now = this.#now();
+    const log = this.#o.logger ?? defaultLogger;
+    if (this.#expired.has(requestId)) {
+      log.warn(`read of request '${requestId}' came after its lease ran out; its blocks may have been reused`);
+      return;
+    }
+    const e = this.#early.get(requestId) ?? { count: 0, suffix, at: now };
     e.count++;
     if (this.#pending.has(requestId)) {
-      if (e.count >= consumersPerProducer(this.#o.tpSize, decodeTp)) {
+      if (e.count >= notifsToWaitFor(this.#wire, suffix, this.#o.tpSize)) {
         this.#early.delete(requestId);
         this.#finish(requestId, 'read');
       } else {
@@ -156,10 +213,20 @@ export class PrefillTracker {
     }
     this.unrecognized++;
     for (const s of this.sinks) s.unrecognized();
-    (this.#o.logger ?? defaultLogger).warn(`notification for request '${requestId}' that is not (yet) tracked`);
+    log.warn(`notification for request '${requestId}' that is not (yet) tracked`);
     this.#early.set(requestId, e);
     // Forget stale early reports.
-    for (const [k, v] of this.#early) if (now - v.at > (this.#o.expireMs ?? 480_000)) this.#early.delete(k);
+    for (const [k, v] of this.#early) if (now - v.at > this.#leaseMs) this.#early.delete(k);
+  }
+
+  /** vLLM's _handle_heartbeat: each listed pending request's lease becomes max(old, now + 2/3 lease). */
+  #onHeartbeat(ids: string[]): void {
+    this.heartbeats++;
+    const until = this.#now() + Math.floor((this.#leaseMs * 2) / 3);
+    for (const id of ids) {
+      const p = this.#pending.get(id);
+      if (p && until > p.expiry) p.expiry = until;
+    }
   }
 
   #finish(requestId: string, reason: 'read' | 'expired'): void {
@@ -167,8 +234,12 @@ export class PrefillTracker {
     if (!p) return;
     this.#pending.delete(requestId);
     clearTimeout(p.timer);
+    if (reason === 'expired') {
+      this.#expired.set(requestId, this.#now());
+      for (const [k, at] of this.#expired) if (this.#now() - at > 10 * this.#leaseMs) this.#expired.delete(k);
+    }
     const r: Released = { requestId, blockIds: p.blockIds, reason };
-    for (const s of this.sinks) s.released(r, performance.now() - p.since);
+    for (const s of this.sinks) s.released(r, this.#now() - p.since);
     p.resolve(r);
   }
 
@@ -178,4 +249,8 @@ export class PrefillTracker {
     await this.#loop;
     for (const id of [...this.#pending.keys()]) this.#finish(id, 'expired');
   }
+}
+
+function isTrackerNotif(msg: string): boolean {
+  return HEARTBEAT.test(msg) || KV_NOTIF.test(msg);
 }

@@ -1,5 +1,6 @@
 // Tensor-parallel mapping between a decode (local) and a prefill (remote)
-// engine, exactly as vLLM's NixlConnector / TpKVTopology does it:
+// engine, and the checks vLLM runs on a remote rank's metadata before any
+// READ (its _validate_remote_agent_handshake; spec section 4), in one file:
 //   tp_ratio = local_tp / remote_tp when local >= remote (must divide), else
 //              -(remote_tp / local_tp);
 //   remote ranks: [tp_rank // ratio] or [tp_rank * r + i for i < r];
@@ -7,10 +8,12 @@
 //   heterogeneous TP (ratio > 1): the rank's slice at (tp_rank % ratio) *
 //   local_block_len of each remote block;
 //   ratio < 0: local blocks split into r chunks, chunk i from remote rank
-//   tp_rank * r + i.
+//   tp_rank * r + i;
+//   pipeline parallel: remote pp rank p holds the next n_p of our regions.
+// Errors name the field and both values.
 import { NixlError } from '../errors';
-import type { KvLayout } from './layout';
-import type { NixlAgentMetadata } from '../handshake/codec';
+import { KV_LAYOUTS, type NixlAgentMetadata, type WireProfile } from '../handshake/model';
+import { type KvLayout, layoutOf } from './layout';
 
 export class KvLayoutError extends NixlError {
   constructor(message: string) {
@@ -45,14 +48,55 @@ export function targetRemoteRanks(localTp: number, localRank: number, remoteTp: 
   return Array.from({ length: -r }, (_, i) => localRank * -r + i);
 }
 
-/** How many decode ranks read each prefill rank (the prefill side's count of notifications to wait for). */
+/** How many decode ranks read each prefill rank (v0.13: what the prefill derives from the decode TP size). */
 export function consumersPerProducer(prefillTp: number, decodeTp: number): number {
   return decodeTp > prefillTp ? decodeTp / prefillTp : 1;
+}
+
+/**
+ * vLLM v12's dcp_consumer_count: how many completion notifications one
+ * prefill rank waits for, sent as the number after ':' (the decode side
+ * computes it; the prefill side trusts it).
+ */
+export function expectedConsumers(localTp: number, remoteTp: number, localDcp = 1, remoteDcp = 1): number {
+  if (remoteDcp > 1) return localDcp === 1 ? localTp : Math.max(1, Math.floor(localDcp / remoteDcp));
+  return Math.max(1, tpRatio(localTp, remoteTp));
+}
+
+/** The completion notification a decode rank sends each prefill rank it read, in the profile's format. */
+export function completionNotif(wire: WireProfile, requestId: string, localTp: number, remoteTp: number): string {
+  const n = wire.notifSuffix === 'decode-tp-size' ? localTp : expectedConsumers(localTp, remoteTp);
+  return `${requestId}:${n}`;
+}
+
+/** How many notifications a prefill rank waits for, given a notification's suffix. */
+export function notifsToWaitFor(wire: WireProfile, suffix: number, prefillTp: number): number {
+  return wire.notifSuffix === 'decode-tp-size' ? consumersPerProducer(prefillTp, suffix) : Math.max(1, suffix);
+}
+
+/** The (pp_rank, tp_rank) pairs a decode rank asks for, and only those (vLLM's listener dies on others). */
+export function handshakeTargets(
+  localTp: number,
+  localRank: number,
+  remote: { tpSize: number; ppSize?: number; dcpSize?: number },
+): Array<{ ppRank: number; tpRank: number }> {
+  if ((remote.dcpSize ?? 1) > 1)
+    throw new NixlError(
+      `reading from a decode-context-parallel prefill (dcp_size ${remote.dcpSize}) is not supported by nixl-node`,
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
+  const tps = targetRemoteRanks(localTp, localRank, remote.tpSize);
+  const out: Array<{ ppRank: number; tpRank: number }> = [];
+  for (let pp = 0; pp < (remote.ppSize ?? 1); pp++) for (const tp of tps) out.push({ ppRank: pp, tpRank: tp });
+  return out;
 }
 
 /** One read from one remote rank: which part of each local and remote block. */
 export interface RankRead {
   remoteRank: number;
+  /** The remote rank's pipeline rank, and the first of our regions its region 0 maps to. */
+  ppRank: number;
+  regionStart: number;
   /** Byte offset and length inside each local block, per region. */
   local: Array<{ offset: number; len: number }>;
   /** Byte offset inside each remote block, per region (length = local len). */
@@ -67,81 +111,136 @@ export interface ReadPlan {
   reads: RankRead[];
 }
 
+export interface PlanContext {
+  /** The remote rank's pipeline rank, and the first of our regions its regions map to. Default 0, 0. */
+  ppRank?: number;
+  regionStart?: number;
+  /** dcp_size the kv_transfer_params announced. Default 1. */
+  dcpSize?: number;
+}
+
 /**
- * Checks a remote rank's layout against ours (vLLM's
- * _validate_remote_agent_handshake) and plans the reads. Throws KvLayoutError
- * with what does not match.
+ * Checks a remote rank's metadata against our layout as vLLM does and plans
+ * the reads. Throws KvLayoutError (NIXL_ERR_MISMATCH) naming the field and
+ * both values, or NixlError NIXL_ERR_NOT_SUPPORTED for what vLLM accepts but
+ * nixl-node cannot read.
  */
-export function planReads(local: KvLayout, remoteTp: number, remote: NixlAgentMetadata): ReadPlan {
+export function planReads(
+  local: KvLayout,
+  remoteTp: number,
+  remote: NixlAgentMetadata,
+  ctx: PlanContext = {},
+): ReadPlan {
+  const where = `remote engine '${remote.engineId}'`;
+  const mismatch = (field: string, r: unknown, l: unknown, why = ''): never => {
+    throw new KvLayoutError(`${where}: ${field}: remote ${fmt(r)}, local ${fmt(l)}${why ? ` (${why})` : ''}`);
+  };
+  const unsupported = (m: string): never => {
+    throw new NixlError(`${where}: ${m} is not supported by nixl-node`, 'NIXL_ERR_NOT_SUPPORTED');
+  };
   const ratio = tpRatio(local.tpSize, remoteTp);
   const isMla = local.isMla ?? false;
   const kvReplicated = isKvReplicated(remoteTp, local.totalNumKvHeads);
   const replicated = isMla || kvReplicated;
-  const where = `remote engine '${remote.engineId}'`;
-  if (ratio < 0 && kvReplicated && !isMla) {
-    throw new KvLayoutError(
-      `${where}: remote TP ${remoteTp} > local TP ${local.tpSize} with a replicated KV cache (TP >= ${local.totalNumKvHeads} KV heads) is not supported`,
+  const regionStart = ctx.regionStart ?? 0;
+  const n = remote.kvCachesBaseAddr.length;
+  const localLayout = layoutOf(local);
+
+  // What vLLM reshapes or refuses before validating.
+  const memTypes = new Set(remote.regionMemTypes ?? []);
+  if (memTypes.size > 1) unsupported(`a mixed-memory producer (region_mem_types ${[...memTypes].join(', ')})`);
+  if (remote.ssmSizes[0] !== 0 || remote.ssmSizes[1] !== 0)
+    unsupported(`Mamba state (ssm_sizes [${remote.ssmSizes.join(', ')}])`);
+  if (remote.pcpSize !== 1) unsupported(`prefill context parallelism (pcp_size ${remote.pcpSize})`);
+  if (remote.dcpSize !== (ctx.dcpSize ?? 1))
+    mismatch('dcp_size', remote.dcpSize, ctx.dcpSize ?? 1, 'kv_transfer_params dcp_size');
+  if (remote.dcpSize !== 1) unsupported(`decode context parallelism (dcp_size ${remote.dcpSize})`);
+
+  // TP and replication.
+  if (ratio < 0 && kvReplicated && !isMla)
+    mismatch(
+      'tp_size',
+      remoteTp,
+      local.tpSize,
+      `a replicated KV cache (TP >= ${local.totalNumKvHeads} KV heads) cannot be split over more prefill ranks`,
     );
-  }
-  if (!isMla && remote.kvCacheLayout !== local.kvCacheLayout) {
-    throw new KvLayoutError(
-      `${where}: KV cache layout ${remote.kvCacheLayout} differs from local ${local.kvCacheLayout}; heterogeneous TP needs the same layout (HND)`,
+
+  // Block sizes: P's block must divide D's; nixl-node reads only equal ones.
+  if (local.blockSize % remote.blockSize !== 0)
+    mismatch('block_size', remote.blockSize, local.blockSize, "the prefill block size must divide the decode's");
+  if (remote.blockSize !== local.blockSize) unsupported(`a block size ratio of ${local.blockSize / remote.blockSize}`);
+
+  // Layout (not for MLA): equal, and heads-major for heterogeneous TP.
+  if (!isMla && remote.kvCacheLayout !== localLayout) mismatch('kv_cache_layout', remote.kvCacheLayout, localLayout);
+  if (!replicated && Math.abs(ratio) !== 1 && !KV_LAYOUTS[localLayout].headsMajor)
+    mismatch(
+      'kv_cache_layout',
+      remote.kvCacheLayout,
+      localLayout,
+      'heterogeneous TP slices heads and needs a heads-major layout such as LBHNC',
     );
-  }
-  if (remote.blockSize !== local.blockSize) {
-    throw new KvLayoutError(
-      `${where}: block size ${remote.blockSize} tokens differs from local ${local.blockSize}; different block sizes are not supported`,
+
+  // Region counts.
+  if (regionStart + n > local.baseAddrs.length)
+    mismatch(
+      'kv_caches_base_addr (regions)',
+      n,
+      local.baseAddrs.length - regionStart,
+      'different model or layer count?',
     );
+  if (ctx.regionStart === undefined && n !== local.baseAddrs.length)
+    mismatch('kv_caches_base_addr (regions)', n, local.baseAddrs.length, 'different model or layer count?');
+  for (const [field, list] of [
+    ['block_lens', remote.blockLens],
+    ['block_strides', remote.blockStrides],
+    ['region_num_blocks', remote.regionNumBlocks],
+    ['region_group_ids', remote.regionGroupIds],
+    ['region_mem_types', remote.regionMemTypes],
+    ['region_names', remote.regionNames],
+  ] as const) {
+    if (list !== null && list.length !== n) mismatch(`${field} (entries)`, list.length, n, 'one per region');
   }
-  if (remote.kvCachesBaseAddr.length !== local.baseAddrs.length) {
-    throw new KvLayoutError(
-      `${where}: ${remote.kvCachesBaseAddr.length} KV regions, local has ${local.baseAddrs.length} (different model or layer count?)`,
-    );
-  }
-  if (remote.blockLens.length !== remote.kvCachesBaseAddr.length) {
-    throw new KvLayoutError(
-      `${where}: ${remote.blockLens.length} block lens for ${remote.kvCachesBaseAddr.length} regions`,
-    );
-  }
-  if (!replicated && Math.abs(ratio) !== 1 && local.kvCacheLayout !== 'HND') {
-    throw new KvLayoutError(
-      `${where}: heterogeneous TP slices heads and needs the HND layout, not ${local.kvCacheLayout}`,
-    );
-  }
-  if (replicated) {
-    local.blockLens.forEach((l, i) => {
-      if (remote.blockLens[i] !== l)
-        throw new KvLayoutError(
-          `${where}: region ${i} block len ${remote.blockLens[i]} != local ${l}; KV cache sizes must match when replicated`,
-        );
+  const localLens = local.blockLens.slice(regionStart, regionStart + n);
+  remote.blockStrides.forEach((s, i) => {
+    if (s < remote.blockLens[i])
+      throw new KvLayoutError(`${where}: block_strides[${i}] ${s} is below block_lens[${i}] ${remote.blockLens[i]}`);
+  });
+  if (remote.numBlocks < 1) throw new KvLayoutError(`${where}: num_blocks ${remote.numBlocks} is not positive`);
+  (remote.regionNumBlocks ?? []).forEach((c, i) => {
+    if (c < 1) throw new KvLayoutError(`${where}: region_num_blocks[${i}] ${c} is not positive`);
+  });
+  if (remote.regionNames !== null && local.regionNames !== undefined) {
+    const mine = local.regionNames.slice(regionStart, regionStart + n);
+    remote.regionNames.forEach((name, i) => {
+      if (name !== mine[i]) mismatch(`region_names[${i}]`, name, mine[i], 'layer names must match in order');
     });
-  } else {
-    const rb = remote.blockLens[0];
-    if (remote.blockLens.some((b) => b !== rb))
-      throw new KvLayoutError(`${where}: all remote regions must have the same block len`);
-    const lb = local.blockLens[0];
-    if (local.blockLens.some((b) => b !== lb))
-      throw new KvLayoutError('local regions must all have the same block len');
-    if (ratio > 0 && rb !== lb * ratio) {
-      throw new KvLayoutError(
-        `${where}: remote block len ${rb} != local ${lb} x tp_ratio ${ratio} (remote cache must be [2, N, local_kv_heads*${ratio}, page, head_dim], same dtype)`,
-      );
-    }
-    if (ratio < 0 && rb * -ratio !== lb) {
-      throw new KvLayoutError(
-        `${where}: remote block len ${rb} != local ${lb} / ${-ratio} (remote cache must be [2, N, local_kv_heads/${-ratio}, page, head_dim], same dtype)`,
-      );
-    }
   }
+
+  // Per-region block lens (vLLM's rules).
+  localLens.forEach((l, i) => {
+    const r = remote.blockLens[i];
+    const field = `block_lens[${i}]`;
+    if (replicated) {
+      if (r !== l) mismatch(field, r, l, 'a replicated cache is read whole');
+    } else if (ratio > 0) {
+      if (r !== l * ratio)
+        mismatch(field, r, l, `remote = local x tp_ratio ${ratio}: same heads per rank x ratio, same dtype`);
+    } else if (r * -ratio !== l) {
+      mismatch(field, r, l, `remote = local / ${-ratio}`);
+    }
+  });
 
   const ranks = targetRemoteRanks(local.tpSize, local.tpRank, remoteTp);
   const indexesIntoRemote = !replicated && ratio > 0;
+  const ppRank = ctx.ppRank ?? 0;
   const reads: RankRead[] = ranks.map((remoteRank, i) => {
     if (ratio < 0 && !isMla) {
       // Our block is |r| remote blocks side by side: chunk i from remote rank i.
-      const chunk = local.blockLens.map((l) => l / -ratio);
+      const chunk = localLens.map((l) => l / -ratio);
       return {
         remoteRank,
+        ppRank,
+        regionStart,
         local: chunk.map((len) => ({ offset: i * len, len })),
         remoteOffset: chunk.map(() => 0),
         notifyOnly: false,
@@ -150,12 +249,18 @@ export function planReads(local: KvLayout, remoteTp: number, remote: NixlAgentMe
     const rankOffset = indexesIntoRemote ? local.tpRank % ratio : 0;
     return {
       remoteRank,
-      local: local.blockLens.map((len) => ({ offset: 0, len })),
-      remoteOffset: local.blockLens.map((len) => rankOffset * len),
+      ppRank,
+      regionStart,
+      local: localLens.map((len) => ({ offset: 0, len })),
+      remoteOffset: localLens.map((len) => rankOffset * len),
       // MLA, remote TP > local TP: the cache is the same on every remote rank,
       // read it once and only notify the others.
       notifyOnly: isMla && ratio < 0 && i > 0,
     };
   });
   return { tpRatio: ratio, replicated, reads };
+}
+
+function fmt(v: unknown): string {
+  return typeof v === 'string' ? v : JSON.stringify(v);
 }
