@@ -366,7 +366,9 @@ describe('profile choice', () => {
 describe('garbage never escapes as anything but a HandshakeError (fast-check)', () => {
   it('random bytes and mutated vectors, both profiles, every decoder', async () => {
     const fc = await import('fast-check');
-    const seeds = [...vectors.v12.metadata.map((v) => v.hex), ...vectors.metadata.map((v) => v.hex)].map((h) => Buffer.from(h, 'hex'));
+    const seeds = [...vectors.v12.metadata.map((v) => v.hex), ...vectors.metadata.map((v) => v.hex)].map((h) =>
+      Buffer.from(h, 'hex'),
+    );
     const decoders = [
       (b: Buffer) => decodeAgentMetadata(b, 'v12'),
       (b: Buffer) => decodeAgentMetadata(b, 'v0.13'),
@@ -376,22 +378,32 @@ describe('garbage never escapes as anything but a HandshakeError (fast-check)', 
       (b: Buffer) => readReply([Buffer.from('p'), b], wireV12),
     ];
     const mutated = fc
-      .tuple(fc.constantFrom(...seeds), fc.array(fc.tuple(fc.nat(), fc.integer({ min: 0, max: 255 })), { maxLength: 8 }), fc.nat())
+      .tuple(
+        fc.constantFrom(...seeds),
+        fc.array(fc.tuple(fc.nat(), fc.integer({ min: 0, max: 255 })), { maxLength: 8 }),
+        fc.nat(),
+      )
       .map(([s, edits, cut]) => {
         const b = Buffer.from(s);
         for (const [at, v] of edits) b[at % b.length] = v;
         return b.subarray(0, b.length - (cut % 4 === 0 ? cut % b.length : 0));
       });
     fc.assert(
-      fc.property(fc.oneof(fc.uint8Array({ maxLength: 64 }).map((u) => Buffer.from(u)), mutated), (b) => {
-        for (const d of decoders) {
-          try {
-            d(b);
-          } catch (e) {
-            if (!(e instanceof HandshakeError)) throw e;
+      fc.property(
+        fc.oneof(
+          fc.uint8Array({ maxLength: 64 }).map((u) => Buffer.from(u)),
+          mutated,
+        ),
+        (b) => {
+          for (const d of decoders) {
+            try {
+              d(b);
+            } catch (e) {
+              if (!(e instanceof HandshakeError)) throw e;
+            }
           }
-        }
-      }),
+        },
+      ),
       { numRuns: Number(process.env.FC_RUNS ?? 2000) },
     );
   });

@@ -1,0 +1,58 @@
+// The workers of one stage (encode, prefill or decode): which one takes the
+// next request (round-robin or least-outstanding, healthy ones only), and
+// health checks that take a worker out and bring it back.
+export type Policy = 'round-robin' | 'least-outstanding';
+export type Stage = 'encode' | 'prefill' | 'decode';
+
+export interface WorkerRef {
+  /** HTTP base URL or ZMQ address. */
+  address: string;
+  stage: Stage;
+  healthy: boolean;
+  outstanding: number;
+  /** Consecutive failed health checks or requests. */
+  failures: number;
+}
+
+export class WorkerPool {
+  readonly workers: WorkerRef[];
+  #next = 0;
+
+  constructor(
+    readonly stage: Stage,
+    addresses: string[],
+    readonly policy: Policy = 'round-robin',
+  ) {
+    this.workers = addresses.map((address) => ({ address, stage, healthy: true, outstanding: 0, failures: 0 }));
+  }
+
+  get size(): number {
+    return this.workers.length;
+  }
+
+  /** A healthy worker not in `avoid` (falls back to `avoid` ones when nothing else is healthy). */
+  pick(avoid: ReadonlySet<WorkerRef> = new Set()): WorkerRef | undefined {
+    const healthy = this.workers.filter((w) => w.healthy);
+    const preferred = healthy.filter((w) => !avoid.has(w));
+    const from = preferred.length > 0 ? preferred : healthy;
+    if (from.length === 0) return undefined;
+    if (this.policy === 'least-outstanding') {
+      // Ties go round-robin, so equal workers share the load.
+      const min = Math.min(...from.map((w) => w.outstanding));
+      const tied = from.filter((w) => w.outstanding === min);
+      return tied[this.#next++ % tied.length];
+    }
+    return from[this.#next++ % from.length];
+  }
+
+  /** A request to it failed for a reason of its own (connection refused, reset, 5xx): out until a check passes. */
+  markFailed(w: WorkerRef): void {
+    w.failures++;
+    w.healthy = false;
+  }
+
+  markOk(w: WorkerRef): void {
+    w.failures = 0;
+    w.healthy = true;
+  }
+}

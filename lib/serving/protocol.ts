@@ -1,0 +1,55 @@
+// The ZeroMQ worker protocol of the serving proxy (docs/serving-zmq.md), as
+// in vLLM's ZeroMQ encode/prefill/decode proxy: PUSH sockets from the proxy
+// to each worker, one PULL socket for every worker's replies. Each message is
+// two frames: an ASCII tag and a msgpack map.
+//   proxy -> worker  ENCODE | GENERATION  {msg_id, request_id, path, reply_to, payload}
+//                    ABORT                {msg_id}
+//                    HEALTH               {msg_id, reply_to}
+//   worker -> proxy  ENCODE               {msg_id, status, payload}
+//                    GENERATION           {msg_id, status, payload, done: true}      (not streamed)
+//                                         {msg_id, chunk, done: false} ... {msg_id, done: true}  (streamed)
+//                    FAILURE              {msg_id, status, error: {message, code}}
+//                    HEALTH               {msg_id, ok, name}
+import { Packr } from 'msgpackr';
+
+export const TAGS = ['ENCODE', 'GENERATION', 'FAILURE', 'ABORT', 'HEALTH'] as const;
+export type Tag = (typeof TAGS)[number];
+
+export interface ZmqRequest {
+  msg_id: string;
+  request_id?: string;
+  path?: string;
+  reply_to?: string;
+  payload?: Record<string, unknown>;
+}
+
+export interface ZmqReply {
+  msg_id: string;
+  status?: number;
+  payload?: Record<string, unknown>;
+  chunk?: Record<string, unknown>;
+  done?: boolean;
+  error?: { message: string; code?: string };
+  ok?: boolean;
+  name?: string;
+}
+
+// Plain maps and arrays only (no msgpackr records or extensions), so any msgpack peer reads them.
+const packr = new Packr({ useRecords: false, mapsAsObjects: true, variableMapSize: true });
+
+export function encodeMessage(tag: Tag, body: ZmqRequest | ZmqReply): [Buffer, Buffer] {
+  return [Buffer.from(tag, 'ascii'), packr.pack(body)];
+}
+
+/** Reads a two-frame message; anything else is an Error with a message. */
+export function decodeMessage(frames: Buffer[]): { tag: Tag; body: Record<string, unknown> } {
+  if (frames.length !== 2) throw new Error(`expected 2 frames (tag, msgpack map), got ${frames.length}`);
+  const tag = frames[0].toString('ascii');
+  if (!(TAGS as readonly string[]).includes(tag)) throw new Error(`unknown tag ${JSON.stringify(tag.slice(0, 20))}`);
+  const body = packr.unpack(frames[1]) as unknown;
+  if (typeof body !== 'object' || body === null || Array.isArray(body)) throw new Error('the body is not a map');
+  const b = body as Record<string, unknown>;
+  if (typeof b.msg_id !== 'string' || b.msg_id.length === 0 || b.msg_id.length > 256)
+    throw new Error('msg_id must be a non-empty string');
+  return { tag: tag as Tag, body: b };
+}

@@ -1,0 +1,427 @@
+// The disaggregated-serving proxy: an OpenAI-compatible HTTP front that sends
+// each request through an encoder (when configured and the request has
+// images), then a prefill worker (kv_transfer_params {do_remote_decode: true},
+// max_tokens 1), then a decode worker with the kv_transfer_params the prefill
+// returned, and passes the decode's answer back, streamed (SSE) or not.
+import { randomUUID } from 'node:crypto';
+import * as http from 'node:http';
+import type { AddressInfo } from 'node:net';
+import type { WireName } from '../handshake/model';
+import { parseKvTransferParams, prefillRequestParams, wireProfile } from '../handshake/wire';
+import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
+import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
+import { HttpError, errorBody, hasImages, readJson } from './worker';
+
+export interface ProxyOptions {
+  /** Interface to bind: 127.0.0.1 unless told otherwise. */
+  host?: string;
+  /** 0: any free port. */
+  port?: number;
+  transport?: 'http' | 'zmq';
+  /** Worker addresses: HTTP base URLs, or ZMQ addresses (tcp://, ipc://). */
+  prefill: string[];
+  decode: string[];
+  encode?: string[];
+  policy?: Policy;
+  /** Per stage, ms (default 60 s each). */
+  timeoutMs?: Partial<Record<Stage, number>>;
+  /** Health checks, ms between rounds (default 2000; 0: none). */
+  healthIntervalMs?: number;
+  /** Other prefill workers to try when one fails before answering (default 1). */
+  prefillRetries?: number;
+  /** Requires `Authorization: Bearer <token>` on the API routes. */
+  bearerToken?: string;
+  /** Largest request body, bytes (default 1 MiB). */
+  maxBodyBytes?: number;
+  /** The wire profile the prefills' kv_transfer_params are checked against (default NIXL_WIRE, else v12). */
+  wire?: WireName;
+  /** ZMQ: the PULL address for replies (default tcp://127.0.0.1:*). */
+  zmqReplyAddr?: string;
+}
+
+const ROUTES = new Set(['/v1/completions', '/v1/chat/completions']);
+const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
+
+/** prom-client, when installed (an optional peer dependency). */
+type Prom = typeof import('prom-client');
+function loadProm(): Prom | undefined {
+  try {
+    return require('prom-client') as Prom;
+  } catch {
+    return undefined;
+  }
+}
+
+class StageFailure extends Error {
+  constructor(
+    readonly status: number,
+    readonly stage: Stage,
+    readonly worker: string | undefined,
+    message: string,
+  ) {
+    super(message);
+  }
+}
+
+export class Proxy {
+  readonly pools: Record<Stage, WorkerPool>;
+  readonly stats = { requests: 0, completed: 0, failed: 0, aborted: 0, retries: 0 };
+  url = '';
+  readonly #o: ProxyOptions;
+  readonly #transport: WorkerTransport;
+  readonly #server: http.Server;
+  readonly #inflight = new Set<AbortController>();
+  #health?: NodeJS.Timeout;
+  readonly #prom?: {
+    registry: import('prom-client').Registry;
+    requests: import('prom-client').Counter<string>;
+    stageSeconds: import('prom-client').Histogram<string>;
+    inflight: import('prom-client').Gauge<string>;
+    healthy: import('prom-client').Gauge<string>;
+  };
+
+  constructor(o: ProxyOptions) {
+    this.#o = o;
+    if (!o.prefill?.length || !o.decode?.length) throw new RangeError('a proxy needs prefill and decode workers');
+    wireProfile(o.wire);
+    const policy = o.policy ?? 'round-robin';
+    this.pools = {
+      encode: new WorkerPool('encode', o.encode ?? [], policy),
+      prefill: new WorkerPool('prefill', o.prefill, policy),
+      decode: new WorkerPool('decode', o.decode, policy),
+    };
+    this.#transport = (o.transport ?? 'http') === 'zmq' ? new ZmqTransport() : new HttpTransport();
+    this.#server = http.createServer(
+      { requestTimeout: 0, headersTimeout: 10_000 },
+      (req, res) => void this.#onRequest(req, res),
+    );
+    this.#server.on('clientError', (_e, socket) => {
+      if (socket.writable) socket.end('HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n');
+      else socket.destroy();
+    });
+    const prom = loadProm();
+    if (prom) {
+      const registry = new prom.Registry();
+      this.#prom = {
+        registry,
+        requests: new prom.Counter({
+          name: 'nixl_node_proxy_requests_total',
+          help: 'Requests by route and status',
+          labelNames: ['route', 'status'],
+          registers: [registry],
+        }),
+        stageSeconds: new prom.Histogram({
+          name: 'nixl_node_proxy_stage_seconds',
+          help: 'Time of each stage, to the answer (decode: to the first byte)',
+          labelNames: ['stage', 'outcome'],
+          buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
+          registers: [registry],
+        }),
+        inflight: new prom.Gauge({
+          name: 'nixl_node_proxy_inflight_requests',
+          help: 'Requests in flight',
+          registers: [registry],
+        }),
+        healthy: new prom.Gauge({
+          name: 'nixl_node_proxy_worker_healthy',
+          help: '1 when a worker passes its health check',
+          labelNames: ['stage', 'worker'],
+          registers: [registry],
+        }),
+      };
+    }
+  }
+
+  async start(): Promise<this> {
+    if (this.#transport instanceof ZmqTransport) await this.#transport.bind(this.#o.zmqReplyAddr);
+    const host = this.#o.host ?? '127.0.0.1';
+    await new Promise<void>((resolve, reject) => {
+      this.#server.once('error', reject);
+      this.#server.listen(this.#o.port ?? 0, host, () => resolve());
+    });
+    this.url = `http://${host.includes(':') ? `[${host}]` : host}:${(this.#server.address() as AddressInfo).port}`;
+    const every = this.#o.healthIntervalMs ?? 2000;
+    if (every > 0) {
+      this.#health = setInterval(() => void this.checkHealth(), every);
+      this.#health.unref();
+    }
+    return this;
+  }
+
+  /** One round of health checks over every worker. */
+  async checkHealth(): Promise<void> {
+    const all = Object.values(this.pools).flatMap((p) => p.workers.map((w) => ({ p, w })));
+    await Promise.all(
+      all.map(async ({ p, w }) => {
+        const ok = await this.#transport.health(w, 1000);
+        if (ok) p.markOk(w);
+        else p.markFailed(w);
+        this.#prom?.healthy.set({ stage: w.stage, worker: w.address }, ok ? 1 : 0);
+      }),
+    );
+  }
+
+  // ---- the front ----------------------------------------------------------
+
+  async #onRequest(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
+    const path = (req.url ?? '').split('?')[0];
+    const incoming = req.headers['x-request-id'];
+    const requestId = typeof incoming === 'string' && REQUEST_ID.test(incoming) ? incoming : randomUUID();
+    res.setHeader('x-request-id', requestId);
+    const send = (status: number, body: unknown, headers: Record<string, string> = {}) => {
+      this.#prom?.requests.inc({ route: ROUTES.has(path) ? path : 'other', status: String(status) });
+      if (res.headersSent) return void res.end();
+      const text = JSON.stringify(body);
+      res.writeHead(status, {
+        'content-type': 'application/json',
+        'content-length': Buffer.byteLength(text),
+        ...headers,
+      });
+      res.end(text);
+    };
+    if (req.method === 'GET' && path === '/health') {
+      const healthy = (s: Stage) => this.pools[s].workers.filter((w) => w.healthy).length;
+      const ok =
+        healthy('prefill') > 0 && healthy('decode') > 0 && (this.pools.encode.size === 0 || healthy('encode') > 0);
+      return send(ok ? 200 : 503, {
+        status: ok ? 'ok' : 'degraded',
+        workers: Object.fromEntries(
+          Object.entries(this.pools).map(([s, p]) => [
+            s,
+            p.workers.map((w) => ({ address: w.address, healthy: w.healthy, outstanding: w.outstanding })),
+          ]),
+        ),
+      });
+    }
+    if (req.method === 'GET' && path === '/metrics') {
+      if (!this.#prom) return send(501, errorBody('install prom-client for /metrics', 'not_implemented'));
+      const text = await this.#prom.registry.metrics();
+      res.writeHead(200, { 'content-type': this.#prom.registry.contentType });
+      res.end(text);
+      return;
+    }
+    if (!ROUTES.has(path)) return send(404, errorBody(`no route ${path.slice(0, 100)}`, 'not_found'));
+    if (req.method !== 'POST') return send(405, errorBody('use POST', 'invalid_request_error'), { allow: 'POST' });
+    if (this.#o.bearerToken !== undefined && req.headers.authorization !== `Bearer ${this.#o.bearerToken}`)
+      return send(401, errorBody('missing or wrong bearer token', 'authentication_error'), {
+        'www-authenticate': 'Bearer',
+      });
+    let body: Record<string, unknown>;
+    try {
+      body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
+      checkRequest(path, body);
+    } catch (e) {
+      const h = e as HttpError;
+      return send(
+        h.status ?? 400,
+        errorBody(h.message, 'invalid_request_error'),
+        h.status === 413 ? { connection: 'close' } : {},
+      );
+    }
+
+    this.stats.requests++;
+    const ac = new AbortController();
+    this.#inflight.add(ac);
+    this.#prom?.inflight.inc();
+    // The client went away before the answer ended: abort whatever stage is in flight.
+    res.on('close', () => {
+      if (!res.writableFinished) ac.abort(new Error('client disconnected'));
+    });
+    try {
+      await this.#pipeline(path, body, requestId, ac.signal, res, send);
+      this.stats.completed++;
+    } catch (e) {
+      if (ac.signal.aborted) {
+        this.stats.aborted++;
+        res.destroy();
+      } else {
+        this.stats.failed++;
+        const f =
+          e instanceof StageFailure
+            ? e
+            : new StageFailure(502, 'decode', undefined, (e as Error)?.message ?? String(e));
+        send(
+          f.status,
+          errorBody(f.message, 'stage_failed', { stage: f.stage, worker: f.worker ?? null, request_id: requestId }),
+        );
+      }
+    } finally {
+      this.#inflight.delete(ac);
+      this.#prom?.inflight.dec();
+    }
+  }
+
+  async #pipeline(
+    path: string,
+    body: Record<string, unknown>,
+    requestId: string,
+    signal: AbortSignal,
+    res: http.ServerResponse,
+    send: (status: number, body: unknown) => void,
+  ): Promise<void> {
+    const chat = path === '/v1/chat/completions';
+    if (this.pools.encode.size > 0 && hasImages(body)) {
+      await this.#stage('encode', path, { ...body, stream: false, max_tokens: 1 }, requestId, signal, false);
+    }
+    const prefillBody: Record<string, unknown> = {
+      ...body,
+      stream: false,
+      max_tokens: 1,
+      kv_transfer_params: prefillRequestParams(),
+    };
+    if (chat) prefillBody.max_completion_tokens = 1;
+    delete prefillBody.stream_options;
+    const pre = await this.#stage('prefill', path, prefillBody, requestId, signal, false, this.#o.prefillRetries ?? 1);
+    const kv = pre.answer.json?.kv_transfer_params;
+    try {
+      parseKvTransferParams(kv, this.#o.wire);
+    } catch (e) {
+      throw new StageFailure(
+        502,
+        'prefill',
+        pre.worker.address,
+        `prefill answered without usable kv_transfer_params: ${(e as Error).message}`,
+      );
+    }
+    const decodeBody = { ...body, kv_transfer_params: kv };
+    const dec = await this.#stage(
+      'decode',
+      path,
+      decodeBody,
+      requestId,
+      signal,
+      body.stream === true,
+      0,
+      new Set([pre.worker]),
+    );
+    const a = dec.answer;
+    if (!a.chunks) {
+      send(a.status, a.json);
+      return;
+    }
+    res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
+    try {
+      for await (const c of a.chunks) res.write(`data: ${JSON.stringify(c)}\n\n`);
+    } catch (e) {
+      if (signal.aborted) throw e;
+      // Mid-stream: the status line is gone; say so in the stream, then end it.
+      res.write(
+        `data: ${JSON.stringify(errorBody(`decode worker ${dec.worker.address} failed mid-stream: ${(e as Error).message}`, 'stage_failed', { stage: 'decode', worker: dec.worker.address }))}\n\n`,
+      );
+    } finally {
+      dec.release();
+    }
+    res.end('data: [DONE]\n\n');
+    this.#prom?.requests.inc({ route: path, status: '200' });
+  }
+
+  /** One stage on one worker (retried on others for `retries`), with its timeout. */
+  async #stage(
+    stage: Stage,
+    path: string,
+    body: Record<string, unknown>,
+    requestId: string,
+    clientSignal: AbortSignal,
+    stream: boolean,
+    retries = 0,
+    avoid: ReadonlySet<WorkerRef> = new Set(),
+  ): Promise<{ answer: StageAnswer; worker: WorkerRef; release(): void }> {
+    const pool = this.pools[stage];
+    const tried = new Set<WorkerRef>(avoid);
+    let last: StageFailure | undefined;
+    for (let attempt = 0; attempt <= retries; attempt++) {
+      const w = pool.pick(tried);
+      if (!w || (attempt > 0 && tried.has(w))) break;
+      tried.add(w);
+      if (attempt > 0) this.stats.retries++;
+      const timeoutMs = this.#o.timeoutMs?.[stage] ?? 60_000;
+      const timeout = AbortSignal.timeout(timeoutMs);
+      const signal = AbortSignal.any([clientSignal, timeout]);
+      const t0 = performance.now();
+      w.outstanding++;
+      let released = false;
+      const release = () => {
+        if (!released) {
+          released = true;
+          w.outstanding--;
+        }
+      };
+      const observe = (outcome: string) =>
+        this.#prom?.stageSeconds.observe({ stage, outcome }, (performance.now() - t0) / 1000);
+      try {
+        const answer = await this.#transport.call({ stage, worker: w, path, body, requestId, signal, stream });
+        observe(String(answer.status));
+        if (answer.status >= 500 && answer.status !== 503) pool.markFailed(w);
+        if (answer.status >= 400) {
+          release();
+          const msg = (answer.json?.error as { message?: string } | undefined)?.message ?? `HTTP ${answer.status}`;
+          // A worker's 4xx is the request's fault: give it to the client as it is. 5xx: retry or 502.
+          if (answer.status < 500)
+            throw new StageFailure(answer.status, stage, w.address, `${stage} worker ${w.address}: ${msg}`);
+          last = new StageFailure(
+            502,
+            stage,
+            w.address,
+            `${stage} worker ${w.address} answered ${answer.status}: ${msg}`,
+          );
+          continue;
+        }
+        if (!answer.chunks) release();
+        return { answer, worker: w, release };
+      } catch (e) {
+        release();
+        if (e instanceof StageFailure) throw e;
+        if (clientSignal.aborted) throw e;
+        if (timeout.aborted) {
+          observe('timeout');
+          throw new StageFailure(
+            504,
+            stage,
+            w.address,
+            `${stage} worker ${w.address} did not answer within ${timeoutMs} ms`,
+          );
+        }
+        observe('unreachable');
+        pool.markFailed(w);
+        last = new StageFailure(
+          502,
+          stage,
+          w.address,
+          `${stage} worker ${w.address} failed: ${(e as TransportError).message}`,
+        );
+      }
+    }
+    throw last ?? new StageFailure(503, stage, undefined, `no healthy ${stage} worker`);
+  }
+
+  async close(): Promise<void> {
+    clearInterval(this.#health);
+    for (const ac of this.#inflight) ac.abort(new Error('proxy closing'));
+    this.#server.closeAllConnections();
+    await new Promise((r) => this.#server.close(r));
+    await this.#transport.close();
+  }
+}
+
+/** 4xx for what no worker should see. */
+function checkRequest(path: string, b: Record<string, unknown>): void {
+  const bad = (m: string): never => {
+    throw new HttpError(400, m);
+  };
+  if (b.model !== undefined && typeof b.model !== 'string') bad("'model' must be a string");
+  if (path === '/v1/chat/completions') {
+    if (!Array.isArray(b.messages) || b.messages.length === 0) bad("'messages' must be a non-empty array");
+    for (const m of b.messages as unknown[])
+      if (typeof m !== 'object' || m === null || typeof (m as { role?: unknown }).role !== 'string')
+        bad("each message needs a 'role'");
+  } else if (typeof b.prompt !== 'string') bad("'prompt' must be a string");
+  for (const k of ['max_tokens', 'max_completion_tokens'])
+    if (b[k] !== undefined && (!Number.isInteger(b[k]) || (b[k] as number) < 1))
+      bad(`'${k}' must be a positive integer`);
+  if (b.stream !== undefined && typeof b.stream !== 'boolean') bad("'stream' must be a boolean");
+  if (b.kv_transfer_params !== undefined) bad("'kv_transfer_params' is set by the proxy, not by clients");
+}
+
+export async function startProxy(o: ProxyOptions): Promise<Proxy> {
+  return new Proxy(o).start();
+}

@@ -1,0 +1,268 @@
+// How the proxy reaches a worker for one stage: HTTP (real vLLM OpenAI
+// servers, or Node workers), or ZeroMQ (protocol.ts). Both give back the
+// status and JSON of an answer, or its stream of chunks, and both honour an
+// AbortSignal (client gone, or the stage timed out).
+import { randomUUID } from 'node:crypto';
+import * as zmq from 'zeromq';
+import type { Stage, WorkerRef } from './pool';
+import { decodeMessage, encodeMessage, type Tag } from './protocol';
+
+export interface StageCall {
+  stage: Stage;
+  worker: WorkerRef;
+  path: string;
+  body: Record<string, unknown>;
+  requestId: string;
+  signal: AbortSignal;
+  /** The answer is an SSE stream of chunks. */
+  stream: boolean;
+}
+
+export interface StageAnswer {
+  status: number;
+  /** Not streamed (or an error): the JSON body. */
+  json?: Record<string, unknown>;
+  /** Streamed: OpenAI chunk objects, in order. */
+  chunks?: AsyncIterable<Record<string, unknown>>;
+}
+
+/** The worker could not be reached or broke the connection (not an answer it gave). */
+export class TransportError extends Error {
+  constructor(
+    message: string,
+    readonly aborted = false,
+  ) {
+    super(message);
+  }
+}
+
+export interface WorkerTransport {
+  readonly kind: 'http' | 'zmq';
+  call(c: StageCall): Promise<StageAnswer>;
+  health(w: WorkerRef, timeoutMs: number): Promise<boolean>;
+  close(): Promise<void>;
+}
+
+// ---- HTTP ---------------------------------------------------------------------
+
+async function* sseChunks(body: ReadableStream<Uint8Array>): AsyncIterable<Record<string, unknown>> {
+  const dec = new TextDecoder();
+  let buf = '';
+  for await (const part of body as unknown as AsyncIterable<Uint8Array>) {
+    buf += dec.decode(part, { stream: true });
+    for (let i = buf.indexOf('\n\n'); i >= 0; i = buf.indexOf('\n\n')) {
+      const event = buf.slice(0, i);
+      buf = buf.slice(i + 2);
+      for (const line of event.split('\n')) {
+        if (!line.startsWith('data:')) continue;
+        const data = line.slice(5).trim();
+        if (data === '[DONE]') return;
+        yield JSON.parse(data) as Record<string, unknown>;
+      }
+    }
+  }
+}
+
+export class HttpTransport implements WorkerTransport {
+  readonly kind = 'http' as const;
+
+  async call(c: StageCall): Promise<StageAnswer> {
+    let res: Response;
+    try {
+      res = await fetch(`${c.worker.address}${c.path}`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', 'x-request-id': c.requestId },
+        body: JSON.stringify(c.body),
+        signal: c.signal,
+      });
+    } catch (e) {
+      throw new TransportError(`${c.worker.address}: ${causeOf(e)}`, c.signal.aborted);
+    }
+    try {
+      if (c.stream && res.ok && (res.headers.get('content-type') ?? '').includes('text/event-stream') && res.body)
+        return { status: res.status, chunks: sseChunks(res.body) };
+      const text = await res.text();
+      let json: Record<string, unknown>;
+      try {
+        json = JSON.parse(text);
+      } catch {
+        json = { error: { message: `worker answered HTTP ${res.status} with no JSON: ${text.slice(0, 200)}` } };
+      }
+      return { status: res.status, json };
+    } catch (e) {
+      throw new TransportError(`${c.worker.address}: ${causeOf(e)}`, c.signal.aborted);
+    }
+  }
+
+  async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
+    try {
+      const r = await fetch(`${w.address}/health`, { signal: AbortSignal.timeout(timeoutMs) });
+      await r.arrayBuffer();
+      return r.ok;
+    } catch {
+      return false;
+    }
+  }
+
+  async close(): Promise<void> {}
+}
+
+function causeOf(e: unknown): string {
+  const err = e as Error & { cause?: { code?: string; message?: string } };
+  return err.cause?.code ?? err.cause?.message ?? err.message;
+}
+
+// ---- ZeroMQ -------------------------------------------------------------------
+
+interface Pending {
+  push(tag: Tag, body: Record<string, unknown>): void;
+  fail(e: Error): void;
+}
+
+/** PUSH to each worker, one PULL bound here for every reply. */
+export class ZmqTransport implements WorkerTransport {
+  readonly kind = 'zmq' as const;
+  readonly #pull = new zmq.Pull({ linger: 0, maxMessageSize: 64 << 20 });
+  readonly #push = new Map<string, zmq.Push>();
+  readonly #pending = new Map<string, Pending>();
+  replyAddress = '';
+  #closed = false;
+
+  async bind(addr = 'tcp://127.0.0.1:*'): Promise<this> {
+    await this.#pull.bind(addr);
+    this.replyAddress = this.#pull.lastEndpoint!;
+    void this.#loop();
+    return this;
+  }
+
+  async #loop(): Promise<void> {
+    for (;;) {
+      let frames: Buffer[];
+      try {
+        frames = await this.#pull.receive();
+      } catch {
+        return;
+      }
+      try {
+        const { tag, body } = decodeMessage(frames);
+        this.#pending.get(body.msg_id as string)?.push(tag, body);
+      } catch {
+        /* garbage from a worker: dropped */
+      }
+    }
+  }
+
+  #socket(address: string): zmq.Push {
+    let s = this.#push.get(address);
+    if (!s) {
+      // immediate: a message to a worker that is not connected fails instead of queueing.
+      s = new zmq.Push({ linger: 0, sendTimeout: 2000, immediate: true });
+      s.connect(address);
+      this.#push.set(address, s);
+    }
+    return s;
+  }
+
+  async #send(address: string, tag: Tag, body: Record<string, unknown>): Promise<void> {
+    try {
+      await this.#socket(address).send(encodeMessage(tag, body as never));
+    } catch (e) {
+      throw new TransportError(`${address}: cannot send (${(e as Error).message})`);
+    }
+  }
+
+  async call(c: StageCall): Promise<StageAnswer> {
+    const msgId = `${c.requestId}/${randomUUID()}`;
+    // Replies arrive in order on one socket; a queue hands them to the reader.
+    const queue: Array<{ tag: Tag; body: Record<string, unknown> }> = [];
+    let wake: (() => void) | undefined;
+    let failure: Error | undefined;
+    this.#pending.set(msgId, {
+      push: (tag, body) => {
+        queue.push({ tag, body });
+        wake?.();
+      },
+      fail: (e) => {
+        failure = e;
+        wake?.();
+      },
+    });
+    const onAbort = () => {
+      failure = new TransportError(`${c.worker.address}: aborted`, true);
+      void this.#send(c.worker.address, 'ABORT', { msg_id: msgId }).catch(() => {});
+      wake?.();
+    };
+    c.signal.addEventListener('abort', onAbort, { once: true });
+    const done = () => {
+      c.signal.removeEventListener('abort', onAbort);
+      this.#pending.delete(msgId);
+    };
+    const next = async (): Promise<{ tag: Tag; body: Record<string, unknown> }> => {
+      while (queue.length === 0) {
+        if (failure) throw failure;
+        await new Promise<void>((r) => (wake = r));
+        wake = undefined;
+      }
+      return queue.shift()!;
+    };
+    try {
+      await this.#send(c.worker.address, c.stage === 'encode' ? 'ENCODE' : 'GENERATION', {
+        msg_id: msgId,
+        request_id: c.requestId,
+        path: c.path,
+        reply_to: this.replyAddress,
+        payload: c.body,
+      });
+      const first = await next();
+      const answer = (m: { tag: Tag; body: Record<string, unknown> }): StageAnswer =>
+        m.tag === 'FAILURE'
+          ? { status: Number(m.body.status ?? 500), json: { error: m.body.error } }
+          : { status: Number(m.body.status ?? 200), json: m.body.payload as Record<string, unknown> };
+      if (first.body.done !== false) {
+        done();
+        return answer(first);
+      }
+      const chunks = async function* (): AsyncIterable<Record<string, unknown>> {
+        try {
+          for (let m = first; ; m = await next()) {
+            if (m.tag === 'FAILURE')
+              throw new TransportError(`worker failed mid-stream: ${JSON.stringify(m.body.error)}`);
+            if (m.body.chunk) yield m.body.chunk as Record<string, unknown>;
+            if (m.body.done !== false) return;
+          }
+        } finally {
+          done();
+        }
+      };
+      return { status: 200, chunks: chunks() };
+    } catch (e) {
+      done();
+      throw e;
+    }
+  }
+
+  async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
+    const msgId = `health/${randomUUID()}`;
+    return new Promise<boolean>((resolve) => {
+      const t = setTimeout(() => finish(false), timeoutMs);
+      const finish = (ok: boolean) => {
+        clearTimeout(t);
+        this.#pending.delete(msgId);
+        resolve(ok);
+      };
+      this.#pending.set(msgId, {
+        push: (tag, body) => finish(tag === 'HEALTH' && body.ok === true),
+        fail: () => finish(false),
+      });
+      this.#send(w.address, 'HEALTH', { msg_id: msgId, reply_to: this.replyAddress }).catch(() => finish(false));
+    });
+  }
+
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    for (const p of this.#pending.values()) p.fail(new TransportError('proxy closing'));
+    this.#pull.close();
+    for (const s of this.#push.values()) s.close();
+  }
+}
