@@ -1,4 +1,4 @@
-// The nixl-node command: info, demo, bench.
+// The nixl-node command: info, demo, bench, sidechannel, proxy, worker.
 import * as path from 'node:path';
 import { run, UsageError } from './args';
 
@@ -9,6 +9,8 @@ Usage: nixl-node <command> [options]
   demo     disaggregated prefill -> decode KV transfer between processes (nixl-node demo --help)
   bench    bandwidth and handshake benchmarks (nixl-node bench --help)
   sidechannel fetch|serve   ask a side channel for a rank's metadata, or serve synthetic metadata
+  proxy    disaggregated-serving proxy: encode -> prefill -> decode workers (nixl-node proxy --help)
+  worker   a Node inference worker with a synthetic model, for the proxy (nixl-node worker --help)
 `;
 
 function packageRoot(): string {
@@ -59,6 +61,10 @@ run(cmd ?? '', async () => {
       return (await import('../bench/run')).runBench(rest);
     case 'sidechannel':
       return (await import('./sidechannel')).sidechannel(rest);
+    case 'proxy':
+      return (await import('./serving')).proxyCommand(rest);
+    case 'worker':
+      return (await import('./serving')).workerCommand(rest);
     case undefined:
     case '--help':
     case '-h':

@@ -43,6 +43,7 @@ Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works to
   --method M       handshake: zmq | http (default zmq, or NIXL_HANDSHAKE_METHOD)
   --engine E       loopback | nixl (default: nixl if compiled in)
   --mla            MLA: one latent cache per layer, replicated on every rank
+  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
 `;
 
 const ARGS = {
@@ -134,6 +135,7 @@ function worker(file: string, cfg: unknown) {
 }
 
 export async function runDemo(argv: string[]): Promise<void> {
+  if (argv.includes('--serving')) return (await import('./serving')).runServingDemo(argv.filter((a) => a !== '--serving'));
   const o = parseDemoArgs(argv);
   const regions = o.mla ? o.layers : o.layers * 2;
   const headBytes = o.mla ? o.blockKib * 1024 : (o.blockKib * 1024) / o.heads;

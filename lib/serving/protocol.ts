@@ -53,3 +53,19 @@ export function decodeMessage(frames: Buffer[]): { tag: Tag; body: Record<string
     throw new Error('msg_id must be a non-empty string');
   return { tag: tag as Tag, body: b };
 }
+
+/**
+ * A zeromq.js socket takes one send at a time ("Socket is busy writing"):
+ * sends through this wait their turn, in order.
+ */
+export class SerialSender {
+  #tail: Promise<unknown> = Promise.resolve();
+
+  constructor(readonly socket: { send(frames: Buffer[]): Promise<void>; close(): void }) {}
+
+  send(frames: Buffer[]): Promise<void> {
+    const p = this.#tail.then(() => this.socket.send(frames));
+    this.#tail = p.catch(() => {});
+    return p;
+  }
+}

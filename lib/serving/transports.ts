@@ -5,7 +5,7 @@
 import { randomUUID } from 'node:crypto';
 import * as zmq from 'zeromq';
 import type { Stage, WorkerRef } from './pool';
-import { decodeMessage, encodeMessage, type Tag } from './protocol';
+import { SerialSender, decodeMessage, encodeMessage, type Tag } from './protocol';
 
 export interface StageCall {
   stage: Stage;
@@ -123,7 +123,7 @@ interface Pending {
 export class ZmqTransport implements WorkerTransport {
   readonly kind = 'zmq' as const;
   readonly #pull = new zmq.Pull({ linger: 0, maxMessageSize: 64 << 20 });
-  readonly #push = new Map<string, zmq.Push>();
+  readonly #push = new Map<string, SerialSender>();
   readonly #pending = new Map<string, Pending>();
   replyAddress = '';
   #closed = false;
@@ -152,12 +152,13 @@ export class ZmqTransport implements WorkerTransport {
     }
   }
 
-  #socket(address: string): zmq.Push {
+  #socket(address: string): SerialSender {
     let s = this.#push.get(address);
     if (!s) {
       // immediate: a message to a worker that is not connected fails instead of queueing.
-      s = new zmq.Push({ linger: 0, sendTimeout: 2000, immediate: true });
-      s.connect(address);
+      const sock = new zmq.Push({ linger: 0, sendTimeout: 2000, immediate: true });
+      sock.connect(address);
+      s = new SerialSender(sock);
       this.#push.set(address, s);
     }
     return s;
@@ -263,6 +264,6 @@ export class ZmqTransport implements WorkerTransport {
     this.#closed = true;
     for (const p of this.#pending.values()) p.fail(new TransportError('proxy closing'));
     this.#pull.close();
-    for (const s of this.#push.values()) s.close();
+    for (const s of this.#push.values()) s.socket.close();
   }
 }

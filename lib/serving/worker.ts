@@ -25,7 +25,7 @@ import { KvPuller, type PullError } from '../kv/puller';
 import { PrefillTracker, servePrefill } from '../kv/prefill';
 import type { KvLayout } from '../kv/layout';
 import { BlockPool } from './blocks';
-import { decodeMessage, encodeMessage, type ZmqReply } from './protocol';
+import { SerialSender, decodeMessage, encodeMessage, type ZmqReply } from './protocol';
 import {
   DEFAULT_MODEL,
   MODEL_NAME,
@@ -55,8 +55,9 @@ export interface WorkerOptions {
   /** How long a prefill holds KV nobody read (default: the profile's lease, 30 s for v12). */
   leaseMs?: number;
   engine?: EngineKind;
-  /** Test hook: a prefill answers only after this long. */
+  /** Test hooks: a prefill answers, a decode starts its pull, only after this long. */
   stallPrefillMs?: number;
+  stallDecodeMs?: number;
   /** Largest request body, bytes (default 1 MiB). */
   maxBodyBytes?: number;
 }
@@ -117,7 +118,7 @@ export class Worker {
   #side?: HandshakeServer;
   #http?: http.Server;
   #pull?: zmq.Pull;
-  readonly #push = new Map<string, zmq.Push>();
+  readonly #push = new Map<string, SerialSender>();
   #seq = 0;
   #closed = false;
 
@@ -224,6 +225,7 @@ export class Worker {
       const remoteRequestId = `${requestId}-${this.name}-${++this.#seq}`;
       void this.#tracker.expect(remoteRequestId, ids).then(() => this.#blocks.give(ids));
       if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
+      if (signal.aborted) throw new HttpError(499, 'the proxy went away', 'aborted');
       this.stats.prefills++;
       sink.end(200, {
         ...completion(requestId, chat, [], 'length'),
@@ -247,6 +249,7 @@ export class Worker {
       let verified = 0;
       if (kvp !== undefined) {
         // Decode: the KV comes from the prefill named in kv_transfer_params.
+        if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
         try {
           await this.#puller.pullFromParams(kvp, { localBlockIds: ids, signal, timeoutMs: 30_000 });
         } catch (e) {
@@ -402,8 +405,9 @@ export class Worker {
     if (this.#closed) return;
     let s = this.#push.get(to);
     if (!s) {
-      s = new zmq.Push({ linger: 0, sendTimeout: 5000 });
-      s.connect(to);
+      const sock = new zmq.Push({ linger: 0, sendTimeout: 5000 });
+      sock.connect(to);
+      s = new SerialSender(sock);
       this.#push.set(to, s);
     }
     try {
@@ -422,7 +426,7 @@ export class Worker {
       await new Promise((r) => this.#http!.close(r));
     }
     this.#pull?.close();
-    for (const s of this.#push.values()) s.close();
+    for (const s of this.#push.values()) s.socket.close();
     await this.#side?.close();
     await this.#puller.close();
     await this.#tracker.close();

@@ -1,0 +1,150 @@
+// nixl-node proxy | worker: the disaggregated-serving proxy and the Node
+// workers (synthetic model) it fronts, as commands that run until killed.
+// Each prints one JSON line when ready, so scripts can wait for it.
+import type { WireName } from '../lib/handshake/model';
+import { startProxy, startWorker } from '../lib/serving';
+import { oneOf, parse, positiveInt, UsageError } from './args';
+
+const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
+
+Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
+  --host H             interface to bind (default 127.0.0.1)
+  --port P             port (default 8000; 0: any free port)
+  --transport T        http (workers are OpenAI servers: URLs) | zmq (workers' PULL addresses)
+  --prefill LIST       prefill workers, comma-separated
+  --decode LIST        decode workers
+  --encode LIST        encoder workers (requests with images go there first)
+  --pd-addrs LIST      zmq: workers that do both prefill and decode (vLLM's name)
+  --encode-addrs LIST  zmq: encoder workers (vLLM's name)
+  --policy P           round-robin | least-outstanding (default round-robin)
+  --timeout-ms N       per stage (default 60000)
+  --health-ms N        between health checks (default 2000)
+  --retries N          other prefill workers to try when one fails (default 1)
+  --token T            require Authorization: Bearer T
+  --wire W             v12 | v0.13: the kv_transfer_params the prefills return (default NIXL_WIRE, else v12)
+`;
+
+const WORKER_HELP = `nixl-node worker: a Node inference worker with a synthetic model (KV made from the prompt)
+
+Usage: nixl-node worker [options]
+  --name N             agent and engine name (default worker-<pid>-<random>)
+  --transport T        http | zmq (default http)
+  --host H             interface (default 127.0.0.1)
+  --port P             HTTP port (default 0: any free port)
+  --zmq-addr A         zmq: PULL address to bind (default tcp://<host>:<any port>)
+  --blocks N           KV cache blocks (default 512)
+  --lease-ms N         how long a prefill holds KV nobody read (default: the wire profile's, 30 s)
+  --wire W             v12 | v0.13 (default NIXL_WIRE, else v12)
+  --stall-prefill-ms N test hook: answer prefills this much later
+  --stall-decode-ms N  test hook: start decode pulls this much later
+`;
+
+function list(v: Record<string, unknown>, name: string): string[] {
+  const s = v[name];
+  if (s === undefined) return [];
+  const out = String(s)
+    .split(',')
+    .map((x) => x.trim())
+    .filter(Boolean);
+  if (out.length === 0) throw new UsageError(`--${name} is empty`);
+  return out;
+}
+
+function port(v: Record<string, unknown>, def: number): number {
+  if (v.port === undefined) return def;
+  const s = String(v.port);
+  if (!/^\d+$/.test(s) || Number(s) > 65535) throw new UsageError(`--port must be a port number, got '${s}'`);
+  return Number(s);
+}
+
+function untilSignal(): Promise<void> {
+  return new Promise((resolve) => {
+    for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
+  });
+}
+
+export async function proxyCommand(argv: string[]): Promise<void> {
+  const v = parse(
+    argv,
+    {
+      host: { type: 'string' },
+      port: { type: 'string' },
+      transport: { type: 'string' },
+      prefill: { type: 'string' },
+      decode: { type: 'string' },
+      encode: { type: 'string' },
+      'pd-addrs': { type: 'string' },
+      'encode-addrs': { type: 'string' },
+      policy: { type: 'string' },
+      'timeout-ms': { type: 'string' },
+      'health-ms': { type: 'string' },
+      retries: { type: 'string' },
+      token: { type: 'string' },
+      wire: { type: 'string' },
+    },
+    PROXY_HELP,
+  );
+  const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
+  const pd = list(v, 'pd-addrs');
+  const prefill = [...list(v, 'prefill'), ...pd];
+  const decode = [...list(v, 'decode'), ...pd];
+  if (prefill.length === 0 || decode.length === 0)
+    throw new UsageError('give prefill and decode workers (--prefill and --decode, or --pd-addrs)');
+  const timeout = positiveInt(v, 'timeout-ms', 60_000, 3_600_000);
+  const proxy = await startProxy({
+    host: v.host as string | undefined,
+    port: port(v, 8000),
+    transport,
+    prefill,
+    decode,
+    encode: [...list(v, 'encode'), ...list(v, 'encode-addrs')],
+    policy: oneOf(v, 'policy', ['round-robin', 'least-outstanding'] as const, 'round-robin'),
+    timeoutMs: { encode: timeout, prefill: timeout, decode: timeout },
+    healthIntervalMs: positiveInt(v, 'health-ms', 2000, 3_600_000),
+    prefillRetries: v.retries === '0' ? 0 : positiveInt(v, 'retries', 1, 64),
+    bearerToken: v.token as string | undefined,
+    wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
+  });
+  console.log(JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode }));
+  await untilSignal();
+  await proxy.close();
+  console.log(JSON.stringify({ stopped: true, ...proxy.stats }));
+}
+
+export async function workerCommand(argv: string[]): Promise<void> {
+  const v = parse(
+    argv,
+    {
+      name: { type: 'string' },
+      transport: { type: 'string' },
+      host: { type: 'string' },
+      port: { type: 'string' },
+      'zmq-addr': { type: 'string' },
+      blocks: { type: 'string' },
+      'lease-ms': { type: 'string' },
+      wire: { type: 'string' },
+      'stall-prefill-ms': { type: 'string' },
+      'stall-decode-ms': { type: 'string' },
+    },
+    WORKER_HELP,
+  );
+  const w = await startWorker({
+    name: v.name as string | undefined,
+    transport: oneOf(v, 'transport', ['http', 'zmq'] as const, 'http'),
+    host: v.host as string | undefined,
+    port: port(v, 0),
+    zmqAddr: v['zmq-addr'] as string | undefined,
+    blocks: positiveInt(v, 'blocks', 512, 1 << 20),
+    leaseMs: v['lease-ms'] === undefined ? undefined : positiveInt(v, 'lease-ms', 30_000, 86_400_000),
+    wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
+    stallPrefillMs: v['stall-prefill-ms'] === undefined ? undefined : positiveInt(v, 'stall-prefill-ms', 0, 3_600_000),
+    stallDecodeMs: v['stall-decode-ms'] === undefined ? undefined : positiveInt(v, 'stall-decode-ms', 0, 3_600_000),
+  });
+  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address }));
+  // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
+  process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));
+  await untilSignal();
+  const stats = { ...w.stats };
+  await w.close();
+  console.log(JSON.stringify({ stopped: true, stats }));
+}

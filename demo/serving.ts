@@ -1,0 +1,211 @@
+// npm run demo -- --serving: the proxy and its workers as real processes
+// (nixl-node proxy / worker), N concurrent client requests through the
+// proxy, every answer checked against what the synthetic model says for its
+// prompt, every KV byte checked by the decode worker that pulled it.
+import { type ChildProcess, spawn } from 'node:child_process';
+import * as path from 'node:path';
+import * as readline from 'node:readline';
+import { oneOf, parse, positiveInt } from '../cli/args';
+import { expectedCompletion } from '../lib/serving/synthetic-model';
+
+const HELP = `nixl-node demo --serving: clients -> proxy -> prefill / decode workers (processes), KV over nixl-node
+
+Usage: nixl-node demo --serving [options]   (or npm run demo -- --serving [options])
+  --requests N      concurrent client requests (default 64)
+  --transport T     proxy to workers: http | zmq (default http)
+  --prefill N       prefill workers (default 2)
+  --decode N        decode workers (default 2)
+  --max-tokens N    words each answer generates (default 16)
+  --json            the last line is a JSON summary
+`;
+
+interface Proc {
+  p: ChildProcess;
+  ready: Record<string, unknown>;
+  lines: Array<Record<string, unknown>>;
+}
+
+const BIN = path.join(__dirname, '..', '..', 'bin', 'nixl-node.js');
+
+function start(args: string[]): Promise<Proc> {
+  const p = spawn(process.execPath, [BIN, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const lines: Array<Record<string, unknown>> = [];
+  let err = '';
+  p.stderr!.on('data', (d) => (err += d));
+  return new Promise((resolve, reject) => {
+    readline.createInterface({ input: p.stdout! }).on('line', (l) => {
+      let j: Record<string, unknown>;
+      try {
+        j = JSON.parse(l);
+      } catch {
+        return;
+      }
+      lines.push(j);
+      if (j.ready) resolve({ p, ready: j, lines });
+    });
+    p.once('exit', (c) => reject(new Error(`nixl-node ${args[0]} exited ${c}: ${err.trim().split('\n').slice(-3).join(' | ')}`)));
+  });
+}
+
+async function stop(x: Proc): Promise<Record<string, unknown> | undefined> {
+  if (x.p.exitCode !== null) return undefined;
+  const exited = new Promise((r) => x.p.once('exit', r));
+  x.p.kill('SIGTERM');
+  await exited;
+  return x.lines.find((l) => l.stopped);
+}
+
+/** Prompts of different lengths (1 to 12 KV blocks of 16 tokens). */
+function prompt(i: number): string {
+  const words = 'the quick brown fox jumps over the lazy dog while a KV cache moves'.split(' ');
+  const n = 3 + ((i * 37) % 45);
+  return `request ${i}: ${Array.from({ length: n }, (_, k) => words[(i + k) % words.length]).join(' ')}`;
+}
+
+interface Outcome {
+  ok: boolean;
+  ms: number;
+  bytes: number;
+  error?: string;
+}
+
+async function oneRequest(url: string, i: number, maxTokens: number): Promise<Outcome> {
+  const chat = i % 2 === 1;
+  const stream = i % 4 >= 2;
+  const text = prompt(i);
+  const body = chat
+    ? { model: 'synthetic', messages: [{ role: 'user', content: text }], max_tokens: maxTokens, stream }
+    : { model: 'synthetic', prompt: text, max_tokens: maxTokens, stream };
+  const want = expectedCompletion(chat ? `user: ${text}` : text, maxTokens).join(' ');
+  const t0 = performance.now();
+  try {
+    const r = await fetch(`${url}${chat ? '/v1/chat/completions' : '/v1/completions'}`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', 'x-request-id': `demo-${i}` },
+      body: JSON.stringify(body),
+    });
+    let got = '';
+    let bytes = 0;
+    if (stream && r.ok) {
+      const sse = await r.text();
+      for (const line of sse.split('\n')) {
+        if (!line.startsWith('data: ') || line === 'data: [DONE]') continue;
+        const c = JSON.parse(line.slice(6));
+        if (c.error) throw new Error(c.error.message);
+        got += chat ? (c.choices[0].delta.content ?? '') : c.choices[0].text;
+        bytes += c.nixl_node?.verified_bytes ?? 0;
+      }
+    } else {
+      const j = (await r.json()) as { error?: { message?: string }; choices: Array<{ text: string; message: { content: string } }>; nixl_node?: { verified_bytes?: number } };
+      if (!r.ok) throw new Error(`HTTP ${r.status}: ${j.error?.message}`);
+      got = chat ? j.choices[0].message.content : j.choices[0].text;
+      bytes = j.nixl_node?.verified_bytes ?? 0;
+    }
+    const ms = performance.now() - t0;
+    if (got !== want) return { ok: false, ms, bytes: 0, error: `answer '${got}' != expected '${want}'` };
+    if (r.headers.get('x-request-id') !== `demo-${i}`) return { ok: false, ms, bytes, error: 'x-request-id not kept' };
+    return { ok: bytes > 0, ms, bytes, error: bytes > 0 ? undefined : 'no KV verified' };
+  } catch (e) {
+    return { ok: false, ms: performance.now() - t0, bytes: 0, error: (e as Error).message };
+  }
+}
+
+function blockRange(n: number): string {
+  const blocks = Array.from({ length: n }, (_, i) => Math.ceil(Buffer.byteLength(prompt(i)) / 16));
+  return `${Math.min(...blocks)}-${Math.max(...blocks)}`;
+}
+
+function pct(sorted: number[], p: number): number {
+  return sorted.length === 0 ? 0 : sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))];
+}
+
+export async function runServingDemo(argv: string[]): Promise<void> {
+  const v = parse(
+    argv,
+    {
+      requests: { type: 'string' },
+      transport: { type: 'string' },
+      prefill: { type: 'string' },
+      decode: { type: 'string' },
+      'max-tokens': { type: 'string' },
+      json: { type: 'boolean' },
+    },
+    HELP,
+  );
+  const n = positiveInt(v, 'requests', 64, 100_000);
+  const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
+  const nP = positiveInt(v, 'prefill', 2, 64);
+  const nD = positiveInt(v, 'decode', 2, 64);
+  const maxTokens = positiveInt(v, 'max-tokens', 16, 4096);
+  const log = (s: string) => {
+    if (!v.json) console.log(s);
+  };
+  log(`nixl-node demo --serving: ${n} requests, proxy -> ${nP} prefill + ${nD} decode workers over ${transport}`);
+  const procs: Proc[] = [];
+  try {
+    const workers = await Promise.all(
+      Array.from({ length: nP + nD }, (_, i) =>
+        start(['worker', '--transport', transport, '--name', `${i < nP ? 'prefill' : 'decode'}-${i < nP ? i : i - nP}`, '--blocks', '2048']),
+      ),
+    );
+    procs.push(...workers);
+    const addrs = workers.map((w) => String(w.ready.address));
+    const proxy = await start([
+      'proxy',
+      '--port',
+      '0',
+      '--transport',
+      transport,
+      '--prefill',
+      addrs.slice(0, nP).join(','),
+      '--decode',
+      addrs.slice(nP).join(','),
+      '--policy',
+      'least-outstanding',
+    ]);
+    procs.push(proxy);
+    const url = String(proxy.ready.url);
+    log(`  proxy ${url}; workers ${addrs.join(', ')}`);
+    const t0 = performance.now();
+    const outcomes = await Promise.all(Array.from({ length: n }, (_, i) => oneRequest(url, i, maxTokens)));
+    const wallMs = performance.now() - t0;
+    const ok = outcomes.filter((o) => o.ok);
+    const lat = outcomes.map((o) => o.ms).sort((a, b) => a - b);
+    const verifiedBytes = ok.reduce((a, o) => a + o.bytes, 0);
+    const stats = await Promise.all(procs.map(stop));
+    procs.length = 0;
+    const wstats = stats.slice(0, nP + nD).map((s) => (s?.stats ?? {}) as Record<string, number>);
+    const freed = wstats.slice(0, nP).reduce((a, s) => a + (s.freedByRead ?? 0), 0);
+    const summary = {
+      requests: n,
+      completed: ok.length,
+      failed: n - ok.length,
+      verifiedBytes,
+      latencyMsP50: Number(pct(lat, 50).toFixed(1)),
+      latencyMsP99: Number(pct(lat, 99).toFixed(1)),
+      wallMs: Number(wallMs.toFixed(1)),
+      requestsPerSecond: Number(((n / wallMs) * 1000).toFixed(1)),
+      kvGBps: Number((verifiedBytes / wallMs / 1e6).toFixed(3)),
+      transport,
+      prefillWorkers: nP,
+      decodeWorkers: nD,
+      prefillFreedByRead: freed,
+      errors: [...new Set(outcomes.filter((o) => !o.ok).map((o) => o.error))].slice(0, 5),
+    };
+    const rows: Array<[string, string]> = [
+      ['requests', `${n} (completions and chat, streamed and not, ${blockRange(n)} KV blocks of 16 tokens each)`],
+      ['completed', `${ok.length}, every answer equal to the synthetic model's for its prompt`],
+      ['failed', String(n - ok.length)],
+      ['KV verified', `${(verifiedBytes / 1048576).toFixed(2)} MiB, every byte checked by the decode worker that pulled it`],
+      ['prefill freed', `${freed}/${n} requests' blocks after the decode read (the rest by lease)`],
+      ['latency', `p50 ${summary.latencyMsP50} ms, p99 ${summary.latencyMsP99} ms (client to last byte)`],
+      ['throughput', `${summary.requestsPerSecond} requests/s over ${summary.wallMs} ms wall`],
+    ];
+    for (const [k, x] of rows) log(`  ${k.padEnd(14)} ${x}`);
+    for (const e of summary.errors) log(`  error: ${e}`);
+    if (v.json) console.log(JSON.stringify(summary));
+    if (ok.length !== n) process.exitCode = 1;
+  } finally {
+    await Promise.all(procs.map(stop));
+  }
+}
