@@ -135,7 +135,8 @@ function worker(file: string, cfg: unknown) {
 }
 
 export async function runDemo(argv: string[]): Promise<void> {
-  if (argv.includes('--serving')) return (await import('./serving')).runServingDemo(argv.filter((a) => a !== '--serving'));
+  if (argv.includes('--serving'))
+    return (await import('./serving')).runServingDemo(argv.filter((a) => a !== '--serving'));
   const o = parseDemoArgs(argv);
   const regions = o.mla ? o.layers : o.layers * 2;
   const headBytes = o.mla ? o.blockKib * 1024 : (o.blockKib * 1024) / o.heads;

@@ -43,7 +43,9 @@ function start(args: string[]): Promise<Proc> {
       lines.push(j);
       if (j.ready) resolve({ p, ready: j, lines });
     });
-    p.once('exit', (c) => reject(new Error(`nixl-node ${args[0]} exited ${c}: ${err.trim().split('\n').slice(-3).join(' | ')}`)));
+    p.once('exit', (c) =>
+      reject(new Error(`nixl-node ${args[0]} exited ${c}: ${err.trim().split('\n').slice(-3).join(' | ')}`)),
+    );
   });
 }
 
@@ -96,7 +98,11 @@ async function oneRequest(url: string, i: number, maxTokens: number): Promise<Ou
         bytes += c.nixl_node?.verified_bytes ?? 0;
       }
     } else {
-      const j = (await r.json()) as { error?: { message?: string }; choices: Array<{ text: string; message: { content: string } }>; nixl_node?: { verified_bytes?: number } };
+      const j = (await r.json()) as {
+        error?: { message?: string };
+        choices: Array<{ text: string; message: { content: string } }>;
+        nixl_node?: { verified_bytes?: number };
+      };
       if (!r.ok) throw new Error(`HTTP ${r.status}: ${j.error?.message}`);
       got = chat ? j.choices[0].message.content : j.choices[0].text;
       bytes = j.nixl_node?.verified_bytes ?? 0;
@@ -145,7 +151,15 @@ export async function runServingDemo(argv: string[]): Promise<void> {
   try {
     const workers = await Promise.all(
       Array.from({ length: nP + nD }, (_, i) =>
-        start(['worker', '--transport', transport, '--name', `${i < nP ? 'prefill' : 'decode'}-${i < nP ? i : i - nP}`, '--blocks', '2048']),
+        start([
+          'worker',
+          '--transport',
+          transport,
+          '--name',
+          `${i < nP ? 'prefill' : 'decode'}-${i < nP ? i : i - nP}`,
+          '--blocks',
+          '2048',
+        ]),
       ),
     );
     procs.push(...workers);
@@ -196,7 +210,10 @@ export async function runServingDemo(argv: string[]): Promise<void> {
       ['requests', `${n} (completions and chat, streamed and not, ${blockRange(n)} KV blocks of 16 tokens each)`],
       ['completed', `${ok.length}, every answer equal to the synthetic model's for its prompt`],
       ['failed', String(n - ok.length)],
-      ['KV verified', `${(verifiedBytes / 1048576).toFixed(2)} MiB, every byte checked by the decode worker that pulled it`],
+      [
+        'KV verified',
+        `${(verifiedBytes / 1048576).toFixed(2)} MiB, every byte checked by the decode worker that pulled it`,
+      ],
       ['prefill freed', `${freed}/${n} requests' blocks after the decode read (the rest by lease)`],
       ['latency', `p50 ${summary.latencyMsP50} ms, p99 ${summary.latencyMsP99} ms (client to last byte)`],
       ['throughput', `${summary.requestsPerSecond} requests/s over ${summary.wallMs} ms wall`],

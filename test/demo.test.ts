@@ -42,6 +42,36 @@ it.each([
   60_000,
 );
 
+it.each(['http', 'zmq'])(
+  'demo --serving over %s: proxy and workers as processes, every answer and KV byte checked, a JSON summary',
+  (transport) => {
+    const out = execFileSync(
+      process.execPath,
+      [...cli, '--serving', '--requests', '40', '--transport', transport, '--json'],
+      {
+        encoding: 'utf8',
+        stdio: ['ignore', 'pipe', 'pipe'],
+      },
+    );
+    const summary = JSON.parse(out.trim().split('\n').at(-1)!);
+    expect(summary).toMatchObject({
+      requests: 40,
+      completed: 40,
+      failed: 0,
+      transport,
+      prefillFreedByRead: 40,
+      errors: [],
+    });
+    expect(summary.verifiedBytes).toBeGreaterThan(0);
+    for (const k of ['latencyMsP50', 'latencyMsP99', 'requestsPerSecond']) expect(summary[k]).toBeGreaterThan(0);
+    const text = execFileSync(process.execPath, [...cli, '--serving', '--requests', '8', '--transport', transport], {
+      encoding: 'utf8',
+    });
+    expect(text).toMatch(/completed\s+8, every answer equal/);
+  },
+  60_000,
+);
+
 function fails(args: string[]): { status?: number; stderr?: string; stdout?: string } {
   try {
     execFileSync(process.execPath, [bin, ...args], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
@@ -60,6 +90,11 @@ it.each([
   [['demo', '--bogus'], /Unknown option '--bogus'/],
   [['bench', '--only=nothing'], /unknown section/],
   [['frobnicate'], /unknown command 'frobnicate'/],
+  [['demo', '--serving', '--transport', 'smtp'], /--transport must be one of http, zmq/],
+  [['proxy', '--prefill', 'http://x'], /give prefill and decode workers/],
+  [['proxy', '--pd-addrs', 'tcp://127.0.0.1:1', '--policy', 'random'], /--policy must be one of/],
+  [['worker', '--transport', 'udp'], /--transport must be one of http, zmq/],
+  [['worker', '--wire', 'v1'], /--wire must be one of/],
   ...(engines.includes('nixl') ? [] : [[['demo', '--engine', 'nixl'], /NIXL is not compiled in/]]),
 ] as Array<[string[], RegExp]>)('nixl-node %j: one line, exit code 2', (args, message) => {
   const r = fails(args);
@@ -69,7 +104,15 @@ it.each([
 });
 
 it('--help everywhere, and info says what loaded', () => {
-  for (const args of [['--help'], ['demo', '--help'], ['bench', '-h'], ['info', '--help']]) {
+  for (const args of [
+    ['--help'],
+    ['demo', '--help'],
+    ['bench', '-h'],
+    ['info', '--help'],
+    ['proxy', '--help'],
+    ['worker', '-h'],
+    ['demo', '--serving', '--help'],
+  ]) {
     expect(execFileSync(process.execPath, [bin, ...args], { encoding: 'utf8' })).toMatch(/Usage: nixl-node/);
   }
   const info = JSON.parse(execFileSync(process.execPath, [bin, 'info', '--json'], { encoding: 'utf8' }));

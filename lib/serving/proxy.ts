@@ -374,12 +374,15 @@ export class Proxy {
         if (clientSignal.aborted) throw e;
         if (timeout.aborted) {
           observe('timeout');
-          throw new StageFailure(
+          // Nothing came back yet, so another worker may take it (a ZeroMQ peer that died says nothing).
+          pool.markFailed(w);
+          last = new StageFailure(
             504,
             stage,
             w.address,
             `${stage} worker ${w.address} did not answer within ${timeoutMs} ms`,
           );
+          continue;
         }
         observe('unreachable');
         pool.markFailed(w);
