@@ -38,5 +38,5 @@ export {
 } from './kv';
 export type { KvLayout, KvMetricsOptions, PromRegistry, PullOptions, PullResult, RemoteEndpoint } from './kv';
 export * as serving from './serving';
-export { Proxy, Worker, startProxy, startWorker } from './serving';
+export { ServingProxy, Worker, startProxy, startWorker } from './serving';
 export type { ProxyOptions, WorkerOptions } from './serving';

@@ -10,7 +10,7 @@ import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
-import { type Proxy, type Worker, startProxy, startWorker } from '../lib/serving';
+import { type ServingProxy, type Worker, startProxy, startWorker } from '../lib/serving';
 import { WorkerPool } from '../lib/serving/pool';
 import { expectedCompletion } from '../lib/serving/synthetic-model';
 import { ROOT } from './helpers';
@@ -39,7 +39,11 @@ async function cluster(
   return { proxy, prefill, decode };
 }
 
-async function complete(proxy: Proxy, i: number, o: { chat?: boolean; stream?: boolean; maxTokens?: number } = {}) {
+async function complete(
+  proxy: ServingProxy,
+  i: number,
+  o: { chat?: boolean; stream?: boolean; maxTokens?: number } = {},
+) {
   const text = `prompt number ${i}: ${'lorem ipsum '.repeat(i % 9)}`;
   const maxTokens = o.maxTokens ?? 6;
   const body = o.chat

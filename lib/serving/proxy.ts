@@ -63,7 +63,7 @@ class StageFailure extends Error {
   }
 }
 
-export class Proxy {
+export class ServingProxy {
   readonly pools: Record<Stage, WorkerPool>;
   readonly stats = { requests: 0, completed: 0, failed: 0, aborted: 0, retries: 0 };
   url = '';
@@ -425,6 +425,6 @@ function checkRequest(path: string, b: Record<string, unknown>): void {
   if (b.kv_transfer_params !== undefined) bad("'kv_transfer_params' is set by the proxy, not by clients");
 }
 
-export async function startProxy(o: ProxyOptions): Promise<Proxy> {
-  return new Proxy(o).start();
+export async function startProxy(o: ProxyOptions): Promise<ServingProxy> {
+  return new ServingProxy(o).start();
 }
