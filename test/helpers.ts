@@ -85,7 +85,8 @@ export async function freePort(): Promise<number> {
  */
 export function strictTsApp(dir: string, sources: { files?: string[]; include?: string[] }): void {
   fs.mkdirSync(path.join(dir, 'node_modules', '@types'), { recursive: true });
-  fs.symlinkSync(path.join(ROOT, 'node_modules', '@types', 'node'), path.join(dir, 'node_modules', '@types', 'node'));
+  const types = path.join(dir, 'node_modules', '@types', 'node');
+  if (!fs.existsSync(types)) fs.symlinkSync(path.join(ROOT, 'node_modules', '@types', 'node'), types);
   const compilerOptions = {
     module: 'nodenext',
     moduleResolution: 'nodenext',

@@ -59,6 +59,7 @@ function copyTree(): string {
     'tsconfig.json',
     'LICENSE',
     'README.md',
+    'docs',
   ]) {
     fs.cpSync(path.join(ROOT, f), path.join(dir, f), { recursive: true });
   }
@@ -105,6 +106,35 @@ it('the nixl-node command runs from the app (bin): info names the prebuild, the 
     encoding: 'utf8',
   });
   expect(demo).toMatch(/verified\s+every byte/);
+  // The serving demo runs the installed proxy and workers as processes.
+  const serving = execFileSync(bin, ['demo', '--serving', '--requests=8', '--json'], { cwd: app, encoding: 'utf8' });
+  expect(JSON.parse(serving.trim().split('\n').at(-1)!)).toMatchObject({ requests: 8, completed: 8, failed: 0 });
+  expect(fs.existsSync(path.join(app, 'node_modules', 'nixl-node', 'docs', 'side-channel-http.schema.json'))).toBe(
+    true,
+  );
+}, 60_000);
+
+it('strict TypeScript: the wire profiles and the serving API type-check from the package', () => {
+  strictTsApp(app, { files: ['serve.mts'] });
+  fs.writeFileSync(
+    path.join(app, 'serve.mts'),
+    [
+      "import { buildKvTransferParams, parseKvTransferParams, startProxy, startWorker, type KvTransferParams, type WireName } from 'nixl-node';",
+      "const wire: WireName = 'v12';",
+      "const w = await startWorker({ name: 'ts-worker', wire });",
+      'const p = await startProxy({ prefill: [w.address], decode: [w.address], healthIntervalMs: 0 });',
+      "const r = await fetch(`${p.url}/v1/completions`, { method: 'POST', body: JSON.stringify({ prompt: 'hi', max_tokens: 2 }) });",
+      'const params: KvTransferParams = parseKvTransferParams(buildKvTransferParams({ remoteBlockIds: [[1]], remoteEngineId: "e", remoteRequestId: "r", remoteHost: "h", remotePort: 1, tpSize: 1 }, wire), wire);',
+      'console.log(r.status, params.transferMode);',
+      'await p.close();',
+      'await w.close();',
+    ].join('\n'),
+  );
+  execFileSync(process.execPath, [path.join(ROOT, 'node_modules', 'typescript', 'bin', 'tsc'), '-p', '.'], {
+    cwd: app,
+    encoding: 'utf8',
+  });
+  expect(execFileSync(process.execPath, ['out/serve.mjs'], { cwd: app, encoding: 'utf8' })).toContain('200 pull');
 }, 60_000);
 
 it('require by name (CommonJS)', () => {

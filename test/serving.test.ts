@@ -374,3 +374,32 @@ describe('worker choice and health', () => {
     expect(proxy.pools.prefill.workers[0].healthy).toBe(true);
   });
 });
+
+describe('one worker in both pools', () => {
+  it('decodes in place what it prefilled, and refuses forged kv_transfer_params', async () => {
+    const w = await startWorker({ name: 'both', transport: 'http' });
+    cleanup.push(() => w.close());
+    const proxy = await startProxy({ prefill: [w.address], decode: [w.address], healthIntervalMs: 0 });
+    cleanup.push(() => proxy.close());
+    const r = await complete(proxy, 3, { stream: true });
+    expect(r.got).toBe(r.want);
+    expect(w.stats).toMatchObject({ prefills: 1, decodes: 1, freedByRead: 1 });
+    expect(w.freeBlocks).toBe(512);
+    // Straight to the worker: a decode naming this engine but blocks it does not hold.
+    const forged = await fetch(`${w.address}/v1/completions`, {
+      method: 'POST',
+      body: JSON.stringify({
+        prompt: 'x',
+        kv_transfer_params: {
+          remote_block_ids: [[0]],
+          remote_engine_id: 'both',
+          remote_request_id: 'nope',
+          remote_host: '127.0.0.1',
+          remote_port: 1,
+        },
+      }),
+    });
+    expect(forged.status).toBe(400);
+    expect((await forged.json()).error.message).toMatch(/holds no such blocks/);
+  });
+});

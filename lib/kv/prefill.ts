@@ -243,6 +243,13 @@ export class PrefillTracker {
     p.resolve(r);
   }
 
+  /** Frees a tracked request now, as read (say, its decode ran on this engine and read the blocks in place). */
+  release(requestId: string): boolean {
+    if (!this.#pending.has(requestId)) return false;
+    this.#finish(requestId, 'read');
+    return true;
+  }
+
   /** Stops listening; pending requests are released as expired. */
   async close(): Promise<void> {
     this.#abort.abort();

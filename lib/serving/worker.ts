@@ -20,7 +20,7 @@ import { type EngineKind, NixlAgent } from '../agent';
 import { DescList, allocate } from '../descriptors';
 import type { HandshakeServer } from '../handshake/types';
 import type { WireName } from '../handshake/model';
-import { buildKvTransferParams, wireProfile } from '../handshake/wire';
+import { buildKvTransferParams, parseKvTransferParams, wireProfile } from '../handshake/wire';
 import { KvPuller, type PullError } from '../kv/puller';
 import { PrefillTracker, servePrefill } from '../kv/prefill';
 import type { KvLayout } from '../kv/layout';
@@ -115,6 +115,8 @@ export class Worker {
   readonly #puller: KvPuller;
   readonly #tracker: PrefillTracker;
   readonly #aborts = new Map<string, AbortController>();
+  /** Blocks held for each prefilled request until its read or lease. */
+  readonly #held = new Map<string, number[]>();
   #side?: HandshakeServer;
   #http?: http.Server;
   #pull?: zmq.Pull;
@@ -223,7 +225,11 @@ export class Worker {
       const ids = this.#take(n);
       computeKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
       const remoteRequestId = `${requestId}-${this.name}-${++this.#seq}`;
-      void this.#tracker.expect(remoteRequestId, ids).then(() => this.#blocks.give(ids));
+      this.#held.set(remoteRequestId, ids);
+      void this.#tracker.expect(remoteRequestId, ids).then(() => {
+        this.#held.delete(remoteRequestId);
+        this.#blocks.give(ids);
+      });
       if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
       if (signal.aborted) throw new HttpError(499, 'the proxy went away', 'aborted');
       this.stats.prefills++;
@@ -242,6 +248,34 @@ export class Worker {
           this.#o.wire,
         ),
       });
+      return;
+    }
+    if (kvp !== undefined && kvp.remote_engine_id === this.name) {
+      // Prefilled here (one worker in both pools): the KV is in our own blocks; read it in place.
+      const p = parseKvTransferParams(kvp, this.#o.wire);
+      const held = this.#held.get(p.remoteRequestId);
+      // Only blocks this worker holds for exactly that request (anything else is forged or expired).
+      if (!held || held.join() !== p.remoteBlockIds[0]?.join())
+        throw new HttpError(
+          400,
+          `request '${p.remoteRequestId}' holds no such blocks here (expired, or not prefilled here)`,
+        );
+      if (held.length !== n)
+        throw new HttpError(400, `kv_transfer_params name ${held.length} blocks; the prompt needs ${n}`);
+      try {
+        const bad = checkKv(tokens, this.#spec, (b, l) => this.#block(held[b], l));
+        if (bad > 0) throw new HttpError(500, `${bad} bytes of the held KV differ from the prompt's`, 'kv_mismatch');
+        this.stats.verifiedBytes += n * this.#spec.layers * this.#spec.blockBytes;
+        this.stats.decodes++;
+        await this.#answer(requestId, chat, body.stream === true, signal, sink, held, n, maxTokens, {
+          worker: this.name,
+          verified_bytes: n * this.#spec.layers * this.#spec.blockBytes,
+          kv_blocks: n,
+          kv_moved: false,
+        });
+      } finally {
+        this.#tracker.release(p.remoteRequestId);
+      }
       return;
     }
     const ids = this.#take(n);
@@ -272,22 +306,42 @@ export class Worker {
         computeKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
         this.stats.aggregated++;
       }
-      const words = generate((b, l) => this.#block(ids[b], l), n, this.#spec, maxTokens);
-      const extra = { nixl_node: { worker: this.name, verified_bytes: verified, kv_blocks: n } };
-      if (body.stream === true) {
-        for (const [i, w] of words.entries()) {
-          if (signal.aborted) return;
-          sink.chunk(chunk(requestId, chat, i === 0 ? w : ` ${w}`, null));
-          if (i % 4 === 3) await new Promise((r) => setImmediate(r));
-        }
-        sink.chunk({ ...chunk(requestId, chat, '', 'length'), ...extra });
-        sink.end(200);
-      } else {
-        sink.end(200, { ...completion(requestId, chat, words, 'length'), ...extra });
-      }
+      await this.#answer(requestId, chat, body.stream === true, signal, sink, ids, n, maxTokens, {
+        worker: this.name,
+        verified_bytes: verified,
+        kv_blocks: n,
+        kv_moved: kvp !== undefined,
+      });
     } finally {
       this.#blocks.give(ids);
     }
+  }
+
+  /** Generates from the KV in `ids` and answers, streamed or not. */
+  async #answer(
+    requestId: string,
+    chat: boolean,
+    stream: boolean,
+    signal: AbortSignal,
+    sink: Sink,
+    ids: readonly number[],
+    n: number,
+    maxTokens: number,
+    info: Record<string, unknown>,
+  ): Promise<void> {
+    const words = generate((b, l) => this.#block(ids[b], l), n, this.#spec, maxTokens);
+    const extra = { nixl_node: info };
+    if (!stream) {
+      sink.end(200, { ...completion(requestId, chat, words, 'length'), ...extra });
+      return;
+    }
+    for (const [i, w] of words.entries()) {
+      if (signal.aborted) return;
+      sink.chunk(chunk(requestId, chat, i === 0 ? w : ` ${w}`, null));
+      if (i % 4 === 3) await new Promise((r) => setImmediate(r));
+    }
+    sink.chunk({ ...chunk(requestId, chat, '', 'length'), ...extra });
+    sink.end(200);
   }
 
   #take(n: number): number[] {
