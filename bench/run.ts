@@ -6,6 +6,7 @@ import * as os from 'node:os';
 import { makeCerts } from './certs';
 import { benchCoalesce } from './coalesce';
 import { benchHandshake } from './handshake';
+import { benchNative } from './native';
 import { engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
@@ -13,15 +14,16 @@ import { fmtBytes } from './stats';
 import { barChart, type Panel } from './svg';
 import { parse, run, UsageError } from '../cli/args';
 
-const HELP = `nixl-node bench: bandwidth, coalescing and handshake latency, as ratios to baselines of the same run
+const HELP = `nixl-node bench: bandwidth, native NIXL baseline, coalescing and handshake latency, as ratios to baselines of the same run
 
 Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --json FILE      write the results as JSON
   --svg FILE       write a bar chart
   --quick          fewer repetitions
-  --only LIST      comma-separated: bandwidth,coalesce,handshake (default all)
+  --only LIST      comma-separated: bandwidth,native,coalesce,handshake (default all;
+                   native: against a C++ program on the installed NIXL, when NIXL is compiled in)
 `;
-const SECTIONS = ['bandwidth', 'coalesce', 'handshake'];
+const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake'];
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -84,6 +86,53 @@ export async function runBench(argv: string[]): Promise<void> {
         bars: bw
           .filter((r) => r.engine === e && r.path === path)
           .map((r) => ({ label: fmtBytes(r.blockBytes), value: r.ratio })),
+      });
+    }
+  }
+
+  if (only.includes('native')) {
+    console.log(
+      '\n# nixl-node / a native program on the same NIXL: 64 MiB prepped READ between two processes; contiguous ids merge, scattered ids do not',
+    );
+    const nat = await benchNative(quick ? 3 : 7);
+    if ('skip' in nat) {
+      console.log(`(skipped: ${nat.skip})`);
+      result.native = nat;
+    } else {
+      table(
+        [
+          'block',
+          'ids',
+          'descs',
+          'native GB/s',
+          'native range',
+          'nixl-node GB/s',
+          'range',
+          'ratio',
+          'native post us/desc',
+          'transfer() us',
+        ],
+        nat.map((r) => [
+          fmtBytes(r.blockBytes),
+          r.layout,
+          r.descriptors,
+          r.nativeGbps,
+          `${r.nativeRange[0].toFixed(2)}-${r.nativeRange[1].toFixed(2)}`,
+          r.bindingGbps,
+          `${r.bindingRange[0].toFixed(2)}-${r.bindingRange[1].toFixed(2)}`,
+          r.ratio,
+          r.nativePostUsPerDesc,
+          r.bindingPostUs,
+        ]),
+      );
+      result.native = nat;
+      panels.push({
+        title: 'nixl-node / native NIXL program, 64 MiB READ',
+        reference: 1,
+        bars: nat.map((r) => ({
+          label: `${fmtBytes(r.blockBytes)} ${r.layout === 'scattered' ? 'scat.' : 'cont.'}`,
+          value: r.ratio,
+        })),
       });
     }
   }

@@ -2,6 +2,7 @@
 // camelCase; promise forms (wait/read/write/waitForNotif) are resolved from
 // the addon's batched completion events.
 import { markAsUntransferable } from 'node:worker_threads';
+import { ucxBackendParams } from './ucx';
 import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
@@ -124,7 +125,7 @@ export class NixlAgent {
       (done, notif) => this.#onEvents(done, notif),
     );
     try {
-      for (const b of backends) this.#native.createBackend(b, options.backendParams?.[b] ?? {});
+      for (const b of backends) this.#native.createBackend(b, backendParams(engine, b, options.backendParams?.[b]));
     } catch (e) {
       this.#native.close();
       throw e;
@@ -578,6 +579,22 @@ function notifMatcher(m: { agent?: string; msg?: NotifMsg }): (n: Notif) => bool
 }
 
 /** Arms timeout and abort for a pending promise; returns the disarm function. */
+/**
+ * The params a backend is created with: the caller's, plus what NIXL's UCX
+ * plugin needs to start under this process's UCX_TLS (ucx.ts) unless the
+ * caller said otherwise.
+ */
+function backendParams(
+  engine: EngineKind,
+  backend: string,
+  given: Record<string, string> | undefined,
+): Record<string, string> {
+  const params = { ...(given ?? {}) };
+  if (engine === 'nixl' && backend === 'UCX' && params.ucx_error_handling_mode === undefined)
+    Object.assign(params, ucxBackendParams());
+  return params;
+}
+
 function guardWait(opts: WaitOptions, reject: (e: Error) => void, remove: () => void, what: string): () => void {
   let timer: NodeJS.Timeout | undefined;
   const { signal, timeoutMs } = opts;

@@ -94,6 +94,109 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     a.releaseDlistHandle(r);
   });
 
+  it('a post never blocks the event loop: transfer() returns PROC, the loop turns while 256 MiB move', async () => {
+    // One host, one process: UCX's cma transport would finish this READ inside
+    // postXferReq; the engine must post it from its own thread.
+    const size = 256 << 20;
+    const { a, b, ma, mb } = pair(size);
+    mb.fill(0x5a);
+    a.addRemoteAgent(b.getAgentMetadata());
+    b.addRemoteAgent(a.getAgentMetadata());
+    const h = a.initializeXfer(
+      'READ',
+      DescList.from(ma),
+      DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]),
+      'conf-b',
+    );
+    let turns = 0;
+    let done = false;
+    const probe = () => {
+      if (done) return;
+      turns++;
+      setImmediate(probe);
+    };
+    const state = a.transfer(h);
+    setImmediate(probe);
+    await a.wait(h, { timeoutMs: 30_000 });
+    done = true;
+    expect(state).toBe('PROC');
+    expect(turns).toBeGreaterThan(0);
+    expect(ma[0]).toBe(0x5a);
+    expect(ma[size - 1]).toBe(0x5a);
+    a.releaseXferHandle(h);
+  });
+
+  it('a re-posted transfer resolves only when its own posting is done (100 postings, some waits late)', async () => {
+    const BLOCK = 256 << 10;
+    const N = 16;
+    const { a, b, ma, mb } = pair(BLOCK * N);
+    a.addRemoteAgent(b.getAgentMetadata());
+    b.addRemoteAgent(a.getAgentMetadata());
+    const blocks = (m: Buffer) =>
+      DescList.from(Array.from({ length: N }, (_, i) => m.subarray(i * BLOCK, (i + 1) * BLOCK)));
+    const l = a.prepXferDlist('NIXL_INIT_AGENT', blocks(ma));
+    const r = a.prepXferDlist(
+      'conf-b',
+      DescList.from(
+        Array.from({ length: N }, (_, i) => ({ addr: DescList.from(mb).addr(0) + BigInt(i * BLOCK), len: BLOCK })),
+      ),
+    );
+    const idx = Uint32Array.from({ length: N }, (_, i) => i);
+    const h = a.makePreppedXfer('READ', l, idx, r, idx);
+    let stale = 0;
+    for (let i = 0; i < 100; i++) {
+      const mark = (i * 7 + 1) & 0xff;
+      mb.fill(mark);
+      a.transfer(h);
+      if (i % 2 === 1) while (a.checkXferState(h) === 'PROC') await new Promise((res) => setImmediate(res));
+      await a.wait(h, { timeoutMs: 10_000 });
+      for (let k = 0; k < N; k++) if (ma[k * BLOCK] !== mark || ma[(k + 1) * BLOCK - 1] !== mark) stale++;
+    }
+    expect(stale).toBe(0);
+    a.releaseXferHandle(h);
+  });
+
+  it('releasing a posted transfer settles its waiters with NIXL_ERR_CANCELED; the agent goes on', async () => {
+    const size = 64 << 20;
+    const { a, b, ma, mb } = pair(size);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const remote = DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]);
+    for (let i = 0; i < 5; i++) {
+      const h = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
+      a.transfer(h);
+      const w = a.wait(h, { timeoutMs: 10_000 }).then(
+        () => 'DONE',
+        (e) => (e as NixlError).code,
+      );
+      a.releaseXferHandle(h);
+      expect(['DONE', 'NIXL_ERR_CANCELED']).toContain(await w);
+      expect(() => a.checkXferState(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    }
+    mb.fill(9);
+    await a.read(DescList.from(ma), remote, 'conf-b', { timeoutMs: 10_000 });
+    expect(ma[size - 1]).toBe(9);
+  });
+
+  it('a post to a removed remote agent fails with NIXL_ERR_NOT_FOUND (at the call, or in wait)', async () => {
+    const { a, b, ma, mb } = pair(1 << 20);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const h = a.initializeXfer(
+      'READ',
+      DescList.from(ma),
+      DescList.from([{ addr: DescList.from(mb).addr(0), len: 1 << 20 }]),
+      'conf-b',
+    );
+    a.removeRemoteAgent('conf-b');
+    let code: string | undefined;
+    try {
+      a.transfer(h);
+      await a.wait(h, { timeoutMs: 10_000 });
+    } catch (e) {
+      code = (e as NixlError).code;
+    }
+    expect(code).toMatch(/NIXL_ERR_(NOT_FOUND|BACKEND|INVALID_PARAM|REMOTE_DISCONNECT)/);
+  });
+
   it('two processes: metadata over a pipe, blocks both ways, bytes verified', async () => {
     const size = 1 << 20;
     const a = mk('conf-parent');

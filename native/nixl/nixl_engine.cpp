@@ -1,10 +1,15 @@
 // The NIXL engine: the Engine interface over a real nixlAgent (compiled only
 // when the build found an installed NIXL; see scripts/find-nixl.js).
 //
-// NIXL has no completion callbacks: a poll thread asks getXferStatus for every
-// request in flight and drains getNotifs (which also progresses the target
-// side of READs when NIXL's own progress thread is off). The agent runs with
-// syncMode RW so that thread and the JS thread may call it concurrently.
+// The engine's own thread (the poller) posts every transfer: UCX's cma
+// transport finishes a one-host READ inside postXferReq, so posting on the JS
+// thread would block the event loop for the whole copy. transfer() queues the
+// request and returns IN_PROG in microseconds. NIXL has no completion
+// callbacks: the same thread asks getXferStatus for every request in flight
+// and drains getNotifs (which also progresses the target side of READs when
+// NIXL's own progress thread is off), backing off when nothing happens (see
+// pollLoop). The agent runs with syncMode RW so that thread and the JS thread
+// may call it concurrently.
 #include <dlfcn.h>
 #include <nixl.h>
 
@@ -40,7 +45,10 @@ struct Request {
   Handle id;
   nixlXferReqH* h = nullptr;
   std::atomic<int> status{ERR_NOT_POSTED};
-  std::string err;
+  std::string err;        // written by the poller before status (release), read after (acquire)
+  bool hasNotif = false;  // the message of the next post (guarded by mu_)
+  std::string notif;
+  bool released = false;  // released by JS while the poller was posting it (guarded by mu_)
 };
 using RequestP = std::shared_ptr<Request>;
 
@@ -266,17 +274,17 @@ class NixlEngine final : public Engine {
     RequestP req = find(h);
     if (req->status.load() == IN_PROG)
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
-    nixl_opt_args_t args;
-    setNotif(args, notif);
-    std::lock_guard<std::mutex> lk(mu_);
-    nixl_status_t s = agent_.postXferReq(req->h, notif ? &args : nullptr);
-    check(s, "postXferReq");
-    if (s == NIXL_SUCCESS) {
-      req->status = SUCCESS;
-      return SUCCESS;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (notif) {
+        req->hasNotif = true;
+        req->notif = *notif;
+      }
+      req->err.clear();
+      req->status.store(IN_PROG, std::memory_order_release);
+      toPost_.push_back(req);
+      wake_ = true;
     }
-    req->status = IN_PROG;
-    inflight_.push_back(req);
     cv_.notify_one();
     return IN_PROG;
   }
@@ -292,19 +300,28 @@ class NixlEngine final : public Engine {
   void releaseXferReq(Handle h) override {
     checkOpen();
     RequestP req = find(h);
-    bool wasInflight = false;
+    bool wasInflight = req->status.load() == IN_PROG;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      for (auto it = inflight_.begin(); it != inflight_.end(); ++it) {
-        if (*it == req) {
-          inflight_.erase(it);
-          wasInflight = true;
-          break;
-        }
+      auto drop = [&](std::vector<RequestP>& v) {
+        for (auto it = v.begin(); it != v.end(); ++it)
+          if (*it == req) {
+            v.erase(it);
+            return true;
+          }
+        return false;
+      };
+      if (posting_ == req) {
+        // The poller is inside postXferReq with it: it releases the NIXL
+        // request itself once that call returns.
+        req->released = true;
+      } else {
+        drop(toPost_);  // queued, never posted: nothing to abort
+        drop(inflight_);
+        // NIXL aborts an active request on release; one it cannot abort stays
+        // with the poller, which releases it once it finishes.
+        if (agent_.releaseXferReq(req->h) != NIXL_SUCCESS) zombies_.push_back(req);
       }
-      // NIXL aborts an active request on release; one it cannot abort stays
-      // with the poller, which releases it once it finishes.
-      if (agent_.releaseXferReq(req->h) != NIXL_SUCCESS) zombies_.push_back(req);
     }
     requests_.erase(h);
     if (wasInflight) sink_->onComplete(h);  // every IN_PROG post completes exactly once
@@ -409,9 +426,9 @@ class NixlEngine final : public Engine {
     return it->second;
   }
 
-  void drainNotifs() {
+  bool drainNotifs() {
     nixl_notifs_t got;
-    if (agent_.getNotifs(got) != NIXL_SUCCESS || got.empty()) return;
+    if (agent_.getNotifs(got) != NIXL_SUCCESS || got.empty()) return false;
     bool any = false;
     {
       std::lock_guard<std::mutex> lk(nMu_);
@@ -422,15 +439,75 @@ class NixlEngine final : public Engine {
         }
     }
     if (any) sink_->onNotif();
+    return any;
   }
+
+  // Posts what transfer() queued. postXferReq may run a whole one-host copy,
+  // so it is called without mu_ held; posting_ tells releaseXferReq that the
+  // NIXL request is in use.
+  void postQueued(std::unique_lock<std::mutex>& lk, std::vector<RequestP>& done) {
+    while (!toPost_.empty() && !stopping_) {
+      RequestP req = toPost_.front();
+      toPost_.erase(toPost_.begin());
+      nixl_opt_args_t args;
+      bool withNotif = req->hasNotif;
+      if (withNotif) {
+        args.notifMsg = req->notif;
+        args.hasNotif = true;
+        req->hasNotif = false;
+      }
+      posting_ = req;
+      lk.unlock();
+      nixl_status_t s = agent_.postXferReq(req->h, withNotif ? &args : nullptr);
+      lk.lock();
+      posting_.reset();
+      if (req->released) {
+        // Released by JS meanwhile (its completion was reported then).
+        if (agent_.releaseXferReq(req->h) != NIXL_SUCCESS) zombies_.push_back(req);
+        continue;
+      }
+      if (s == NIXL_IN_PROG) {
+        inflight_.push_back(req);
+        continue;
+      }
+      if (s != NIXL_SUCCESS) req->err = std::string("postXferReq: ") + nixlEnumStrings::statusStr(s);
+      req->status.store(s == NIXL_SUCCESS ? SUCCESS : static_cast<int>(s), std::memory_order_release);
+      done.push_back(req);
+    }
+  }
+
+  // Adaptive polling. In flight: poll back to back (getXferStatus is what
+  // progresses UCX when NIXL's progress thread is off) while requests keep
+  // finishing; after kSpinBudget of polls with no completion, sleep between
+  // polls, doubling from 2 us to kMaxBusySleep, so agents sharing cores do not
+  // each burn one. Idle: wait on the condition variable (a post wakes it at
+  // once), looking for notifications every 1 ms, backing off to kMaxIdleWait
+  // while none come.
+  static constexpr int kSpinBudget = 64;
+  static constexpr std::chrono::microseconds kMaxBusySleep{256};
+  static constexpr std::chrono::milliseconds kMaxIdleWait{16};
 
   void pollLoop() {
     std::vector<RequestP> done;
+    int fruitless = 0;
+    std::chrono::microseconds busySleep{2};
+    std::chrono::milliseconds idleWait{1};
     for (;;) {
+      bool progressed = false;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        // Busy requests: poll again at once (yield); idle: look for notifications every ms.
-        if (inflight_.empty() && zombies_.empty()) cv_.wait_for(lk, std::chrono::milliseconds(1));
+        if (inflight_.empty() && zombies_.empty() && toPost_.empty() && !wake_) {
+          cv_.wait_for(lk, idleWait, [this] { return stopping_ || wake_; });
+          if (!wake_) idleWait = std::min(idleWait * 2, std::chrono::milliseconds(kMaxIdleWait));
+        }
+        if (stopping_) return;
+        if (wake_) {
+          wake_ = false;
+          idleWait = std::chrono::milliseconds(1);
+          fruitless = 0;
+          busySleep = std::chrono::microseconds(2);
+        }
+        postQueued(lk, done);
         if (stopping_) return;
         for (auto it = inflight_.begin(); it != inflight_.end();) {
           nixl_status_t s = agent_.getXferStatus((*it)->h);
@@ -450,14 +527,30 @@ class NixlEngine final : public Engine {
             ++it;
         }
       }
+      progressed = !done.empty();
       for (auto& r : done) sink_->onComplete(r->id);
       done.clear();
-      drainNotifs();
-      // While requests are in flight, keep polling (yielding the core to
-      // others): getXferStatus is what progresses UCX here, and sleeping 50 us
-      // between polls cut cross-process READ from ~4.5-5 to 3.3-3.9 GB/s
-      // (npm run bench). Idle, the loop waits on the condition variable above.
-      std::this_thread::yield();
+      if (drainNotifs()) {
+        progressed = true;
+        idleWait = std::chrono::milliseconds(1);
+      }
+      bool busy;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        busy = !inflight_.empty() || !zombies_.empty();
+      }
+      if (!busy) continue;
+      if (progressed) {
+        fruitless = 0;
+        busySleep = std::chrono::microseconds(2);
+      }
+      if (++fruitless <= kSpinBudget) {
+        std::this_thread::yield();
+      } else {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait_for(lk, busySleep, [this] { return stopping_ || wake_; });
+        busySleep = std::min(busySleep * 2, kMaxBusySleep);
+      }
     }
   }
 
@@ -471,10 +564,13 @@ class NixlEngine final : public Engine {
   std::unordered_map<Handle, nixlDlistH*> dlists_;
   std::unordered_map<Handle, RequestP> requests_;
 
-  std::mutex mu_;  // inflight_, zombies_, stopping_
+  std::mutex mu_;  // toPost_, posting_, inflight_, zombies_, wake_, stopping_, Request::hasNotif/notif/released
   std::condition_variable cv_;
+  std::vector<RequestP> toPost_;
+  RequestP posting_;
   std::vector<RequestP> inflight_;
   std::vector<RequestP> zombies_;
+  bool wake_ = false;
   bool stopping_ = false;
   std::thread poller_;
 

@@ -1,0 +1,152 @@
+// The binding against a native program on the same NIXL (bench/native/
+// nixl_read.cpp, built here only when an installed NIXL is found): the same
+// prepped READ of 64 MiB between two processes, per block size, with
+// contiguous block ids (NIXL merges them into few descriptors) and with
+// every other remote block (nothing merges: one descriptor per block).
+import { execFileSync, fork } from 'node:child_process';
+import { once } from 'node:events';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { DescList, allocate, engines } from '../lib';
+import { benchAgent } from './agents';
+import { median, nowNs } from './stats';
+
+const POOL = 64 << 20;
+export const NATIVE_BLOCKS = [16 << 10, 64 << 10, 256 << 10, 1 << 20];
+
+export interface NativeRow {
+  blockBytes: number;
+  layout: 'contiguous' | 'scattered';
+  descriptors: number;
+  nativeGbps: number;
+  nativeRange: [number, number];
+  bindingGbps: number;
+  bindingRange: [number, number];
+  ratio: number;
+  /** Native postXferReq call (it runs the copy on one host), per descriptor, us. */
+  nativePostUsPerDesc: number;
+  /** The binding's transfer() call, us (it only queues). */
+  bindingPostUs: number;
+}
+
+const ROOT = path.join(__dirname, '..', '..');
+
+/** The native program, built once per source change; or why it cannot be. */
+export function nativeProgram(): { path: string } | { skip: string } {
+  if (!engines.includes('nixl')) return { skip: 'NIXL is not compiled in (build with NIXL_PREFIX=<nixl install>)' };
+  const find = (what: string) =>
+    execFileSync(process.execPath, [path.join(ROOT, 'scripts', 'find-nixl.js'), what], { encoding: 'utf8' });
+  if (find('found') !== '1') return { skip: 'no installed NIXL found (NIXL_PREFIX, /opt/nvidia/nvda_nixl)' };
+  const src = path.join(ROOT, 'bench', 'native', 'nixl_read.cpp');
+  const dir = path.join(os.tmpdir(), 'nixl-node-bench');
+  const out = path.join(dir, `nixl_read-${fs.statSync(src).mtimeMs.toFixed(0)}`);
+  if (!fs.existsSync(out)) {
+    fs.mkdirSync(dir, { recursive: true });
+    const libdir = find('libdir');
+    execFileSync(
+      'g++',
+      [
+        '-O2',
+        '-std=c++20',
+        `-I${find('include')}`,
+        src,
+        `-L${libdir}`,
+        `-Wl,-rpath,${libdir}`,
+        '-lnixl',
+        '-lnixl_build',
+        '-lserdes',
+        '-o',
+        out,
+      ],
+      { stdio: ['ignore', 'ignore', 'inherit'] },
+    );
+  }
+  return { path: out };
+}
+
+function runNative(bin: string, block: number, scatter: boolean, reps: number) {
+  const args = ['--block', String(block), '--count', String(POOL / block), '--reps', String(reps)];
+  if (scatter) args.push('--scatter');
+  const line = execFileSync(bin, args, { encoding: 'utf8', stdio: ['ignore', 'pipe', 'inherit'] })
+    .trim()
+    .split('\n')
+    .at(-1)!;
+  return JSON.parse(line) as { gbps: number; gbpsMin: number; gbpsMax: number; postUs: number };
+}
+
+export async function benchNative(reps: number): Promise<NativeRow[] | { skip: string }> {
+  const prog = nativeProgram();
+  if ('skip' in prog) return prog;
+  const local = benchAgent('bench-native-local', 'nixl');
+  const mem = allocate(POOL);
+  local.registerMemory(mem);
+  const base = DescList.from(mem).addr(0);
+  const child = fork(path.join(__dirname, 'peer.js'), [], {
+    stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
+    serialization: 'advanced',
+    env: { ...process.env, NIXL_NODE_ENGINE: 'nixl' },
+  });
+  const rows: NativeRow[] = [];
+  try {
+    child.send({ cmd: 'init', bytes: 2 * POOL, shared: true });
+    const [init] = (await once(child, 'message')) as [{ md: Uint8Array; addr: bigint }];
+    const remoteName = local.addRemoteAgent(Buffer.from(init.md));
+    child.send({ cmd: 'load', md: local.getAgentMetadata() });
+    await once(child, 'message');
+    for (const block of NATIVE_BLOCKS) {
+      for (const layout of ['contiguous', 'scattered'] as const) {
+        const n = POOL / block;
+        const remoteBlocks = layout === 'scattered' ? 2 * n : n;
+        const l = new BigUint64Array(n * 3);
+        const r = new BigUint64Array(remoteBlocks * 3);
+        for (let i = 0; i < n; i++) {
+          l[3 * i] = base + BigInt(i * block);
+          l[3 * i + 1] = BigInt(block);
+        }
+        for (let j = 0; j < remoteBlocks; j++) {
+          r[3 * j] = init.addr + BigInt(j * block);
+          r[3 * j + 1] = BigInt(block);
+        }
+        const ld = local.prepXferDlist('', new DescList(l));
+        const rd = local.prepXferDlist(remoteName, new DescList(r));
+        const li = Uint32Array.from({ length: n }, (_, i) => i);
+        const ri = Uint32Array.from({ length: n }, (_, i) => (layout === 'scattered' ? 2 * i : i));
+        const h = local.makePreppedXfer('READ', ld, li, rd, ri);
+        local.transfer(h);
+        await local.wait(h); // warm-up
+        const xs: number[] = [];
+        const posts: number[] = [];
+        for (let i = 0; i < reps; i++) {
+          const t = nowNs();
+          local.transfer(h);
+          posts.push(Number(nowNs() - t) / 1000);
+          await local.wait(h);
+          xs.push(POOL / Number(nowNs() - t));
+        }
+        local.releaseXferHandle(h);
+        local.releaseDlistHandle(ld);
+        local.releaseDlistHandle(rd);
+        const nat = runNative(prog.path, block, layout === 'scattered', reps);
+        const g = median(xs);
+        rows.push({
+          blockBytes: block,
+          layout,
+          descriptors: n,
+          nativeGbps: nat.gbps,
+          nativeRange: [nat.gbpsMin, nat.gbpsMax],
+          bindingGbps: g,
+          bindingRange: [Math.min(...xs), Math.max(...xs)],
+          ratio: g / nat.gbps,
+          nativePostUsPerDesc: nat.postUs / n,
+          bindingPostUs: median(posts),
+        });
+      }
+    }
+  } finally {
+    child.send({ cmd: 'exit' });
+    await once(child, 'exit');
+    local.close();
+  }
+  return rows;
+}
