@@ -9,7 +9,9 @@ import * as path from 'node:path';
 import { parse, positiveInt, oneOf, run, UsageError } from '../cli/args';
 import { engines } from '../lib';
 import { computeCompatibilityHash } from '../lib/handshake';
+import { execFileSync } from 'node:child_process';
 import { targetRemoteRanks } from '../lib/kv';
+import { nativeProgram } from '../bench/native';
 import type { DecodeConfig } from './decode-worker';
 import type { PrefillConfig } from './prefill-worker';
 import { rankBytes, rankDims, type KvSpec } from './kvpattern';
@@ -278,6 +280,7 @@ export async function runDemo(argv: string[]): Promise<void> {
         : `${released}/${requests.length} (timed out waiting)`,
     ],
   ];
+  if (o.engine === 'nixl') rows.push(['native NIXL', nativeLine(dBlock)]);
   console.log('');
   const w = Math.max(...rows.map((r) => r[0].length));
   for (const [k, v] of rows) console.log(`  ${k.padEnd(w)}  ${v}`);
@@ -288,6 +291,31 @@ export async function runDemo(argv: string[]): Promise<void> {
   }
   if (bad || !releasedInTime || expired) failures.push('verification or release failed');
   if (failures.length) throw new Error(`demo FAILED: ${failures.join('; ')}`);
+}
+
+/**
+ * The same NIXL, from a C++ program (bench/native): one process pair reading
+ * 64 MiB in blocks of the decode's size with scattered ids, as the demo's
+ * shuffled decode blocks are: what this machine's NIXL does without Node.
+ */
+function nativeLine(block: number): string {
+  try {
+    const prog = nativeProgram();
+    if ('skip' in prog) return `(baseline skipped: ${prog.skip})`;
+    const count = Math.min(4096, Math.floor((64 << 20) / block));
+    const out = execFileSync(
+      prog.path,
+      ['--block', String(block), '--count', String(count), '--reps', '3', '--scatter'],
+      {
+        encoding: 'utf8',
+        stdio: ['ignore', 'pipe', 'ignore'],
+      },
+    );
+    const j = JSON.parse(out.trim().split('\n').at(-1)!);
+    return `${j.gbps.toFixed(2)} GB/s (${j.gbpsMin.toFixed(2)}-${j.gbpsMax.toFixed(2)}): a C++ program on the same NIXL, one process pair, ${count} scattered ${block / 1024} KiB blocks`;
+  } catch (e) {
+    return `(baseline failed: ${(e as Error).message.split('\n')[0]})`;
+  }
 }
 
 if (require.main === module) run('demo', () => runDemo(process.argv.slice(2)));

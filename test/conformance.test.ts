@@ -197,6 +197,126 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     expect(code).toMatch(/NIXL_ERR_(NOT_FOUND|BACKEND|INVALID_PARAM|REMOTE_DISCONNECT)/);
   });
 
+  it("random post / re-post / wait / release / refill sequences (fast-check): a wait is its own posting's", async () => {
+    const fc = await import('fast-check');
+    const BLOCK = 64 << 10;
+    const H = 4; // handles; handle k writes local blocks 2k and 2k+1
+    const R = 8; // remote blocks
+    const { a, b, ma, mb } = pair(Math.max(2 * H, R) * BLOCK);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const l = a.prepXferDlist(
+      'NIXL_INIT_AGENT',
+      DescList.from(Array.from({ length: 2 * H }, (_, i) => ma.subarray(i * BLOCK, (i + 1) * BLOCK))),
+    );
+    const rbase = DescList.from(mb).addr(0);
+    const r = a.prepXferDlist(
+      'conf-b',
+      DescList.from(Array.from({ length: R }, (_, j) => ({ addr: rbase + BigInt(j * BLOCK), len: BLOCK }))),
+    );
+    const op = fc.oneof(
+      fc.record({ t: fc.constant('post' as const), k: fc.nat(H - 1) }),
+      fc.record({ t: fc.constant('wait' as const), k: fc.nat(H - 1) }),
+      fc.record({ t: fc.constant('release' as const), k: fc.nat(H - 1) }),
+      fc.record({ t: fc.constant('refill' as const) }),
+      fc.record({ t: fc.constant('state' as const), k: fc.nat(H - 1) }),
+    );
+    let gen = 1;
+    await fc.assert(
+      fc.asyncProperty(
+        fc.array(op, { minLength: 1, maxLength: 30 }),
+        fc.array(fc.nat(R - 1), { minLength: 2 * H, maxLength: 2 * H }),
+        async (ops, picks) => {
+          // Handle k reads remote blocks picks[2k], picks[2k+1] into its two local blocks.
+          const make = (k: number) =>
+            a.makePreppedXfer('READ', l, [2 * k, 2 * k + 1], r, [picks[2 * k], picks[2 * k + 1]]);
+          const hs = Array.from({ length: H }, (_, k) => ({
+            h: make(k),
+            posted: false,
+            want: -1,
+          }));
+          const remoteGen = Array(R).fill(0);
+          const refill = () => {
+            gen = (gen % 250) + 1;
+            for (let j = 0; j < R; j++) {
+              remoteGen[j] = (gen + j) & 0xff;
+              mb.fill(remoteGen[j], j * BLOCK, (j + 1) * BLOCK);
+            }
+          };
+          refill();
+          const check = (k: number, want: number) => {
+            for (const i of [2 * k, 2 * k + 1]) {
+              const j = picks[i];
+              const w = (want + j) & 0xff;
+              expect(ma[i * BLOCK], `handle ${k} block ${i}`).toBe(w);
+              expect(ma[(i + 1) * BLOCK - 1]).toBe(w);
+            }
+          };
+          const settleAll = async () => {
+            for (const [k, x] of hs.entries()) {
+              if (!x.posted) continue;
+              await a.wait(x.h, { timeoutMs: 10_000 });
+              check(k, x.want);
+              x.posted = false;
+            }
+          };
+          for (const o of ops) {
+            if (o.t === 'refill') {
+              await settleAll(); // nothing in flight reads what changes
+              refill();
+            } else if (o.t === 'post') {
+              const x = hs[o.k];
+              if (x.posted) {
+                // Re-posting an active request is refused, or (finished) accepted as a new posting.
+                try {
+                  a.transfer(x.h);
+                } catch (e) {
+                  expect((e as NixlError).code).toBe('NIXL_ERR_REPOST_ACTIVE');
+                  continue;
+                }
+              } else a.transfer(x.h);
+              x.posted = true;
+              x.want = gen;
+            } else if (o.t === 'wait') {
+              const x = hs[o.k];
+              if (!x.posted) {
+                // Never posted: NIXL_ERR_NOT_POSTED; posted and settled before: resolves at once.
+                const res = await a.wait(x.h).then(
+                  () => 'DONE',
+                  (e) => (e as NixlError).code,
+                );
+                expect(res).toBe(x.want < 0 ? 'NIXL_ERR_NOT_POSTED' : 'DONE');
+                continue;
+              }
+              await a.wait(x.h, { timeoutMs: 10_000 });
+              check(o.k, x.want);
+              x.posted = false;
+            } else if (o.t === 'release') {
+              const x = hs[o.k];
+              const w = x.posted
+                ? a.wait(x.h, { timeoutMs: 10_000 }).then(
+                    () => 'DONE',
+                    (e) => (e as NixlError).code,
+                  )
+                : undefined;
+              a.releaseXferHandle(x.h);
+              if (w) expect(['DONE', 'NIXL_ERR_CANCELED']).toContain(await w);
+              await expect(a.wait(x.h)).rejects.toMatchObject({ code: 'NIXL_ERR_NOT_FOUND' });
+              hs[o.k] = { h: make(o.k), posted: false, want: -1 };
+            } else {
+              const x = hs[o.k];
+              if (x.want < 0)
+                expect(() => a.checkXferState(x.h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_POSTED' }));
+              else expect(['PROC', 'DONE']).toContain(a.checkXferState(x.h));
+            }
+          }
+          await settleAll();
+          for (const x of hs) a.releaseXferHandle(x.h);
+        },
+      ),
+      { numRuns: Number(process.env.FC_RUNS_CONFORMANCE ?? 40) },
+    );
+  }, 120_000);
+
   it('two processes: metadata over a pipe, blocks both ways, bytes verified', async () => {
     const size = 1 << 20;
     const a = mk('conf-parent');

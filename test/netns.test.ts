@@ -78,14 +78,20 @@ describe('two hosts on one machine (network namespaces, veth, NIXL over UCX TCP)
     if (skip) ctx.skip();
     const spec = { heads: 8, headBytes: 1024, numBlocks: 32, regions: 4, method: 'zmq', engine: 'nixl' };
     const prefill = inNs(NS.p, 'prefill-kv.js', { ...spec, tpSize: 2, host: ADDR.p });
+    let decodes: ChildProcess[] = [];
     try {
       const [{ port }] = (await once(prefill, 'message')) as [{ port: number }];
+      // Releases may come while the decodes still report: collect them from now on.
+      const released: string[][] = [];
+      prefill.on('message', (m: { released?: string[] }) => {
+        if (m.released) released.push(m.released);
+      });
       const pulls = [
         { requestId: 'ns-a', local: [0, 1, 2, 3, 4, 5, 6, 7], remote: [8, 9, 10, 11, 12, 13, 14, 15] },
         { requestId: 'ns-b', local: [20, 9, 30], remote: [1, 31, 17] },
       ];
       for (const p of pulls) prefill.send({ cmd: 'expect', requestId: p.requestId, blockIds: p.remote });
-      const decodes = [0, 1].map((r) =>
+      decodes = [0, 1].map((r) =>
         inNs(NS.d, 'decode-kv.js', { ...spec, tpSize: 2, tpRank: r, port, prefillTp: 2, host: ADDR.p, pulls }),
       );
       const reports = await Promise.all(
@@ -100,12 +106,11 @@ describe('two hosts on one machine (network namespaces, veth, NIXL over UCX TCP)
           expect(r.bad).toBe(0);
           expect(r.bytes).toBeGreaterThan(0);
         }
-      for (let i = 0; i < pulls.length; i++) {
-        const [m] = (await once(prefill, 'message')) as [{ released: string[] }];
-        expect(m.released).toEqual(['read', 'read']);
-      }
+      await expect.poll(() => released.length, { timeout: 30_000 }).toBe(pulls.length);
+      for (const r of released) expect(r).toEqual(['read', 'read']);
       await Promise.all(decodes.map((d) => (d.exitCode === null ? once(d, 'exit') : undefined)));
     } finally {
+      for (const d of decodes) if (d.exitCode === null) d.kill('SIGKILL');
       prefill.send({ cmd: 'exit' });
       if (prefill.exitCode === null) await once(prefill, 'exit');
     }
