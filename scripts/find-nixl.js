@@ -4,12 +4,16 @@
 //   found   -> 1 | 0
 //   include -> <prefix>/include
 //   libdir  -> the directory holding libnixl.so (lib/x86_64-linux-gnu or lib64 or lib)
-// It only looks; it never fetches or builds NIXL.
+// It only looks; it never fetches or builds NIXL. NIXL_NODE_NO_NIXL=1 makes it
+// find nothing: prebuilds are built so, since a prebuild linked against one
+// machine's libnixl would not load where that library is absent (NIXL users
+// build from source at install).
 'use strict';
 const fs = require('node:fs');
 const path = require('node:path');
 
 function find() {
+  if (process.env.NIXL_NODE_NO_NIXL === '1') return undefined;
   const candidates = [process.env.NIXL_PREFIX, '/opt/nvidia/nvda_nixl'].filter(Boolean);
   for (const prefix of candidates) {
     const include = path.join(prefix, 'include');

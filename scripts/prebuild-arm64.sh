@@ -13,5 +13,6 @@ shim=$(mktemp -d)
 trap 'rm -rf "$shim"' EXIT
 # prebuildify strips with whatever `strip` is first on PATH.
 ln -s "$(command -v aarch64-linux-gnu-strip)" "$shim/strip"
-PATH="$shim:$PATH" CC=aarch64-linux-gnu-gcc CXX=aarch64-linux-gnu-g++ LINK=aarch64-linux-gnu-g++ \
+# Never against an installed NIXL: those are this host's x86-64 libraries.
+NIXL_NODE_NO_NIXL=1 PATH="$shim:$PATH" CC=aarch64-linux-gnu-gcc CXX=aarch64-linux-gnu-g++ LINK=aarch64-linux-gnu-g++ \
   npx prebuildify -t 20.20.2 --napi --strip --arch arm64

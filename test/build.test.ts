@@ -53,3 +53,23 @@ it('prebuildify makes a prebuild that loads with PREBUILDS_ONLY=1', () => {
   expect(out).toContain(path.join('prebuilds', `${process.platform}-${process.arch}`));
   expect(out).toContain('loopback');
 }, 300_000);
+
+it('prebuilds never link an installed NIXL: NIXL_NODE_NO_NIXL=1 hides it from the build', () => {
+  // A fake install that find-nixl.js would take.
+  const prefix = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-fake-nixl-'));
+  tmp.push(prefix);
+  fs.mkdirSync(path.join(prefix, 'include'));
+  fs.writeFileSync(path.join(prefix, 'include', 'nixl.h'), '');
+  fs.mkdirSync(path.join(prefix, 'lib'));
+  fs.writeFileSync(path.join(prefix, 'lib', 'libnixl.so'), '');
+  const find = (env: NodeJS.ProcessEnv) =>
+    execFileSync(process.execPath, [path.join(ROOT, 'scripts', 'find-nixl.js'), 'found'], {
+      env: { ...process.env, ...env },
+      encoding: 'utf8',
+    });
+  expect(find({ NIXL_PREFIX: prefix })).toBe('1');
+  expect(find({ NIXL_PREFIX: prefix, NIXL_NODE_NO_NIXL: '1' })).toBe('0');
+  const pkg = JSON.parse(fs.readFileSync(path.join(ROOT, 'package.json'), 'utf8'));
+  expect(pkg.scripts.prebuildify).toMatch(/^NIXL_NODE_NO_NIXL=1 prebuildify /);
+  expect(fs.readFileSync(path.join(ROOT, 'scripts', 'prebuild-arm64.sh'), 'utf8')).toMatch(/NIXL_NODE_NO_NIXL=1 PATH=/);
+});

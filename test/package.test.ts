@@ -19,8 +19,13 @@ const npm = (args: string[], cwd: string) =>
     cwd,
     encoding: 'utf8',
     stdio: 'pipe',
-    // An empty user npmrc, and none of this repo's settings (nodedir=/usr).
-    env: { ...process.env, npm_config_userconfig: path.join(tmp, 'empty-npmrc'), npm_config_nodedir: '' },
+    // An empty user npmrc, none of this repo's settings (nodedir=/usr), and a
+    // user without NIXL (with NIXL_PREFIX set, the install builds from source by design).
+    env: {
+      ...Object.fromEntries(Object.entries(process.env).filter(([k]) => k !== 'NIXL_PREFIX')),
+      npm_config_userconfig: path.join(tmp, 'empty-npmrc'),
+      npm_config_nodedir: '',
+    },
   });
 
 // The same job in every form: READ 1 MiB between two agents, check each byte.
