@@ -8,7 +8,7 @@ import { once } from 'node:events';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { DescList, allocate, engines } from '../lib';
+import { DescList, engines } from '../lib';
 import { benchAgent } from './agents';
 import { median, nowNs } from './stats';
 
@@ -79,7 +79,8 @@ export async function benchNative(reps: number): Promise<NativeRow[] | { skip: s
   const prog = nativeProgram();
   if ('skip' in prog) return prog;
   const local = benchAgent('bench-native-local', 'nixl');
-  const mem = allocate(POOL);
+  // Plain (anonymous) memory on both sides, as the native program's std::vector.
+  const mem = Buffer.alloc(POOL);
   local.registerMemory(mem);
   const base = DescList.from(mem).addr(0);
   const child = fork(path.join(__dirname, 'peer.js'), [], {
@@ -89,7 +90,7 @@ export async function benchNative(reps: number): Promise<NativeRow[] | { skip: s
   });
   const rows: NativeRow[] = [];
   try {
-    child.send({ cmd: 'init', bytes: 2 * POOL, shared: true });
+    child.send({ cmd: 'init', bytes: 2 * POOL, shared: false });
     const [init] = (await once(child, 'message')) as [{ md: Uint8Array; addr: bigint }];
     const remoteName = local.addRemoteAgent(Buffer.from(init.md));
     child.send({ cmd: 'load', md: local.getAgentMetadata() });
