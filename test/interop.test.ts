@@ -302,11 +302,13 @@ describe.skipIf(missing !== undefined)('vLLM (Python) interop over ZMQ, wire v12
       // The handshake and every check passed; the Python agent metadata is no NIXL agent.
       expect(err).toBeInstanceOf(PullError);
       expect(err.kind).toBe('setup');
-      const served = py
-        .out()
-        .match(/SERVED \d+ \d+/g)
-        ?.sort();
-      expect(served).toEqual(['SERVED 0 0', 'SERVED 0 1', 'SERVED 1 0', 'SERVED 1 1']);
+      // Python prints after its reply went out: wait for the lines, not only the replies.
+      const served = () =>
+        py
+          .out()
+          .match(/SERVED \d+ \d+/g)
+          ?.sort() ?? [];
+      await expect.poll(served).toEqual(['SERVED 0 0', 'SERVED 0 1', 'SERVED 1 0', 'SERVED 1 1']);
       expect(py.out()).not.toMatch(/DIED/);
       // It still answers.
       const again = await zmqHandshake.fetch({ host: '127.0.0.1', port: py.port, ppRank: 1, tpRank: 1, wire: 'v12' });
@@ -324,7 +326,7 @@ describe.skipIf(missing !== undefined)('vLLM (Python) interop over ZMQ, wire v12
       await expect(
         zmqHandshake.fetch({ host: '127.0.0.1', port: py.port, tpRank: 0, wire: 'v0.13', timeoutMs: 300, retries: 0 }),
       ).rejects.toMatchObject({ code: 'NIXL_ERR_TIMEOUT' });
-      expect(py.out()).toMatch(/DIED ValueError/);
+      await expect.poll(() => py.out()).toMatch(/DIED ValueError/);
       await expect(
         zmqHandshake.fetch({ host: '127.0.0.1', port: py.port, tpRank: 0, wire: 'v12', timeoutMs: 300, retries: 0 }),
       ).rejects.toMatchObject({ code: 'NIXL_ERR_TIMEOUT' });
