@@ -68,6 +68,20 @@ nixlAgent* makeAgent(const char* name) {
   return a;
 }
 
+// Registers the whole buffer; returns the list to deregister with.
+nixl_reg_dlist_t registerAll(nixlAgent* a, std::vector<char>& mem) {
+  nixl_reg_dlist_t reg(DRAM_SEG);
+  reg.addDesc(nixlBlobDesc(reinterpret_cast<uintptr_t>(mem.data()), mem.size(), 0, ""));
+  ok(a->registerMem(reg), "registerMem");
+  return reg;
+}
+
+std::string localMD(nixlAgent* a) {
+  std::string md;
+  ok(a->getLocalMD(md), "getLocalMD");
+  return md;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -104,12 +118,8 @@ int main(int argc, char** argv) {
     // Target: registered memory, and progress until told it is over.
     std::vector<char> mem(remoteBlocks * block, 0x5a);
     nixlAgent* t = makeAgent("native-target");
-    nixl_reg_dlist_t reg(DRAM_SEG);
-    reg.addDesc(nixlBlobDesc(reinterpret_cast<uintptr_t>(mem.data()), mem.size(), 0, ""));
-    ok(t->registerMem(reg), "registerMem (target)");
-    std::string md;
-    ok(t->getLocalMD(md), "getLocalMD");
-    writeBlob(toParent[1], md);
+    nixl_reg_dlist_t reg = registerAll(t, mem);
+    writeBlob(toParent[1], localMD(t));
     writeBlob(toParent[1], std::to_string(reinterpret_cast<uintptr_t>(mem.data())));
     std::string peerName;
     ok(t->loadRemoteMD(readBlob(toChild[0]), peerName), "loadRemoteMD (target)");
@@ -128,11 +138,8 @@ int main(int argc, char** argv) {
   }
   std::vector<char> mem(count * block, 0);
   nixlAgent* a = makeAgent("native-initiator");
-  nixl_reg_dlist_t reg(DRAM_SEG);
-  reg.addDesc(nixlBlobDesc(reinterpret_cast<uintptr_t>(mem.data()), mem.size(), 0, ""));
-  ok(a->registerMem(reg), "registerMem");
-  std::string md;
-  ok(a->getLocalMD(md), "getLocalMD");
+  nixl_reg_dlist_t reg = registerAll(a, mem);
+  const std::string md = localMD(a);
   std::string target;
   std::string tmd = readBlob(toParent[0]);
   const uintptr_t rbase = std::strtoull(readBlob(toParent[0]).c_str(), nullptr, 10);
