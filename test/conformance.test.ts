@@ -2,7 +2,7 @@
 // the addon was built against an installed NIXL (else skipped, saying why).
 // NIXL_NODE_ENGINE=nixl|loopback runs just that one.
 import { afterEach, describe, expect, it } from 'vitest';
-import { DescList, NixlAgent, NixlError, allocate, engines } from '../lib';
+import { DescList, NixlAgent, NixlError, type XferHandle, allocate, engines } from '../lib';
 import { Peer, freePort } from './helpers';
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 const { setupAgent } = require('./fixtures/conformance-setup');
@@ -42,6 +42,19 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     a.registerMemory(ma);
     b.registerMemory(mb);
     return { a, b, ma, mb };
+  };
+
+  /** A handle made from a stale list: refused at make, or made and refused at post; NIXL_ERR_NOT_FOUND either way. */
+  const expectStale = (a: NixlAgent, make: () => XferHandle) => {
+    let h: XferHandle;
+    try {
+      h = make();
+    } catch (e) {
+      expect((e as NixlError).code).toBe('NIXL_ERR_NOT_FOUND');
+      return;
+    }
+    expect(() => a.transfer(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    a.releaseXferHandle(h);
   };
 
   it('reports its engine and backend', () => {
@@ -195,6 +208,118 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
       code = (e as NixlError).code;
     }
     expect(code).toMatch(/NIXL_ERR_(NOT_FOUND|BACKEND|INVALID_PARAM|REMOTE_DISCONNECT)/);
+  });
+
+  it('memory a queued or running transfer uses cannot be deregistered (NIXL_ERR_NOT_ALLOWED); after it, it can', async () => {
+    // transfer() only queues: the copy starts on the engine's thread a moment
+    // later. Deregistering in that moment would free what the copy uses.
+    const size = 64 << 20;
+    const { a, b, ma, mb } = pair(size);
+    mb.fill(0x33);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const extra = allocate(4096);
+    const other = a.registerMemory(extra);
+    const remote = DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]);
+    const used = a.registerMemory(allocate(64)); // registered after ma: still idle
+    for (let i = 0; i < 3; i++) {
+      const reg = a.registerMemory(ma);
+      const h = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
+      a.transfer(h);
+      expect(() => a.deregisterMemory(reg)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_ALLOWED' }));
+      await a.wait(h, { timeoutMs: 10_000 });
+      expect(ma[size - 1]).toBe(0x33);
+      a.deregisterMemory(reg);
+      a.releaseXferHandle(h);
+    }
+    // Memory no transfer uses deregisters while others run.
+    const reg = a.registerMemory(ma);
+    const h = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
+    a.transfer(h);
+    a.deregisterMemory(other);
+    a.deregisterMemory(used);
+    await a.wait(h, { timeoutMs: 10_000 });
+    a.releaseXferHandle(h);
+    a.deregisterMemory(reg);
+  });
+
+  it('a handle over memory deregistered since it was made is refused at post (NIXL_ERR_NOT_FOUND), re-registered or not', async () => {
+    const size = 1 << 20;
+    const { a, b, ma, mb } = pair(size);
+    mb.fill(0x44);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const la = allocate(size);
+    const reg = a.registerMemory(la);
+    const remote = DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]);
+    const h = a.initializeXfer('READ', DescList.from(la), remote, 'conf-b');
+    const ld = a.prepXferDlist('NIXL_INIT_AGENT', DescList.from(la));
+    const rd = a.prepXferDlist('conf-b', remote);
+    const p = a.makePreppedXfer('READ', ld, [0], rd, [0]);
+    a.deregisterMemory(reg);
+    for (const x of [h, p])
+      expect(() => a.transfer(x)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    // The prepped local list is as stale as the handles made from it: refused
+    // when the handle is made (nixl) or when it is posted (loopback).
+    expectStale(a, () => a.makePreppedXfer('READ', ld, [0], rd, [0]));
+    a.registerMemory(la); // the same bytes again: a new registration the old handles do not hold
+    for (const x of [h, p])
+      expect(() => a.transfer(x)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    expect(la[0]).toBe(0);
+    const fresh = a.initializeXfer('READ', DescList.from(la), remote, 'conf-b');
+    a.transfer(fresh);
+    await a.wait(fresh, { timeoutMs: 10_000 });
+    expect(la[size - 1]).toBe(0x44);
+    for (const x of [h, p, fresh]) a.releaseXferHandle(x);
+    a.releaseDlistHandle(ld);
+    a.releaseDlistHandle(rd);
+  });
+
+  it('a handle made before removeRemoteAgent is refused at post after the agent is loaded again (NIXL_ERR_NOT_FOUND)', async () => {
+    const size = 1 << 20;
+    const { a, b, ma, mb } = pair(size);
+    mb.fill(0x55);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const remote = DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]);
+    const h = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
+    const rd = a.prepXferDlist('conf-b', remote);
+    a.removeRemoteAgent('conf-b');
+    a.addRemoteAgent(b.getAgentMetadata());
+    expect(() => a.transfer(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    const ld = a.prepXferDlist('NIXL_INIT_AGENT', DescList.from(ma));
+    expectStale(a, () => a.makePreppedXfer('READ', ld, [0], rd, [0]));
+    const fresh = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
+    a.transfer(fresh);
+    await a.wait(fresh, { timeoutMs: 10_000 });
+    expect(ma[size - 1]).toBe(0x55);
+    for (const x of [h, fresh]) a.releaseXferHandle(x);
+    a.releaseDlistHandle(ld);
+    a.releaseDlistHandle(rd);
+  });
+
+  it('removeRemoteAgent while a transfer to it is queued or running: refused on nixl (NIXL_ERR_NOT_ALLOWED), finishes on loopback', async () => {
+    const size = 64 << 20;
+    const { a, b, ma, mb } = pair(size);
+    mb.fill(0x66);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const h = a.initializeXfer(
+      'READ',
+      DescList.from(ma),
+      DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]),
+      'conf-b',
+    );
+    a.transfer(h);
+    if (engine === 'nixl') {
+      // NIXL frees the agent's connection and keys at once: refused until the transfer is over.
+      expect(() => a.removeRemoteAgent('conf-b')).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_ALLOWED' }));
+      await a.wait(h, { timeoutMs: 10_000 });
+      a.removeRemoteAgent('conf-b');
+    } else {
+      // The loopback engine's requests hold the peer's mapping: the one in flight finishes.
+      a.removeRemoteAgent('conf-b');
+      await a.wait(h, { timeoutMs: 10_000 });
+    }
+    expect(ma[size - 1]).toBe(0x66);
+    expect(() => a.transfer(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    a.releaseXferHandle(h);
   });
 
   it("random post / re-post / wait / release / refill sequences (fast-check): a wait is its own posting's", async () => {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../engine.h"
+#include "reg_index.h"
 
 namespace nixlnode {
 namespace {
@@ -49,14 +50,29 @@ struct Request {
   bool hasNotif = false;  // the message of the next post (guarded by mu_)
   std::string notif;
   bool released = false;  // released by JS while the poller was posting it (guarded by mu_)
+  // What the NIXL request resolved when it was made (see reg_index.h): the
+  // local registrations it covers, and the remote agent's load generation.
+  std::vector<Handle> regs;
+  std::string agent;
+  uint64_t agentGen = 0;
 };
 using RequestP = std::shared_ptr<Request>;
+
+// A prepared list, and what each of its descriptors resolved to.
+struct Dlist {
+  nixlDlistH* h = nullptr;
+  std::vector<uint32_t> first;  // descriptor i covers regs[first[i]] .. regs[first[i + 1] - 1]
+  std::vector<Handle> regs;
+  std::string agent;  // empty: this agent's own memory
+  uint64_t agentGen = 0;
+};
 
 class NixlEngine final : public Engine {
  public:
   NixlEngine(const std::string& name, const EngineConfig& cfg, CompletionSink* sink)
       : cfg_(cfg),
         sink_(sink),
+        name_(name),
         agent_(name, nixlAgentConfig(cfg.progressThread, cfg.listenPort > 0,
                                      static_cast<uint16_t>(cfg.listenPort > 0 ? cfg.listenPort : default_comm_port),
                                      nixl_thread_sync_t::NIXL_THREAD_SYNC_RW, 1,
@@ -109,6 +125,7 @@ class NixlEngine final : public Engine {
     check(agent_.registerMem(dl, &args), "registerMem");
     Handle h = nextHandle_++;
     regs_.emplace(h, std::make_pair(dl, backends));
+    regIndex_.add(h, descs, type);
     return h;
   }
 
@@ -117,16 +134,20 @@ class NixlEngine final : public Engine {
     auto it = regs_.find(reg);
     if (it == regs_.end()) throw EngineError(ERR_NOT_FOUND, "deregisterMem: unknown or already deregistered memory");
     {
-      // NIXL does not stop a transfer from using memory deregistered under it;
-      // refuse while anything is in flight rather than risk it.
+      // NIXL does not stop a transfer from using memory deregistered under it:
+      // refuse while a queued, running or released-but-unfinished one uses it.
       std::lock_guard<std::mutex> lk(mu_);
-      if (!inflight_.empty())
-        throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + std::to_string(inflight_.size()) +
-                                               " transfer(s) in flight; wait for them or release them first");
+      size_t users =
+          countActive([reg](const Request& r) { return std::binary_search(r.regs.begin(), r.regs.end(), reg); });
+      if (users > 0)
+        throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + std::to_string(users) +
+                                               " transfer(s) using this memory are queued or in flight; wait for "
+                                               "them or release them first");
     }
     nixl_opt_args_t args = opts(it->second.second);
     check(agent_.deregisterMem(it->second.first, &args), "deregisterMem");
     regs_.erase(it);
+    regIndex_.remove(reg);
   }
 
   std::string getLocalMD() override {
@@ -218,7 +239,18 @@ class NixlEngine final : public Engine {
 
   void invalidateRemoteMD(const std::string& agent) override {
     checkOpen();
+    {
+      // NIXL frees the agent's connection and remote keys at once, under
+      // whatever still uses them.
+      std::lock_guard<std::mutex> lk(mu_);
+      uint64_t gen = agentGen_[agent];
+      size_t users = countActive([&](const Request& r) { return r.agent == agent && r.agentGen == gen; });
+      if (users > 0)
+        throw EngineError(ERR_NOT_ALLOWED, "removeRemoteAgent: " + std::to_string(users) + " transfer(s) to " + agent +
+                                               " are queued or in flight; wait for them or release them first");
+    }
     check(agent_.invalidateRemoteMD(agent), "invalidateRemoteMD");
+    agentGen_[agent]++;  // lists and requests made before now refer to what was freed
   }
 
   Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type,
@@ -226,10 +258,24 @@ class NixlEngine final : public Engine {
     checkOpen();
     nixlDlistH* dh = nullptr;
     nixl_opt_args_t args = opts(backends);
-    check(agent_.prepXferDlist(agent.empty() ? NIXL_INIT_AGENT : agent, xferList(descs, type), dh, &args),
-          "prepXferDlist");
+    const bool local = agent.empty() || agent == NIXL_INIT_AGENT;
+    check(agent_.prepXferDlist(local ? NIXL_INIT_AGENT : agent, xferList(descs, type), dh, &args), "prepXferDlist");
+    Dlist d;
+    d.h = dh;
+    if (!local) {
+      d.agent = agent;
+      d.agentGen = agentGen_[agent];
+    }
+    if (local || agent == name_) {  // our own memory (a transfer to ourselves included)
+      d.first.reserve(descs.size() + 1);
+      for (const auto& desc : descs) {
+        d.first.push_back(static_cast<uint32_t>(d.regs.size()));
+        regIndex_.covering(desc, type, d.regs);
+      }
+      d.first.push_back(static_cast<uint32_t>(d.regs.size()));
+    }
     Handle h = nextHandle_++;
-    dlists_[h] = dh;
+    dlists_.emplace(h, std::move(d));
     return h;
   }
 
@@ -237,7 +283,7 @@ class NixlEngine final : public Engine {
     checkOpen();
     auto it = dlists_.find(h);
     if (it == dlists_.end()) throw EngineError(ERR_NOT_FOUND, "releaseDlistHandle: unknown or already released handle");
-    check(agent_.releasedDlistH(it->second), "releasedDlistH");
+    check(agent_.releasedDlistH(it->second.h), "releasedDlistH");
     dlists_.erase(it);
   }
 
@@ -249,12 +295,26 @@ class NixlEngine final : public Engine {
     if (l == dlists_.end() || r == dlists_.end())
       throw EngineError(ERR_NOT_FOUND, "makeXferReq: unknown descriptor list handle");
     std::vector<int> lv(li, li + nl), rv(ri, ri + nr);
+    std::vector<Handle> regs;
+    for (const Dlist* d : {&l->second, &r->second}) {
+      const uint32_t* idx = d == &l->second ? li : ri;
+      size_t n = d == &l->second ? nl : nr;
+      for (size_t k = 0; k < n && !d->first.empty(); k++)
+        if (idx[k] + 1 < d->first.size())  // NIXL refuses an index out of range itself
+          regs.insert(regs.end(), d->regs.begin() + d->first[idx[k]], d->regs.begin() + d->first[idx[k] + 1]);
+      if (!d->agent.empty() && agentGen_[d->agent] != d->agentGen)
+        throw EngineError(ERR_NOT_FOUND,
+                          "makeXferReq: " + d->agent + " was removed since the list was prepared; prepare it again");
+    }
+    regs = RegIndex::unique(std::move(regs));
+    if (!allRegistered(regs))
+      throw EngineError(ERR_NOT_FOUND, "makeXferReq: memory of the list was deregistered since it was prepared");
     nixl_opt_args_t args;
     setNotif(args, notif);
     nixlXferReqH* xh = nullptr;
-    check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, l->second, lv, r->second, rv, xh, &args),
+    check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, l->second.h, lv, r->second.h, rv, xh, &args),
           "makeXferReq");
-    return addRequest(xh);
+    return addRequest(xh, std::move(regs), r->second.agent, r->second.agentGen);
   }
 
   Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
@@ -266,7 +326,12 @@ class NixlEngine final : public Engine {
     check(agent_.createXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, xferList(local, lt), xferList(remote, rt),
                                agent, xh, &args),
           "createXferReq");
-    return addRequest(xh);
+    std::vector<Handle> regs = regIndex_.covering(local, lt);
+    if (agent == name_) {
+      std::vector<Handle> more = regIndex_.covering(remote, rt);
+      regs.insert(regs.end(), more.begin(), more.end());
+    }
+    return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent]);
   }
 
   int postXferReq(Handle h, const std::string* notif) override {
@@ -274,6 +339,10 @@ class NixlEngine final : public Engine {
     RequestP req = find(h);
     if (req->status.load() == IN_PROG)
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
+    if (!allRegistered(req->regs))
+      throw EngineError(ERR_NOT_FOUND, "postXferReq: memory of this transfer was deregistered since it was made");
+    if (agentGen_[req->agent] != req->agentGen)
+      throw EngineError(ERR_NOT_FOUND, "postXferReq: " + req->agent + " was removed since this transfer was made");
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (notif) {
@@ -365,7 +434,7 @@ class NixlEngine final : public Engine {
     requests_.clear();
     for (auto& z : zombies_) agent_.releaseXferReq(z->h);
     zombies_.clear();
-    for (auto& [h, d] : dlists_) agent_.releasedDlistH(d);
+    for (auto& [h, d] : dlists_) agent_.releasedDlistH(d.h);
     dlists_.clear();
     for (auto& [h, r] : regs_) {
       nixl_opt_args_t args = opts(r.second);
@@ -412,12 +481,32 @@ class NixlEngine final : public Engine {
     }
   }
 
-  Handle addRequest(nixlXferReqH* xh) {
+  Handle addRequest(nixlXferReqH* xh, std::vector<Handle> regs, const std::string& agent, uint64_t agentGen) {
     auto req = std::make_shared<Request>();
     req->id = nextHandle_++;
     req->h = xh;
+    req->regs = std::move(regs);
+    req->agent = agent;
+    req->agentGen = agentGen;
     requests_[req->id] = req;
     return req->id;
+  }
+
+  bool allRegistered(const std::vector<Handle>& regs) const {
+    for (Handle r : regs)
+      if (!regs_.count(r)) return false;
+    return true;
+  }
+
+  // Requests NIXL may still be using: queued, being posted, in flight, or
+  // released while unfinished. Called with mu_ held.
+  template <typename Pred>
+  size_t countActive(Pred uses) const {
+    size_t n = 0;
+    for (const auto* v : {&toPost_, &inflight_, &zombies_})
+      for (const auto& r : *v) n += uses(*r) ? 1 : 0;
+    if (posting_ && uses(*posting_)) n++;
+    return n;
   }
 
   RequestP find(Handle h) {
@@ -556,12 +645,15 @@ class NixlEngine final : public Engine {
 
   const EngineConfig cfg_;
   CompletionSink* sink_;
+  const std::string name_;
   nixlAgent agent_;
   std::atomic<bool> closed_{false};
   Handle nextHandle_ = 1;
   std::map<std::string, nixlBackendH*> backends_;
   std::unordered_map<Handle, std::pair<nixl_reg_dlist_t, std::vector<std::string>>> regs_;
-  std::unordered_map<Handle, nixlDlistH*> dlists_;
+  std::unordered_map<Handle, Dlist> dlists_;
+  RegIndex regIndex_;
+  std::unordered_map<std::string, uint64_t> agentGen_;  // bumped by invalidateRemoteMD
   std::unordered_map<Handle, RequestP> requests_;
 
   std::mutex mu_;  // toPost_, posting_, inflight_, zombies_, wake_, stopping_, Request::hasNotif/notif/released
