@@ -2,12 +2,14 @@
 // nixl_read.cpp, built here only when an installed NIXL is found): the same
 // prepped READ of 64 MiB between two processes, per block size, with
 // contiguous block ids (NIXL merges them into few descriptors) and with
-// every other remote block (nothing merges: one descriptor per block).
-import { execFileSync, fork } from 'node:child_process';
+// every other remote block (nothing merges: one descriptor per block). The
+// two alternate round by round, so both see the machine in the same state.
+import { execFileSync, fork, spawn } from 'node:child_process';
 import { once } from 'node:events';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
+import { createInterface } from 'node:readline';
 import { DescList, engines } from '../lib';
 import { benchAgent } from './agents';
 import { median, nowNs } from './stats';
@@ -23,7 +25,9 @@ export interface NativeRow {
   nativeRange: [number, number];
   bindingGbps: number;
   bindingRange: [number, number];
+  /** Median over rounds of (binding median / native median) within a round. */
   ratio: number;
+  ratioRange: [number, number];
   /** Native postXferReq call (it runs the copy on one host), per descriptor, us. */
   nativePostUsPerDesc: number;
   /** The binding's transfer() call, us (it only queues). */
@@ -65,19 +69,51 @@ export function nativeProgram(): { path: string } | { skip: string } {
   return { path: out };
 }
 
-function runNative(bin: string, block: number, scatter: boolean, reps: number) {
-  const args = ['--block', String(block), '--count', String(POOL / block), '--reps', String(reps)];
-  if (scatter) args.push('--scatter');
-  const line = execFileSync(bin, args, { encoding: 'utf8', stdio: ['ignore', 'pipe', 'inherit'] })
-    .trim()
-    .split('\n')
-    .at(-1)!;
-  return JSON.parse(line) as { gbps: number; gbpsMin: number; gbpsMax: number; postUs: number };
+interface NativeJob {
+  gbps: number;
+  gbpsMin: number;
+  gbpsMax: number;
+  postUs: number;
 }
 
-export async function benchNative(reps: number): Promise<NativeRow[] | { skip: string }> {
+/**
+ * The native program in --serve mode: one process pair, its memory
+ * registered once, one job per line. Alternating its jobs with the binding's
+ * repetitions compares the two at the same moment on the same kind of memory;
+ * separate runs minutes apart differed by 2x on this shared machine.
+ */
+async function startNative(bin: string, pool: number) {
+  const child = spawn(bin, ['--serve', String(pool)], { stdio: ['pipe', 'pipe', 'inherit'] });
+  const lines = createInterface({ input: child.stdout })[Symbol.asyncIterator]();
+  const next = async () => {
+    const { value, done } = await lines.next();
+    if (done) throw new Error(`the native program exited (${child.exitCode ?? child.signalCode})`);
+    const j = JSON.parse(value);
+    if (j.error) throw new Error(`the native program: ${j.error}`);
+    return j;
+  };
+  await next(); // {"ready":true}
+  return {
+    async run(block: number, count: number, reps: number, scatter: boolean): Promise<NativeJob> {
+      child.stdin.write(`${block} ${count} ${reps} ${scatter ? 1 : 0} 0\n`);
+      return next();
+    },
+    async close() {
+      child.stdin.end();
+      if (child.exitCode === null) await once(child, 'exit');
+      if (child.exitCode !== 0) throw new Error(`the native program exited with ${child.exitCode}`);
+    },
+  };
+}
+
+/**
+ * rounds x reps: each round times `reps` binding READs, then the native
+ * program's `reps`; the ratio is the median of the rounds' ratios.
+ */
+export async function benchNative(rounds: number, reps: number): Promise<NativeRow[] | { skip: string }> {
   const prog = nativeProgram();
   if ('skip' in prog) return prog;
+  const native = await startNative(prog.path, POOL);
   const local = benchAgent('bench-native-local', 'nixl');
   // Plain (anonymous) memory on both sides, as the native program's std::vector.
   const mem = Buffer.alloc(POOL);
@@ -118,28 +154,36 @@ export async function benchNative(reps: number): Promise<NativeRow[] | { skip: s
         await local.wait(h); // warm-up
         const xs: number[] = [];
         const posts: number[] = [];
-        for (let i = 0; i < reps; i++) {
-          const t = nowNs();
-          local.transfer(h);
-          posts.push(Number(nowNs() - t) / 1000);
-          await local.wait(h);
-          xs.push(POOL / Number(nowNs() - t));
+        const nat: NativeJob[] = [];
+        const ratios: number[] = [];
+        for (let round = 0; round < rounds; round++) {
+          const mine: number[] = [];
+          for (let i = 0; i < reps; i++) {
+            const t = nowNs();
+            local.transfer(h);
+            posts.push(Number(nowNs() - t) / 1000);
+            await local.wait(h);
+            mine.push(POOL / Number(nowNs() - t));
+          }
+          xs.push(...mine);
+          const job = await native.run(block, n, reps, layout === 'scattered');
+          nat.push(job);
+          ratios.push(median(mine) / job.gbps);
         }
         local.releaseXferHandle(h);
         local.releaseDlistHandle(ld);
         local.releaseDlistHandle(rd);
-        const nat = runNative(prog.path, block, layout === 'scattered', reps);
-        const g = median(xs);
         rows.push({
           blockBytes: block,
           layout,
           descriptors: n,
-          nativeGbps: nat.gbps,
-          nativeRange: [nat.gbpsMin, nat.gbpsMax],
-          bindingGbps: g,
+          nativeGbps: median(nat.map((j) => j.gbps)),
+          nativeRange: [Math.min(...nat.map((j) => j.gbpsMin)), Math.max(...nat.map((j) => j.gbpsMax))],
+          bindingGbps: median(xs),
           bindingRange: [Math.min(...xs), Math.max(...xs)],
-          ratio: g / nat.gbps,
-          nativePostUsPerDesc: nat.postUs / n,
+          ratio: median(ratios),
+          ratioRange: [Math.min(...ratios), Math.max(...ratios)],
+          nativePostUsPerDesc: median(nat.map((j) => j.postUs)) / n,
           bindingPostUs: median(posts),
         });
       }
@@ -148,6 +192,7 @@ export async function benchNative(reps: number): Promise<NativeRow[] | { skip: s
     child.send({ cmd: 'exit' });
     await once(child, 'exit');
     local.close();
+    await native.close();
   }
   return rows;
 }

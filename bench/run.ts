@@ -92,9 +92,9 @@ export async function runBench(argv: string[]): Promise<void> {
 
   if (only.includes('native')) {
     console.log(
-      '\n# nixl-node / a native program on the same NIXL: 64 MiB prepped READ between two processes; contiguous ids merge, scattered ids do not',
+      '\n# nixl-node / a native program on the same NIXL: 64 MiB prepped READ between two processes, alternating round by round; contiguous ids merge, scattered ids do not',
     );
-    const nat = await benchNative(quick ? 3 : 7);
+    const nat = quick ? await benchNative(3, 3) : await benchNative(9, 3);
     if ('skip' in nat) {
       console.log(`(skipped: ${nat.skip})`);
       result.native = nat;
@@ -109,6 +109,7 @@ export async function runBench(argv: string[]): Promise<void> {
           'nixl-node GB/s',
           'range',
           'ratio',
+          'ratio range',
           'native post us/desc',
           'transfer() us',
         ],
@@ -121,6 +122,7 @@ export async function runBench(argv: string[]): Promise<void> {
           r.bindingGbps,
           `${r.bindingRange[0].toFixed(2)}-${r.bindingRange[1].toFixed(2)}`,
           r.ratio,
+          `${r.ratioRange[0].toFixed(2)}-${r.ratioRange[1].toFixed(2)}`,
           r.nativePostUsPerDesc,
           r.bindingPostUs,
         ]),

@@ -3,10 +3,14 @@
 // libnixl. Built by bench/native.ts only when an installed NIXL is found.
 //
 //   nixl_read --block BYTES --count N --reps R [--scatter] [--skip-merge]
+//   nixl_read --serve POOL_BYTES    then lines "BLOCK COUNT REPS SCATTER MERGEOFF"
 //
 // --scatter reads every other remote block, so no two descriptors are
 // contiguous and NIXL cannot merge them; --skip-merge sets skipDescMerge.
-// Prints one JSON line: medians and ranges of GB/s and of the post call.
+// Prints one JSON line per job: medians and ranges of GB/s and of the post
+// call. --serve keeps one process pair and its registered memory for many
+// jobs, so the bench can alternate it with the binding second by second (the
+// same memory, the same moment) instead of comparing runs minutes apart.
 #include <nixl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,6 +25,10 @@
 #include <vector>
 
 namespace {
+
+const char* USAGE =
+    "usage: nixl_read --block BYTES --count N --reps R [--scatter] [--skip-merge]\n"
+    "       nixl_read --serve POOL_BYTES  (then one job per stdin line: BLOCK COUNT REPS SCATTER SKIPMERGE)\n";
 
 using Clock = std::chrono::steady_clock;
 
@@ -87,36 +95,24 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-}  // namespace
+struct Pair {
+  nixlAgent* agent = nullptr;
+  std::string target;
+  std::vector<char> mem;  // the initiator's side
+  nixl_reg_dlist_t reg{DRAM_SEG};
+  uintptr_t remoteBase = 0;
+  size_t remoteBytes = 0;
+  pid_t child = 0;
+};
 
-int main(int argc, char** argv) {
-  size_t block = 64 << 10, count = 1024;
-  int reps = 7;
-  bool scatter = false, skipMerge = false;
-  for (int i = 1; i < argc; i++) {
-    std::string a = argv[i];
-    if (a == "--block" && i + 1 < argc)
-      block = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--count" && i + 1 < argc)
-      count = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--reps" && i + 1 < argc)
-      reps = std::atoi(argv[++i]);
-    else if (a == "--scatter")
-      scatter = true;
-    else if (a == "--skip-merge")
-      skipMerge = true;
-    else {
-      std::fprintf(stderr, "usage: nixl_read --block BYTES --count N --reps R [--scatter] [--skip-merge]\n");
-      return 2;
-    }
-  }
-  const size_t remoteBlocks = scatter ? 2 * count : count;
+// Forks the target (remoteBytes of registered memory, progressing until the
+// initiator's "done" notification) and makes the initiator with localBytes.
+Pair connect(size_t localBytes, size_t remoteBytes) {
   int toChild[2], toParent[2];
-  if (pipe(toChild) != 0 || pipe(toParent) != 0) return 2;
+  if (pipe(toChild) != 0 || pipe(toParent) != 0) std::exit(2);
   pid_t pid = fork();
   if (pid == 0) {
-    // Target: registered memory, and progress until told it is over.
-    std::vector<char> mem(remoteBlocks * block, 0x5a);
+    std::vector<char> mem(remoteBytes, 0x5a);
     nixlAgent* t = makeAgent("native-target");
     nixl_reg_dlist_t reg = registerAll(t, mem);
     writeBlob(toParent[1], localMD(t));
@@ -136,62 +132,135 @@ int main(int argc, char** argv) {
     delete t;
     _exit(0);
   }
-  std::vector<char> mem(count * block, 0);
-  nixlAgent* a = makeAgent("native-initiator");
-  nixl_reg_dlist_t reg = registerAll(a, mem);
-  const std::string md = localMD(a);
-  std::string target;
+  Pair p;
+  p.mem.assign(localBytes, 0);
+  p.remoteBytes = remoteBytes;
+  p.child = pid;
+  p.agent = makeAgent("native-initiator");
+  p.reg = registerAll(p.agent, p.mem);
+  const std::string md = localMD(p.agent);
   std::string tmd = readBlob(toParent[0]);
-  const uintptr_t rbase = std::strtoull(readBlob(toParent[0]).c_str(), nullptr, 10);
+  p.remoteBase = std::strtoull(readBlob(toParent[0]).c_str(), nullptr, 10);
   writeBlob(toChild[1], md);
-  ok(a->loadRemoteMD(tmd, target), "loadRemoteMD");
+  ok(p.agent->loadRemoteMD(tmd, p.target), "loadRemoteMD");
+  return p;
+}
 
+struct Job {
+  size_t block = 64 << 10, count = 1024;
+  int reps = 7;
+  bool scatter = false, skipMerge = false;
+};
+
+// One prepped READ of job.count blocks (every other remote block when
+// scattered), a warm-up and job.reps timed posts; prints one JSON line.
+bool runJob(Pair& p, const Job& job) {
+  const size_t remoteBlocks = job.scatter ? 2 * job.count : job.count;
+  if (job.count == 0 || job.block == 0 || job.count * job.block > p.mem.size() ||
+      remoteBlocks * job.block > p.remoteBytes || job.reps < 1) {
+    std::printf("{\"error\":\"the job does not fit the registered memory\"}\n");
+    std::fflush(stdout);
+    return false;
+  }
+  std::memset(p.mem.data(), 0, job.count * job.block);
   nixl_xfer_dlist_t local(DRAM_SEG), remote(DRAM_SEG);
-  for (size_t i = 0; i < count; i++)
-    local.addDesc(nixlBasicDesc(reinterpret_cast<uintptr_t>(mem.data()) + i * block, block, 0));
-  for (size_t j = 0; j < remoteBlocks; j++) remote.addDesc(nixlBasicDesc(rbase + j * block, block, 0));
+  for (size_t i = 0; i < job.count; i++)
+    local.addDesc(nixlBasicDesc(reinterpret_cast<uintptr_t>(p.mem.data()) + i * job.block, job.block, 0));
+  for (size_t j = 0; j < remoteBlocks; j++) remote.addDesc(nixlBasicDesc(p.remoteBase + j * job.block, job.block, 0));
   nixlDlistH *lh = nullptr, *rh = nullptr;
-  ok(a->prepXferDlist(NIXL_INIT_AGENT, local, lh), "prepXferDlist (local)");
-  ok(a->prepXferDlist(target, remote, rh), "prepXferDlist (remote)");
-  std::vector<int> li(count), ri(count);
-  for (size_t i = 0; i < count; i++) {
+  ok(p.agent->prepXferDlist(NIXL_INIT_AGENT, local, lh), "prepXferDlist (local)");
+  ok(p.agent->prepXferDlist(p.target, remote, rh), "prepXferDlist (remote)");
+  std::vector<int> li(job.count), ri(job.count);
+  for (size_t i = 0; i < job.count; i++) {
     li[i] = static_cast<int>(i);
-    ri[i] = static_cast<int>(scatter ? 2 * i : i);
+    ri[i] = static_cast<int>(job.scatter ? 2 * i : i);
   }
   nixl_opt_args_t opts;
-  opts.skipDescMerge = skipMerge;
+  opts.skipDescMerge = job.skipMerge;
   nixlXferReqH* req = nullptr;
-  ok(a->makeXferReq(NIXL_READ, lh, li, rh, ri, req, &opts), "makeXferReq");
+  ok(p.agent->makeXferReq(NIXL_READ, lh, li, rh, ri, req, &opts), "makeXferReq");
 
   std::vector<double> gbps, postUs;
-  for (int r = -1; r < reps; r++) {  // r = -1: warm-up
+  for (int r = -1; r < job.reps; r++) {  // r = -1: warm-up
     auto t0 = Clock::now();
-    nixl_status_t s = a->postXferReq(req);
+    nixl_status_t s = p.agent->postXferReq(req);
     auto t1 = Clock::now();
     ok(s, "postXferReq");
-    while (s == NIXL_IN_PROG) s = a->getXferStatus(req);
+    while (s == NIXL_IN_PROG) s = p.agent->getXferStatus(req);
     ok(s, "getXferStatus");
     auto t2 = Clock::now();
     if (r < 0) continue;
-    gbps.push_back(static_cast<double>(count * block) / std::chrono::duration<double, std::nano>(t2 - t0).count());
+    gbps.push_back(static_cast<double>(job.count * job.block) /
+                   std::chrono::duration<double, std::nano>(t2 - t0).count());
     postUs.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
-  if (mem[0] != 0x5a || mem[mem.size() - 1] != 0x5a) {
+  ok(p.agent->releaseXferReq(req), "releaseXferReq");
+  p.agent->releasedDlistH(lh);
+  p.agent->releasedDlistH(rh);
+  if (p.mem[0] != 0x5a || p.mem[job.count * job.block - 1] != 0x5a) {
     std::fprintf(stderr, "nixl_read: the bytes did not arrive\n");
-    return 1;
+    std::exit(1);
   }
-  ok(a->releaseXferReq(req), "releaseXferReq");
-  ok(a->genNotif(target, "done"), "genNotif");
-  int status = 0;
-  waitpid(pid, &status, 0);
-  a->releasedDlistH(lh);
-  a->releasedDlistH(rh);
-  a->deregisterMem(reg);
-  delete a;
   std::printf(
       "{\"block\":%zu,\"count\":%zu,\"scatter\":%s,\"skipMerge\":%s,\"gbps\":%.3f,\"gbpsMin\":%.3f,\"gbpsMax\":%.3f,"
       "\"postUs\":%.1f}\n",
-      block, count, scatter ? "true" : "false", skipMerge ? "true" : "false", median(gbps),
+      job.block, job.count, job.scatter ? "true" : "false", job.skipMerge ? "true" : "false", median(gbps),
       *std::min_element(gbps.begin(), gbps.end()), *std::max_element(gbps.begin(), gbps.end()), median(postUs));
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+  std::fflush(stdout);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Job job;
+  size_t pool = 0;
+  bool serve = false;
+  for (int i = 1; i < argc; i++) {
+    std::string a = argv[i];
+    if (a == "--block" && i + 1 < argc)
+      job.block = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--count" && i + 1 < argc)
+      job.count = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--reps" && i + 1 < argc)
+      job.reps = std::atoi(argv[++i]);
+    else if (a == "--scatter")
+      job.scatter = true;
+    else if (a == "--skip-merge")
+      job.skipMerge = true;
+    else if (a == "--serve" && i + 1 < argc) {
+      serve = true;
+      pool = std::strtoull(argv[++i], nullptr, 10);
+    } else {
+      std::fprintf(stderr, "%s", USAGE);
+      return 2;
+    }
+  }
+  if (!serve) pool = job.count * job.block;
+  // The target always holds twice the pool: a scattered job reads every other block.
+  Pair p = connect(pool, 2 * pool);
+  bool good = true;
+  if (serve) {
+    std::printf("{\"ready\":true}\n");
+    std::fflush(stdout);
+    char line[256];
+    while (std::fgets(line, sizeof line, stdin)) {
+      unsigned long long b = 0, c = 0;
+      int r = 0, s = 0, m = 0;
+      if (std::sscanf(line, "%llu %llu %d %d %d", &b, &c, &r, &s, &m) != 5) {
+        std::printf("{\"error\":\"expected: BLOCK COUNT REPS SCATTER(0|1) SKIPMERGE(0|1)\"}\n");
+        std::fflush(stdout);
+        continue;
+      }
+      runJob(p, Job{b, c, r, s != 0, m != 0});
+    }
+  } else {
+    good = runJob(p, job);
+  }
+  ok(p.agent->genNotif(p.target, "done"), "genNotif");
+  int status = 0;
+  waitpid(p.child, &status, 0);
+  p.agent->deregisterMem(p.reg);
+  delete p.agent;
+  return good && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
 }
