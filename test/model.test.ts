@@ -5,8 +5,8 @@ import { setFlagsFromString } from 'node:v8';
 import { runInNewContext } from 'node:vm';
 import * as fs from 'node:fs';
 import fc from 'fast-check';
-import { afterAll, describe, expect, it } from 'vitest';
-import { DescList, NixlAgent } from '../lib';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { DescList, type NixlAgent, engines } from '../lib';
 import {
   CANARY,
   NBUF,
@@ -17,6 +17,8 @@ import {
   canaried,
   canariesIntact,
   fillPattern,
+  type ModelEngine,
+  modelAgent,
   opArb,
   resources,
   runModel,
@@ -39,8 +41,11 @@ class InProcess implements RemoteSide {
   }));
   readonly probe = canaried(true);
   readonly probeAddr: bigint;
-  constructor(readonly name: string) {
-    this.agent = new NixlAgent(name, { engine: 'loopback' });
+  constructor(
+    readonly name: string,
+    engine: ModelEngine,
+  ) {
+    this.agent = modelAgent(name, engine);
     this.agent.registerMemory(this.probe.data);
     this.probeAddr = DescList.from(this.probe.data).addr(0);
   }
@@ -84,8 +89,11 @@ class OtherProcess implements RemoteSide {
   readonly peer: Peer;
   addrs: bigint[] = [];
   probeAddr = 0n;
-  constructor(readonly name: string) {
-    this.peer = new Peer('model-peer.js', [name, String(SIZE), String(CANARY), String(NBUF)]);
+  constructor(
+    readonly name: string,
+    engine: ModelEngine,
+  ) {
+    this.peer = new Peer('model-peer.js', [name, String(SIZE), String(CANARY), String(NBUF), engine]);
   }
   async init() {
     const r = await this.peer.request<{ addrs: bigint[]; probe: bigint }>({ cmd: 'hello' });
@@ -141,7 +149,7 @@ async function settleGc() {
   }
 }
 
-async function check(ops: Op[], makeB: (name: string) => Promise<RemoteSide>) {
+async function check(ops: Op[], engine: ModelEngine, makeB: (name: string) => Promise<RemoteSide>) {
   const before = resources();
   const fdsBefore = fdList();
   // In a function of its own, so nothing of the run is still referenced here
@@ -149,7 +157,7 @@ async function check(ops: Op[], makeB: (name: string) => Promise<RemoteSide>) {
   await (async () => {
     const b = await makeB(`model-b-${runs}`);
     try {
-      await runModel(ops, b, String(runs++));
+      await runModel(ops, b, String(runs++), engine);
     } finally {
       await b.close();
     }
@@ -174,13 +182,31 @@ async function check(ops: Op[], makeB: (name: string) => Promise<RemoteSide>) {
   expect(after.maps, 'mappings left behind').toBeLessThanOrEqual(before.maps);
 }
 
-describe('random Agent API sequences (fast-check, loopback)', () => {
-  afterAll(() => console.log(`model test: ${runs} runs, ${JSON.stringify(stats)}`));
+const wanted = (process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE] : ['loopback', 'nixl']) as ModelEngine[];
+
+describe.each(wanted)('random Agent API sequences (fast-check, %s engine)', (engine) => {
+  if (!engines.includes(engine)) {
+    it.skip(`skipped: the ${engine} engine is not compiled in (build with NIXL_PREFIX=<nixl install>)`, () => {});
+    return;
+  }
+  let first = 0;
+  let before = { ...stats };
+  beforeAll(() => {
+    // Whatever an engine starts once per process (UCX's own threads), before
+    // the first run counts what it leaves behind.
+    modelAgent('model-warmup', engine).close();
+    first = runs;
+    before = { ...stats };
+  });
+  afterAll(() => {
+    const mine = Object.fromEntries(Object.entries(stats).map(([k, v]) => [k, v - before[k as keyof typeof stats]]));
+    console.log(`model test (${engine}): ${runs - first} runs, ${JSON.stringify(mine)}`);
+  });
 
   it('in one process', async () => {
     await fc.assert(
       fc.asyncProperty(fc.array(opArb, { minLength: 5, maxLength: 40, size: 'max' }), (ops) =>
-        check(ops, async (n) => new InProcess(n)),
+        check(ops, engine, async (n) => new InProcess(n, engine)),
       ),
       {
         seed,
@@ -189,14 +215,14 @@ describe('random Agent API sequences (fast-check, loopback)', () => {
         ...(process.env.FC_PATH ? { path: process.env.FC_PATH } : {}),
       },
     );
-  }, 120_000);
+  }, 300_000);
 
   it('across two processes', async () => {
     await fc.assert(
       fc.asyncProperty(fc.array(opArb, { minLength: 5, maxLength: 30, size: 'max' }), (ops) =>
-        check(ops, async (n) => new OtherProcess(n).init()),
+        check(ops, engine, async (n) => new OtherProcess(n, engine).init()),
       ),
       { seed, numRuns: Number(process.env.FC_RUNS_MP ?? 20), endOnFailure: !!process.env.FC_NO_SHRINK },
     );
-  }, 180_000);
+  }, 300_000);
 });
