@@ -83,7 +83,7 @@ interface NativeJob {
  * separate runs minutes apart differed by 2x on this shared machine.
  */
 async function startNative(bin: string, pool: number) {
-  const child = spawn(bin, ['--serve', String(pool)], { stdio: ['pipe', 'pipe', 'inherit'] });
+  const child = spawn(bin, ['--serve', String(pool)], { stdio: ['pipe', 'pipe', 'inherit'], env: process.env });
   const lines = createInterface({ input: child.stdout })[Symbol.asyncIterator]();
   const next = async () => {
     const { value, done } = await lines.next();
@@ -113,8 +113,10 @@ async function startNative(bin: string, pool: number) {
 export async function benchNative(rounds: number, reps: number): Promise<NativeRow[] | { skip: string }> {
   const prog = nativeProgram();
   if ('skip' in prog) return prog;
-  const native = await startNative(prog.path, POOL);
   const local = benchAgent('bench-native-local', 'nixl');
+  // After benchAgent: it sets UCX_TLS (sm,self unless set), which the native
+  // program must see too, or the two run different UCX transports.
+  const native = await startNative(prog.path, POOL);
   // Plain (anonymous) memory on both sides, as the native program's std::vector.
   const mem = Buffer.alloc(POOL);
   local.registerMemory(mem);
