@@ -27,6 +27,8 @@ interface Options {
   inFlight: number;
   method: 'zmq' | 'http';
   engine: 'loopback' | 'nixl';
+  /** NIXL's own progress thread on every agent (nixl engine). */
+  progressThread: boolean;
   mla: boolean;
 }
 
@@ -44,6 +46,9 @@ Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works to
   --in-flight N    pulls in flight per decode rank (default 4)
   --method M       handshake: zmq | http (default zmq, or NIXL_HANDSHAKE_METHOD)
   --engine E       loopback | nixl (default: nixl if compiled in)
+  --no-progress-thread
+                   nixl: agents without NIXL's progress thread (the engine's poller
+                   progresses them); faster on one host, see the README
   --mla            MLA: one latent cache per layer, replicated on every rank
   --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
 `;
@@ -59,6 +64,7 @@ const ARGS = {
   'in-flight': { type: 'string' },
   method: { type: 'string' },
   engine: { type: 'string' },
+  'no-progress-thread': { type: 'boolean' },
   mla: { type: 'boolean' },
 } as const;
 
@@ -81,8 +87,10 @@ export function parseDemoArgs(argv: string[]): Options {
       ['loopback', 'nixl'] as const,
       (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'),
     ),
+    progressThread: v['no-progress-thread'] !== true,
     mla: v.mla === true,
   };
+  if (!o.progressThread && o.engine !== 'nixl') throw new UsageError('--no-progress-thread: only with --engine nixl');
   if (o.engine === 'nixl' && !engines.includes('nixl')) {
     throw new UsageError('--engine nixl: NIXL is not compiled in (install NIXL, set NIXL_PREFIX and rebuild)');
   }
@@ -166,7 +174,7 @@ export async function runDemo(argv: string[]): Promise<void> {
     `  block per region: ${pBlock / 1024} KiB on a prefill rank, ${dBlock / 1024} KiB on a decode rank; ${fmt(rankBytes({ ...pSpec, tpRank: 0 }) * o.prefillTp)} of KV on the prefill side`,
   );
   console.log(
-    `  engine ${o.engine}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`,
+    `  engine ${o.engine}${o.engine === 'nixl' ? (o.progressThread ? ' (NIXL progress thread on)' : ' (NIXL progress thread off)') : ''}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`,
   );
 
   // Requests: the prefill allocated each prompt's blocks in a run; decode
@@ -183,12 +191,13 @@ export async function runDemo(argv: string[]): Promise<void> {
     spec: pSpec,
     method: o.method,
     engine: o.engine,
+    progressThread: o.progressThread,
     compatibilityHash: hash,
   } satisfies PrefillConfig);
   const failures: string[] = [];
   const ready = await new Promise<{ port: number; fillMs: number; engine: string }>((resolve, reject) => {
     prefill.once('message', (m) => resolve(m as { port: number; fillMs: number; engine: string }));
-    prefill.once('exit', (c) => reject(new Error(`prefill worker exited (${c})`)));
+    prefill.once('exit', (c, sig) => reject(new Error(`prefill worker exited (${sig ?? c})`)));
   });
   console.log(
     `  prefill ready in ${ready.fillMs.toFixed(0)} ms (KV filled and registered), side channel on 127.0.0.1:${ready.port}`,
@@ -230,6 +239,7 @@ export async function runDemo(argv: string[]): Promise<void> {
             port: ready.port,
             method: o.method,
             engine: o.engine,
+            progressThread: o.progressThread,
             compatibilityHash: hash,
             requests,
             inFlight: o.inFlight,
@@ -245,7 +255,7 @@ export async function runDemo(argv: string[]): Promise<void> {
             } else if (m.type === 'done') resolve(m as unknown as Record<string, number>);
             else if (m.type === 'error') reject(new Error(`decode rank ${r}: ${m.message}`));
           });
-          w.once('exit', (c) => c !== 0 && reject(new Error(`decode rank ${r} exited (${c})`)));
+          w.once('exit', (c, sig) => c !== 0 && reject(new Error(`decode rank ${r} exited (${sig ?? c})`)));
         }),
     ),
   );

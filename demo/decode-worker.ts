@@ -10,6 +10,7 @@ export interface DecodeConfig {
   port: number;
   method: HandshakeMethod;
   engine?: 'loopback' | 'nixl';
+  progressThread?: boolean;
   compatibilityHash: string;
   requests: Array<{ requestId: string; local: number[]; remote: number[] }>;
   inFlight: number;
@@ -17,7 +18,10 @@ export interface DecodeConfig {
 
 async function main(): Promise<void> {
   const cfg = JSON.parse(process.argv[2]) as DecodeConfig;
-  const agent = new NixlAgent(`demo-decode-tp${cfg.spec.tpRank}-${process.pid}`, { engine: cfg.engine });
+  const agent = new NixlAgent(`demo-decode-tp${cfg.spec.tpRank}-${process.pid}`, {
+    engine: cfg.engine,
+    progressThread: cfg.progressThread,
+  });
   const mem = allocate(rankBytes(cfg.spec));
   mem.fill(0); // a KV cache in service has its pages in place; fault them in before timing
   agent.registerMemory(mem);

@@ -9,6 +9,7 @@ export interface PrefillConfig {
   spec: Omit<KvSpec, 'tpRank'>;
   method: HandshakeMethod;
   engine?: 'loopback' | 'nixl';
+  progressThread?: boolean;
   compatibilityHash: string;
 }
 
@@ -19,7 +20,10 @@ async function main(): Promise<void> {
   const trackers: PrefillTracker[] = [];
   for (let r = 0; r < cfg.spec.tpSize; r++) {
     const spec = { ...cfg.spec, tpRank: r };
-    const agent = new NixlAgent(`demo-prefill-tp${r}-${process.pid}`, { engine: cfg.engine });
+    const agent = new NixlAgent(`demo-prefill-tp${r}-${process.pid}`, {
+      engine: cfg.engine,
+      progressThread: cfg.progressThread,
+    });
     const mem = allocate(rankBytes(spec));
     fillRank(mem, spec);
     agent.registerMemory(mem);

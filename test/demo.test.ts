@@ -87,6 +87,7 @@ it.each([
   [['demo', '--blocks', '100000000'], /more than one Buffer can/],
   [['demo', '--layers=64', '--blocks=60000', '--block-kib=64'], /more than one Buffer can|is free/],
   [['demo', '--method', 'grpc'], /--method must be one of zmq, http/],
+  [['demo', '--engine', 'loopback', '--no-progress-thread'], /--no-progress-thread: only with --engine nixl/],
   [['demo', '--bogus'], /Unknown option '--bogus'/],
   [['bench', '--only=nothing'], /unknown section/],
   [['frobnicate'], /unknown command 'frobnicate'/],

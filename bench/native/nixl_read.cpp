@@ -2,7 +2,7 @@
 // binding's nixl rows, between two processes, written straight against
 // libnixl. Built by bench/native.ts only when an installed NIXL is found.
 //
-//   nixl_read --block BYTES --count N --reps R [--scatter] [--skip-merge]
+//   nixl_read --block BYTES --count N --reps R [--scatter] [--skip-merge] [--no-progress-thread]
 //   nixl_read --serve POOL_BYTES    then lines "BLOCK COUNT REPS SCATTER MERGEOFF"
 //
 // --scatter reads every other remote block, so no two descriptors are
@@ -27,7 +27,7 @@
 namespace {
 
 const char* USAGE =
-    "usage: nixl_read --block BYTES --count N --reps R [--scatter] [--skip-merge]\n"
+    "usage: nixl_read --block BYTES --count N --reps R [--scatter] [--skip-merge] [--no-progress-thread]\n"
     "       nixl_read --serve POOL_BYTES  (then one job per stdin line: BLOCK COUNT REPS SCATTER SKIPMERGE)\n";
 
 using Clock = std::chrono::steady_clock;
@@ -64,8 +64,11 @@ std::string readBlob(int fd) {
 }
 
 // One agent with a UCX backend, as the binding makes it (progress thread, RW sync).
+bool progressThread = true;  // --no-progress-thread: as the binding's progressThread: false
+
 nixlAgent* makeAgent(const char* name) {
-  auto* a = new nixlAgent(name, nixlAgentConfig(true, false, 0, nixl_thread_sync_t::NIXL_THREAD_SYNC_RW, 1, 1000));
+  auto* a = new nixlAgent(name, nixlAgentConfig(progressThread, false, 0, nixl_thread_sync_t::NIXL_THREAD_SYNC_RW, 1,
+                                                progressThread ? 1000 : 0));
   nixl_b_params_t params;
   nixl_mem_list_t mems;
   ok(a->getPluginParams("UCX", mems, params), "getPluginParams");
@@ -231,6 +234,8 @@ int main(int argc, char** argv) {
       job.scatter = true;
     else if (a == "--skip-merge")
       job.skipMerge = true;
+    else if (a == "--no-progress-thread")
+      progressThread = false;
     else if (a == "--serve" && i + 1 < argc) {
       serve = true;
       pool = std::strtoull(argv[++i], nullptr, 10);
