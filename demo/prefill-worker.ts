@@ -36,6 +36,15 @@ async function main(): Promise<void> {
     port: 0,
     handshake: cfg.method,
   });
+  let closing = false;
+  const shutdown = async () => {
+    if (closing) return;
+    closing = true;
+    await server.close();
+    for (const t of trackers) await t.close();
+    for (const r of ranks) r.agent.close();
+    process.exit(0);
+  };
   process.send!({
     type: 'ready',
     port: server.basePort,
@@ -45,14 +54,13 @@ async function main(): Promise<void> {
   process.on('message', async (m: { type: string; requestId?: string; blockIds?: number[] }) => {
     if (m.type === 'expect') {
       const released = await Promise.all(trackers.map((t) => t.expect(m.requestId!, m.blockIds!)));
-      process.send!({ type: 'released', requestId: m.requestId, reasons: released.map((x) => x.reason) });
-    } else if (m.type === 'exit') {
-      await server.close();
-      for (const t of trackers) await t.close();
-      for (const r of ranks) r.agent.close();
-      process.exit(0);
-    }
+      // The demo may have ended (a failed decode rank) while this waited.
+      if (process.connected)
+        process.send!({ type: 'released', requestId: m.requestId, reasons: released.map((x) => x.reason) });
+    } else if (m.type === 'exit') await shutdown();
   });
+  // The demo went away without saying exit (it failed, or was killed).
+  process.once('disconnect', shutdown);
 }
 
 main().catch((e) => {

@@ -592,6 +592,20 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
       ['NIXL_ERR_NOT_FOUND'],
     );
     expectCode(() => a.prepXferDlist('nobody', [{ addr: 4096n, len: 16 }]), ['NIXL_ERR_NOT_FOUND']);
+    // Indices past the prepared lists, up to 2^32 - 1: an error, never a read past the engine's tables.
+    const lp = a.prepXferDlist('NIXL_INIT_AGENT', DescList.from(la.subarray(0, 16)));
+    const rp = a.prepXferDlist('conf-b', [{ addr: DescList.from(lb).addr(0), len: 16 }]);
+    for (const bad of [1, 0xffff, 0xffffffff])
+      for (const [li, ri] of [
+        [bad, 0],
+        [0, bad],
+      ])
+        expectCode(
+          () => a.makePreppedXfer('READ', lp, [li], rp, [ri]),
+          ['NIXL_ERR_INVALID_PARAM', 'NIXL_ERR_NOT_FOUND'],
+        );
+    a.releaseDlistHandle(lp);
+    a.releaseDlistHandle(rp);
     const h = a.initializeXfer('READ', la.subarray(0, 16), [{ addr: DescList.from(lb).addr(0), len: 16 }], 'conf-b');
     a.releaseXferHandle(h);
     expectCode(() => a.releaseXferHandle(h), ['NIXL_ERR_NOT_FOUND']);

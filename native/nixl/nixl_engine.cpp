@@ -300,7 +300,7 @@ class NixlEngine final : public Engine {
       const uint32_t* idx = d == &l->second ? li : ri;
       size_t n = d == &l->second ? nl : nr;
       for (size_t k = 0; k < n && !d->first.empty(); k++)
-        if (idx[k] + 1 < d->first.size())  // NIXL refuses an index out of range itself
+        if (static_cast<size_t>(idx[k]) + 1 < d->first.size())  // NIXL refuses an index out of range itself
           regs.insert(regs.end(), d->regs.begin() + d->first[idx[k]], d->regs.begin() + d->first[idx[k] + 1]);
       if (!d->agent.empty() && agentGen_[d->agent] != d->agentGen)
         throw EngineError(ERR_NOT_FOUND,
