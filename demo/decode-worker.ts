@@ -18,8 +18,6 @@ export interface DecodeConfig {
 
 async function main(): Promise<void> {
   const cfg = JSON.parse(process.argv[2]) as DecodeConfig;
-  // The demo went away (it failed on another rank, or was killed): stop too.
-  process.once('disconnect', () => process.exit(1));
   const agent = new NixlAgent(`demo-decode-tp${cfg.spec.tpRank}-${process.pid}`, {
     engine: cfg.engine,
     progressThread: cfg.progressThread,
