@@ -228,37 +228,50 @@ export async function runDemo(argv: string[]): Promise<void> {
   };
   let handshaken = 0;
   const decoders: ReturnType<typeof worker>[] = [];
-  const reports = await Promise.all(
-    Array.from(
-      { length: o.decodeTp },
-      (_, r) =>
-        new Promise<Record<string, number>>((resolve, reject) => {
-          const w = worker('decode-worker.js', {
-            spec: dSpec(r),
-            prefillTp: o.prefillTp,
-            port: ready.port,
-            method: o.method,
-            engine: o.engine,
-            progressThread: o.progressThread,
-            compatibilityHash: hash,
-            requests,
-            inFlight: o.inFlight,
-          } satisfies DecodeConfig);
-          decoders.push(w);
-          w.on('message', (m: { type: string; bytes?: number; message?: string }) => {
-            if (m.type === 'ready') {
-              // every rank has handshaken: start them together
-              if (++handshaken === o.decodeTp) for (const d of decoders) d.send({ type: 'go' });
-            } else if (m.type === 'progress') {
-              moved += m.bytes!;
-              show();
-            } else if (m.type === 'done') resolve(m as unknown as Record<string, number>);
-            else if (m.type === 'error') reject(new Error(`decode rank ${r}: ${m.message}`));
-          });
-          w.once('exit', (c, sig) => c !== 0 && reject(new Error(`decode rank ${r} exited (${sig ?? c})`)));
-        }),
-    ),
+  // A prefill that dies mid-run fails the demo at once (the decode ranks would
+  // otherwise wait out their timeouts).
+  // If the demo fails, its workers must not outlive it.
+  process.once('exit', () => {
+    for (const w of [prefill, ...decoders]) if (w.exitCode === null && w.signalCode === null) w.kill();
+  });
+  const prefillGone = new Promise<never>((_, reject) =>
+    prefill.once('exit', (c, sig) => reject(new Error(`prefill worker exited (${sig ?? c})`))),
   );
+  prefillGone.catch(() => {}); // it exits at the end, too
+  const reports = await Promise.race([
+    prefillGone,
+    Promise.all(
+      Array.from(
+        { length: o.decodeTp },
+        (_, r) =>
+          new Promise<Record<string, number>>((resolve, reject) => {
+            const w = worker('decode-worker.js', {
+              spec: dSpec(r),
+              prefillTp: o.prefillTp,
+              port: ready.port,
+              method: o.method,
+              engine: o.engine,
+              progressThread: o.progressThread,
+              compatibilityHash: hash,
+              requests,
+              inFlight: o.inFlight,
+            } satisfies DecodeConfig);
+            decoders.push(w);
+            w.on('message', (m: { type: string; bytes?: number; message?: string }) => {
+              if (m.type === 'ready') {
+                // every rank has handshaken: start them together
+                if (++handshaken === o.decodeTp) for (const d of decoders) d.send({ type: 'go' });
+              } else if (m.type === 'progress') {
+                moved += m.bytes!;
+                show();
+              } else if (m.type === 'done') resolve(m as unknown as Record<string, number>);
+              else if (m.type === 'error') reject(new Error(`decode rank ${r}: ${m.message}`));
+            });
+            w.once('exit', (c, sig) => c !== 0 && reject(new Error(`decode rank ${r} exited (${sig ?? c})`)));
+          }),
+      ),
+    ),
+  ]);
   show(true);
   if (tty) process.stdout.write('\n');
   const releasedInTime = await Promise.race([
