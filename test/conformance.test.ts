@@ -44,6 +44,14 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     return { a, b, ma, mb };
   };
 
+  /** A pair whose b holds `size` bytes of `mark`, loaded by a; `remote` is all of b's memory. */
+  const loaded = (size: number, mark: number) => {
+    const p = pair(size);
+    p.mb.fill(mark);
+    p.a.addRemoteAgent(p.b.getAgentMetadata());
+    return { ...p, remote: DescList.from([{ addr: DescList.from(p.mb).addr(0), len: size }]) };
+  };
+
   /** A handle made from a stale list: refused at make, or made and refused at post; NIXL_ERR_NOT_FOUND either way. */
   const expectStale = (a: NixlAgent, make: () => XferHandle) => {
     let h: XferHandle;
@@ -111,16 +119,9 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     // One host, one process: UCX's cma transport would finish this READ inside
     // postXferReq; the engine must post it from its own thread.
     const size = 256 << 20;
-    const { a, b, ma, mb } = pair(size);
-    mb.fill(0x5a);
-    a.addRemoteAgent(b.getAgentMetadata());
+    const { a, b, ma, remote } = loaded(size, 0x5a);
     b.addRemoteAgent(a.getAgentMetadata());
-    const h = a.initializeXfer(
-      'READ',
-      DescList.from(ma),
-      DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]),
-      'conf-b',
-    );
+    const h = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
     // Lag probe: the longest time the loop went without a turn while the copy ran.
     let turns = 0;
     let done = false;
@@ -229,12 +230,9 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     // transfer() only queues: the copy starts on the engine's thread a moment
     // later. Deregistering in that moment would free what the copy uses.
     const size = 64 << 20;
-    const { a, b, ma, mb } = pair(size);
-    mb.fill(0x33);
-    a.addRemoteAgent(b.getAgentMetadata());
+    const { a, ma, remote } = loaded(size, 0x33);
     const extra = allocate(4096);
     const other = a.registerMemory(extra);
-    const remote = DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]);
     const used = a.registerMemory(allocate(64)); // registered after ma: still idle
     for (let i = 0; i < 3; i++) {
       const reg = a.registerMemory(ma);
@@ -259,12 +257,9 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
 
   it('a handle over memory deregistered since it was made is refused at post (NIXL_ERR_NOT_FOUND), re-registered or not', async () => {
     const size = 1 << 20;
-    const { a, b, ma, mb } = pair(size);
-    mb.fill(0x44);
-    a.addRemoteAgent(b.getAgentMetadata());
+    const { a, remote } = loaded(size, 0x44);
     const la = allocate(size);
     const reg = a.registerMemory(la);
-    const remote = DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]);
     const h = a.initializeXfer('READ', DescList.from(la), remote, 'conf-b');
     const ld = a.prepXferDlist('NIXL_INIT_AGENT', DescList.from(la));
     const rd = a.prepXferDlist('conf-b', remote);
@@ -290,10 +285,7 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
 
   it('a handle made before removeRemoteAgent is refused at post after the agent is loaded again (NIXL_ERR_NOT_FOUND)', async () => {
     const size = 1 << 20;
-    const { a, b, ma, mb } = pair(size);
-    mb.fill(0x55);
-    a.addRemoteAgent(b.getAgentMetadata());
-    const remote = DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]);
+    const { a, b, ma, remote } = loaded(size, 0x55);
     const h = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
     const rd = a.prepXferDlist('conf-b', remote);
     a.removeRemoteAgent('conf-b');
@@ -312,15 +304,8 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
 
   it('removeRemoteAgent while a transfer to it is queued or running: refused on nixl (NIXL_ERR_NOT_ALLOWED), finishes on loopback', async () => {
     const size = 64 << 20;
-    const { a, b, ma, mb } = pair(size);
-    mb.fill(0x66);
-    a.addRemoteAgent(b.getAgentMetadata());
-    const h = a.initializeXfer(
-      'READ',
-      DescList.from(ma),
-      DescList.from([{ addr: DescList.from(mb).addr(0), len: size }]),
-      'conf-b',
-    );
+    const { a, ma, remote } = loaded(size, 0x66);
+    const h = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
     a.transfer(h);
     if (engine === 'nixl') {
       // NIXL frees the agent's connection and keys at once: refused until the transfer is over.
