@@ -65,6 +65,15 @@ struct Dlist {
   std::vector<Handle> regs;
   std::string agent;  // empty: this agent's own memory
   uint64_t agentGen = 0;
+
+  // Appends the registrations the descriptors idx[0..n) cover. An index out
+  // of range adds nothing: NIXL refuses it itself.
+  void regsUsed(const uint32_t* idx, size_t n, std::vector<Handle>& out) const {
+    if (first.empty()) return;  // a remote agent's list
+    for (size_t k = 0; k < n; k++)
+      if (static_cast<size_t>(idx[k]) + 1 < first.size())
+        out.insert(out.end(), regs.begin() + first[idx[k]], regs.begin() + first[idx[k] + 1]);
+  }
 };
 
 class NixlEngine final : public Engine {
@@ -295,17 +304,13 @@ class NixlEngine final : public Engine {
     if (l == dlists_.end() || r == dlists_.end())
       throw EngineError(ERR_NOT_FOUND, "makeXferReq: unknown descriptor list handle");
     std::vector<int> lv(li, li + nl), rv(ri, ri + nr);
-    std::vector<Handle> regs;
-    for (const Dlist* d : {&l->second, &r->second}) {
-      const uint32_t* idx = d == &l->second ? li : ri;
-      size_t n = d == &l->second ? nl : nr;
-      for (size_t k = 0; k < n && !d->first.empty(); k++)
-        if (static_cast<size_t>(idx[k]) + 1 < d->first.size())  // NIXL refuses an index out of range itself
-          regs.insert(regs.end(), d->regs.begin() + d->first[idx[k]], d->regs.begin() + d->first[idx[k] + 1]);
-      if (!d->agent.empty() && agentGen_[d->agent] != d->agentGen)
+    for (const Dlist* d : {&l->second, &r->second})
+      if (!d->agent.empty() && !agentCurrent(d->agent, d->agentGen))
         throw EngineError(ERR_NOT_FOUND,
                           "makeXferReq: " + d->agent + " was removed since the list was prepared; prepare it again");
-    }
+    std::vector<Handle> regs;
+    l->second.regsUsed(li, nl, regs);
+    r->second.regsUsed(ri, nr, regs);
     regs = RegIndex::unique(std::move(regs));
     if (!allRegistered(regs))
       throw EngineError(ERR_NOT_FOUND, "makeXferReq: memory of the list was deregistered since it was prepared");
@@ -341,7 +346,7 @@ class NixlEngine final : public Engine {
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
     if (!allRegistered(req->regs))
       throw EngineError(ERR_NOT_FOUND, "postXferReq: memory of this transfer was deregistered since it was made");
-    if (agentGen_[req->agent] != req->agentGen)
+    if (!agentCurrent(req->agent, req->agentGen))
       throw EngineError(ERR_NOT_FOUND, "postXferReq: " + req->agent + " was removed since this transfer was made");
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -490,6 +495,12 @@ class NixlEngine final : public Engine {
     req->agentGen = agentGen;
     requests_[req->id] = req;
     return req->id;
+  }
+
+  // Not removed (removeRemoteAgent) since gen was taken.
+  bool agentCurrent(const std::string& agent, uint64_t gen) const {
+    auto it = agentGen_.find(agent);
+    return (it == agentGen_.end() ? 0 : it->second) == gen;
   }
 
   bool allRegistered(const std::vector<Handle>& regs) const {
