@@ -35,6 +35,8 @@ function payload(): HandshakePayload {
     blockLens: Array(64).fill(65536),
     kvCacheLayout: 'HND' as const,
     blockSize: 16,
+    // Required by v12 (the default wire); v0.13 does not carry it.
+    attnBackendName: 'FLASH_ATTN',
   };
   return { compatibilityHash: 'e'.repeat(64), agentMetadataBytes: encodeAgentMetadata(meta) };
 }

@@ -32,11 +32,14 @@ Usage: nixl-node worker [options]
   --host H             interface (default 127.0.0.1)
   --port P             HTTP port (default 0: any free port)
   --zmq-addr A         zmq: PULL address to bind (default tcp://<host>:<any port>)
+  --side-channel-port P  port of its prefill side channel (default 0: any free port)
   --blocks N           KV cache blocks (default 512)
   --lease-ms N         how long a prefill holds KV nobody read (default: the wire profile's, 30 s)
   --wire W             v12 | v0.13 (default NIXL_WIRE, else v12)
   --stall-prefill-ms N test hook: answer prefills this much later
   --stall-decode-ms N  test hook: start decode pulls this much later
+  --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
+  --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
 `;
 
 function list(v: Record<string, unknown>, name: string): string[] {
@@ -51,9 +54,16 @@ function list(v: Record<string, unknown>, name: string): string[] {
 }
 
 function port(v: Record<string, unknown>, def: number): number {
-  if (v.port === undefined) return def;
-  const s = String(v.port);
-  if (!/^\d+$/.test(s) || Number(s) > 65535) throw new UsageError(`--port must be a port number, got '${s}'`);
+  return v.port === undefined ? def : portNumber(String(v.port), 'port');
+}
+
+function portNumber(s: string, name: string): number {
+  if (!/^\d+$/.test(s) || Number(s) > 65535) throw new UsageError(`--${name} must be a port number, got '${s}'`);
+  return Number(s);
+}
+
+function integer(s: string, name: string): number {
+  if (!/^-?\d{1,10}$/.test(s)) throw new UsageError(`--${name} must be an integer, got '${s}'`);
   return Number(s);
 }
 
@@ -125,6 +135,9 @@ export async function workerCommand(argv: string[]): Promise<void> {
       wire: { type: 'string' },
       'stall-prefill-ms': { type: 'string' },
       'stall-decode-ms': { type: 'string' },
+      'side-channel-port': { type: 'string' },
+      'poison-freed': { type: 'boolean' },
+      'clock-skew-ms': { type: 'string' },
     },
     WORKER_HELP,
   );
@@ -139,6 +152,12 @@ export async function workerCommand(argv: string[]): Promise<void> {
     wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
     stallPrefillMs: v['stall-prefill-ms'] === undefined ? undefined : positiveInt(v, 'stall-prefill-ms', 0, 3_600_000),
     stallDecodeMs: v['stall-decode-ms'] === undefined ? undefined : positiveInt(v, 'stall-decode-ms', 0, 3_600_000),
+    sideChannelPort:
+      v['side-channel-port'] === undefined
+        ? undefined
+        : portNumber(String(v['side-channel-port']), 'side-channel-port'),
+    poisonFreed: v['poison-freed'] === true,
+    clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
   });
   console.log(JSON.stringify({ ready: true, name: w.name, address: w.address }));
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.

@@ -23,15 +23,31 @@ interface Proc {
   p: ChildProcess;
   ready: Record<string, unknown>;
   lines: Array<Record<string, unknown>>;
+  /** For one that ended on its own: what ended it and its last stderr lines. */
+  death(): string | undefined;
 }
 
 const BIN = path.join(__dirname, '..', '..', 'bin', 'nixl-node.js');
 
-function start(args: string[]): Promise<Proc> {
+/** Why a child process ended, in words: its exit code, or the signal that killed it. */
+export function exitReason(code: number | null, signal: NodeJS.Signals | null): string {
+  return signal ? `was killed by ${signal}` : `exited with code ${code}`;
+}
+
+/** Starts a nixl-node command and resolves on its ready line (spawned: the child, at once). */
+export function start(args: string[], spawned?: (p: ChildProcess) => void): Promise<Proc> {
   const p = spawn(process.execPath, [BIN, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  spawned?.(p);
   const lines: Array<Record<string, unknown>> = [];
   let err = '';
-  p.stderr!.on('data', (d) => (err += d));
+  p.stderr!.on('data', (d) => {
+    err = (err + d).slice(-8192);
+  });
+  const lastLines = () => err.trim().split('\n').filter(Boolean).slice(-10).join(' | ');
+  const death = () =>
+    p.exitCode === null && p.signalCode === null
+      ? undefined
+      : `nixl-node ${args.slice(0, 3).join(' ')} ${exitReason(p.exitCode, p.signalCode)}${lastLines() ? `: ${lastLines()}` : ''}`;
   return new Promise((resolve, reject) => {
     readline.createInterface({ input: p.stdout! }).on('line', (l) => {
       let j: Record<string, unknown>;
@@ -41,11 +57,17 @@ function start(args: string[]): Promise<Proc> {
         return;
       }
       lines.push(j);
-      if (j.ready) resolve({ p, ready: j, lines });
+      if (j.ready) resolve({ p, ready: j, lines, death });
     });
-    p.once('exit', (c) =>
-      reject(new Error(`nixl-node ${args[0]} exited ${c}: ${err.trim().split('\n').slice(-3).join(' | ')}`)),
-    );
+    // 'close': after its stderr is read, so its last lines are in the error.
+    p.once('close', (c, sig) => {
+      const last = lastLines();
+      reject(
+        new Error(
+          `nixl-node ${args[0]} ${exitReason(c, sig)} before it was ready${last ? `: ${last}` : ' (no stderr)'}`,
+        ),
+      );
+    });
   });
 }
 
@@ -186,6 +208,8 @@ export async function runServingDemo(argv: string[]): Promise<void> {
     const ok = outcomes.filter((o) => o.ok);
     const lat = outcomes.map((o) => o.ms).sort((a, b) => a - b);
     const verifiedBytes = ok.reduce((a, o) => a + o.bytes, 0);
+    // A worker or the proxy that died during the run is named, with why.
+    const deaths = procs.map((x) => x.death()).filter((d): d is string => d !== undefined);
     const stats = await Promise.all(procs.map(stop));
     procs.length = 0;
     const wstats = stats.slice(0, nP + nD).map((s) => (s?.stats ?? {}) as Record<string, number>);
@@ -204,7 +228,7 @@ export async function runServingDemo(argv: string[]): Promise<void> {
       prefillWorkers: nP,
       decodeWorkers: nD,
       prefillFreedByRead: freed,
-      errors: [...new Set(outcomes.filter((o) => !o.ok).map((o) => o.error))].slice(0, 5),
+      errors: [...deaths, ...new Set(outcomes.filter((o) => !o.ok).map((o) => o.error))].slice(0, 5),
     };
     const rows: Array<[string, string]> = [
       ['requests', `${n} (completions and chat, streamed and not, ${blockRange(n)} KV blocks of 16 tokens each)`],
@@ -221,7 +245,7 @@ export async function runServingDemo(argv: string[]): Promise<void> {
     for (const [k, x] of rows) log(`  ${k.padEnd(14)} ${x}`);
     for (const e of summary.errors) log(`  error: ${e}`);
     if (v.json) console.log(JSON.stringify(summary));
-    if (ok.length !== n) process.exitCode = 1;
+    if (ok.length !== n || deaths.length > 0) process.exitCode = 1;
   } finally {
     await Promise.all(procs.map(stop));
   }

@@ -20,8 +20,15 @@ export const Status = {
   NIXL_ERR_NO_TELEMETRY: -12,
 } as const;
 
-/** NIXL's codes, plus NIXL_ERR_TIMEOUT for promise forms that gave up waiting. */
-export type NixlErrorCode = Exclude<keyof typeof Status, 'NIXL_IN_PROG' | 'NIXL_SUCCESS'> | 'NIXL_ERR_TIMEOUT';
+/**
+ * NIXL's codes, plus NIXL_ERR_TIMEOUT for promise forms that gave up waiting
+ * and NIXL_ERR_LEASE_EXPIRED for a KV pull that could not end inside the
+ * prefill's lease on its blocks (KvPuller).
+ */
+export type NixlErrorCode =
+  | Exclude<keyof typeof Status, 'NIXL_IN_PROG' | 'NIXL_SUCCESS'>
+  | 'NIXL_ERR_TIMEOUT'
+  | 'NIXL_ERR_LEASE_EXPIRED';
 
 const byStatus = new Map<number, NixlErrorCode>(
   Object.entries(Status)

@@ -1,12 +1,18 @@
 #!/usr/bin/env node
-// Printed after every native build: which engines this addon was compiled with.
+// Printed after every native build and by every install (scripts/install.js),
+// prebuilt or built here: which engines the addon that loads has compiled in.
 'use strict';
 const path = require('node:path');
-const binding = require('node-gyp-build')(path.join(__dirname, '..'));
-const engines = binding.engines.join(', ');
-console.log(`nixl-node: engines compiled in: ${engines}`);
-if (!binding.engines.includes('nixl')) {
-  console.log(
-    'nixl-node: NIXL not found at build time (set NIXL_PREFIX to a NIXL install and rebuild for the nixl engine)',
-  );
+
+function reportEngines(root = path.join(__dirname, '..')) {
+  const binding = require('node-gyp-build')(root);
+  console.log(`nixl-node: engines compiled in: ${binding.engines.join(', ')}`);
+  if (!binding.engines.includes('nixl')) {
+    console.log(
+      'nixl-node: NIXL not found at build time (set NIXL_PREFIX to a NIXL install and rebuild for the nixl engine)',
+    );
+  }
 }
+
+if (require.main === module) reportEngines();
+module.exports = { reportEngines };

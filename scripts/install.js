@@ -43,3 +43,6 @@ if (nixl === '1') {
       `nixl-node: using the prebuilt addon ${path.relative(root, loaded)} (loopback engine; set NIXL_PREFIX and reinstall for NIXL)`,
     );
 }
+// The line the README tells users to look for, on every path (as npm run build prints it).
+delete process.env.PREBUILDS_ONLY;
+require('./engines.js').reportEngines(root);

@@ -5,7 +5,7 @@ import { type ChildProcess, execFile, spawn } from 'node:child_process';
 import { once } from 'node:events';
 import * as path from 'node:path';
 import { afterEach, describe, expect, it } from 'vitest';
-import { freePort, ROOT } from './helpers';
+import { freePort, onFreePort, ROOT } from './helpers';
 
 const bin = path.join(ROOT, 'bin', 'nixl-node.js');
 let server: ChildProcess | undefined;
@@ -22,6 +22,14 @@ function cli(args: string[]): Promise<{ code: number; stdout: string; stderr: st
     execFile(process.execPath, [bin, ...args], { encoding: 'utf8' }, (e, stdout, stderr) =>
       resolve({ code: e ? ((e as { code?: number }).code ?? 1) : 0, stdout, stderr }),
     );
+  });
+}
+
+/** `sidechannel serve` on a free port (another one if it was taken meanwhile). */
+async function serveFree(method: string, wire: string, extra: string[] = []): Promise<number> {
+  return onFreePort(async (port) => {
+    await serve(method, port, wire, extra);
+    return port;
   });
 }
 
@@ -47,7 +55,10 @@ async function serve(method: string, port: number, wire: string, extra: string[]
   );
   let out = '';
   server.stdout!.on('data', (d) => (out += d));
-  for (let i = 0; i < 100 && !out.includes('serving'); i++) await new Promise((r) => setTimeout(r, 50));
+  server.stderr!.on('data', (d) => (out += d));
+  for (let i = 0; i < 100 && !out.includes('serving') && server.exitCode === null; i++)
+    await new Promise((r) => setTimeout(r, 50));
+  if (server.exitCode !== null) throw new Error(`sidechannel serve exited: ${out}`);
   expect(out).toContain(`127.0.0.1:${port}`);
   return server;
 }
@@ -59,8 +70,8 @@ describe.each([
   ['http', 'v0.13'],
 ])('sidechannel over %s, wire %s', (method, wire) => {
   it('fetch prints what serve serves; wrong hash, missing rank: the error code and a non-zero exit', async () => {
-    const port = await freePort();
-    const srv = await serve(method, port, wire);
+    const port = await serveFree(method, wire);
+    const srv = server!;
     const text = await cli([
       'sidechannel',
       'fetch',
@@ -157,8 +168,7 @@ describe.each([
 });
 
 it('serve --pp-size: fetch --pp-rank reads each pipeline rank (v12, the default)', async () => {
-  const port = await freePort();
-  await serve('zmq', port, 'v12', ['--pp-size', '2']);
+  const port = await serveFree('zmq', 'v12', ['--pp-size', '2']);
   const r = await cli(['sidechannel', 'fetch', '--port', String(port), '--pp-rank', '1', '--tp-rank', '1', '--json']);
   expect(r.code, r.stderr).toBe(0);
   const j = JSON.parse(r.stdout);

@@ -3,7 +3,9 @@
 // stderr and exit code 2, never a stack trace.
 import { execFileSync } from 'node:child_process';
 import * as path from 'node:path';
-import { expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
+// The compiled module: it finds bin/ from dist/demo/, as the installed package does.
+import { exitReason, start } from '../dist/demo/serving';
 import { engines } from '../lib';
 import { ROOT } from './helpers';
 
@@ -119,4 +121,21 @@ it('--help everywhere, and info says what loaded', () => {
   const info = JSON.parse(execFileSync(process.execPath, [bin, 'info', '--json'], { encoding: 'utf8' }));
   expect(info.engines).toEqual(engines);
   expect(info.addon).toMatch(/\.node$/);
+});
+
+describe('demo --serving names how a process it started died', () => {
+  it('a worker killed by a signal before it was ready: the signal, not "exited null"', async () => {
+    const err = await start(['worker', '--blocks', '16'], (p) => p.kill('SIGKILL')).catch((e: Error) => e);
+    expect(String(err)).toMatch(/nixl-node worker was killed by SIGKILL before it was ready/);
+  });
+
+  it('a worker that fails: its exit code and its last stderr lines', async () => {
+    const err = await start(['worker', '--blocks', 'many']).catch((e: Error) => e);
+    expect(String(err)).toMatch(/nixl-node worker exited with code 2 before it was ready: .*--blocks/);
+  });
+
+  it('exitReason says code or signal', () => {
+    expect(exitReason(3, null)).toBe('exited with code 3');
+    expect(exitReason(null, 'SIGSEGV')).toBe('was killed by SIGSEGV');
+  });
 });

@@ -25,7 +25,7 @@ import {
   type NixlAgentMetadata,
 } from '../lib/handshake';
 import { makeCerts, type Certs } from '../bench/certs';
-import { Peer, freePort } from './helpers';
+import { Peer, freePort, onFreePort } from './helpers';
 
 const HASH = 'a'.repeat(64);
 
@@ -184,8 +184,12 @@ describe.each(['v12', 'v0.13'] as const)('ZMQ side channel, wire %s', (wire) => 
     });
 
   it('data-parallel ranks listen on port + dp_rank', async () => {
-    const base = await freePort();
-    const s = await zmqHandshake.serve({ port: base, dpRank: 1, payloads: payloads(1, wire), logger: log, wire });
+    // It binds base + 1: a port nobody checked, so retry when it is taken.
+    let base = 0;
+    const s = await onFreePort((p) => {
+      base = p;
+      return zmqHandshake.serve({ port: p, dpRank: 1, payloads: payloads(1, wire), logger: log, wire });
+    });
     try {
       expect(s.port).toBe(base + 1);
       const got = await zmqHandshake.fetch({ host: '127.0.0.1', port: base, dpRank: 1, tpRank: 0, wire });

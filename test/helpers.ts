@@ -11,33 +11,64 @@ export const ROOT = path.join(__dirname, '..');
 export class Peer {
   readonly proc: ChildProcess;
   #queue: unknown[] = [];
-  #waiting: Array<(m: unknown) => void> = [];
+  #waiting: Array<{ resolve: (m: unknown) => void; reject: (e: Error) => void }> = [];
+  /** The end of what the peer wrote to stderr (also passed through). */
+  #stderr = '';
+  #exited: Error | undefined;
 
   constructor(script: string, args: string[] = [], env: NodeJS.ProcessEnv = {}) {
     this.proc = fork(path.join(FIXTURES, script), args, {
       env: { ...process.env, ...env },
       serialization: 'advanced',
-      stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
+      stdio: ['ignore', 'inherit', 'pipe', 'ipc'],
+    });
+    this.proc.on('error', () => {});
+    this.proc.stderr?.on('data', (d: Buffer) => {
+      process.stderr.write(d);
+      this.#stderr = (this.#stderr + d.toString('utf8')).slice(-2000);
     });
     this.proc.on('message', (m) => {
       const w = this.#waiting.shift();
-      if (w) w(m);
+      if (w) w.resolve(m);
       else this.#queue.push(m);
+    });
+    // A peer that dies (fails to start, crashes) fails whoever waits for it
+    // with its own words, not with a timeout ('close': after its stderr is read).
+    this.proc.on('close', (code, signal) => {
+      // Its last words without stack frames: the error messages.
+      const tail = this.#stderr
+        .trim()
+        .split('\n')
+        .filter((l) => !/^\s+at /.test(l))
+        .slice(-8)
+        .join('\n');
+      this.#exited = new Error(
+        `peer ${script} exited (${signal ?? `code ${code}`}) before answering${tail ? `:\n${tail}` : ''}`,
+      );
+      for (const w of this.#waiting.splice(0)) w.reject(this.#exited);
     });
   }
 
   send(m: unknown): void {
-    this.proc.send(m as never);
+    // To a dead peer: nothing (next() rejects with why it died).
+    if (this.proc.connected) this.proc.send(m as never, () => {});
   }
 
   next<T = Record<string, unknown>>(timeoutMs = 15_000): Promise<T> {
     const m = this.#queue.shift();
     if (m !== undefined) return Promise.resolve(m as T);
+    if (this.#exited) return Promise.reject(this.#exited);
     return new Promise<T>((resolve, reject) => {
-      const t = setTimeout(() => reject(new Error('peer did not answer')), timeoutMs);
-      this.#waiting.push((v) => {
-        clearTimeout(t);
-        resolve(v as T);
+      const t = setTimeout(() => reject(new Error(`peer did not answer in ${timeoutMs} ms`)), timeoutMs);
+      this.#waiting.push({
+        resolve: (v) => {
+          clearTimeout(t);
+          resolve(v as T);
+        },
+        reject: (e) => {
+          clearTimeout(t);
+          reject(e);
+        },
       });
     });
   }
@@ -77,6 +108,27 @@ export async function freePort(): Promise<number> {
   const port = (s.address() as net.AddressInfo).port;
   await new Promise((r) => s.close(r));
   return port;
+}
+
+/**
+ * Binds something on a port the OS just said was free, and again on another
+ * when it was taken meanwhile (ports of the ephemeral range collide with other
+ * sockets of a loaded machine). `start` gets the port and must reject when it
+ * cannot bind it (or port + 1, ... if it binds several).
+ */
+export async function onFreePort<T>(start: (port: number) => Promise<T>, tries = 8): Promise<T> {
+  for (let i = 0; ; i++) {
+    const port = await freePort();
+    try {
+      return await start(port);
+    } catch (e) {
+      if (
+        i + 1 >= tries ||
+        !/EADDRINUSE|Address already in use|address in use/i.test(String((e as Error)?.message ?? e))
+      )
+        throw e;
+    }
+  }
 }
 
 /**

@@ -8,7 +8,7 @@ import { describe, expect, it } from 'vitest';
 import { DescList, NixlAgent, allocate } from '../lib';
 import { decodeAgentMetadata, encodeAgentMetadata, zmqHandshake } from '../lib/handshake';
 import { KvPuller, PullError } from '../lib/kv';
-import { FIXTURES, freePort } from './helpers';
+import { FIXTURES, onFreePort } from './helpers';
 
 const PY = '/usr/bin/python3';
 const SCRIPT = path.join(FIXTURES, 'vllm_side_channel.py');
@@ -36,8 +36,14 @@ function runPython(args: string[]): Promise<string> {
 }
 
 /** A Python listener, with everything it printed (SERVED pp tp / DIED ...). */
-async function pythonListener(args: string[]): Promise<{ port: number; p: ChildProcess; out: () => string }> {
-  const port = await freePort();
+function pythonListener(args: string[]): Promise<{ port: number; p: ChildProcess; out: () => string }> {
+  return onFreePort((port) => startPython(port, args));
+}
+
+async function startPython(
+  port: number,
+  args: string[],
+): Promise<{ port: number; p: ChildProcess; out: () => string }> {
   const p = spawn(PY, [SCRIPT, 'listen', String(port), ...args]);
   let out = '';
   p.stdout!.on('data', (d) => (out += d));
@@ -101,13 +107,8 @@ describe.skipIf(missing !== undefined)('vLLM (Python) interop over ZMQ, wire v0.
   });
 
   it('we read a vLLM prefill listener', async () => {
-    const port = await freePort();
-    const p = spawn(PY, [SCRIPT, 'listen', String(port)]);
+    const { port, p } = await pythonListener([]);
     try {
-      await new Promise<void>((resolve, reject) => {
-        p.stdout.once('data', (d) => (String(d).includes('READY') ? resolve() : reject(new Error(String(d)))));
-        p.once('exit', (c) => reject(new Error(`python exited ${c}`)));
-      });
       const hash = createHash('sha256').update('py').digest('hex');
       for (const r of [0, 1]) {
         const got = await zmqHandshake.fetch({

@@ -99,6 +99,8 @@ it('the tarball ships the built JavaScript, types and a prebuild, and no tests o
 
 it('installing compiles nothing: the prebuild loads', () => {
   expect(installLog).toContain('using the prebuilt addon');
+  // What the README's "Running on a GPU / RDMA host" says to look for, as npm run build prints it.
+  expect(installLog).toMatch(/^nixl-node: engines compiled in: loopback$/m);
   expect(fs.existsSync(path.join(app, 'node_modules', 'nixl-node', 'build'))).toBe(false);
 });
 

@@ -67,6 +67,10 @@ export function registerKvMetrics(promRegistry: PromRegistry, o: KvMetricsOption
     const failedNotifs = counter('failed_notifications_total', 'notifications that could not be sent');
     const bytes = counter('bytes_transferred_total', 'bytes pulled');
     const descs = counter('descriptors_total', 'descriptors posted');
+    const expired = counter(
+      'pulls_expired_total',
+      "pulls refused or failed because the prefill's lease ran out before the read ended",
+    );
     const xfer = histogram('transfer_seconds', 'time from post to completion of a pull');
     const post = histogram('post_seconds', 'time to build and post the transfers of a pull');
     transfers.inc(labels, stats.transfers);
@@ -74,6 +78,7 @@ export function registerKvMetrics(promRegistry: PromRegistry, o: KvMetricsOption
     failedNotifs.inc(labels, stats.failedNotifications);
     bytes.inc(labels, stats.bytesTransferred);
     descs.inc(labels, stats.descriptors);
+    expired.inc(labels, stats.pullsExpired);
     const sink = {
       transfer(b: number, d: number, postMs: number, transferMs: number) {
         transfers.inc(labels);
@@ -84,6 +89,7 @@ export function registerKvMetrics(promRegistry: PromRegistry, o: KvMetricsOption
       },
       failedTransfer: () => failed.inc(labels),
       failedNotification: () => failedNotifs.inc(labels),
+      expired: () => expired.inc(labels),
     };
     stats.sinks.add(sink);
     stops.push(() => stats.sinks.delete(sink));
@@ -99,6 +105,11 @@ export function registerKvMetrics(promRegistry: PromRegistry, o: KvMetricsOption
       'notifications for requests not tracked (yet)',
     );
     const held = histogram('prefill_hold_seconds', 'time a request held its prefill blocks');
+    const late = counter(
+      'prefill_late_reads_total',
+      'reads reported after the request lease ran out (its blocks may have been reused)',
+    );
+    late.inc(labels, tracker.lateReads);
     new prom.Gauge({
       name: `${p}prefill_pending_requests`,
       help: 'requests whose blocks wait for decode reads',
@@ -114,6 +125,7 @@ export function registerKvMetrics(promRegistry: PromRegistry, o: KvMetricsOption
         held.observe(labels, heldMs / 1000);
       },
       unrecognized: () => unrecognized.inc(labels),
+      lateRead: () => late.inc(labels),
     };
     tracker.sinks.add(sink);
     stops.push(() => tracker.sinks.delete(sink));

@@ -35,6 +35,8 @@ export interface ServePrefillOptions {
   tls?: TlsServerOptions;
   bearerToken?: string;
   logger?: HandshakeLogger;
+  /** The clock v12 replies carry, seconds (default performance.now): the one expiry times are on. */
+  clock?: () => number;
 }
 
 /** Serves the payload of every given rank (call setPayload again after registering more memory). */
@@ -58,6 +60,7 @@ export async function servePrefill(o: ServePrefillOptions): Promise<HandshakeSer
     tls: o.tls,
     bearerToken: o.bearerToken,
     logger: o.logger,
+    clock: o.clock,
   });
 }
 
@@ -101,6 +104,8 @@ export interface PrefillTrackerOptions {
 export interface PrefillTrackerSink {
   released(r: Released, heldMs: number): void;
   unrecognized(): void;
+  /** A decode reported reading a request whose lease had run out (its blocks may have been reused). */
+  lateRead?(requestId: string): void;
 }
 
 export class PrefillTracker {
@@ -118,6 +123,8 @@ export class PrefillTracker {
   #loop: Promise<void> | undefined;
   unrecognized = 0;
   heartbeats = 0;
+  /** Reads reported after the request's lease ran out (vLLM: nixl_num_kv_expired_reqs_total). */
+  lateReads = 0;
 
   constructor(o: PrefillTrackerOptions) {
     this.#o = o;
@@ -197,6 +204,8 @@ export class PrefillTracker {
     const now = this.#now();
     const log = this.#o.logger ?? defaultLogger;
     if (this.#expired.has(requestId)) {
+      this.lateReads++;
+      for (const s of this.sinks) s.lateRead?.(requestId);
       log.warn(`read of request '${requestId}' came after its lease ran out; its blocks may have been reused`);
       return;
     }

@@ -12,6 +12,7 @@ import type { HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../ha
 import { parseKvTransferParams, wireProfile } from '../handshake/wire';
 import { type BlockSlices, allBlockDescs, blockDescIds, coalescedDescs, regionCounts } from './descs';
 import { checkLayout, type KvLayout } from './layout';
+import { DEFAULT_LIMITS, type PullLimits, checkRemoteCounts, checkRemoteSizes, expandTail } from './limits';
 import { KvStats } from './stats';
 import { type RankRead, type ReadPlan, completionNotif, handshakeTargets, planReads } from './tp';
 
@@ -30,7 +31,12 @@ export interface RemoteEndpoint {
   engineId?: string;
 }
 
-export type PullFailure = 'handshake' | 'setup' | 'transfer' | 'timeout' | 'peer-gone' | 'aborted';
+/**
+ * Why a pull failed. `expired`: the prefill's lease on the blocks ran out (or
+ * would have) before the read could be proven complete, so the bytes may be
+ * another request's: never trusted.
+ */
+export type PullFailure = 'handshake' | 'setup' | 'transfer' | 'timeout' | 'peer-gone' | 'aborted' | 'expired';
 
 /** A failed pull: the local blocks named here hold no valid KV and must be recomputed. */
 export class PullError extends NixlError {
@@ -59,6 +65,21 @@ export interface PullOptions {
   coalesce?: boolean;
   /** remoteBlockIds are logical ids, expanded by the prefill's physical_blocks_per_logical_kv_block. */
   remoteIdsAreLogical?: boolean;
+  /**
+   * Until when the prefill holds the blocks. Without it the pull trusts the
+   * blocks whenever it reads them (pullFromParams always gives one).
+   */
+  lease?: RemoteLease;
+}
+
+/** What the prefill promised about how long it holds a request's blocks. */
+export interface RemoteLease {
+  /** v12 remote_blocks_expiry_time: the prefill's monotonic clock, seconds (mapped with the handshake's offset). */
+  remoteExpiryS?: number | null;
+  /** When the prefill answered, on this process's performance.now() (ms): the lease runs from there otherwise. */
+  issuedAtMs: number;
+  /** The lease length when no expiry time is given (the profile's), and what a heartbeat extends by 2/3 of. */
+  leaseMs: number;
 }
 
 export interface PullResult {
@@ -77,6 +98,12 @@ export interface PullFromParamsOptions {
   timeoutMs?: number;
   signal?: AbortSignal;
   coalesce?: boolean;
+  /**
+   * When the prefill answered with these params (performance.now(), ms):
+   * where its lease starts when the params carry no expiry time. Default:
+   * now, which is later than the truth; pass it when the wait was long.
+   */
+  issuedAtMs?: number;
 }
 
 export interface KvPullerOptions {
@@ -89,8 +116,20 @@ export interface KvPullerOptions {
   kvLeaseMs?: number;
   /** Local compatibility hash; undefined skips the check. */
   expectedHash?: string;
-  /** Pulls in flight at once, across requests. Default 16. */
+  /**
+   * Pulls in flight at once to one remote engine (the rest queue for that
+   * engine only, so a stalled prefill cannot hold up pulls from others).
+   * Default 16.
+   */
   maxConcurrent?: number;
+  /** Bounds on what a peer or a request may size (limits.ts). */
+  limits?: PullLimits;
+  /**
+   * Extra margin (ms) a pull must keep before the prefill's lease runs out,
+   * on top of half the best handshake round trip (the clock uncertainty).
+   * Default 50.
+   */
+  leaseSlackMs?: number;
   /**
    * Merge runs of adjacent blocks into larger descriptors. Default false: on
    * the loopback engine it measured 0.8-1.0x of per-block prepped transfers
@@ -136,8 +175,14 @@ interface RemoteEngine {
   handshakeMs: number;
   /** v12: prefill clock - our clock, seconds, from the lowest-RTT handshake sample. */
   clockOffsetS: number | undefined;
+  /** The lowest handshake round trip, ms: half of it bounds the clock offset's error. */
+  bestRttMs: number;
   /** Its remote agents were removed and dlists released (once). */
   dropped: boolean;
+  /** Pulls using it right now; a replaced engine is dropped when they end. */
+  pulls: number;
+  /** Set when a newer incarnation of the same prefill replaced it. */
+  retired?: () => void;
 }
 
 // Errors of the setup half of a connect (addRemoteAgent, prepXferDlist): the
@@ -152,14 +197,23 @@ export class KvPuller {
   readonly #opts: KvPullerOptions;
   readonly #engines = new Map<string, Promise<RemoteEngine>>();
   readonly #localDlists = new Map<string, DlistHandle>();
-  readonly #waiting: Array<() => void> = [];
+  /** Pull slots per remote engine key: one stalled prefill queues only its own pulls. */
+  readonly #slots = new Map<string, { active: number; waiting: Array<() => void> }>();
+  /** Connected engines not dropped yet, and how many of them use each loaded remote agent. */
+  readonly #live = new Set<RemoteEngine>();
+  readonly #agentUsers = new Map<string, number>();
   readonly #wire: WireProfile;
+  readonly #limits: Required<PullLimits>;
   /** Remote requests waiting here, per engine: heartbeats keep their leases. */
-  readonly #held = new Map<string, { ep: RemoteEndpoint; ids: Map<string, number>; timer: NodeJS.Timeout }>();
+  readonly #held = new Map<
+    string,
+    { ep: RemoteEndpoint; ids: Map<string, number>; timer: NodeJS.Timeout; lastSentMs: Map<string, number> }
+  >();
   heartbeatsSent = 0;
-  #active = 0;
   #xfers = 0;
   #closed = false;
+  /** Bytes per ms of recent pulls (EWMA): what a pull is expected to take, against its lease. */
+  #rate = 0;
 
   constructor(opts: KvPullerOptions) {
     checkLayout(opts.layout);
@@ -168,6 +222,7 @@ export class KvPuller {
     this.#opts = opts;
     this.#hs = typeof opts.handshake === 'object' ? opts.handshake : createHandshake(opts.handshake);
     this.#wire = wireProfile(opts.wire);
+    this.#limits = { ...DEFAULT_LIMITS, ...opts.limits };
   }
 
   get wire(): WireProfile {
@@ -192,25 +247,30 @@ export class KvPuller {
 
   async #connect(key: string, ep: RemoteEndpoint): Promise<RemoteEngine> {
     const t0 = performance.now();
-    const targets = handshakeTargets(this.#layout.tpSize, this.#layout.tpRank, ep);
-    const fetched = await Promise.all(
-      targets.map((t) =>
-        this.#hs.fetch({
-          host: ep.host,
-          port: ep.port,
-          dpRank: ep.dpRank,
-          tpRank: t.tpRank,
-          ppRank: t.ppRank,
-          wire: this.#wire,
-          expectedHash: this.#opts.expectedHash,
-          timeoutMs: this.#opts.handshakeTimeoutMs,
-          tls: this.#opts.tls,
-          bearerToken: this.#opts.bearerToken,
-        }),
-      ),
+    const targets = asSetup(() => {
+      checkRemoteSizes(this.#layout, ep, this.#limits);
+      return handshakeTargets(this.#layout.tpSize, this.#layout.tpRank, ep);
+    });
+    // Bounded fan-out: at most handshakeConcurrency sockets open at once.
+    const fetched = await mapLimit(targets, this.#limits.handshakeConcurrency, (t) =>
+      this.#hs.fetch({
+        host: ep.host,
+        port: ep.port,
+        dpRank: ep.dpRank,
+        tpRank: t.tpRank,
+        ppRank: t.ppRank,
+        wire: this.#wire,
+        expectedHash: this.#opts.expectedHash,
+        timeoutMs: this.#opts.handshakeTimeoutMs,
+        tls: this.#opts.tls,
+        bearerToken: this.#opts.bearerToken,
+      }),
     );
     const metas = fetched.map((f) => f.metadata);
     const first = metas[0];
+    asSetup(() => {
+      for (const m of metas) checkRemoteCounts(m, this.#limits);
+    });
     // Every rank must agree with us (and with each other) before anything is registered.
     metas.forEach((m, i) => {
       if (ep.engineId !== undefined && m.engineId !== ep.engineId)
@@ -243,12 +303,30 @@ export class KvPuller {
     // The clock offset of the sample with the lowest round trip (vLLM).
     let best: (typeof fetched)[number] | undefined;
     for (const f of fetched) if (f.clockOffsetS !== undefined && (!best || f.rttMs < best.rttMs)) best = f;
+    // A restarted prefill (same engine id, new agents) replaces what we hold
+    // of its old self: that must be unloaded before the new agents load.
+    await this.#replaceOlder(first.engineId, metas);
 
     const ranks = new Map<string, RemoteRank>();
     const reads: PreparedRead[] = [];
+    const engine: RemoteEngine = {
+      key,
+      engineId: first.engineId,
+      plan: plans[0],
+      ranks,
+      reads,
+      numBlocks: first.numBlocks,
+      physicalBlocksPerLogical: first.physicalBlocksPerLogical,
+      handshakeMs: 0,
+      clockOffsetS: best?.clockOffsetS,
+      bestRttMs: Math.min(...fetched.map((f) => f.rttMs)),
+      dropped: false,
+      pulls: 0,
+    };
     const added: string[] = [];
     const dlists: DlistHandle[] = [];
     try {
+      if (this.#closed) throw new NixlError('puller is closed', 'NIXL_ERR_NOT_ALLOWED');
       targets.forEach((t, i) => {
         const meta = metas[i];
         const read = plans[t.ppRank].reads[i % perPp];
@@ -261,7 +339,10 @@ export class KvPuller {
           devId: meta.deviceId,
         };
         const counts = meta.regionNumBlocks ?? regionCounts(meta.kvCachesBaseAddr.length, meta.numBlocks);
-        const agentName = this.#agent.addRemoteAgent(meta.agentMetadata);
+        // The same prefill reached under another key (host name, engine id
+        // given or not) shares the agent already loaded.
+        const agentName = this.#loadedAs(meta.agentMetadata) ?? this.#agent.addRemoteAgent(meta.agentMetadata);
+        this.#agentUsers.set(agentName, (this.#agentUsers.get(agentName) ?? 0) + 1);
         added.push(agentName);
         const dlist = this.#agent.prepXferDlist(
           agentName,
@@ -277,22 +358,60 @@ export class KvPuller {
       // Undo everything this connect loaded, so that the next handshake
       // (a corrected or restarted prefill with the same agent names) loads.
       for (const d of dlists) this.#quietly(() => this.#agent.releaseDlistHandle(d));
-      for (const n of added) this.#quietly(() => this.#agent.removeRemoteAgent(n));
+      for (const n of added) this.#unuseAgent(n);
       if (typeof e === 'object' && e !== null) setupErrors.add(e);
       throw e;
     }
-    return {
-      key,
-      engineId: first.engineId,
-      plan: plans[0],
-      ranks,
-      reads,
-      numBlocks: first.numBlocks,
-      physicalBlocksPerLogical: first.physicalBlocksPerLogical,
-      handshakeMs: performance.now() - t0,
-      clockOffsetS: best?.clockOffsetS,
-      dropped: false,
-    };
+    engine.handshakeMs = performance.now() - t0;
+    this.#live.add(engine);
+    return engine;
+  }
+
+  /** The name under which exactly this agent metadata is loaded already, if it is. */
+  #loadedAs(md: Buffer): string | undefined {
+    for (const e of this.#live)
+      for (const r of e.ranks.values()) if (r.meta.agentMetadata.equals(md)) return r.agentName;
+    return undefined;
+  }
+
+  #unuseAgent(name: string): void {
+    const n = (this.#agentUsers.get(name) ?? 1) - 1;
+    if (n > 0) {
+      this.#agentUsers.set(name, n);
+      return;
+    }
+    this.#agentUsers.delete(name);
+    this.#quietly(() => this.#agent.removeRemoteAgent(name));
+  }
+
+  /**
+   * Engines we hold for `engineId` whose agents are not among the new
+   * metadata are an older incarnation of that prefill (it restarted, maybe on
+   * another port): no new pull uses them, and once their pulls end their
+   * agents are unloaded. Resolves then.
+   */
+  async #replaceOlder(engineId: string, metas: NixlAgentMetadata[]): Promise<void> {
+    const olds = [...this.#live].filter(
+      (e) =>
+        e.engineId === engineId &&
+        [...e.ranks.values()].some((r) => !metas.some((m) => m.agentMetadata.equals(r.meta.agentMetadata))),
+    );
+    await Promise.all(
+      olds.map((old) => {
+        const p = this.#engines.get(old.key);
+        if (p) void p.then((e) => e === old && this.#engines.get(old.key) === p && this.#engines.delete(old.key));
+        if (old.pulls === 0) {
+          this.#forget(old, undefined);
+          return undefined;
+        }
+        return new Promise<void>((resolve) => {
+          old.retired = () => {
+            this.#forget(old, undefined);
+            resolve();
+          };
+        });
+      }),
+    );
   }
 
   #localSlices(read: RankRead): BlockSlices {
@@ -334,41 +453,53 @@ export class KvPuller {
    * and dlists once, however many of its pulls fail. Synchronous, so a new
    * connect can never see the old agents still loaded.
    */
-  #forget(engine: RemoteEngine, promise: Promise<RemoteEngine>): void {
-    if (this.#engines.get(engine.key) === promise) this.#engines.delete(engine.key);
+  #forget(engine: RemoteEngine, promise: Promise<RemoteEngine> | undefined): void {
+    if (promise && this.#engines.get(engine.key) === promise) this.#engines.delete(engine.key);
     if (engine.dropped) return;
     engine.dropped = true;
+    this.#live.delete(engine);
     for (const r of engine.ranks.values()) {
       this.#quietly(() => this.#agent.releaseDlistHandle(r.dlist));
-      this.#quietly(() => this.#agent.removeRemoteAgent(r.agentName));
+      this.#unuseAgent(r.agentName);
     }
   }
 
-  async #slot(signal?: AbortSignal): Promise<void> {
+  /** A pull slot for one remote engine (maxConcurrent per engine). */
+  async #slot(key: string, signal?: AbortSignal): Promise<void> {
     const max = this.#opts.maxConcurrent ?? 16;
-    if (this.#active < max) {
-      this.#active++;
+    let q = this.#slots.get(key);
+    if (!q) {
+      q = { active: 0, waiting: [] };
+      this.#slots.set(key, q);
+    }
+    const slots = q;
+    if (slots.active < max) {
+      slots.active++;
       return;
     }
     await new Promise<void>((resolve, reject) => {
       const go = () => {
         signal?.removeEventListener('abort', onAbort);
-        this.#active++;
+        slots.active++;
         resolve();
       };
       const onAbort = () => {
-        const i = this.#waiting.indexOf(go);
-        if (i >= 0) this.#waiting.splice(i, 1);
+        const i = slots.waiting.indexOf(go);
+        if (i >= 0) slots.waiting.splice(i, 1);
         reject(new NixlError('pull aborted while queued', 'NIXL_ERR_CANCELED', undefined, { cause: signal?.reason }));
       };
       signal?.addEventListener('abort', onAbort, { once: true });
-      this.#waiting.push(go);
+      slots.waiting.push(go);
     });
   }
 
-  #release(): void {
-    this.#active--;
-    this.#waiting.shift()?.();
+  #release(key: string): void {
+    const q = this.#slots.get(key);
+    if (!q) return;
+    q.active--;
+    const next = q.waiting.shift();
+    if (next) next();
+    else if (q.active === 0) this.#slots.delete(key);
   }
 
   async pullBlocks(opts: PullOptions): Promise<PullResult> {
@@ -386,20 +517,23 @@ export class KvPuller {
       );
     };
     if (this.#closed) throw fail('setup', new NixlError('puller is closed', 'NIXL_ERR_NOT_ALLOWED'));
-    let remoteIds = Array.from(opts.remoteBlockIds);
     const bad = (m: string) => fail('setup', new NixlError(m, 'NIXL_ERR_INVALID_PARAM'));
-    const sizeCheck = () => {
-      if (localIds.length > remoteIds.length)
-        throw bad(`${localIds.length} local blocks but only ${remoteIds.length} remote blocks`);
-    };
-    if (!opts.remoteIdsAreLogical) sizeCheck();
     const nLocal = this.#layout.numBlocks;
+    if (localIds.length > nLocal) throw bad(`${localIds.length} local blocks asked, the local cache has ${nLocal}`);
     if (localIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nLocal))
       throw bad(`local block ids must be integers in 0..${nLocal - 1}`);
-    // Partial prefix hit: only the last blocks are missing here.
+    if (!opts.remoteIdsAreLogical && localIds.length > opts.remoteBlockIds.length)
+      throw bad(`${localIds.length} local blocks but only ${opts.remoteBlockIds.length} remote blocks`);
+    try {
+      checkRemoteSizes(this.#layout, opts.remote, this.#limits);
+    } catch (e) {
+      this.stats.recordFailedTransfer();
+      throw fail('setup', e);
+    }
+    const key = engineKey(opts.remote);
 
     try {
-      await this.#slot(opts.signal);
+      await this.#slot(key, opts.signal);
     } catch (e) {
       this.stats.recordFailedTransfer();
       throw fail('aborted', e);
@@ -410,18 +544,38 @@ export class KvPuller {
     const connecting = this.connect(opts.remote);
     try {
       engine = await connecting;
+      engine.pulls++;
       stage = 'setup';
-      if (opts.remoteIdsAreLogical) {
-        remoteIds = expand(remoteIds, engine.physicalBlocksPerLogical);
-        sizeCheck();
-      }
       // Partial prefix hit: only the last blocks are missing here.
-      if (localIds.length < remoteIds.length) remoteIds = remoteIds.slice(remoteIds.length - localIds.length);
       const nRemote = Math.min(...[...engine.ranks.values()].flatMap((r) => r.counts));
-      if (remoteIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nRemote))
-        throw bad(`remote block ids must be integers in 0..${nRemote - 1}`);
+      let remoteIds: number[];
+      if (opts.remoteIdsAreLogical) {
+        remoteIds = expandTail(opts.remoteBlockIds, engine.physicalBlocksPerLogical, localIds.length, nRemote);
+      } else {
+        remoteIds = Array.from(opts.remoteBlockIds);
+        if (remoteIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nRemote))
+          throw bad(`remote block ids must be integers in 0..${nRemote - 1}`);
+        remoteIds = remoteIds.slice(remoteIds.length - localIds.length);
+      }
       const notif = completionNotif(this.#wire, opts.requestId, this.#layout.tpSize, opts.remote.tpSize);
       const t0 = performance.now();
+      let bytes = 0;
+      for (const p of engine.reads) if (!p.read.notifyOnly) bytes += p.blockBytes * localIds.length;
+      // The lease: never start a read that cannot end before the prefill may
+      // free the blocks, never trust one that ended after.
+      const lease = opts.lease && this.#leaseWindow(engine, opts.lease, opts.requestId);
+      if (lease) {
+        const expectMs = this.#rate > 0 ? bytes / this.#rate : 0;
+        const left = lease.deadlineMs - t0;
+        this.stats.recordLeaseCheck(left, lease.marginMs);
+        if (left < lease.marginMs + expectMs) {
+          stage = 'expired';
+          throw new NixlError(
+            `the prefill's lease on request '${opts.requestId}' ends in ${left.toFixed(1)} ms; a read needs ${expectMs.toFixed(1)} ms + ${lease.marginMs.toFixed(1)} ms margin: not started`,
+            'NIXL_ERR_LEASE_EXPIRED',
+          );
+        }
+      }
       if (localIds.length === 0) {
         // Full prefix hit: nothing to read, but the prefill side must free its blocks.
         for (const r of engine.ranks.values()) this.#notify(r.agentName, notif);
@@ -435,7 +589,6 @@ export class KvPuller {
           coalesced: false,
         };
       }
-      let bytes = 0;
       let descriptors = 0;
       let coalesced = false;
       const wantCoalesce = opts.coalesce ?? this.#opts.coalesce ?? false;
@@ -469,13 +622,26 @@ export class KvPuller {
         handles.push(h);
         this.#xfers++;
         this.#agent.transfer(h);
-        bytes += p.blockBytes * localIds.length;
       }
       for (const p of engine.reads) if (p.read.notifyOnly) this.#notify(p.rank.agentName, notif);
       const postMs = performance.now() - t0;
       stage = 'transfer';
       await Promise.all(handles.map((h) => this.#agent.wait(h, { timeoutMs: opts.timeoutMs, signal: opts.signal })));
-      const transferMs = performance.now() - t0;
+      const done = performance.now();
+      const transferMs = done - t0;
+      if (lease) {
+        // Heartbeats sent while it ran may have moved the deadline.
+        const { deadlineMs, marginMs } = this.#leaseWindow(engine, opts.lease!, opts.requestId);
+        if (done + marginMs > deadlineMs) {
+          stage = 'expired';
+          throw new NixlError(
+            `the read of request '${opts.requestId}' ended ${(done + marginMs - deadlineMs).toFixed(1)} ms too close to (or after) the prefill's lease end (margin ${marginMs.toFixed(1)} ms): its blocks may have been reused`,
+            'NIXL_ERR_LEASE_EXPIRED',
+          );
+        }
+      }
+      if (transferMs > 0)
+        this.#rate = this.#rate === 0 ? bytes / transferMs : 0.8 * this.#rate + 0.2 * (bytes / transferMs);
       this.stats.recordTransfer(bytes, descriptors, postMs, transferMs);
       return {
         requestId: opts.requestId,
@@ -493,6 +659,7 @@ export class KvPuller {
       if (code === 'NIXL_ERR_TIMEOUT' && stage === 'transfer') kind = 'timeout';
       else if (code === 'NIXL_ERR_CANCELED' && opts.signal?.aborted) kind = 'aborted';
       else if (code === 'NIXL_ERR_REMOTE_DISCONNECT') kind = 'peer-gone';
+      if (kind === 'expired') this.stats.recordExpired();
       // A gone peer or a failed transfer: handshake afresh next time.
       if (engine && (kind === 'peer-gone' || kind === 'transfer')) this.#forget(engine, connecting);
       throw fail(kind, e);
@@ -505,8 +672,30 @@ export class KvPuller {
         }
         this.#xfers--;
       }
-      this.#release();
+      if (engine) {
+        engine.pulls--;
+        if (engine.pulls === 0) engine.retired?.();
+      }
+      this.#release(key);
     }
+  }
+
+  /**
+   * When the prefill may free a request's blocks, on our clock (ms), and the
+   * margin a read must keep from it: its expiry time mapped through the
+   * handshake's clock offset (or the lease from when it answered), moved
+   * later by each heartbeat we sent for the request (vLLM's rule: max(old,
+   * sent + 2/3 lease)).
+   */
+  #leaseWindow(engine: RemoteEngine, lease: RemoteLease, requestId: string): { deadlineMs: number; marginMs: number } {
+    let deadlineMs =
+      lease.remoteExpiryS != null && engine.clockOffsetS !== undefined
+        ? (lease.remoteExpiryS - engine.clockOffsetS) * 1000
+        : lease.issuedAtMs + lease.leaseMs;
+    const sent = this.#held.get(engine.key)?.lastSentMs.get(requestId);
+    if (sent !== undefined) deadlineMs = Math.max(deadlineMs, sent + Math.floor((lease.leaseMs * 2) / 3));
+    const uncertainty = lease.remoteExpiryS != null && engine.clockOffsetS !== undefined ? engine.bestRttMs / 2 : 0;
+    return { deadlineMs, marginMs: uncertainty + (this.#opts.leaseSlackMs ?? 50) };
   }
 
   /**
@@ -519,6 +708,7 @@ export class KvPuller {
     params: KvTransferParams | Record<string, unknown>,
     opts: PullFromParamsOptions,
   ): Promise<PullResult> {
+    const issuedAtMs = opts.issuedAtMs ?? performance.now();
     const localLogical = Array.from(opts.localBlockIds);
     let p: KvTransferParams;
     try {
@@ -533,6 +723,13 @@ export class KvPuller {
           `${p.remoteBlockIds.length} KV-cache groups: nixl-node pulls one group`,
           'NIXL_ERR_NOT_SUPPORTED',
         );
+      const ratio = this.#layout.physicalBlocksPerLogical ?? 1;
+      if (localLogical.length * ratio > this.#layout.numBlocks)
+        throw new NixlError(
+          `${localLogical.length} local logical blocks (x ${ratio}) exceed the local cache of ${this.#layout.numBlocks} blocks`,
+          'NIXL_ERR_INVALID_PARAM',
+        );
+      checkRemoteSizes(this.#layout, endpointOf(p), this.#limits);
     } catch (e) {
       const err = e as NixlError;
       const id = isParsed(params) ? params.remoteRequestId : String(params.remote_request_id ?? '');
@@ -557,6 +754,13 @@ export class KvPuller {
         timeoutMs: opts.timeoutMs,
         signal: opts.signal,
         coalesce: opts.coalesce,
+        lease: {
+          remoteExpiryS: p.remoteBlocksExpiryTime,
+          issuedAtMs,
+          leaseMs: this.#wire.heartbeats
+            ? (this.#opts.kvLeaseMs ?? this.#wire.defaultLeaseMs)
+            : this.#wire.defaultLeaseMs,
+        },
       });
     } finally {
       release();
@@ -575,7 +779,12 @@ export class KvPuller {
     let h = this.#held.get(key);
     if (!h) {
       const every = Math.max(1, Math.floor((this.#opts.kvLeaseMs ?? 30_000) / 6));
-      const entry = { ep, ids: new Map<string, number>(), timer: setInterval(() => void this.#heartbeat(key), every) };
+      const entry = {
+        ep,
+        ids: new Map<string, number>(),
+        lastSentMs: new Map<string, number>(),
+        timer: setInterval(() => void this.#heartbeat(key), every),
+      };
       entry.timer.unref();
       this.#held.set(key, entry);
       h = entry;
@@ -588,7 +797,10 @@ export class KvPuller {
       done = true;
       const n = (held.ids.get(remoteRequestId) ?? 1) - 1;
       if (n > 0) held.ids.set(remoteRequestId, n);
-      else held.ids.delete(remoteRequestId);
+      else {
+        held.ids.delete(remoteRequestId);
+        held.lastSentMs.delete(remoteRequestId);
+      }
       if (held.ids.size === 0 && this.#held.get(key) === held) {
         clearInterval(held.timer);
         this.#held.delete(key);
@@ -602,8 +814,13 @@ export class KvPuller {
     // Heartbeats trigger handshakes too (vLLM), so a prefill hears of a request before any READ.
     const engine = await this.connect(h.ep).catch(() => undefined);
     if (!engine || engine.dropped) return;
-    const msg = `HB:${[...h.ids.keys()].join(',')}`;
-    for (const r of engine.ranks.values()) this.#notify(r.agentName, msg);
+    const ids = [...h.ids.keys()];
+    const msg = `HB:${ids.join(',')}`;
+    // A heartbeat counts towards a lease only once every rank took it.
+    const sentAt = performance.now();
+    let all = true;
+    for (const r of engine.ranks.values()) all = this.#notify(r.agentName, msg) && all;
+    if (all) for (const id of ids) if (h.ids.has(id)) h.lastSentMs.set(id, sentAt);
     this.heartbeatsSent++;
   }
 
@@ -612,12 +829,14 @@ export class KvPuller {
     return (await this.connect(ep)).clockOffsetS;
   }
 
-  #notify(agentName: string, msg: string): void {
+  #notify(agentName: string, msg: string): boolean {
     try {
       this.#agent.sendNotif(agentName, msg);
+      return true;
     } catch {
       // The prefill side frees the blocks after its timeout instead.
       this.stats.recordFailedNotification();
+      return false;
     }
   }
 
@@ -627,12 +846,21 @@ export class KvPuller {
   }
 
   /** What the puller holds right now (tests check nothing leaks). */
-  resources(): { xferHandles: number; localDlists: number; engines: number; activePulls: number } {
+  resources(): {
+    xferHandles: number;
+    localDlists: number;
+    engines: number;
+    activePulls: number;
+    remoteAgents: number;
+  } {
+    let active = 0;
+    for (const q of this.#slots.values()) active += q.active;
     return {
       xferHandles: this.#xfers,
       localDlists: this.#localDlists.size,
       engines: this.#engines.size,
-      activePulls: this.#active,
+      activePulls: active,
+      remoteAgents: this.#agentUsers.size,
     };
   }
 
@@ -657,8 +885,44 @@ export class KvPuller {
   }
 }
 
+/**
+ * One cached connection per prefill address *and* what the request says of
+ * it: a request naming another tp_size or engine id handshakes afresh and is
+ * checked against what answers, instead of reusing (and trusting) a plan made
+ * for different parameters.
+ */
 function engineKey(ep: RemoteEndpoint): string {
-  return `${ep.host}:${ep.port}:${ep.dpRank ?? 0}`;
+  return `${ep.host}:${ep.port}:${ep.dpRank ?? 0}|${ep.engineId ?? ''}|${ep.tpSize}x${ep.ppSize ?? 1}x${ep.dcpSize ?? 1}`;
+}
+
+/** Runs a synchronous check; what it throws fails the pull as 'setup', not 'handshake'. */
+function asSetup<T>(f: () => T): T {
+  try {
+    return f();
+  } catch (e) {
+    if (typeof e === 'object' && e !== null) setupErrors.add(e);
+    throw e;
+  }
+}
+
+/** fn over items with at most `limit` running at once; rejects on the first failure (starting no more). */
+async function mapLimit<T, R>(items: readonly T[], limit: number, fn: (t: T) => Promise<R>): Promise<R[]> {
+  const out = new Array<R>(items.length);
+  let next = 0;
+  let failed = false;
+  const run = async () => {
+    while (!failed && next < items.length) {
+      const i = next++;
+      try {
+        out[i] = await fn(items[i]);
+      } catch (e) {
+        failed = true;
+        throw e;
+      }
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(limit, items.length) }, run));
+  return out;
 }
 
 function isParsed(p: KvTransferParams | Record<string, unknown>): p is KvTransferParams {

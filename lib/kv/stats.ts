@@ -36,6 +36,12 @@ export interface KvStatsSnapshot {
   descriptors: number;
   transferTimeMs: { sum: number; count: number; avg: number };
   postTimeMs: { sum: number; count: number; avg: number };
+  /** Pulls refused or failed because the prefill's lease ran out (or would have) before the read ended. */
+  pullsExpired: number;
+  /** Pulls checked against a lease, and the last check's figures (ms). */
+  leaseChecks: number;
+  lastLeaseLeftMs: number | null;
+  lastLeaseMarginMs: number | null;
 }
 
 /** Told of every record as it happens (registerKvMetrics feeds prom-client from it). */
@@ -43,6 +49,7 @@ export interface KvStatsSink {
   transfer(bytes: number, descriptors: number, postMs: number, transferMs: number): void;
   failedTransfer(): void;
   failedNotification(): void;
+  expired?(): void;
 }
 
 export class KvStats {
@@ -52,6 +59,10 @@ export class KvStats {
   failedNotifications = 0;
   bytesTransferred = 0;
   descriptors = 0;
+  pullsExpired = 0;
+  leaseChecks = 0;
+  lastLeaseLeftMs: number | null = null;
+  lastLeaseMarginMs: number | null = null;
   readonly #xfer = new Histogram();
   readonly #post = new Histogram();
 
@@ -74,6 +85,18 @@ export class KvStats {
     for (const s of this.sinks) s.failedNotification();
   }
 
+  /** A pull about to start: how long its lease has left and the margin it must keep. */
+  recordLeaseCheck(leftMs: number, marginMs: number): void {
+    this.leaseChecks++;
+    this.lastLeaseLeftMs = leftMs;
+    this.lastLeaseMarginMs = marginMs;
+  }
+
+  recordExpired(): void {
+    this.pullsExpired++;
+    for (const s of this.sinks) s.expired?.();
+  }
+
   snapshot(): KvStatsSnapshot {
     const h = (x: Histogram) => ({ sum: x.sum, count: x.n, avg: x.n ? x.sum / x.n : 0 });
     return {
@@ -84,6 +107,10 @@ export class KvStats {
       descriptors: this.descriptors,
       transferTimeMs: h(this.#xfer),
       postTimeMs: h(this.#post),
+      pullsExpired: this.pullsExpired,
+      leaseChecks: this.leaseChecks,
+      lastLeaseLeftMs: this.lastLeaseLeftMs,
+      lastLeaseMarginMs: this.lastLeaseMarginMs,
     };
   }
 
@@ -107,6 +134,11 @@ export class KvStats {
       ),
       ...counter('nixl_node_bytes_transferred_total', 'bytes pulled', this.bytesTransferred),
       ...counter('nixl_node_descriptors_total', 'descriptors posted', this.descriptors),
+      ...counter(
+        'nixl_node_pulls_expired_total',
+        "pulls refused or failed because the prefill's lease ran out before the read ended",
+        this.pullsExpired,
+      ),
       ...this.#xfer.lines('nixl_node_transfer_seconds', 'time from post to completion', l),
       ...this.#post.lines('nixl_node_post_seconds', 'time to build and post the transfer', l),
     ].join('\n')}\n`;

@@ -58,6 +58,8 @@ class StageFailure extends Error {
     readonly stage: Stage,
     readonly worker: string | undefined,
     message: string,
+    /** The worker's error type, when it answered one (kv_expired: prefill again). */
+    readonly type?: string,
   ) {
     super(message);
   }
@@ -65,7 +67,7 @@ class StageFailure extends Error {
 
 export class ServingProxy {
   readonly pools: Record<Stage, WorkerPool>;
-  readonly stats = { requests: 0, completed: 0, failed: 0, aborted: 0, retries: 0 };
+  readonly stats = { requests: 0, completed: 0, failed: 0, aborted: 0, retries: 0, expiredRetries: 0 };
   url = '';
   readonly #o: ProxyOptions;
   readonly #transport: WorkerTransport;
@@ -271,29 +273,17 @@ export class ServingProxy {
     };
     if (chat) prefillBody.max_completion_tokens = 1;
     delete prefillBody.stream_options;
-    const pre = await this.#stage('prefill', path, prefillBody, requestId, signal, false, this.#o.prefillRetries ?? 1);
-    const kv = pre.answer.json?.kv_transfer_params;
+    // A decode that could not read the KV inside the prefill's lease answers
+    // kv_expired and read nothing it trusts: prefill once more, then give up
+    // with that error (never an answer made from blocks that were reused).
+    let dec: Awaited<ReturnType<ServingProxy['prefillAndDecode']>>;
     try {
-      parseKvTransferParams(kv, this.#o.wire);
+      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal);
     } catch (e) {
-      throw new StageFailure(
-        502,
-        'prefill',
-        pre.worker.address,
-        `prefill answered without usable kv_transfer_params: ${(e as Error).message}`,
-      );
+      if (!(e instanceof StageFailure && e.type === 'kv_expired') || signal.aborted) throw e;
+      this.stats.expiredRetries++;
+      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal);
     }
-    const decodeBody = { ...body, kv_transfer_params: kv };
-    const dec = await this.#stage(
-      'decode',
-      path,
-      decodeBody,
-      requestId,
-      signal,
-      body.stream === true,
-      0,
-      new Set([pre.worker]),
-    );
     const a = dec.answer;
     if (!a.chunks) {
       send(a.status, a.json);
@@ -313,6 +303,29 @@ export class ServingProxy {
     }
     res.end('data: [DONE]\n\n');
     this.#prom?.requests.inc({ route: path, status: '200' });
+  }
+
+  private async prefillAndDecode(
+    path: string,
+    body: Record<string, unknown>,
+    prefillBody: Record<string, unknown>,
+    requestId: string,
+    signal: AbortSignal,
+  ): Promise<{ answer: StageAnswer; worker: WorkerRef; release(): void }> {
+    const pre = await this.#stage('prefill', path, prefillBody, requestId, signal, false, this.#o.prefillRetries ?? 1);
+    const kv = pre.answer.json?.kv_transfer_params;
+    try {
+      parseKvTransferParams(kv, this.#o.wire);
+    } catch (e) {
+      throw new StageFailure(
+        502,
+        'prefill',
+        pre.worker.address,
+        `prefill answered without usable kv_transfer_params: ${(e as Error).message}`,
+      );
+    }
+    const decodeBody = { ...body, kv_transfer_params: kv };
+    return this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, new Set([pre.worker]));
   }
 
   /** One stage on one worker (retried on others for `retries`), with its timeout. */
@@ -354,15 +367,19 @@ export class ServingProxy {
         if (answer.status >= 500 && answer.status !== 503) pool.markFailed(w);
         if (answer.status >= 400) {
           release();
-          const msg = (answer.json?.error as { message?: string } | undefined)?.message ?? `HTTP ${answer.status}`;
+          const err = answer.json?.error as { message?: string; type?: string; code?: string } | undefined;
+          const msg = err?.message ?? `HTTP ${answer.status}`;
+          // HTTP workers say it as OpenAI's error type, ZeroMQ ones as code.
+          const type = err?.type ?? err?.code;
           // A worker's 4xx is the request's fault: give it to the client as it is. 5xx: retry or 502.
           if (answer.status < 500)
-            throw new StageFailure(answer.status, stage, w.address, `${stage} worker ${w.address}: ${msg}`);
+            throw new StageFailure(answer.status, stage, w.address, `${stage} worker ${w.address}: ${msg}`, type);
           last = new StageFailure(
-            502,
+            type === 'kv_expired' ? 503 : 502,
             stage,
             w.address,
             `${stage} worker ${w.address} answered ${answer.status}: ${msg}`,
+            type,
           );
           continue;
         }

@@ -58,6 +58,10 @@ export interface WorkerOptions {
   /** Test hooks: a prefill answers, a decode starts its pull, only after this long. */
   stallPrefillMs?: number;
   stallDecodeMs?: number;
+  /** Test hook: blocks freed by lease are overwritten at once (as a reused block would be). */
+  poisonFreed?: boolean;
+  /** Test hook: this worker's monotonic clock runs this far ahead (negative: behind) of the process's. */
+  clockSkewMs?: number;
   /** Largest request body, bytes (default 1 MiB). */
   maxBodyBytes?: number;
 }
@@ -72,6 +76,10 @@ export interface WorkerStats {
   badBytes: number;
   freedByRead: number;
   freedByLease: number;
+  /** Decode: pulls refused or failed because the prefill's lease ran out (or would have) first. */
+  pullsExpired: number;
+  /** Prefill: reads reported after a request's lease ran out. */
+  lateReads: number;
 }
 
 class HttpError extends Error {
@@ -103,6 +111,8 @@ export class Worker {
     badBytes: 0,
     freedByRead: 0,
     freedByLease: 0,
+    pullsExpired: 0,
+    lateReads: 0,
   };
   /** HTTP: the base URL; ZMQ: the address to PUSH to. */
   address = '';
@@ -114,6 +124,8 @@ export class Worker {
   readonly #layout: KvLayout;
   readonly #puller: KvPuller;
   readonly #tracker: PrefillTracker;
+  /** This worker's monotonic clock, ms (skewed by the test hook). */
+  readonly #now: () => number;
   readonly #aborts = new Map<string, AbortController>();
   /** Blocks held for each prefilled request until its read or lease. */
   readonly #held = new Map<string, number[]>();
@@ -147,13 +159,23 @@ export class Worker {
       totalNumKvHeads: 8,
     };
     this.#puller = new KvPuller({ agent: this.#agent, layout: this.#layout, wire: o.wire, kvLeaseMs: o.leaseMs });
-    this.#tracker = new PrefillTracker({ agent: this.#agent, tpSize: 1, wire: o.wire, leaseMs: o.leaseMs });
+    const skew = o.clockSkewMs ?? 0;
+    this.#now = () => performance.now() + skew;
+    this.#tracker = new PrefillTracker({
+      agent: this.#agent,
+      tpSize: 1,
+      wire: o.wire,
+      leaseMs: o.leaseMs,
+      now: this.#now,
+      logger: { warn() {} },
+    });
     this.#tracker.sinks.add({
       released: (r) => {
         if (r.reason === 'read') this.stats.freedByRead++;
         else this.stats.freedByLease++;
       },
       unrecognized: () => {},
+      lateRead: () => this.stats.lateReads++,
     });
   }
 
@@ -176,6 +198,8 @@ export class Worker {
       port: this.#o.sideChannelPort ?? 0,
       wire: this.#o.wire,
       logger: { warn() {} },
+      // The clock its v12 replies carry: the one remote_blocks_expiry_time is on.
+      clock: () => this.#now() / 1000,
     });
     if ((this.#o.transport ?? 'http') === 'http') {
       this.#http = http.createServer((req, res) => void this.#onHttp(req, res));
@@ -205,6 +229,7 @@ export class Worker {
   }
 
   async #handle(path: string, body: Record<string, unknown>, requestId: string, signal: AbortSignal, sink: Sink) {
+    const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
     const prompt = this.#prompt(path, body);
     const tokens = tokenize(prompt);
@@ -226,8 +251,10 @@ export class Worker {
       computeKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
       const remoteRequestId = `${requestId}-${this.name}-${++this.#seq}`;
       this.#held.set(remoteRequestId, ids);
-      void this.#tracker.expect(remoteRequestId, ids).then(() => {
+      void this.#tracker.expect(remoteRequestId, ids).then((r) => {
         this.#held.delete(remoteRequestId);
+        if (r.reason === 'expired' && this.#o.poisonFreed)
+          for (const id of ids) for (let l = 0; l < this.#spec.layers; l++) this.#block(id, l).fill(0xa5);
         this.#blocks.give(ids);
       });
       if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
@@ -244,6 +271,9 @@ export class Worker {
             remotePort: this.#side!.basePort,
             tpSize: 1,
             remoteNumTokens: tokens.length,
+            // When the tracker frees the blocks unless read, on the clock the
+            // side channel sends (performance.now, seconds), as vLLM does.
+            remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
           },
           this.#o.wire,
         ),
@@ -285,9 +315,19 @@ export class Worker {
         // Decode: the KV comes from the prefill named in kv_transfer_params.
         if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
         try {
-          await this.#puller.pullFromParams(kvp, { localBlockIds: ids, signal, timeoutMs: 30_000 });
+          await this.#puller.pullFromParams(kvp, {
+            localBlockIds: ids,
+            signal,
+            timeoutMs: 30_000,
+            issuedAtMs: arrivedMs,
+          });
         } catch (e) {
           const err = e as PullError;
+          if (err.kind === 'expired') {
+            // Not this worker's fault nor the client's: the proxy prefills again.
+            this.stats.pullsExpired++;
+            throw new HttpError(503, `KV pull failed (expired): ${err.message}`, 'kv_expired');
+          }
           throw new HttpError(
             err.kind === 'setup' ? 400 : 502,
             `KV pull failed (${err.kind}): ${err.message}`,
@@ -566,6 +606,11 @@ export async function readJson(req: http.IncomingMessage, max: number): Promise<
 }
 
 export { HttpError };
+
+function expirySeconds(tracker: PrefillTracker, requestId: string): number | null {
+  const ms = tracker.leaseExpiry(requestId);
+  return ms === undefined ? null : ms / 1000;
+}
 
 function sleep(ms: number, signal: AbortSignal): Promise<void> {
   return new Promise((resolve) => {
