@@ -7,6 +7,7 @@ import { Unpackr, Packr } from 'msgpackr';
 import { DescList, NixlAgent, NixlError, allocate } from '../lib';
 import { decodeAgentMetadata, encodeAgentMetadata, packMsgpack } from '../lib/handshake';
 import { binding } from '../lib/native';
+import { Peer } from './helpers';
 
 setFlagsFromString('--expose-gc');
 const gc = runInNewContext('gc') as () => void;
@@ -260,3 +261,96 @@ describe('metadata that comes off a wire', () => {
     }
   });
 });
+
+describe('overlapping source and destination in one process (issue 26)', () => {
+  // The same memory registered by both agents: a READ or WRITE whose two
+  // ranges overlap is copied as memmove would (each descriptor in list order),
+  // never as an overlapping memcpy (ASan: memcpy-param-overlap).
+  for (const [op, shift] of [
+    ['READ', 4096],
+    ['READ', -4096],
+    ['WRITE', 100_000],
+    ['WRITE', -3],
+  ] as const) {
+    it(`${op}, destination ${shift > 0 ? 'after' : 'before'} the source by ${Math.abs(shift)} bytes`, async () => {
+      const { a, b } = pair();
+      const mem = allocate(1 << 20);
+      for (let i = 0; i < mem.length; i++) mem[i] = (i * 31 + (i >> 9)) & 0xff;
+      a.registerMemory(mem);
+      b.registerMemory(mem);
+      a.removeRemoteAgent(b.name); // loaded before b registered anything
+      a.addRemoteAgent(b.getAgentMetadata());
+      const len = 512 << 10;
+      const base = DescList.from(mem).addr(0);
+      const from = 200_000;
+      const to = from + shift;
+      const want = Buffer.from(mem);
+      want.copyWithin(to, from, from + len);
+      // READ copies remote -> local, WRITE local -> remote: pick which side is the source.
+      const local = { addr: base + BigInt(op === 'READ' ? to : from), len };
+      const remote = { addr: base + BigInt(op === 'READ' ? from : to), len };
+      if (op === 'READ') await a.read([local], [remote], b.name);
+      else await a.write([local], [remote], b.name);
+      expect(mem.equals(want)).toBe(true);
+    });
+  }
+});
+
+describe('region sizes a peer in another process claims (issue 26)', () => {
+  // A peer registers 32 KiB of a 128 KiB shared allocation; its metadata,
+  // tampered on the way, claims all 128 KiB. Before, a READ landed 96 KiB past
+  // the real registration (inside the peer's mapping) and succeeded.
+  for (const shared of [true, false]) {
+    it(`metadata claiming 4x the registered range is refused at load, nothing read (${shared ? 'shared mapping' : 'process_vm'})`, async () => {
+      const peer = new Peer('peer.js');
+      try {
+        const REG = 32 << 10;
+        const { md, addr } = await peer.request<{ md: Uint8Array; addr: bigint }>({
+          cmd: 'init',
+          name: `claim-peer-${shared}`,
+          size: 4 * REG,
+          shared,
+          seed: 3,
+          regLen: REG,
+        });
+        const blob = Buffer.from(md);
+        const a = new NixlAgent(`claim-a-${shared}`, { engine: 'loopback' });
+        open.push(a);
+        const dst = Buffer.alloc(4 * REG);
+        a.registerMemory(dst);
+        // The honest metadata loads and bounds reads to what was registered.
+        a.addRemoteAgent(blob);
+        await expect(
+          a.read(dst.subarray(0, 2 * REG), [{ addr: BigInt(addr), len: 2 * REG }], `claim-peer-${shared}`),
+        ).rejects.toMatchObject({ code: 'NIXL_ERR_NOT_FOUND' });
+        a.removeRemoteAgent(`claim-peer-${shared}`);
+        // [addr u64][len u64] of the one region, little-endian: claim 4x.
+        const at = findRegion(blob, BigInt(addr), BigInt(REG));
+        const forged = Buffer.from(blob);
+        forged.writeBigUInt64LE(BigInt(4 * REG), at + 8);
+        let err: unknown;
+        try {
+          a.addRemoteAgent(forged);
+        } catch (e) {
+          err = e;
+        }
+        expect(err).toBeInstanceOf(NixlError);
+        expect(err).toMatchObject({ code: 'NIXL_ERR_MISMATCH' });
+        expect(String((err as Error).message)).toMatch(/claims .* but it registered/);
+        // Nothing of it was loaded: a READ past the registration has no agent to go to.
+        expect(
+          code(() => a.prepXferDlist(`claim-peer-${shared}`, [{ addr: BigInt(addr) + BigInt(2 * REG), len: REG }])),
+        ).toBe('NIXL_ERR_NOT_FOUND');
+        expect(dst.every((x) => x === 0)).toBe(true);
+      } finally {
+        peer.kill();
+      }
+    });
+  }
+});
+
+function findRegion(blob: Buffer, addr: bigint, len: bigint): number {
+  for (let i = 0; i + 16 <= blob.length; i++)
+    if (blob.readBigUInt64LE(i) === addr && blob.readBigUInt64LE(i + 8) === len) return i;
+  throw new Error('region not found in the metadata');
+}

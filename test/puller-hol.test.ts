@@ -3,7 +3,7 @@
 // 100 pulls queued to a SIGSTOPped prefill, a pull from a healthy one was still
 // pending after 30 s (all slots waited on the stopped peer's notifications).
 import { afterEach, expect, it } from 'vitest';
-import { DescList, KvPuller, NixlAgent, PullError } from '../lib';
+import { DescList, KvPuller, NixlAgent, type PullError } from '../lib';
 import * as kv from '../demo/kvpattern';
 import { Peer } from './helpers';
 

@@ -70,7 +70,8 @@ const HEARTBEAT = /^HB:(.*)$/s;
 export interface Released {
   requestId: string;
   blockIds: number[];
-  reason: 'read' | 'expired';
+  /** aborted: released early because no decode will read it (abort()). */
+  reason: 'read' | 'expired' | 'aborted';
 }
 
 interface Pending {
@@ -238,12 +239,13 @@ export class PrefillTracker {
     }
   }
 
-  #finish(requestId: string, reason: 'read' | 'expired'): void {
+  #finish(requestId: string, reason: Released['reason']): void {
     const p = this.#pending.get(requestId);
     if (!p) return;
     this.#pending.delete(requestId);
     clearTimeout(p.timer);
-    if (reason === 'expired') {
+    if (reason !== 'read') {
+      // A read that still comes is late: its blocks may have been reused.
       this.#expired.set(requestId, this.#now());
       for (const [k, at] of this.#expired) if (this.#now() - at > 10 * this.#leaseMs) this.#expired.delete(k);
     }
@@ -256,6 +258,16 @@ export class PrefillTracker {
   release(requestId: string): boolean {
     if (!this.#pending.has(requestId)) return false;
     this.#finish(requestId, 'read');
+    return true;
+  }
+
+  /**
+   * Frees a tracked request now because no decode will read it (it failed, or
+   * its client went away); a read reported after this counts as late.
+   */
+  abort(requestId: string): boolean {
+    if (!this.#pending.has(requestId)) return false;
+    this.#finish(requestId, 'aborted');
     return true;
   }
 

@@ -13,6 +13,7 @@ import { parseKvTransferParams, wireProfile } from '../handshake/wire';
 import { type BlockSlices, allBlockDescs, blockDescIds, coalescedDescs, regionCounts } from './descs';
 import { checkLayout, type KvLayout } from './layout';
 import { DEFAULT_LIMITS, type PullLimits, checkRemoteCounts, checkRemoteSizes, expandTail } from './limits';
+import { verifyKvTransferParams } from './params-auth';
 import { KvStats } from './stats';
 import { type RankRead, type ReadPlan, completionNotif, handshakeTargets, planReads } from './tp';
 
@@ -140,6 +141,11 @@ export interface KvPullerOptions {
   handshakeTimeoutMs?: number;
   tls?: TlsClientOptions;
   bearerToken?: string;
+  /**
+   * Require kv_transfer_params signed with this secret (params-auth.ts):
+   * pullFromParams refuses unsigned or forged ones before reading anything.
+   */
+  paramsSecret?: string | Buffer;
 }
 
 interface RemoteRank {
@@ -251,8 +257,7 @@ export class KvPuller {
       checkRemoteSizes(this.#layout, ep, this.#limits);
       return handshakeTargets(this.#layout.tpSize, this.#layout.tpRank, ep);
     });
-    // Bounded fan-out: at most handshakeConcurrency sockets open at once.
-    const fetched = await mapLimit(targets, this.#limits.handshakeConcurrency, (t) =>
+    const fetch = (t: { ppRank: number; tpRank: number }) =>
       this.#hs.fetch({
         host: ep.host,
         port: ep.port,
@@ -264,8 +269,19 @@ export class KvPuller {
         timeoutMs: this.#opts.handshakeTimeoutMs,
         tls: this.#opts.tls,
         bearerToken: this.#opts.bearerToken,
-      }),
-    );
+      });
+    // The first rank alone first: its metadata must fit the TP size the
+    // request names (block lengths follow from the TP ratio) before we ask
+    // the others, since asking a vLLM prefill for a rank it does not have
+    // kills its side-channel listener (a forged tp_size would).
+    const head = await fetch(targets[0]);
+    asSetup(() => {
+      checkRemoteCounts(head.metadata, this.#limits);
+      const ctx = (ep.ppSize ?? 1) > 1 ? { ppRank: 0, regionStart: 0, dcpSize: ep.dcpSize } : { dcpSize: ep.dcpSize };
+      planReads(this.#layout, ep.tpSize, head.metadata, ctx);
+    });
+    // Then the rest, at most handshakeConcurrency sockets open at once.
+    const fetched = [head, ...(await mapLimit(targets.slice(1), this.#limits.handshakeConcurrency, fetch))];
     const metas = fetched.map((f) => f.metadata);
     const first = metas[0];
     asSetup(() => {
@@ -712,7 +728,16 @@ export class KvPuller {
     const localLogical = Array.from(opts.localBlockIds);
     let p: KvTransferParams;
     try {
+      if (this.#opts.paramsSecret !== undefined) {
+        if (isParsed(params))
+          throw new NixlError(
+            'signed kv_transfer_params are checked as the prefill sent them: pass the JSON object, not parsed params',
+            'NIXL_ERR_INVALID_PARAM',
+          );
+        verifyKvTransferParams(params, this.#opts.paramsSecret);
+      }
       p = isParsed(params) ? params : parseKvTransferParams(params, this.#wire);
+      checkRequestId(p.remoteRequestId);
       if (p.transferMode !== 'pull')
         throw new NixlError(
           `transfer_mode '${p.transferMode}' (prefill-initiated WRITE) is not supported by nixl-node`,
@@ -893,6 +918,19 @@ export class KvPuller {
  */
 function engineKey(ep: RemoteEndpoint): string {
   return `${ep.host}:${ep.port}:${ep.dpRank ?? 0}|${ep.engineId ?? ''}|${ep.tpSize}x${ep.ppSize ?? 1}x${ep.dcpSize ?? 1}`;
+}
+
+/**
+ * A request id becomes part of notifications ("<id>:<n>", "HB:<id>,<id>"):
+ * one that could read as a heartbeat, a list or another message is refused.
+ */
+function checkRequestId(id: string): void {
+  // biome-ignore lint/suspicious/noControlCharactersInRegex: the check is for control characters
+  if (id.length === 0 || id.length > 256 || id.startsWith('HB:') || /[,\s\x00-\x1f\x7f]/.test(id))
+    throw new NixlError(
+      `remote_request_id ${JSON.stringify(id.slice(0, 80))} cannot be used in a notification (empty, over 256 characters, starts with 'HB:', or holds ',' or white space)`,
+      'NIXL_ERR_INVALID_PARAM',
+    );
 }
 
 /** Runs a synchronous check; what it throws fails the pull as 'setup', not 'handshake'. */

@@ -45,6 +45,11 @@ export class WorkerPool {
     return from[this.#next++ % from.length];
   }
 
+  /** Whether any worker is healthy now (pick() without taking a turn). */
+  get anyHealthy(): boolean {
+    return this.workers.some((w) => w.healthy);
+  }
+
   /** A request to it failed for a reason of its own (connection refused, reset, 5xx): out until a check passes. */
   markFailed(w: WorkerRef): void {
     w.failures++;

@@ -4,6 +4,7 @@
 // two frames: an ASCII tag and a msgpack map.
 //   proxy -> worker  ENCODE | GENERATION  {msg_id, request_id, path, reply_to, payload}
 //                    ABORT                {msg_id}
+//                    RELEASE              {msg_id, remote_request_id}   (a prefill frees that hold now)
 //                    HEALTH               {msg_id, reply_to}
 //   worker -> proxy  ENCODE               {msg_id, status, payload}
 //                    GENERATION           {msg_id, status, payload, done: true}      (not streamed)
@@ -12,12 +13,13 @@
 //                    HEALTH               {msg_id, ok, name}
 import { Packr } from 'msgpackr';
 
-export const TAGS = ['ENCODE', 'GENERATION', 'FAILURE', 'ABORT', 'HEALTH'] as const;
+export const TAGS = ['ENCODE', 'GENERATION', 'FAILURE', 'ABORT', 'HEALTH', 'RELEASE'] as const;
 export type Tag = (typeof TAGS)[number];
 
 export interface ZmqRequest {
   msg_id: string;
   request_id?: string;
+  remote_request_id?: string;
   path?: string;
   reply_to?: string;
   payload?: Record<string, unknown>;

@@ -10,7 +10,8 @@ import type { WireName } from '../handshake/model';
 import { parseKvTransferParams, prefillRequestParams, wireProfile } from '../handshake/wire';
 import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
-import { HttpError, errorBody, hasImages, readJson } from './worker';
+import { checkCompletionRequest } from './schema';
+import { type HttpError, errorBody, hasImages, readJson } from './worker';
 
 export interface ProxyOptions {
   /** Interface to bind: 127.0.0.1 unless told otherwise. */
@@ -37,6 +38,8 @@ export interface ProxyOptions {
   wire?: WireName;
   /** ZMQ: the PULL address for replies (default tcp://127.0.0.1:*). */
   zmqReplyAddr?: string;
+  /** A request whose headers and body have not all arrived by then is cut (default 30 s). */
+  requestTimeoutMs?: number;
 }
 
 const ROUTES = new Set(['/v1/completions', '/v1/chat/completions']);
@@ -67,7 +70,18 @@ class StageFailure extends Error {
 
 export class ServingProxy {
   readonly pools: Record<Stage, WorkerPool>;
-  readonly stats = { requests: 0, completed: 0, failed: 0, aborted: 0, retries: 0, expiredRetries: 0 };
+  readonly stats = {
+    requests: 0,
+    completed: 0,
+    failed: 0,
+    aborted: 0,
+    retries: 0,
+    /** Requests prefilled again because their decode's pull expired, or their decode failed. */
+    expiredRetries: 0,
+    decodeRetries: 0,
+    /** Prefill holds freed early (decode failed or client gone), instead of at lease end. */
+    holdsReleased: 0,
+  };
   url = '';
   readonly #o: ProxyOptions;
   readonly #transport: WorkerTransport;
@@ -93,8 +107,11 @@ export class ServingProxy {
       decode: new WorkerPool('decode', o.decode, policy),
     };
     this.#transport = (o.transport ?? 'http') === 'zmq' ? new ZmqTransport() : new HttpTransport();
+    const requestTimeout = o.requestTimeoutMs ?? 30_000;
     this.#server = http.createServer(
-      { requestTimeout: 0, headersTimeout: 10_000 },
+      // A body that trickles in is cut after requestTimeout (checked every
+      // second); streaming answers are not bounded by it.
+      { requestTimeout, headersTimeout: Math.min(requestTimeout, 10_000), connectionsCheckingInterval: 1000 },
       (req, res) => void this.#onRequest(req, res),
     );
     this.#server.on('clientError', (_e, socket) => {
@@ -167,9 +184,13 @@ export class ServingProxy {
 
   async #onRequest(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
     const path = (req.url ?? '').split('?')[0];
+    // Our own id goes to the workers; the client's is only a label, given
+    // back as it came (it never reaches a notification, where 'HB:...' or ','
+    // would change what the prefill reads).
     const incoming = req.headers['x-request-id'];
-    const requestId = typeof incoming === 'string' && REQUEST_ID.test(incoming) ? incoming : randomUUID();
-    res.setHeader('x-request-id', requestId);
+    const requestId = randomUUID();
+    const label = typeof incoming === 'string' && REQUEST_ID.test(incoming) ? incoming : requestId;
+    res.setHeader('x-request-id', label);
     const send = (status: number, body: unknown, headers: Record<string, string> = {}) => {
       this.#prom?.requests.inc({ route: ROUTES.has(path) ? path : 'other', status: String(status) });
       if (res.headersSent) return void res.end();
@@ -211,7 +232,7 @@ export class ServingProxy {
     let body: Record<string, unknown>;
     try {
       body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
-      checkRequest(path, body);
+      checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
     } catch (e) {
       const h = e as HttpError;
       return send(
@@ -244,7 +265,12 @@ export class ServingProxy {
             : new StageFailure(502, 'decode', undefined, (e as Error)?.message ?? String(e));
         send(
           f.status,
-          errorBody(f.message, 'stage_failed', { stage: f.stage, worker: f.worker ?? null, request_id: requestId }),
+          errorBody(f.message, 'stage_failed', {
+            stage: f.stage,
+            worker: f.worker ?? null,
+            request_id: label,
+            ...(f.type ? { code: f.type } : {}),
+          }),
         );
       }
     } finally {
@@ -274,15 +300,25 @@ export class ServingProxy {
     if (chat) prefillBody.max_completion_tokens = 1;
     delete prefillBody.stream_options;
     // A decode that could not read the KV inside the prefill's lease answers
-    // kv_expired and read nothing it trusts: prefill once more, then give up
-    // with that error (never an answer made from blocks that were reused).
+    // kv_expired and read nothing it trusts; one that died or broke read
+    // nothing we answer from either. Both are safe to run again from a fresh
+    // prefill (new blocks), once, on another decode where there is one; then
+    // give up with the error (never an answer made from blocks that were
+    // reused).
+    const avoid = new Set<WorkerRef>();
     let dec: Awaited<ReturnType<ServingProxy['prefillAndDecode']>>;
     try {
-      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal);
+      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid);
     } catch (e) {
-      if (!(e instanceof StageFailure && e.type === 'kv_expired') || signal.aborted) throw e;
-      this.stats.expiredRetries++;
-      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal);
+      if (!(e instanceof StageFailure) || e.stage !== 'decode' || e.status < 500 || signal.aborted) throw e;
+      if (e.type === 'kv_expired') this.stats.expiredRetries++;
+      else this.stats.decodeRetries++;
+      try {
+        dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid);
+      } catch (again) {
+        // Nothing left to try: the first failure says more than 'no healthy worker'.
+        throw again instanceof StageFailure && again.worker === undefined ? e : again;
+      }
     }
     const a = dec.answer;
     if (!a.chunks) {
@@ -311,11 +347,18 @@ export class ServingProxy {
     prefillBody: Record<string, unknown>,
     requestId: string,
     signal: AbortSignal,
+    avoidDecode: Set<WorkerRef>,
   ): Promise<{ answer: StageAnswer; worker: WorkerRef; release(): void }> {
+    // No prefill for a decode that cannot take it: its blocks would wait a
+    // whole lease for a read that never comes, and fill the prefill's cache.
+    if (!this.pools.prefill.anyHealthy) throw new StageFailure(503, 'prefill', undefined, 'no healthy prefill worker');
+    if (!this.pools.decode.anyHealthy)
+      throw new StageFailure(503, 'decode', undefined, 'no healthy decode worker (nothing was prefilled)');
     const pre = await this.#stage('prefill', path, prefillBody, requestId, signal, false, this.#o.prefillRetries ?? 1);
-    const kv = pre.answer.json?.kv_transfer_params;
+    const kv = pre.answer.json?.kv_transfer_params as Record<string, unknown> | undefined;
+    let remoteRequestId: string;
     try {
-      parseKvTransferParams(kv, this.#o.wire);
+      remoteRequestId = parseKvTransferParams(kv, this.#o.wire).remoteRequestId;
     } catch (e) {
       throw new StageFailure(
         502,
@@ -324,8 +367,25 @@ export class ServingProxy {
         `prefill answered without usable kv_transfer_params: ${(e as Error).message}`,
       );
     }
+    const canRelease = (pre.answer.json?.nixl_node as { kv_release?: unknown } | undefined)?.kv_release === true;
     const decodeBody = { ...body, kv_transfer_params: kv };
-    return this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, new Set([pre.worker]));
+    const avoid = new Set([pre.worker, ...avoidDecode]);
+    try {
+      const dec = await this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, avoid);
+      return dec;
+    } catch (e) {
+      // The decode will not read it (failed, or the client went away): the
+      // prefill frees the blocks now instead of at the end of its lease.
+      if (canRelease) {
+        this.stats.holdsReleased++;
+        void this.#transport.release(pre.worker, remoteRequestId);
+      }
+      if (e instanceof StageFailure && e.worker) {
+        const w = this.pools.decode.workers.find((x) => x.address === e.worker);
+        if (w) avoidDecode.add(w);
+      }
+      throw e;
+    }
   }
 
   /** One stage on one worker (retried on others for `retries`), with its timeout. */
@@ -421,25 +481,6 @@ export class ServingProxy {
     await new Promise((r) => this.#server.close(r));
     await this.#transport.close();
   }
-}
-
-/** 4xx for what no worker should see. */
-function checkRequest(path: string, b: Record<string, unknown>): void {
-  const bad = (m: string): never => {
-    throw new HttpError(400, m);
-  };
-  if (b.model !== undefined && typeof b.model !== 'string') bad("'model' must be a string");
-  if (path === '/v1/chat/completions') {
-    if (!Array.isArray(b.messages) || b.messages.length === 0) bad("'messages' must be a non-empty array");
-    for (const m of b.messages as unknown[])
-      if (typeof m !== 'object' || m === null || typeof (m as { role?: unknown }).role !== 'string')
-        bad("each message needs a 'role'");
-  } else if (typeof b.prompt !== 'string') bad("'prompt' must be a string");
-  for (const k of ['max_tokens', 'max_completion_tokens'])
-    if (b[k] !== undefined && (!Number.isInteger(b[k]) || (b[k] as number) < 1))
-      bad(`'${k}' must be a positive integer`);
-  if (b.stream !== undefined && typeof b.stream !== 'boolean') bad("'stream' must be a boolean");
-  if (b.kv_transfer_params !== undefined) bad("'kv_transfer_params' is set by the proxy, not by clients");
 }
 
 export async function startProxy(o: ProxyOptions): Promise<ServingProxy> {

@@ -40,6 +40,12 @@ export interface WorkerTransport {
   readonly kind: 'http' | 'zmq';
   call(c: StageCall): Promise<StageAnswer>;
   health(w: WorkerRef, timeoutMs: number): Promise<boolean>;
+  /**
+   * Tells a prefill worker to free the KV blocks it holds for a request now
+   * (its decode failed or its client went away). Best effort: the lease frees
+   * them anyway.
+   */
+  release(w: WorkerRef, remoteRequestId: string): Promise<void>;
   close(): Promise<void>;
 }
 
@@ -104,6 +110,20 @@ export class HttpTransport implements WorkerTransport {
     }
   }
 
+  async release(w: WorkerRef, remoteRequestId: string): Promise<void> {
+    try {
+      const r = await fetch(`${w.address}/v1/kv/release`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ remote_request_id: remoteRequestId }),
+        signal: AbortSignal.timeout(2000),
+      });
+      await r.arrayBuffer();
+    } catch {
+      /* gone: its lease frees them */
+    }
+  }
+
   async close(): Promise<void> {}
 }
 
@@ -123,7 +143,7 @@ interface Pending {
 export class ZmqTransport implements WorkerTransport {
   readonly kind = 'zmq' as const;
   readonly #pull = new zmq.Pull({ linger: 0, maxMessageSize: 64 << 20 });
-  readonly #push = new Map<string, SerialSender>();
+  readonly #push = new Map<string, { sender: SerialSender; connected: Promise<boolean> }>();
   readonly #pending = new Map<string, Pending>();
   replyAddress = '';
   #closed = false;
@@ -152,13 +172,27 @@ export class ZmqTransport implements WorkerTransport {
     }
   }
 
-  #socket(address: string): SerialSender {
+  #socket(address: string): { sender: SerialSender; connected: Promise<boolean> } {
     let s = this.#push.get(address);
     if (!s) {
-      // immediate: a message to a worker that is not connected fails instead of queueing.
-      const sock = new zmq.Push({ linger: 0, sendTimeout: 2000, immediate: true });
+      // immediate + sendTimeout 0: a message to a worker that is not connected
+      // (dead, or restarting) fails at once instead of queueing. A timeout
+      // here made every send queued behind it wait too (one send at a time):
+      // after a worker was killed, health checks and requests to it backed up
+      // for seconds and a restarted worker was readmitted late.
+      const sock = new zmq.Push({ linger: 0, sendTimeout: 0, immediate: true });
+      // A new socket connects in the background: its first sends wait for
+      // that (up to a second), later ones never wait.
+      const connected = new Promise<boolean>((resolve) => {
+        const t = setTimeout(() => resolve(false), 1000);
+        // 'handshake': the ZMTP handshake is done, so an immediate socket has a pipe to send on.
+        sock.events.on('handshake', () => {
+          clearTimeout(t);
+          resolve(true);
+        });
+      });
       sock.connect(address);
-      s = new SerialSender(sock);
+      s = { sender: new SerialSender(sock), connected };
       this.#push.set(address, s);
     }
     return s;
@@ -166,7 +200,9 @@ export class ZmqTransport implements WorkerTransport {
 
   async #send(address: string, tag: Tag, body: Record<string, unknown>): Promise<void> {
     try {
-      await this.#socket(address).send(encodeMessage(tag, body as never));
+      const s = this.#socket(address);
+      await s.connected;
+      await s.sender.send(encodeMessage(tag, body as never));
     } catch (e) {
       throw new TransportError(`${address}: cannot send (${(e as Error).message})`);
     }
@@ -259,11 +295,18 @@ export class ZmqTransport implements WorkerTransport {
     });
   }
 
+  async release(w: WorkerRef, remoteRequestId: string): Promise<void> {
+    await this.#send(w.address, 'RELEASE', {
+      msg_id: `release/${randomUUID()}`,
+      remote_request_id: remoteRequestId,
+    }).catch(() => {});
+  }
+
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
     for (const p of this.#pending.values()) p.fail(new TransportError('proxy closing'));
     this.#pull.close();
-    for (const s of this.#push.values()) s.socket.close();
+    for (const s of this.#push.values()) s.sender.socket.close();
   }
 }

@@ -25,6 +25,8 @@ import { KvPuller, type PullError } from '../kv/puller';
 import { PrefillTracker, servePrefill } from '../kv/prefill';
 import type { KvLayout } from '../kv/layout';
 import { BlockPool } from './blocks';
+import { signKvTransferParams, verifyKvTransferParams } from '../kv/params-auth';
+import { type RequestError, checkCompletionRequest } from './schema';
 import { SerialSender, decodeMessage, encodeMessage, type ZmqReply } from './protocol';
 import {
   DEFAULT_MODEL,
@@ -64,6 +66,14 @@ export interface WorkerOptions {
   clockSkewMs?: number;
   /** Largest request body, bytes (default 1 MiB). */
   maxBodyBytes?: number;
+  /** HTTP: a request whose headers and body have not all arrived by then is cut (default 30 s). */
+  requestTimeoutMs?: number;
+  /**
+   * A secret shared by the deployment's workers: prefills sign the
+   * kv_transfer_params they return, decodes refuse unsigned or forged ones
+   * (nothing read). Default: NIXL_NODE_KV_SECRET, else none (vLLM-compatible).
+   */
+  kvSecret?: string;
 }
 
 export interface WorkerStats {
@@ -80,6 +90,8 @@ export interface WorkerStats {
   pullsExpired: number;
   /** Prefill: reads reported after a request's lease ran out. */
   lateReads: number;
+  /** Prefill: holds released early because the proxy said the decode would not read them. */
+  abortedHolds: number;
 }
 
 class HttpError extends Error {
@@ -113,6 +125,7 @@ export class Worker {
     freedByLease: 0,
     pullsExpired: 0,
     lateReads: 0,
+    abortedHolds: 0,
   };
   /** HTTP: the base URL; ZMQ: the address to PUSH to. */
   address = '';
@@ -126,6 +139,7 @@ export class Worker {
   readonly #tracker: PrefillTracker;
   /** This worker's monotonic clock, ms (skewed by the test hook). */
   readonly #now: () => number;
+  readonly #secret: string | undefined;
   readonly #aborts = new Map<string, AbortController>();
   /** Blocks held for each prefilled request until its read or lease. */
   readonly #held = new Map<string, number[]>();
@@ -158,7 +172,14 @@ export class Worker {
       kvCacheLayout: 'LBHNC',
       totalNumKvHeads: 8,
     };
-    this.#puller = new KvPuller({ agent: this.#agent, layout: this.#layout, wire: o.wire, kvLeaseMs: o.leaseMs });
+    this.#secret = o.kvSecret ?? process.env.NIXL_NODE_KV_SECRET ?? undefined;
+    this.#puller = new KvPuller({
+      agent: this.#agent,
+      layout: this.#layout,
+      wire: o.wire,
+      kvLeaseMs: o.leaseMs,
+      paramsSecret: this.#secret,
+    });
     const skew = o.clockSkewMs ?? 0;
     this.#now = () => performance.now() + skew;
     this.#tracker = new PrefillTracker({
@@ -172,11 +193,21 @@ export class Worker {
     this.#tracker.sinks.add({
       released: (r) => {
         if (r.reason === 'read') this.stats.freedByRead++;
+        else if (r.reason === 'aborted') this.stats.abortedHolds++;
         else this.stats.freedByLease++;
       },
       unrecognized: () => {},
       lateRead: () => this.stats.lateReads++,
     });
+  }
+
+  /**
+   * Frees at once the blocks a prefilled request holds, when its decode will
+   * not read them (it failed, or the client went away): the proxy says so.
+   */
+  releaseHold(remoteRequestId: unknown): boolean {
+    if (typeof remoteRequestId !== 'string') throw new HttpError(400, "'remote_request_id' must be a string");
+    return this.#tracker.abort(remoteRequestId);
   }
 
   /** KV blocks free right now. */
@@ -202,7 +233,12 @@ export class Worker {
       clock: () => this.#now() / 1000,
     });
     if ((this.#o.transport ?? 'http') === 'http') {
-      this.#http = http.createServer((req, res) => void this.#onHttp(req, res));
+      const requestTimeout = this.#o.requestTimeoutMs ?? 30_000;
+      this.#http = http.createServer(
+        // A body that trickles in is cut after requestTimeout, checked every second.
+        { requestTimeout, headersTimeout: Math.min(requestTimeout, 10_000), connectionsCheckingInterval: 1000 },
+        (req, res) => void this.#onHttp(req, res),
+      );
       await new Promise<void>((resolve, reject) => {
         this.#http!.once('error', reject);
         this.#http!.listen(this.#o.port ?? 0, host, () => resolve());
@@ -231,10 +267,20 @@ export class Worker {
   async #handle(path: string, body: Record<string, unknown>, requestId: string, signal: AbortSignal, sink: Sink) {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
+    try {
+      checkCompletionRequest(path, body, { kvTransferParams: 'object' });
+    } catch (e) {
+      throw new HttpError((e as RequestError).status ?? 400, (e as Error).message);
+    }
     const prompt = this.#prompt(path, body);
     const tokens = tokenize(prompt);
     const kvp = body.kv_transfer_params as Record<string, unknown> | undefined;
     const n = numBlocks(tokens.length, this.#spec);
+    if (n > this.#blocks.size)
+      throw new HttpError(
+        413,
+        `the prompt needs ${n} KV blocks of ${this.#spec.blockSize} tokens; this worker's KV cache holds ${this.#blocks.size}`,
+      );
     const maxTokens = Number(body.max_tokens ?? body.max_completion_tokens ?? 16);
     if (!Number.isInteger(maxTokens) || maxTokens < 1 || maxTokens > 4096)
       throw new HttpError(400, "'max_tokens' must be an integer from 1 to 4096");
@@ -249,40 +295,54 @@ export class Worker {
       // Prefill for a remote decode.
       const ids = this.#take(n);
       computeKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
-      const remoteRequestId = `${requestId}-${this.name}-${++this.#seq}`;
+      // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
+      const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
       this.#held.set(remoteRequestId, ids);
       void this.#tracker.expect(remoteRequestId, ids).then((r) => {
         this.#held.delete(remoteRequestId);
-        if (r.reason === 'expired' && this.#o.poisonFreed)
+        if (r.reason !== 'read' && this.#o.poisonFreed)
           for (const id of ids) for (let l = 0; l < this.#spec.layers; l++) this.#block(id, l).fill(0xa5);
         this.#blocks.give(ids);
       });
       if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
-      if (signal.aborted) throw new HttpError(499, 'the proxy went away', 'aborted');
+      if (signal.aborted) {
+        // Nobody will get the params, so nobody will read the blocks.
+        this.#tracker.abort(remoteRequestId);
+        throw new HttpError(499, 'the proxy went away', 'aborted');
+      }
       this.stats.prefills++;
+      const params = buildKvTransferParams(
+        {
+          remoteBlockIds: [ids],
+          remoteEngineId: this.name,
+          remoteRequestId,
+          remoteHost: this.#side!.host,
+          remotePort: this.#side!.basePort,
+          tpSize: 1,
+          remoteNumTokens: tokens.length,
+          // When the tracker frees the blocks unless read, on the clock the
+          // side channel sends (performance.now, seconds), as vLLM does.
+          remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
+        },
+        this.#o.wire,
+      );
       sink.end(200, {
         ...completion(requestId, chat, [], 'length'),
-        kv_transfer_params: buildKvTransferParams(
-          {
-            remoteBlockIds: [ids],
-            remoteEngineId: this.name,
-            remoteRequestId,
-            remoteHost: this.#side!.host,
-            remotePort: this.#side!.basePort,
-            tpSize: 1,
-            remoteNumTokens: tokens.length,
-            // When the tracker frees the blocks unless read, on the clock the
-            // side channel sends (performance.now, seconds), as vLLM does.
-            remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
-          },
-          this.#o.wire,
-        ),
+        kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
+        // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
+        nixl_node: { worker: this.name, kv_release: true },
       });
       return;
     }
     if (kvp !== undefined && kvp.remote_engine_id === this.name) {
       // Prefilled here (one worker in both pools): the KV is in our own blocks; read it in place.
-      const p = parseKvTransferParams(kvp, this.#o.wire);
+      let p: ReturnType<typeof parseKvTransferParams>;
+      try {
+        if (this.#secret !== undefined) verifyKvTransferParams(kvp, this.#secret);
+        p = parseKvTransferParams(kvp, this.#o.wire);
+      } catch (e) {
+        throw new HttpError(400, `kv_transfer_params: ${(e as Error).message}`);
+      }
       const held = this.#held.get(p.remoteRequestId);
       // Only blocks this worker holds for exactly that request (anything else is forged or expired).
       if (!held || held.join() !== p.remoteBlockIds[0]?.join())
@@ -404,6 +464,15 @@ export class Worker {
     if (req.method === 'GET' && path === '/health')
       return json(200, { status: 'ok', name: this.name, free_blocks: this.freeBlocks });
     if (req.method !== 'POST') return json(405, errorBody('only POST', 'invalid_request_error'));
+    if (path === '/v1/kv/release') {
+      try {
+        const b = await readJson(req, 4096);
+        return json(200, { released: this.releaseHold(b.remote_request_id) });
+      } catch (e) {
+        const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
+        return json(h.status, errorBody(h.message, h.code));
+      }
+    }
     const ac = new AbortController();
     res.on('close', () => {
       if (!res.writableFinished) ac.abort();
@@ -457,6 +526,10 @@ export class Worker {
       };
       if (msg.tag === 'ABORT') {
         this.#aborts.get(b.msg_id)?.abort();
+        continue;
+      }
+      if (msg.tag === 'RELEASE') {
+        this.releaseHold((b as { remote_request_id?: unknown }).remote_request_id);
         continue;
       }
       if (typeof b.reply_to !== 'string') continue;

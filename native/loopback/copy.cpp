@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "stream_copy.h"
@@ -14,6 +15,19 @@ namespace nixlnode::loopback {
 namespace {
 
 int checkRemoteLive(const Request& req, std::string* err);
+
+// One descriptor pair on memory this process maps (its own, or a peer's
+// memfd): ranges that overlap (the same memory registered by both agents)
+// are copied as memmove would, never as an overlapping memcpy (undefined
+// byte order; ASan's memcpy-param-overlap).
+void copyOne(char* dst, const char* src, size_t n) {
+  const auto d = reinterpret_cast<uintptr_t>(dst);
+  const auto s = reinterpret_cast<uintptr_t>(src);
+  if (d < s + n && s < d + n)
+    memmove(dst, src, n);
+  else
+    streamCopy(dst, src, n);
+}
 
 int copyBytes(Request& req, std::string* err) {
   const bool read = req.op == XferOp::READ;
@@ -40,9 +54,9 @@ int copyBytes(Request& req, std::string* err) {
     const Entry& r = req.remote_[i];
     if (r.ptr) {
       if (read)
-        streamCopy(l.ptr, r.ptr, l.d.len);
+        copyOne(l.ptr, r.ptr, l.d.len);
       else
-        streamCopy(r.ptr, l.ptr, l.d.len);
+        copyOne(r.ptr, l.ptr, l.d.len);
       continue;
     }
     if (n == 0) want = 0;

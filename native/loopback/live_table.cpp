@@ -13,7 +13,9 @@
 
 namespace nixlnode::loopback {
 namespace {
-constexpr size_t kBytes = LiveTable::kSlots * sizeof(uint64_t);  // sparse: pages appear when touched
+constexpr size_t kWordBytes = LiveTable::kSlots * sizeof(uint64_t);
+// Words, then [addr, len] per slot; sparse: pages appear when touched.
+constexpr size_t kBytes = kWordBytes * 3;
 }
 
 LiveTable::LiveTable() {
@@ -28,6 +30,7 @@ LiveTable::LiveTable() {
     throw EngineError(ERR_BACKEND, std::string("live table: ") + strerror(e));
   }
   words_ = static_cast<std::atomic<uint64_t>*>(p);
+  extents_ = words_ + kSlots;
   struct stat st {};
   fstat(fd_, &st);
   ino_ = static_cast<uint64_t>(st.st_ino);
@@ -38,7 +41,7 @@ LiveTable::~LiveTable() {
   close(fd_);
 }
 
-LiveTable::Slot LiveTable::acquire() {
+LiveTable::Slot LiveTable::acquire(uint64_t addr, uint64_t len) {
   std::lock_guard<std::mutex> lk(mu_);
   uint32_t i;
   if (!free_.empty()) {
@@ -52,6 +55,10 @@ LiveTable::Slot LiveTable::acquire() {
   }
   // The generation lives in the word itself: a reused slot never repeats a word.
   uint64_t word = ((words_[i].load(std::memory_order_relaxed) >> 1) + 1) << 1 | 1;
+  // The range before the word that makes it live: a reader that sees the
+  // word sees the range (and re-reads the word after, as for a copy).
+  extents_[2 * size_t{i}].store(addr, std::memory_order_relaxed);
+  extents_[2 * size_t{i} + 1].store(len, std::memory_order_relaxed);
   words_[i].store(word, std::memory_order_seq_cst);
   return Slot{i, word};
 }
@@ -90,6 +97,16 @@ LiveView::LiveView(uint32_t pid, int32_t fd, uint64_t ino) {
   if (p == MAP_FAILED)
     throw EngineError(ERR_BACKEND, std::string("mapping the peer's registration table: ") + strerror(e));
   words_ = static_cast<const std::atomic<uint64_t>*>(p);
+  extents_ = words_ + LiveTable::kSlots;
+}
+
+bool LiveView::covers(uint32_t index, uint64_t word, uint64_t addr, uint64_t len, uint64_t reg[2]) const {
+  if (!alive(index, word)) return false;
+  reg[0] = extents_[2 * size_t{index}].load(std::memory_order_relaxed);
+  reg[1] = extents_[2 * size_t{index} + 1].load(std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (!alive(index, word)) return false;  // reused meanwhile: the range may be another's
+  return addr >= reg[0] && len <= reg[1] && addr - reg[0] <= reg[1] - len;
 }
 
 LiveView::~LiveView() { munmap(const_cast<std::atomic<uint64_t>*>(words_), kBytes); }

@@ -5,6 +5,9 @@
 // compares the word its metadata announced before and after each copy, so a
 // copy that overlapped a deregistration fails instead of handing back the
 // bytes that replaced the memory (a seqlock, with the owner as the writer).
+// Beside each word the owner writes the registered range itself, so a reader
+// bounds what a peer's metadata claims by what the peer really registered
+// (metadata comes over a side channel, and can be tampered with).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -27,7 +30,8 @@ class LiveTable {
     uint32_t index;
     uint64_t word;  // what readers must see while the registration lives
   };
-  Slot acquire();             // throws EngineError(ERR_NOT_ALLOWED) when full
+  // One registered range; throws EngineError(ERR_NOT_ALLOWED) when full.
+  Slot acquire(uint64_t addr = 0, uint64_t len = 0);
   void kill(uint32_t index);  // dead at once; the slot may be reused later
   void killAll();
 
@@ -36,6 +40,7 @@ class LiveTable {
 
  private:
   std::atomic<uint64_t>* words_ = nullptr;
+  std::atomic<uint64_t>* extents_ = nullptr;  // [addr, len] per slot, after the words
   int fd_ = -1;
   uint64_t ino_ = 0;
   std::mutex mu_;
@@ -56,8 +61,13 @@ class LiveView {
     return index < LiveTable::kSlots && words_[index].load(std::memory_order_acquire) == word;
   }
 
+  // Whether registration (index, word) is alive and [addr, addr + len) lies
+  // inside the range its owner registered; *reg gets that range.
+  bool covers(uint32_t index, uint64_t word, uint64_t addr, uint64_t len, uint64_t reg[2]) const;
+
  private:
   const std::atomic<uint64_t>* words_ = nullptr;
+  const std::atomic<uint64_t>* extents_ = nullptr;
 };
 
 }  // namespace nixlnode::loopback

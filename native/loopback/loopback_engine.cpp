@@ -127,8 +127,17 @@ class LoopbackEngine final : public Engine {
       throw EngineError(ERR_INVALID_PARAM,
                         "registerMem: " + descStr(descs[bad]) + " is not readable and writable memory of this process");
     std::vector<RegionP> regs;
-    auto slot = live_.acquire();
+    std::vector<uint32_t> slots;
     for (const auto& d : descs) {
+      // One liveness slot per range: it records the range, so peers bound what metadata claims by it.
+      LiveTable::Slot slot;
+      try {
+        slot = live_.acquire(d.addr, d.len);
+      } catch (...) {
+        for (uint32_t s : slots) live_.kill(s);
+        throw;
+      }
+      slots.push_back(slot.index);
       auto r = std::make_shared<Region>();
       r->d = d;
       r->type = type;
@@ -146,7 +155,7 @@ class LoopbackEngine final : public Engine {
       }
     }
     Handle h = nextHandle_++;
-    registrations_[h] = Registration{std::move(regs), slot.index};
+    registrations_[h] = Registration{std::move(regs), std::move(slots)};
     return h;
   }
 
@@ -166,7 +175,7 @@ class LoopbackEngine final : public Engine {
       v.erase(std::remove(v.begin(), v.end(), r), v.end());
     }
     // Peers in other processes see it before the caller can reuse the memory.
-    live_.kill(registration.slot);
+    for (uint32_t s : registration.slots) live_.kill(s);
     registrations_.erase(reg);
   }
 
@@ -507,8 +516,21 @@ class LoopbackEngine final : public Engine {
   }
 
   void addRegions(RemoteAgent& ra, const loopback::AgentMd& md) {
+    // Another process's metadata says what it registered; its liveness table
+    // says what it really did. Nothing of a tampered claim is loaded.
+    if (!ra.sameProcess)
+      for (const auto& g : md.regions) {
+        uint64_t reg[2] = {0, 0};
+        if (ra.live->covers(g.liveSlot, g.liveWord, g.addr, g.len, reg)) continue;
+        if (!ra.live->alive(g.liveSlot, g.liveWord))
+          throw EngineError(ERR_NOT_FOUND, "loadRemoteMD: agent '" + md.name + "' no longer registers " +
+                                               descStr(Desc{g.addr, g.len, g.devId}) + " (deregistered since)");
+        throw EngineError(ERR_MISMATCH, "loadRemoteMD: the metadata of agent '" + md.name + "' claims " +
+                                            descStr(Desc{g.addr, g.len, g.devId}) + ", but it registered " +
+                                            descStr(Desc{reg[0], reg[1], g.devId}) + " (tampered metadata?)");
+      }
     for (const auto& g : md.regions) {
-      RemoteRegion rr{g};
+      RemoteRegion rr{g, {}, nullptr};
       if (!ra.sameProcess && g.shmFd >= 0) {
         // Falls back to process_vm_* when the memfd cannot be mapped.
         if (shm::mapPeer(ra.pid, g.shmFd, g.shmIno, g.shmOffset, g.len, &rr.mapping)) rr.mapped = rr.mapping.at;
@@ -721,7 +743,7 @@ class LoopbackEngine final : public Engine {
   Handle nextHandle_ = 1;
   struct Registration {
     std::vector<RegionP> regions;
-    uint32_t slot;  // in live_
+    std::vector<uint32_t> slots;  // in live_, one per region
   };
   std::unordered_map<Handle, Registration> registrations_;
   std::unordered_map<Handle, std::shared_ptr<Dlist>> dlists_;

@@ -10,7 +10,7 @@ namespace nixlnode::loopback {
 namespace {
 
 constexpr char kMagic[8] = {'N', 'X', 'N', 'L', 'B', 'K', 'M', 'D'};
-constexpr uint32_t kVersion = 2;  // 2: registration liveness (LiveTable)
+constexpr uint32_t kVersion = 3;  // 2: registration liveness (LiveTable); 3: a slot per range, with the range
 constexpr uint32_t kMaxRegions = 1u << 20;
 
 struct Writer {
