@@ -21,6 +21,7 @@ import {
   type KvLayout,
 } from '../lib';
 import type { HandshakeServer } from '../lib/handshake';
+import { LeaseBoard, PROBE, SLOT_BYTES, SlotState, slotOf } from '../lib/kv/lease-board';
 import { startProxy, startWorker } from '../lib/serving';
 import { expectedCompletion } from '../lib/serving/synthetic-model';
 
@@ -49,7 +50,18 @@ afterEach(async () => {
 });
 
 /** A prefill whose side channel runs `skewS` seconds off this process's monotonic clock. */
-async function pair(o: { skewS?: number; leaseMs?: number; delayUs?: number; decodeLeaseMs?: number } = {}) {
+async function pair(
+  o: {
+    skewS?: number;
+    leaseMs?: number;
+    delayUs?: number;
+    decodeLeaseMs?: number;
+    /** The side channel's clock runs this far behind the tracker's: the decode's deadline is wrong. */
+    lyingClockS?: number;
+    board?: boolean;
+    leaseBoards?: boolean;
+  } = {},
+) {
   const skew = o.skewS ?? 0;
   const prefillNow = () => performance.now() + skew * 1000;
   const prefill = new NixlAgent(`exp-p-${Math.random()}`, { engine: 'loopback' });
@@ -59,12 +71,13 @@ async function pair(o: { skewS?: number; leaseMs?: number; delayUs?: number; dec
   const dmem = allocate(BLOCK * BLOCKS);
   prefill.registerMemory(pmem);
   decode.registerMemory(dmem);
+  const board = o.board ? new LeaseBoard() : undefined;
   const server: HandshakeServer = await servePrefill({
-    ranks: [{ agent: prefill, layout: layout('P', pmem) }],
+    ranks: [{ agent: prefill, layout: layout('P', pmem), leaseBoard: board }],
     compatibilityHash: 'h',
     port: 0,
     logger: quiet,
-    clock: () => prefillNow() / 1000,
+    clock: () => prefillNow() / 1000 - (o.lyingClockS ?? 0),
   });
   const tracker = new PrefillTracker({
     agent: prefill,
@@ -72,6 +85,7 @@ async function pair(o: { skewS?: number; leaseMs?: number; delayUs?: number; dec
     leaseMs: o.leaseMs ?? 30_000,
     now: prefillNow,
     logger: quiet,
+    board,
   });
   const puller = new KvPuller({
     agent: decode,
@@ -79,6 +93,7 @@ async function pair(o: { skewS?: number; leaseMs?: number; delayUs?: number; dec
     expectedHash: 'h',
     kvLeaseMs: o.decodeLeaseMs ?? o.leaseMs ?? 30_000,
     leaseSlackMs: 20,
+    leaseBoards: o.leaseBoards,
   });
   closers.push(
     () => prefill.close(),
@@ -153,6 +168,48 @@ describe('KvPuller against the prefill lease', () => {
     // The prefill saw the read come after the lease: it counts it.
     await expect.poll(() => p.tracker.lateReads, { timeout: 3000 }).toBe(1);
   });
+
+  it("the prefill's lease board fails a read the decode's own (wrong) clock would have trusted", async () => {
+    // The side channel's clock lags the tracker's by 10 s: the decode maps the
+    // expiry 10 s too late and believes the lease has long to run.
+    for (const leaseBoards of [true, false]) {
+      const p = await pair({ leaseMs: 200, lyingClockS: 10, board: true, leaseBoards, decodeLeaseMs: 30_000 });
+      const fresh = p.request([1]);
+      expect((await p.puller.pullFromParams(fresh.params, { localBlockIds: [2] })).bytes).toBe(BLOCK);
+      expect((await fresh.released).reason).toBe('read');
+      const stale = p.request([3]);
+      expect((await stale.released).reason).toBe('expired'); // the prefill freed it
+      const out = await p.puller.pullFromParams(stale.params, { localBlockIds: [4] }).catch((e) => e);
+      if (leaseBoards) {
+        expect(out).toMatchObject({ kind: 'expired', code: 'NIXL_ERR_LEASE_EXPIRED' });
+        expect(String(out.message)).toMatch(/no longer held .*its lease ran out/);
+        // Nothing was announced as read: the prefill saw no late read either.
+        expect(p.tracker.lateReads).toBe(0);
+      } else {
+        // Without the board the decode's clock is all it has: it trusts freed blocks.
+        expect(out.bytes).toBe(BLOCK);
+        await expect.poll(() => p.tracker.lateReads).toBe(1);
+      }
+    }
+  });
+
+  it('a board with no free slot for a request fails its reads closed', async () => {
+    const p = await pair({ board: true });
+    const board = p.tracker.board as LeaseBoard;
+    // Hold every slot the request could use with other requests.
+    const { first } = slotOf('req-0', board.slots);
+    let held = 0;
+    for (let n = 0; held < PROBE; n++) {
+      const f = slotOf(`other-${n}`, board.slots).first;
+      if (f >= first - PROBE && f <= first && board.hold(`other-${n}`)) held = countHeld(board, first);
+      if (n > 2_000_000) throw new Error('no ids for those slots');
+    }
+    const a = p.request([1]);
+    expect(a.id).toBe('req-0');
+    const err = await p.puller.pullFromParams(a.params, { localBlockIds: [2] }).catch((e) => e);
+    expect(err).toMatchObject({ kind: 'expired' });
+    expect(String(err.message)).toMatch(/not on its lease board/);
+  }, 60_000);
 
   it('heartbeats this decode sent move its deadline as they move the prefill lease', async () => {
     // Lease 300 ms, heartbeats every 50 ms; each transfer takes 200 ms on the
@@ -297,3 +354,11 @@ describe('processes stopped mid-request (SIGSTOP)', () => {
     expect(dec.death(), exitReason(dec.p.exitCode, dec.p.signalCode)).toBeUndefined();
   }, 40_000);
 });
+
+/** How many of the PROBE slots from `first` are held. */
+function countHeld(board: LeaseBoard, first: number): number {
+  let n = 0;
+  for (let i = 0; i < PROBE; i++)
+    if (board.mem.readBigUInt64LE((first + i) * SLOT_BYTES + 8) === BigInt(SlotState.HELD)) n++;
+  return n;
+}

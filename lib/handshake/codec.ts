@@ -327,9 +327,16 @@ export interface FieldSpec {
   default?: unknown;
   /** Added to a type error: which other format sends this shape. */
   hint?: string;
+  /** Not written when it holds its default (a key of nixl-node's own, which vLLM peers need not see). */
+  omitIfDefault?: boolean;
 }
 
 const UINT64_END = 1n << 64n;
+
+/** Absent, or the field's default (an empty list for a list field). */
+function isDefault(v: unknown, def: unknown): boolean {
+  return v === undefined || v === def || (Array.isArray(v) && Array.isArray(def) && v.length === 0 && def.length === 0);
+}
 
 function describe(v: unknown): string {
   if (v === null) return 'nil';
@@ -390,6 +397,7 @@ export function decodeFields(fields: readonly FieldSpec[], o: unknown, what: str
     if (!Object.hasOwn(m, f.key)) {
       if (f.required)
         throw new HandshakeError(`${what}: missing required field '${f.key}'${f.hint ? ` (${f.hint})` : ''}`);
+      if (f.omitIfDefault) continue; // left out, as it was sent
       out[f.prop] = structuredClone(f.default);
       continue;
     }
@@ -418,6 +426,7 @@ export function encodeFields(
   const out = new Map<string, MpValue>();
   for (const f of fields) {
     let v = obj[f.prop];
+    if (f.omitIfDefault && isDefault(v, f.default)) continue;
     if (v === undefined) {
       if (f.required && f.default === undefined) throw new HandshakeError(`${what}: '${f.prop}' is required`);
       v = f.default ?? null;
@@ -446,6 +455,7 @@ function toWire(t: FieldType, v: unknown): MpValue {
 export function fieldsToJson(fields: readonly FieldSpec[], obj: Record<string, unknown>): Record<string, unknown> {
   const out: Record<string, unknown> = {};
   for (const f of fields) {
+    if (f.omitIfDefault && isDefault(obj[f.prop], f.default)) continue;
     const v = obj[f.prop] ?? (f.default === undefined ? null : f.default);
     if (v === null) out[f.key] = null;
     else if (f.type === 'bin') out[f.key] = Buffer.from(v as Uint8Array).toString('base64');

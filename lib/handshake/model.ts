@@ -35,6 +35,12 @@ export interface NixlAgentMetadata {
   dcpSize: number;
   pcpSize: number;
   regionMembers: string[][];
+  /**
+   * nixl-node prefills only (v12, a key vLLM ignores): [address, slots] of
+   * the lease board in its registered memory (lib/kv/lease-board.ts); empty
+   * or absent otherwise.
+   */
+  nixlNodeLeaseBoard?: bigint[];
 }
 
 /** What a field means when a format does not carry it (a fresh object each call). */

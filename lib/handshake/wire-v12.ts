@@ -46,6 +46,10 @@ const METADATA: readonly FieldSpec[] = [
   { key: 'dcp_size', prop: 'dcpSize', type: 'int', default: 1 },
   { key: 'pcp_size', prop: 'pcpSize', type: 'int', default: 1 },
   { key: 'region_members', prop: 'regionMembers', type: 'str[][]', default: [] },
+  // nixl-node's own, past vLLM's 19 (which vLLM ignores): where this prefill
+  // rank publishes whether it still holds each request's blocks, [address,
+  // slots] (lib/kv/lease-board.ts). Absent from vLLM's metadata.
+  { key: 'nixl_node_lease_board', prop: 'nixlNodeLeaseBoard', type: 'u64[]', default: [], omitIfDefault: true },
 ];
 
 const KV_PARAMS: readonly FieldSpec[] = [

@@ -5,3 +5,6 @@ export * from './stats';
 export * from './puller';
 export * from './prefill';
 export * from './metrics';
+export * from './limits';
+export { LeaseBoard, SlotState } from './lease-board';
+export { SIGNATURE_KEY, signKvTransferParams, verifyKvTransferParams } from './params-auth';

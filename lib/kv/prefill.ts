@@ -15,12 +15,19 @@ import type {
 } from '../handshake/types';
 import { defaultLogger } from '../handshake/types';
 import { encodeAgentMetadata, wireProfile } from '../handshake/wire';
+import { DescList } from '../descriptors';
 import { type KvLayout, toAgentMetadata } from './layout';
+import { type LeaseBoard, SlotState, registerBoard } from './lease-board';
 import { notifsToWaitFor } from './tp';
 
 export interface PrefillRank {
   agent: NixlAgent;
   layout: KvLayout;
+  /**
+   * This rank's lease board (its PrefillTracker's `board`): nixl-node decodes
+   * then confirm every read against it (lease-board.ts). Registered here.
+   */
+  leaseBoard?: LeaseBoard;
 }
 
 export interface ServePrefillOptions {
@@ -43,14 +50,21 @@ export interface ServePrefillOptions {
 export async function servePrefill(o: ServePrefillOptions): Promise<HandshakeServer> {
   const hs = typeof o.handshake === 'object' ? o.handshake : createHandshake(o.handshake);
   const wire = wireProfile(o.wire);
-  const payloads = o.ranks.map(({ agent, layout }) => ({
-    ppRank: layout.ppRank ?? 0,
-    tpRank: layout.tpRank,
-    payload: {
-      compatibilityHash: o.compatibilityHash,
-      agentMetadataBytes: encodeAgentMetadata(toAgentMetadata(layout, agent.getAgentMetadata()), wire),
-    },
-  }));
+  const payloads = o.ranks.map(({ agent, layout, leaseBoard }) => {
+    if (leaseBoard) registerBoard(leaseBoard, agent);
+    const md = toAgentMetadata(layout, agent.getAgentMetadata());
+    const board = leaseBoard
+      ? { nixlNodeLeaseBoard: [DescList.from(leaseBoard.mem).addr(0), BigInt(leaseBoard.slots)] }
+      : {};
+    return {
+      ppRank: layout.ppRank ?? 0,
+      tpRank: layout.tpRank,
+      payload: {
+        compatibilityHash: o.compatibilityHash,
+        agentMetadataBytes: encodeAgentMetadata({ ...md, ...board }, wire),
+      },
+    };
+  });
   return hs.serve({
     host: o.host,
     port: o.port,
@@ -99,6 +113,12 @@ export interface PrefillTrackerOptions {
   /** Monotonic clock in ms (tests pass a fake one). Default performance.now. */
   now?: () => number;
   logger?: HandshakeLogger;
+  /**
+   * Publish whether each request is still held on this lease board (give the
+   * same board to servePrefill), so nixl-node decodes can prove their reads
+   * ended in time. vLLM decodes never look at it.
+   */
+  board?: LeaseBoard;
 }
 
 /** Told of each release and each notification for an untracked request (registerKvMetrics). */
@@ -135,6 +155,11 @@ export class PrefillTracker {
     this.#now = o.now ?? (() => performance.now());
   }
 
+  /** The lease board it publishes on, if any. */
+  get board(): LeaseBoard | undefined {
+    return this.#o.board;
+  }
+
   /** When a tracked request's lease runs out, on the tracker's clock (ms); undefined if not tracked. */
   leaseExpiry(requestId: string): number | undefined {
     return this.#pending.get(requestId)?.expiry;
@@ -154,6 +179,8 @@ export class PrefillTracker {
     this.#expired.delete(requestId);
     return new Promise<Released>((resolve) => {
       const now = this.#now();
+      // Where a decode checks that the blocks are still held (no free slot: its reads fail closed).
+      this.#o.board?.hold(requestId);
       const p: Pending = { blockIds, since: now, expiry: now + this.#leaseMs, timer: undefined as never, resolve };
       this.#pending.set(requestId, p);
       this.#arm(requestId, p);
@@ -244,6 +271,11 @@ export class PrefillTracker {
     if (!p) return;
     this.#pending.delete(requestId);
     clearTimeout(p.timer);
+    // On the board before anything can reuse the blocks (the resolve below gives them back).
+    this.#o.board?.release(
+      requestId,
+      reason === 'read' ? SlotState.READ : reason === 'expired' ? SlotState.EXPIRED : SlotState.ABORTED,
+    );
     if (reason !== 'read') {
       // A read that still comes is late: its blocks may have been reused.
       this.#expired.set(requestId, this.#now());

@@ -13,6 +13,7 @@ import { parseKvTransferParams, wireProfile } from '../handshake/wire';
 import { type BlockSlices, allBlockDescs, blockDescIds, coalescedDescs, regionCounts } from './descs';
 import { checkLayout, type KvLayout } from './layout';
 import { DEFAULT_LIMITS, type PullLimits, checkRemoteCounts, checkRemoteSizes, expandTail } from './limits';
+import { BoardReader, PROBE, type SlotState } from './lease-board';
 import { verifyKvTransferParams } from './params-auth';
 import { KvStats } from './stats';
 import { type RankRead, type ReadPlan, completionNotif, handshakeTargets, planReads } from './tp';
@@ -126,6 +127,12 @@ export interface KvPullerOptions {
   /** Bounds on what a peer or a request may size (limits.ts). */
   limits?: PullLimits;
   /**
+   * Confirm every read against the lease board of a nixl-node prefill that
+   * has one (lease-board.ts): one small READ after the KV, before the
+   * completion notification. Default true; vLLM prefills have none.
+   */
+  leaseBoards?: boolean;
+  /**
    * Extra margin (ms) a pull must keep before the prefill's lease runs out,
    * on top of half the best handshake round trip (the clock uncertainty).
    * Default 50.
@@ -156,6 +163,8 @@ interface RemoteRank {
   dlist: DlistHandle;
   /** Blocks per region of its prepped list. */
   counts: readonly number[];
+  /** [address, slots] of its lease board (a nixl-node prefill): reads are confirmed against it. */
+  board?: readonly bigint[];
 }
 
 /** One planned read with its block slices on both sides, fixed at connect time. */
@@ -220,6 +229,7 @@ export class KvPuller {
   #closed = false;
   /** Bytes per ms of recent pulls (EWMA): what a pull is expected to take, against its lease. */
   #rate = 0;
+  readonly #boards: BoardReader;
 
   constructor(opts: KvPullerOptions) {
     checkLayout(opts.layout);
@@ -229,6 +239,7 @@ export class KvPuller {
     this.#hs = typeof opts.handshake === 'object' ? opts.handshake : createHandshake(opts.handshake);
     this.#wire = wireProfile(opts.wire);
     this.#limits = { ...DEFAULT_LIMITS, ...opts.limits };
+    this.#boards = new BoardReader(opts.agent);
   }
 
   get wire(): WireProfile {
@@ -275,11 +286,9 @@ export class KvPuller {
     // the others, since asking a vLLM prefill for a rank it does not have
     // kills its side-channel listener (a forged tp_size would).
     const head = await fetch(targets[0]);
-    asSetup(() => {
-      checkRemoteCounts(head.metadata, this.#limits);
-      const ctx = (ep.ppSize ?? 1) > 1 ? { ppRank: 0, regionStart: 0, dcpSize: ep.dcpSize } : { dcpSize: ep.dcpSize };
-      planReads(this.#layout, ep.tpSize, head.metadata, ctx);
-    });
+    asSetup(() => checkRemoteCounts(head.metadata, this.#limits));
+    const ctx = (ep.ppSize ?? 1) > 1 ? { ppRank: 0, regionStart: 0, dcpSize: ep.dcpSize } : { dcpSize: ep.dcpSize };
+    planReads(this.#layout, ep.tpSize, head.metadata, ctx);
     // Then the rest, at most handshakeConcurrency sockets open at once.
     const fetched = [head, ...(await mapLimit(targets.slice(1), this.#limits.handshakeConcurrency, fetch))];
     const metas = fetched.map((f) => f.metadata);
@@ -365,7 +374,15 @@ export class KvPuller {
           new DescList(allBlockDescs(remote, counts), this.#layout.memType ?? 'DRAM'),
         );
         dlists.push(dlist);
-        const r: RemoteRank = { ppRank: t.ppRank, rank: t.tpRank, agentName, meta, dlist, counts };
+        const r: RemoteRank = {
+          ppRank: t.ppRank,
+          rank: t.tpRank,
+          agentName,
+          meta,
+          dlist,
+          counts,
+          board: this.#opts.leaseBoards === false ? undefined : usableBoard(meta.nixlNodeLeaseBoard),
+        };
         ranks.set(`${t.ppRank}:${t.tpRank}`, r);
         if (!read.notifyOnly) this.#localDlist(read);
         reads.push({ read, rank: r, local, remote, blockBytes: local.lens.reduce((a, b) => a + b, 0) });
@@ -619,7 +636,7 @@ export class KvPuller {
             new DescList(merged.local, mt),
             new DescList(merged.remote, mt),
             p.rank.agentName,
-            notif,
+            p.rank.board ? undefined : notif,
           );
           descriptors += merged.count;
           coalesced = true;
@@ -631,7 +648,8 @@ export class KvPuller {
             blockDescIds(regionCounts(regions, this.#layout.numBlocks), localIds),
             p.rank.dlist,
             blockDescIds(p.rank.counts, remoteIds),
-            notif,
+            // With a board the notification waits for the board's word.
+            p.rank.board ? undefined : notif,
           );
           descriptors += regions * localIds.length;
         }
@@ -655,6 +673,25 @@ export class KvPuller {
             'NIXL_ERR_LEASE_EXPIRED',
           );
         }
+      }
+      // The prefill's own word: its board still says held, so nothing freed
+      // the blocks before our read ended. Only then may it free them.
+      const confirm = engine.reads.filter((p) => !p.read.notifyOnly && p.rank.board);
+      if (confirm.length > 0) {
+        const verdicts = await Promise.all(
+          confirm.map((p) =>
+            this.#boards.verdict(p.rank.agentName, p.rank.board!, opts.requestId, opts.timeoutMs ?? 5000),
+          ),
+        );
+        const i = verdicts.findIndex((v) => v !== 'held');
+        if (i >= 0) {
+          stage = 'expired';
+          throw new NixlError(
+            `prefill rank ${confirm[i].rank.rank} no longer held request '${opts.requestId}' when the read ended (${verdictText(verdicts[i])}): its blocks may have been reused`,
+            'NIXL_ERR_LEASE_EXPIRED',
+          );
+        }
+        for (const p of confirm) this.#notify(p.rank.agentName, notif);
       }
       if (transferMs > 0)
         this.#rate = this.#rate === 0 ? bytes / transferMs : 0.8 * this.#rate + 0.2 * (bytes / transferMs);
@@ -906,6 +943,7 @@ export class KvPuller {
       }
     }
     this.#localDlists.clear();
+    this.#boards.close();
     this.#hs.close();
   }
 }
@@ -931,6 +969,19 @@ function checkRequestId(id: string): void {
       `remote_request_id ${JSON.stringify(id.slice(0, 80))} cannot be used in a notification (empty, over 256 characters, starts with 'HB:', or holds ',' or white space)`,
       'NIXL_ERR_INVALID_PARAM',
     );
+}
+
+/** A lease board a prefill's metadata names, if it is one we can read. */
+function usableBoard(b: bigint[] | undefined): readonly bigint[] | undefined {
+  if (b?.length !== 2) return undefined;
+  return b[1] >= BigInt(PROBE) && b[1] <= 1n << 24n ? b : undefined;
+}
+
+const RELEASED = ['free', 'held', 'freed after its reads', 'its lease ran out', 'released: no decode would read it'];
+
+function verdictText(v: 'held' | SlotState | 'missing'): string {
+  if (v === 'missing') return 'not on its lease board: released long ago, or never held';
+  return typeof v === 'number' ? (RELEASED[v] ?? `board state ${v}`) : v;
 }
 
 /** Runs a synchronous check; what it throws fails the pull as 'setup', not 'handshake'. */

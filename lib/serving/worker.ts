@@ -22,6 +22,7 @@ import type { HandshakeServer } from '../handshake/types';
 import type { WireName } from '../handshake/model';
 import { buildKvTransferParams, parseKvTransferParams, wireProfile } from '../handshake/wire';
 import { KvPuller, type PullError } from '../kv/puller';
+import { LeaseBoard } from '../kv/lease-board';
 import { PrefillTracker, servePrefill } from '../kv/prefill';
 import type { KvLayout } from '../kv/layout';
 import { BlockPool } from './blocks';
@@ -189,6 +190,8 @@ export class Worker {
       leaseMs: o.leaseMs,
       now: this.#now,
       logger: { warn() {} },
+      // nixl-node decodes confirm each read against it; vLLM decodes never look.
+      board: new LeaseBoard(),
     });
     this.#tracker.sinks.add({
       released: (r) => {
@@ -223,7 +226,7 @@ export class Worker {
   async start(): Promise<this> {
     const host = this.#o.host ?? '127.0.0.1';
     this.#side = await servePrefill({
-      ranks: [{ agent: this.#agent, layout: this.#layout }],
+      ranks: [{ agent: this.#agent, layout: this.#layout, leaseBoard: this.#tracker.board }],
       compatibilityHash: `synthetic:${JSON.stringify(this.#spec)}`,
       host,
       port: this.#o.sideChannelPort ?? 0,
@@ -388,11 +391,10 @@ export class Worker {
             this.stats.pullsExpired++;
             throw new HttpError(503, `KV pull failed (expired): ${err.message}`, 'kv_expired');
           }
-          throw new HttpError(
-            err.kind === 'setup' ? 400 : 502,
-            `KV pull failed (${err.kind}): ${err.message}`,
-            err.code,
-          );
+          // What the params name does not fit (bad ids, sizes, a layout the
+          // peer does not have): the request's fault, not this worker's.
+          const refused = err.kind === 'setup' || err.code === 'NIXL_ERR_MISMATCH';
+          throw new HttpError(refused ? 400 : 502, `KV pull failed (${err.kind}): ${err.message}`, err.code);
         }
         const bad = checkKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
         if (bad > 0) {

@@ -16,7 +16,7 @@ namespace {
 constexpr size_t kWordBytes = LiveTable::kSlots * sizeof(uint64_t);
 // Words, then [addr, len] per slot; sparse: pages appear when touched.
 constexpr size_t kBytes = kWordBytes * 3;
-}
+}  // namespace
 
 LiveTable::LiveTable() {
   fd_ = memfd_create("nixl-node-live", MFD_CLOEXEC);
