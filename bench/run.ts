@@ -7,6 +7,7 @@ import { makeCerts } from './certs';
 import { benchCoalesce } from './coalesce';
 import { benchHandshake } from './handshake';
 import { benchNative } from './native';
+import { benchTracing } from './tracing';
 import { engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
@@ -20,10 +21,10 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --json FILE      write the results as JSON
   --svg FILE       write a bar chart
   --quick          fewer repetitions
-  --only LIST      comma-separated: bandwidth,native,coalesce,handshake (default all;
+  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing (default all;
                    native: against a C++ program on the installed NIXL, when NIXL is compiled in)
 `;
-const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake'];
+const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing'];
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -188,6 +189,27 @@ export async function runBench(argv: string[]): Promise<void> {
       reference: 1,
       bars: hs.map((r) => ({ label: r.method, value: r.ratio })),
     });
+  }
+
+  if (only.includes('tracing')) {
+    const n = quick ? 100 : 400;
+    const rounds = quick ? 3 : 7;
+    console.log(
+      `\n# Serving proxy with tracing, ${n} requests x ${rounds} rounds (16 clients, proxy + prefill + decode in one process); ratio = requests/s / tracing off`,
+    );
+    const tr = await benchTracing(n, rounds);
+    if (tr.note) console.log(`(${tr.note})`);
+    table(
+      ['mode', 'requests/s', 'min', 'max', 'ratio'],
+      tr.rows.map((r) => [r.mode, r.requestsPerSecond, r.min, r.max, r.ratio]),
+    );
+    result.tracing = tr.rows;
+    if (tr.rows.length)
+      panels.push({
+        title: 'Proxy throughput / tracing off',
+        reference: 1,
+        bars: tr.rows.map((r) => ({ label: r.mode, value: r.ratio })),
+      });
   }
 
   const json = v.json as string | undefined;

@@ -4,6 +4,7 @@
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
 import { oneOf, parse, positiveInt, UsageError } from './args';
+import { startTracing } from './otel';
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
 
@@ -22,6 +23,7 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --retries N          other prefill workers to try when one fails (default 1)
   --token T            require Authorization: Bearer T
   --wire W             v12 | v0.13: the kv_transfer_params the prefills return (default NIXL_WIRE, else v12)
+  --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
 `;
 
 const WORKER_HELP = `nixl-node worker: a Node inference worker with a synthetic model (KV made from the prompt)
@@ -38,6 +40,8 @@ Usage: nixl-node worker [options]
   --wire W             v12 | v0.13 (default NIXL_WIRE, else v12)
   --stall-prefill-ms N test hook: answer prefills this much later
   --stall-decode-ms N  test hook: start decode pulls this much later
+  --kv-secret S        sign / require signed kv_transfer_params (default NIXL_NODE_KV_SECRET)
+  --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
   --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
 `;
@@ -91,9 +95,11 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       retries: { type: 'string' },
       token: { type: 'string' },
       wire: { type: 'string' },
+      'otlp-endpoint': { type: 'string' },
     },
     PROXY_HELP,
   );
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-proxy');
   const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
   const pd = list(v, 'pd-addrs');
   const prefill = [...list(v, 'prefill'), ...pd];
@@ -118,6 +124,7 @@ export async function proxyCommand(argv: string[]): Promise<void> {
   console.log(JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode }));
   await untilSignal();
   await proxy.close();
+  await stopTracing();
   console.log(JSON.stringify({ stopped: true, ...proxy.stats }));
 }
 
@@ -136,11 +143,14 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'stall-prefill-ms': { type: 'string' },
       'stall-decode-ms': { type: 'string' },
       'side-channel-port': { type: 'string' },
+      'kv-secret': { type: 'string' },
+      'otlp-endpoint': { type: 'string' },
       'poison-freed': { type: 'boolean' },
       'clock-skew-ms': { type: 'string' },
     },
     WORKER_HELP,
   );
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker');
   const w = await startWorker({
     name: v.name as string | undefined,
     transport: oneOf(v, 'transport', ['http', 'zmq'] as const, 'http'),
@@ -157,6 +167,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
         ? undefined
         : portNumber(String(v['side-channel-port']), 'side-channel-port'),
     poisonFreed: v['poison-freed'] === true,
+    kvSecret: v['kv-secret'] as string | undefined,
     clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
   });
   console.log(JSON.stringify({ ready: true, name: w.name, address: w.address }));
@@ -165,5 +176,6 @@ export async function workerCommand(argv: string[]): Promise<void> {
   await untilSignal();
   const stats = { ...w.stats };
   await w.close();
+  await stopTracing();
   console.log(JSON.stringify({ stopped: true, stats }));
 }

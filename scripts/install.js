@@ -44,5 +44,4 @@ if (nixl === '1') {
     );
 }
 // The line the README tells users to look for, on every path (as npm run build prints it).
-delete process.env.PREBUILDS_ONLY;
 require('./engines.js').reportEngines(root);

@@ -40,6 +40,9 @@ for (const wire of ['v12', 'v0.13'] as const) {
       ]),
     );
     for (const h of r.handshake) expect(h.ratio).toBeGreaterThan(0);
+    // The proxy with tracing off, on with the no-op tracer, and exporting (the SDK is a dev dependency).
+    expect(r.tracing.map((t: { mode: string }) => t.mode)).toEqual(['off', 'no-op tracer', 'exporting']);
+    for (const t of r.tracing) expect(t.requestsPerSecond).toBeGreaterThan(0);
     expect(stdout).toMatch(/# Handshake latency/);
     expect(fs.statSync(path.join(dir, 'out.svg')).size).toBeGreaterThan(0);
     fs.rmSync(dir, { recursive: true, force: true });

@@ -14,6 +14,7 @@ import { type BlockSlices, allBlockDescs, blockDescIds, coalescedDescs, regionCo
 import { checkLayout, type KvLayout } from './layout';
 import { DEFAULT_LIMITS, type PullLimits, checkRemoteCounts, checkRemoteSizes, expandTail } from './limits';
 import { BoardReader, PROBE, type SlotState } from './lease-board';
+import { type SpanLike, type TraceContext, startSpan } from '../tracing';
 import { verifyKvTransferParams } from './params-auth';
 import { KvStats } from './stats';
 import { type RankRead, type ReadPlan, completionNotif, handshakeTargets, planReads } from './tp';
@@ -72,6 +73,8 @@ export interface PullOptions {
    * blocks whenever it reads them (pullFromParams always gives one).
    */
   lease?: RemoteLease;
+  /** The span this pull's span is a child of (tracing.ts); default: the active context. */
+  traceContext?: TraceContext;
 }
 
 /** What the prefill promised about how long it holds a request's blocks. */
@@ -100,6 +103,8 @@ export interface PullFromParamsOptions {
   timeoutMs?: number;
   signal?: AbortSignal;
   coalesce?: boolean;
+  /** The span this pull's span is a child of (tracing.ts); default: the active context. */
+  traceContext?: TraceContext;
   /**
    * When the prefill answered with these params (performance.now(), ms):
    * where its lease starts when the params carry no expiry time. Default:
@@ -230,6 +235,8 @@ export class KvPuller {
   /** Bytes per ms of recent pulls (EWMA): what a pull is expected to take, against its lease. */
   #rate = 0;
   readonly #boards: BoardReader;
+  /** The span of each pull in flight, by remote request id (heartbeats are events on it). */
+  readonly #pullSpans = new Map<string, SpanLike>();
 
   constructor(opts: KvPullerOptions) {
     checkLayout(opts.layout);
@@ -535,7 +542,40 @@ export class KvPuller {
     else if (q.active === 0) this.#slots.delete(key);
   }
 
+  /**
+   * Pulls blocks of one request. Traced as span 'kv.pull' with children
+   * kv.handshake, kv.post, kv.transfer, kv.confirm and kv.notify.
+   */
   async pullBlocks(opts: PullOptions): Promise<PullResult> {
+    const span = startSpan('kv.pull', {
+      kind: 'client',
+      parent: opts.traceContext,
+      attributes: {
+        'nixl_node.remote_request_id': opts.requestId,
+        'nixl_node.remote': `${opts.remote.host}:${opts.remote.port}`,
+        'nixl_node.engine': this.#agent.engine,
+      },
+    });
+    this.#pullSpans.set(opts.requestId, span);
+    try {
+      const r = await this.#pull(opts, span);
+      span.setAttribute('nixl_node.bytes', r.bytes);
+      span.setAttribute('nixl_node.descriptors', r.descriptors);
+      span.setAttribute('nixl_node.remote_ranks', r.remoteRanks.join(','));
+      return r;
+    } catch (e) {
+      if (e instanceof PullError) span.setAttribute('nixl_node.pull_failure', e.kind);
+      span.fail(e);
+      throw e;
+    } finally {
+      if (this.#pullSpans.get(opts.requestId) === span) this.#pullSpans.delete(opts.requestId);
+      span.end();
+    }
+  }
+
+  async #pull(opts: PullOptions, span: SpanLike): Promise<PullResult> {
+    const child = (name: string, attributes?: Record<string, string | number | boolean>) =>
+      startSpan(name, { parent: span.context, attributes });
     const localIds = Array.from(opts.localBlockIds);
     const fail = (kind: PullFailure, e: unknown): PullError => {
       if (e instanceof PullError) return e;
@@ -574,9 +614,21 @@ export class KvPuller {
     const handles: XferHandle[] = [];
     let stage: PullFailure = 'handshake';
     let engine: RemoteEngine | undefined;
+    const cached = this.#engines.has(key);
+    let post: SpanLike | undefined;
     const connecting = this.connect(opts.remote);
     try {
-      engine = await connecting;
+      const hs = child('kv.handshake', { 'nixl_node.cached': cached });
+      try {
+        engine = await connecting;
+        hs.setAttribute('nixl_node.rtt_ms', engine.bestRttMs);
+        hs.setAttribute('nixl_node.handshake_ms', engine.handshakeMs);
+      } catch (e) {
+        hs.fail(e);
+        throw e;
+      } finally {
+        hs.end();
+      }
       engine.pulls++;
       stage = 'setup';
       // Partial prefix hit: only the last blocks are missing here.
@@ -592,6 +644,7 @@ export class KvPuller {
       }
       const notif = completionNotif(this.#wire, opts.requestId, this.#layout.tpSize, opts.remote.tpSize);
       const t0 = performance.now();
+      post = child('kv.post');
       let bytes = 0;
       for (const p of engine.reads) if (!p.read.notifyOnly) bytes += p.blockBytes * localIds.length;
       // The lease: never start a read that cannot end before the prefill may
@@ -659,8 +712,24 @@ export class KvPuller {
       }
       for (const p of engine.reads) if (p.read.notifyOnly) this.#notify(p.rank.agentName, notif);
       const postMs = performance.now() - t0;
+      post.setAttribute('nixl_node.descriptors', descriptors);
+      post.end();
+      post = undefined;
       stage = 'transfer';
-      await Promise.all(handles.map((h) => this.#agent.wait(h, { timeoutMs: opts.timeoutMs, signal: opts.signal })));
+      const xfer = child('kv.transfer', {
+        'nixl_node.bytes': bytes,
+        'nixl_node.descriptors': descriptors,
+        'nixl_node.remote_ranks': engine.plan.reads.map((x) => x.remoteRank).join(','),
+        'nixl_node.engine': this.#agent.engine,
+      });
+      try {
+        await Promise.all(handles.map((h) => this.#agent.wait(h, { timeoutMs: opts.timeoutMs, signal: opts.signal })));
+      } catch (e) {
+        xfer.fail(e);
+        throw e;
+      } finally {
+        xfer.end();
+      }
       const done = performance.now();
       const transferMs = done - t0;
       if (lease) {
@@ -678,11 +747,12 @@ export class KvPuller {
       // the blocks before our read ended. Only then may it free them.
       const confirm = engine.reads.filter((p) => !p.read.notifyOnly && p.rank.board);
       if (confirm.length > 0) {
+        const c = child('kv.confirm', { 'nixl_node.ranks': confirm.length });
         const verdicts = await Promise.all(
           confirm.map((p) =>
             this.#boards.verdict(p.rank.agentName, p.rank.board!, opts.requestId, opts.timeoutMs ?? 5000),
           ),
-        );
+        ).finally(() => c.end());
         const i = verdicts.findIndex((v) => v !== 'held');
         if (i >= 0) {
           stage = 'expired';
@@ -691,7 +761,9 @@ export class KvPuller {
             'NIXL_ERR_LEASE_EXPIRED',
           );
         }
+        const n = child('kv.notify', { 'nixl_node.ranks': confirm.length });
         for (const p of confirm) this.#notify(p.rank.agentName, notif);
+        n.end();
       }
       if (transferMs > 0)
         this.#rate = this.#rate === 0 ? bytes / transferMs : 0.8 * this.#rate + 0.2 * (bytes / transferMs);
@@ -713,6 +785,8 @@ export class KvPuller {
       else if (code === 'NIXL_ERR_CANCELED' && opts.signal?.aborted) kind = 'aborted';
       else if (code === 'NIXL_ERR_REMOTE_DISCONNECT') kind = 'peer-gone';
       if (kind === 'expired') this.stats.recordExpired();
+      post?.fail(e);
+      post?.end();
       // A gone peer or a failed transfer: handshake afresh next time.
       if (engine && (kind === 'peer-gone' || kind === 'transfer')) this.#forget(engine, connecting);
       throw fail(kind, e);
@@ -795,6 +869,9 @@ export class KvPuller {
     } catch (e) {
       const err = e as NixlError;
       const id = isParsed(params) ? params.remoteRequestId : String(params.remote_request_id ?? '');
+      const s = startSpan('kv.pull', { parent: opts.traceContext, attributes: { 'nixl_node.pull_failure': 'setup' } });
+      s.fail(e);
+      s.end();
       throw new PullError(
         `pull of request '${id}' from kv_transfer_params failed (setup): ${err.message}`,
         err.code ?? 'NIXL_ERR_INVALID_PARAM',
@@ -816,6 +893,7 @@ export class KvPuller {
         timeoutMs: opts.timeoutMs,
         signal: opts.signal,
         coalesce: opts.coalesce,
+        traceContext: opts.traceContext,
         lease: {
           remoteExpiryS: p.remoteBlocksExpiryTime,
           issuedAtMs,
@@ -883,6 +961,7 @@ export class KvPuller {
     let all = true;
     for (const r of engine.ranks.values()) all = this.#notify(r.agentName, msg) && all;
     if (all) for (const id of ids) if (h.ids.has(id)) h.lastSentMs.set(id, sentAt);
+    for (const id of ids) this.#pullSpans.get(id)?.addEvent('heartbeat', { 'nixl_node.delivered': all });
     this.heartbeatsSent++;
   }
 

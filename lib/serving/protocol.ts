@@ -2,7 +2,7 @@
 // in vLLM's ZeroMQ encode/prefill/decode proxy: PUSH sockets from the proxy
 // to each worker, one PULL socket for every worker's replies. Each message is
 // two frames: an ASCII tag and a msgpack map.
-//   proxy -> worker  ENCODE | GENERATION  {msg_id, request_id, path, reply_to, payload}
+//   proxy -> worker  ENCODE | GENERATION  {msg_id, request_id, path, reply_to, payload, traceparent?}
 //                    ABORT                {msg_id}
 //                    RELEASE              {msg_id, remote_request_id}   (a prefill frees that hold now)
 //                    HEALTH               {msg_id, reply_to}
@@ -20,6 +20,8 @@ export interface ZmqRequest {
   msg_id: string;
   request_id?: string;
   remote_request_id?: string;
+  /** W3C trace context of the proxy's stage span. */
+  traceparent?: string;
   path?: string;
   reply_to?: string;
   payload?: Record<string, unknown>;

@@ -10,6 +10,7 @@ import type { WireName } from '../handshake/model';
 import { parseKvTransferParams, prefillRequestParams, wireProfile } from '../handshake/wire';
 import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
+import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
 import { type HttpError, errorBody, hasImages, readJson } from './worker';
 
@@ -66,6 +67,11 @@ class StageFailure extends Error {
   ) {
     super(message);
   }
+
+  /** What a span records as the error code: the worker's code, else the stage and status. */
+  get code(): string {
+    return this.type ?? `stage_failed_${this.status}`;
+  }
 }
 
 export class ServingProxy {
@@ -87,6 +93,8 @@ export class ServingProxy {
   readonly #transport: WorkerTransport;
   readonly #server: http.Server;
   readonly #inflight = new Set<AbortController>();
+  /** Each request's span context, by our request id: its stages' spans are its children. */
+  readonly #traces = new Map<string, TraceContext>();
   #health?: NodeJS.Timeout;
   readonly #prom?: {
     registry: import('prom-client').Registry;
@@ -243,6 +251,23 @@ export class ServingProxy {
     }
 
     this.stats.requests++;
+    // One trace per request: the client's traceparent (if any) is its parent.
+    const span = startSpan('proxy.request', {
+      kind: 'server',
+      parent: contextFromTraceparent(req.headers.traceparent),
+      attributes: {
+        'http.request.method': 'POST',
+        'http.route': path,
+        'gen_ai.request.model': typeof body.model === 'string' ? body.model : undefined,
+        'nixl_node.request_id': label,
+      },
+    });
+    this.#traces.set(requestId, span.context);
+    let status = 200;
+    const sendTraced = (s: number, b: unknown, h: Record<string, string> = {}) => {
+      status = s;
+      send(s, b, h);
+    };
     const ac = new AbortController();
     this.#inflight.add(ac);
     this.#prom?.inflight.inc();
@@ -251,11 +276,13 @@ export class ServingProxy {
       if (!res.writableFinished) ac.abort(new Error('client disconnected'));
     });
     try {
-      await this.#pipeline(path, body, requestId, ac.signal, res, send);
+      await this.#pipeline(path, body, requestId, ac.signal, res, sendTraced);
       this.stats.completed++;
     } catch (e) {
+      span.fail(e);
       if (ac.signal.aborted) {
         this.stats.aborted++;
+        span.setAttribute('nixl_node.aborted', true);
         res.destroy();
       } else {
         this.stats.failed++;
@@ -263,7 +290,7 @@ export class ServingProxy {
           e instanceof StageFailure
             ? e
             : new StageFailure(502, 'decode', undefined, (e as Error)?.message ?? String(e));
-        send(
+        sendTraced(
           f.status,
           errorBody(f.message, 'stage_failed', {
             stage: f.stage,
@@ -276,6 +303,9 @@ export class ServingProxy {
     } finally {
       this.#inflight.delete(ac);
       this.#prom?.inflight.dec();
+      this.#traces.delete(requestId);
+      span.setAttribute('http.response.status_code', status);
+      span.end();
     }
   }
 
@@ -407,23 +437,45 @@ export class ServingProxy {
       if (!w || (attempt > 0 && tried.has(w))) break;
       tried.add(w);
       if (attempt > 0) this.stats.retries++;
+      const span: SpanLike = startSpan(`proxy.${stage}`, {
+        kind: 'client',
+        parent: this.#traces.get(requestId),
+        attributes: {
+          'nixl_node.stage': stage,
+          'nixl_node.worker': w.address,
+          'nixl_node.attempt': attempt,
+          'nixl_node.retry': attempt > 0,
+        },
+      });
       const timeoutMs = this.#o.timeoutMs?.[stage] ?? 60_000;
       const timeout = AbortSignal.timeout(timeoutMs);
       const signal = AbortSignal.any([clientSignal, timeout]);
       const t0 = performance.now();
       w.outstanding++;
       let released = false;
+      let streaming = false;
       const release = () => {
         if (!released) {
           released = true;
           w.outstanding--;
+          if (streaming) span.end(); // a streamed answer's span lasts to its end
         }
       };
       const observe = (outcome: string) =>
         this.#prom?.stageSeconds.observe({ stage, outcome }, (performance.now() - t0) / 1000);
       try {
-        const answer = await this.#transport.call({ stage, worker: w, path, body, requestId, signal, stream });
+        const answer = await this.#transport.call({
+          stage,
+          worker: w,
+          path,
+          body,
+          requestId,
+          signal,
+          stream,
+          traceparent: span.traceparent(),
+        });
         observe(String(answer.status));
+        span.setAttribute('http.response.status_code', answer.status);
         if (answer.status >= 500 && answer.status !== 503) pool.markFailed(w);
         if (answer.status >= 400) {
           release();
@@ -432,8 +484,11 @@ export class ServingProxy {
           // HTTP workers say it as OpenAI's error type, ZeroMQ ones as code.
           const type = err?.type ?? err?.code;
           // A worker's 4xx is the request's fault: give it to the client as it is. 5xx: retry or 502.
-          if (answer.status < 500)
-            throw new StageFailure(answer.status, stage, w.address, `${stage} worker ${w.address}: ${msg}`, type);
+          if (answer.status < 500) {
+            const f = new StageFailure(answer.status, stage, w.address, `${stage} worker ${w.address}: ${msg}`, type);
+            span.fail(f);
+            throw f;
+          }
           last = new StageFailure(
             type === 'kv_expired' ? 503 : 502,
             stage,
@@ -441,14 +496,19 @@ export class ServingProxy {
             `${stage} worker ${w.address} answered ${answer.status}: ${msg}`,
             type,
           );
+          span.fail(last);
           continue;
         }
         if (!answer.chunks) release();
+        else streaming = true;
         return { answer, worker: w, release };
       } catch (e) {
         release();
         if (e instanceof StageFailure) throw e;
-        if (clientSignal.aborted) throw e;
+        if (clientSignal.aborted) {
+          span.fail(e);
+          throw e;
+        }
         if (timeout.aborted) {
           observe('timeout');
           // Nothing came back yet, so another worker may take it (a ZeroMQ peer that died says nothing).
@@ -459,6 +519,7 @@ export class ServingProxy {
             w.address,
             `${stage} worker ${w.address} did not answer within ${timeoutMs} ms`,
           );
+          span.fail(last);
           continue;
         }
         observe('unreachable');
@@ -469,6 +530,9 @@ export class ServingProxy {
           w.address,
           `${stage} worker ${w.address} failed: ${(e as TransportError).message}`,
         );
+        span.fail(last);
+      } finally {
+        if (!streaming) span.end();
       }
     }
     throw last ?? new StageFailure(503, stage, undefined, `no healthy ${stage} worker`);

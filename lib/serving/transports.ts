@@ -16,6 +16,8 @@ export interface StageCall {
   signal: AbortSignal;
   /** The answer is an SSE stream of chunks. */
   stream: boolean;
+  /** W3C trace context of the stage's span: the worker's spans are its children. */
+  traceparent?: string;
 }
 
 export interface StageAnswer {
@@ -77,7 +79,11 @@ export class HttpTransport implements WorkerTransport {
     try {
       res = await fetch(`${c.worker.address}${c.path}`, {
         method: 'POST',
-        headers: { 'content-type': 'application/json', 'x-request-id': c.requestId },
+        headers: {
+          'content-type': 'application/json',
+          'x-request-id': c.requestId,
+          ...(c.traceparent ? { traceparent: c.traceparent } : {}),
+        },
         body: JSON.stringify(c.body),
         signal: c.signal,
       });
@@ -249,6 +255,7 @@ export class ZmqTransport implements WorkerTransport {
         path: c.path,
         reply_to: this.replyAddress,
         payload: c.body,
+        ...(c.traceparent ? { traceparent: c.traceparent } : {}),
       });
       const first = await next();
       const answer = (m: { tag: Tag; body: Record<string, unknown> }): StageAnswer =>

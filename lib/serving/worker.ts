@@ -27,6 +27,7 @@ import { PrefillTracker, servePrefill } from '../kv/prefill';
 import type { KvLayout } from '../kv/layout';
 import { BlockPool } from './blocks';
 import { signKvTransferParams, verifyKvTransferParams } from '../kv/params-auth';
+import { type SpanLike, contextFromTraceparent, startSpan } from '../tracing';
 import { type RequestError, checkCompletionRequest } from './schema';
 import { SerialSender, decodeMessage, encodeMessage, type ZmqReply } from './protocol';
 import {
@@ -267,7 +268,39 @@ export class Worker {
     return body.prompt;
   }
 
-  async #handle(path: string, body: Record<string, unknown>, requestId: string, signal: AbortSignal, sink: Sink) {
+  /** One request in its own span, a child of the proxy's stage span (traceparent) when there is one. */
+  async #handle(
+    path: string,
+    body: Record<string, unknown>,
+    requestId: string,
+    signal: AbortSignal,
+    sink: Sink,
+    traceparent?: unknown,
+  ): Promise<void> {
+    const span = startSpan('worker.request', {
+      kind: 'server',
+      parent: contextFromTraceparent(traceparent),
+      attributes: { 'http.route': path, 'nixl_node.worker': this.name, 'nixl_node.request_id': requestId },
+    });
+    try {
+      await this.#serve(path, body, requestId, signal, sink, span);
+    } catch (e) {
+      span.fail(e);
+      if (e instanceof HttpError) span.setAttribute('http.response.status_code', e.status);
+      throw e;
+    } finally {
+      span.end();
+    }
+  }
+
+  async #serve(
+    path: string,
+    body: Record<string, unknown>,
+    requestId: string,
+    signal: AbortSignal,
+    sink: Sink,
+    span: SpanLike,
+  ) {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
     try {
@@ -290,18 +323,27 @@ export class Worker {
     const chat = path === '/v1/chat/completions';
 
     if (hasImages(body) && kvp === undefined) {
+      span.setAttribute('nixl_node.role', 'encode');
       this.stats.encodes++;
       sink.end(200, { id: requestId, object: 'encode', model: MODEL_NAME, mm_items: countImages(body) });
       return;
     }
     if (kvp?.do_remote_decode === true) {
       // Prefill for a remote decode.
+      span.setAttribute('nixl_node.role', 'prefill');
       const ids = this.#take(n);
       computeKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
       // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
       const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
       this.#held.set(remoteRequestId, ids);
+      // The hold outlives this request's span: it ends when the blocks go back.
+      const hold = startSpan('kv.hold', {
+        parent: span.context,
+        attributes: { 'nixl_node.remote_request_id': remoteRequestId, 'nixl_node.blocks': ids.length },
+      });
       void this.#tracker.expect(remoteRequestId, ids).then((r) => {
+        hold.setAttribute('nixl_node.release_reason', r.reason === 'expired' ? 'lease' : r.reason);
+        hold.end();
         this.#held.delete(remoteRequestId);
         if (r.reason !== 'read' && this.#o.poisonFreed)
           for (const id of ids) for (let l = 0; l < this.#spec.layers; l++) this.#block(id, l).fill(0xa5);
@@ -339,6 +381,7 @@ export class Worker {
     }
     if (kvp !== undefined && kvp.remote_engine_id === this.name) {
       // Prefilled here (one worker in both pools): the KV is in our own blocks; read it in place.
+      span.setAttribute('nixl_node.role', 'decode-in-place');
       let p: ReturnType<typeof parseKvTransferParams>;
       try {
         if (this.#secret !== undefined) verifyKvTransferParams(kvp, this.#secret);
@@ -378,7 +421,9 @@ export class Worker {
         // Decode: the KV comes from the prefill named in kv_transfer_params.
         if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
         try {
+          span.setAttribute('nixl_node.role', 'decode');
           await this.#puller.pullFromParams(kvp, {
+            traceContext: span.context,
             localBlockIds: ids,
             signal,
             timeoutMs: 30_000,
@@ -406,6 +451,7 @@ export class Worker {
         this.stats.decodes++;
       } else {
         computeKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
+        span.setAttribute('nixl_node.role', 'aggregated');
         this.stats.aggregated++;
       }
       await this.#answer(requestId, chat, body.stream === true, signal, sink, ids, n, maxTokens, {
@@ -483,19 +529,26 @@ export class Worker {
       const body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
       const rid = String(req.headers['x-request-id'] ?? randomUUID());
       let streaming = false;
-      await this.#handle(path, body, rid, ac.signal, {
-        chunk: (c) => {
-          if (!streaming) {
-            streaming = true;
-            res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
-          }
-          res.write(`data: ${JSON.stringify(c)}\n\n`);
+      await this.#handle(
+        path,
+        body,
+        rid,
+        ac.signal,
+        {
+          chunk: (c) => {
+            if (!streaming) {
+              streaming = true;
+              res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
+            }
+            res.write(`data: ${JSON.stringify(c)}\n\n`);
+          },
+          end: (status, b) => {
+            if (streaming) res.end('data: [DONE]\n\n');
+            else json(status, b);
+          },
         },
-        end: (status, b) => {
-          if (streaming) res.end('data: [DONE]\n\n');
-          else json(status, b);
-        },
-      });
+        req.headers.traceparent,
+      );
     } catch (e) {
       this.stats.failed++;
       const h = e instanceof HttpError ? e : new HttpError(500, (e as Error).message, 'internal_error');
@@ -558,6 +611,7 @@ export class Worker {
               chunk: (c) => void reply(tag, { msg_id: b.msg_id, chunk: c, done: false }),
               end: (status, body) => void reply(tag, { msg_id: b.msg_id, status, payload: body, done: true }),
             },
+            (b as { traceparent?: unknown }).traceparent,
           );
         } catch (e) {
           this.stats.failed++;
