@@ -244,6 +244,9 @@ describe.each(['http', 'zmq'] as const)('killed workers over %s', (transport) =>
       () => proxy.close(),
     );
     expect(right((await post(`${proxy.url}/v1/completions`, { prompt: prompt(5), max_tokens: 6 })).json, 5)).toBe(true);
+    // Idle first: the decode's completion notification has reached the prefill (on NIXL it
+    // goes out asynchronously, and a process killed right after may never send it).
+    await expect.poll(() => prefill.stats.freedByRead, { timeout: 3000 }).toBe(1);
     d1.p.kill('SIGKILL');
     await new Promise((r) => d1.p.once('exit', r));
     // Requests while it is down: errors, and the prefill's cache stays free.

@@ -784,6 +784,10 @@ export class KvPuller {
       if (code === 'NIXL_ERR_TIMEOUT' && stage === 'transfer') kind = 'timeout';
       else if (code === 'NIXL_ERR_CANCELED' && opts.signal?.aborted) kind = 'aborted';
       else if (code === 'NIXL_ERR_REMOTE_DISCONNECT') kind = 'peer-gone';
+      // Another pull found the peer gone and dropped this engine under us
+      // (its agent removed: NIXL answers NOT_FOUND): the peer's fault, not
+      // the request's.
+      else if (engine?.dropped && kind === 'setup') kind = 'peer-gone';
       if (kind === 'expired') this.stats.recordExpired();
       post?.fail(e);
       post?.end();
