@@ -2,7 +2,7 @@
 // camelCase; promise forms (wait/read/write/waitForNotif) are resolved from
 // the addon's batched completion events.
 import { markAsUntransferable } from 'node:worker_threads';
-import { ucxBackendParams } from './ucx';
+import { prepareUcxEnv, ucxBackendParams } from './ucx';
 import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
@@ -110,6 +110,7 @@ export class NixlAgent {
     if (typeof name !== 'string' || name.length === 0) throw invalidParam('agent name must be a non-empty string');
     const engine = options.engine ?? defaultEngine();
     const backends = options.backends ?? (engine === 'nixl' ? ['UCX'] : ['LOOPBACK']);
+    if (engine === 'nixl') prepareUcxEnv(); // before NIXL first loads UCX
     this.name = name;
     this.#native = new binding.NativeAgent(
       name,

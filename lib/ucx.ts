@@ -5,6 +5,25 @@
 // unless ucx_error_handling_mode=none.
 const HANDLES_PEER_FAILURE = /(^|[,^])(all|tcp|rc\w*|ud\w*|dc\w*|ib)(,|$)/;
 
+/**
+ * Sets what UCX reads when NIXL first loads it, unless the user set it.
+ *
+ * UCX_MEM_MMAP_HOOK_MODE=reloc: UCX's default 'bistro' hooks are installed
+ * when libucm is loaded, and they test themselves in "exclusive" mode. The
+ * test calls brk(current + page) and then brk(current), on the assumption that
+ * no other thread runs yet. Here NIXL loads UCX with dlopen into a Node
+ * process whose V8 and libuv threads are already allocating. A malloc that
+ * grows the heap between the two brk calls loses the pages it just got. The
+ * process then dies of SIGSEGV at its next touch of them, often in V8's lazy
+ * compiler. A core of such a crash shows a one-page hole at the top of the brk
+ * heap. It hit about 1 in 60-250 starts of a worker under load here. 'reloc'
+ * hooks install without that test; NIXL's own transfers use memory it
+ * registered, not UCX's registration cache, so nothing it needs is lost.
+ */
+export function prepareUcxEnv(env: NodeJS.ProcessEnv = process.env): void {
+  if (env.UCX_MEM_MMAP_HOOK_MODE === undefined) env.UCX_MEM_MMAP_HOOK_MODE = 'reloc';
+}
+
 /** Backend params for NIXL's UCX plugin under this environment's UCX_TLS (none needed: undefined). */
 export function ucxBackendParams(env: NodeJS.ProcessEnv = process.env): Record<string, string> | undefined {
   const tls = env.UCX_TLS;

@@ -1,7 +1,7 @@
 // KvPuller and PrefillTracker in one process: limits, timeouts, aborts,
 // prefix hits, stats, and that no handle outlives its pull.
 import { afterEach, beforeEach, describe, expect, it } from 'vitest';
-import { DescList, KvPuller, NixlAgent, PrefillTracker, allocate, servePrefill, type KvLayout } from '../lib';
+import { DescList, KvPuller, NixlAgent, NixlError, PrefillTracker, allocate, servePrefill, type KvLayout } from '../lib';
 import type { HandshakeServer } from '../lib/handshake';
 
 const BLOCK = 1 << 20;
@@ -187,5 +187,39 @@ describe('metrics in prom-client', () => {
     expect(await registry.metrics()).toMatch(/^nixl_node_transfers_total\{rank="0"\} 1$/m);
     // The text format without prom-client goes on counting.
     expect(puller.stats.prometheus({ rank: '0' })).toMatch(/^nixl_node_transfers_total\{rank="0"\} 2$/m);
+  });
+});
+
+describe('KvPuller, a peer that goes away between the handshake and the post', () => {
+  it("NIXL's NOT_FOUND from making the transfer is the peer's fault: peer-gone, handshake afresh, the next pull works", async () => {
+    // NIXL answers makeXferReq with NIXL_ERR_NOT_FOUND once a dead peer's
+    // connection is torn down; the puller had reported it as a 400-class
+    // 'setup' failure. The ids were checked first, so it cannot be the request's.
+    let failNext = true;
+    const flaky = new Proxy(decode, {
+      get(target, prop) {
+        if (prop === 'makePreppedXfer' && failNext)
+          return () => {
+            failNext = false;
+            throw new NixlError('makeXferReq: NIXL_ERR_NOT_FOUND', 'NIXL_ERR_NOT_FOUND');
+          };
+        const v = Reflect.get(target, prop, target);
+        return typeof v === 'function' ? v.bind(target) : v;
+      },
+    });
+    const p2 = new KvPuller({ agent: flaky, layout: layout('D', dmem), expectedHash: 'h' });
+    try {
+      const err = await p2
+        .pullBlocks({ remote: remote(), localBlockIds: [0], remoteBlockIds: [1], requestId: 'gone-1' })
+        .catch((e) => e);
+      expect(err).toMatchObject({ kind: 'peer-gone', code: 'NIXL_ERR_NOT_FOUND', localBlockIds: [0] });
+      expect(p2.resources().engines).toBe(0); // forgotten: the next pull handshakes afresh
+      const released = tracker.expect('ok-2', [2]);
+      const r = await p2.pullBlocks({ remote: remote(), localBlockIds: [1], remoteBlockIds: [2], requestId: 'ok-2' });
+      expect(r.bytes).toBe(2 * BLOCK);
+      expect((await released).reason).toBe('read');
+    } finally {
+      await p2.close();
+    }
   });
 });

@@ -643,6 +643,12 @@ export class KvPuller {
         remoteIds = remoteIds.slice(remoteIds.length - localIds.length);
       }
       const notif = completionNotif(this.#wire, opts.requestId, this.#layout.tpSize, opts.remote.tpSize);
+      // Aborted while it connected: post nothing (a transfer can finish before
+      // anyone waits on it, and would then report success).
+      if (opts.signal?.aborted)
+        throw new NixlError('pull aborted before it was posted', 'NIXL_ERR_CANCELED', undefined, {
+          cause: opts.signal.reason,
+        });
       const t0 = performance.now();
       post = child('kv.post');
       let bytes = 0;
@@ -784,10 +790,11 @@ export class KvPuller {
       if (code === 'NIXL_ERR_TIMEOUT' && stage === 'transfer') kind = 'timeout';
       else if (code === 'NIXL_ERR_CANCELED' && opts.signal?.aborted) kind = 'aborted';
       else if (code === 'NIXL_ERR_REMOTE_DISCONNECT') kind = 'peer-gone';
-      // Another pull found the peer gone and dropped this engine under us
-      // (its agent removed: NIXL answers NOT_FOUND): the peer's fault, not
-      // the request's.
-      else if (engine?.dropped && kind === 'setup') kind = 'peer-gone';
+      // Making or posting the transfer found the remote side gone: every id
+      // was checked here first, so NOT_FOUND there is not the request's
+      // fault. NIXL answers so when the peer died (its connection is torn
+      // down), and so does the engine when another pull dropped this one.
+      else if (post !== undefined && code === 'NIXL_ERR_NOT_FOUND') kind = 'peer-gone';
       if (kind === 'expired') this.stats.recordExpired();
       post?.fail(e);
       post?.end();
