@@ -4,16 +4,7 @@
 // works. Each numeric field of the metadata and of kv_transfer_params is
 // mutated towards 0, -1, 2^31, 2^53 and 2^64-1.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import {
-  DescList,
-  KvPuller,
-  NixlAgent,
-  PullError,
-  allocate,
-  buildKvTransferParams,
-  servePrefill,
-  type KvLayout,
-} from '../lib';
+import { KvPuller, NixlAgent, PullError, allocate, buildKvTransferParams, servePrefill, type KvLayout } from '../lib';
 import {
   type HandshakeServer,
   type HandshakeStrategy,
@@ -24,27 +15,15 @@ import {
   wireV12,
 } from '../lib/handshake';
 import { toAgentMetadata } from '../lib/kv/layout';
+import { tp1Layout } from './helpers';
 import { expandTail } from '../lib/kv/limits';
 
 const BLOCK = 4096;
 const BLOCKS = 32;
 const quiet = { warn() {} };
 
-function layout(engineId: string, mem: Buffer, extra: Partial<KvLayout> = {}): KvLayout {
-  const base = DescList.from(mem).addr(0);
-  return {
-    engineId,
-    tpSize: 1,
-    tpRank: 0,
-    numBlocks: BLOCKS,
-    blockSize: 16,
-    blockLens: [BLOCK, BLOCK],
-    baseAddrs: [base, base + BigInt(BLOCK * BLOCKS)],
-    kvCacheLayout: 'LBHNC',
-    totalNumKvHeads: 8,
-    ...extra,
-  };
-}
+const layout = (engineId: string, mem: Buffer) =>
+  tp1Layout(engineId, mem, { blockLen: BLOCK, blocks: BLOCKS, regions: 2 });
 
 let prefill: NixlAgent;
 let decode: NixlAgent;

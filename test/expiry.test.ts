@@ -9,40 +9,19 @@
 import type { ChildProcess } from 'node:child_process';
 import { afterEach, describe, expect, it } from 'vitest';
 import { exitReason, start } from '../dist/demo/serving';
-import {
-  DescList,
-  KvPuller,
-  NixlAgent,
-  PrefillTracker,
-  PullError,
-  allocate,
-  buildKvTransferParams,
-  servePrefill,
-  type KvLayout,
-} from '../lib';
+import { KvPuller, NixlAgent, PrefillTracker, PullError, allocate, buildKvTransferParams, servePrefill } from '../lib';
 import type { HandshakeServer } from '../lib/handshake';
 import { LeaseBoard, PROBE, SLOT_BYTES, SlotState, slotOf } from '../lib/kv/lease-board';
 import { startProxy, startWorker } from '../lib/serving';
 import { expectedCompletion } from '../lib/serving/synthetic-model';
+import { tp1Layout } from './helpers';
 
 const BLOCK = 64 * 1024;
 const BLOCKS = 16;
 const quiet = { warn() {} };
 
-function layout(engineId: string, mem: Buffer): KvLayout {
-  const base = DescList.from(mem).addr(0);
-  return {
-    engineId,
-    tpSize: 1,
-    tpRank: 0,
-    numBlocks: BLOCKS,
-    blockSize: 16,
-    blockLens: [BLOCK],
-    baseAddrs: [base],
-    kvCacheLayout: 'LBHNC',
-    totalNumKvHeads: 8,
-  };
-}
+const layout = (engineId: string, mem: Buffer) =>
+  tp1Layout(engineId, mem, { blockLen: BLOCK, blocks: BLOCKS, regions: 1 });
 
 const closers: Array<() => unknown> = [];
 afterEach(async () => {
@@ -290,8 +269,8 @@ describe('through the proxy: a right answer or a typed error, never stale KV', (
     }, 30_000);
   }
 
-  it('a short lease and a fast decode: every answer right, nothing expired', async () => {
-    const prefill = await startWorker({ blocks: 64, leaseMs: 2000, poisonFreed: true });
+  it('a lease long enough for the pulls: every answer right, nothing expired', async () => {
+    const prefill = await startWorker({ blocks: 512, leaseMs: 10_000, poisonFreed: true });
     const decode = await startWorker({ blocks: 256 });
     const proxy = await startProxy({ prefill: [prefill.address], decode: [decode.address], healthIntervalMs: 0 });
     closers.push(

@@ -3,6 +3,7 @@ import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { once } from 'node:events';
 import * as net from 'node:net';
+import { DescList, type KvLayout } from '../lib';
 
 export const FIXTURES = path.join(__dirname, 'fixtures');
 export const ROOT = path.join(__dirname, '..');
@@ -148,4 +149,27 @@ export function strictTsApp(dir: string, sources: { files?: string[]; include?: 
     types: ['node'],
   };
   fs.writeFileSync(path.join(dir, 'tsconfig.json'), JSON.stringify({ compilerOptions, ...sources }));
+}
+
+/**
+ * A TP-1 KV layout over `mem`: `regions` regions of `blocks` blocks of
+ * `blockLen` bytes each, one after another (LBHNC, 16 tokens a block).
+ */
+export function tp1Layout(
+  engineId: string,
+  mem: Buffer,
+  o: { blockLen: number; blocks: number; regions: number },
+): KvLayout {
+  const base = DescList.from(mem).addr(0);
+  return {
+    engineId,
+    tpSize: 1,
+    tpRank: 0,
+    numBlocks: o.blocks,
+    blockSize: 16,
+    blockLens: Array(o.regions).fill(o.blockLen),
+    baseAddrs: Array.from({ length: o.regions }, (_, r) => base + BigInt(r * o.blockLen * o.blocks)),
+    kvCacheLayout: 'LBHNC',
+    totalNumKvHeads: 8,
+  };
 }

@@ -1,7 +1,16 @@
 // KvPuller and PrefillTracker in one process: limits, timeouts, aborts,
 // prefix hits, stats, and that no handle outlives its pull.
 import { afterEach, beforeEach, describe, expect, it } from 'vitest';
-import { DescList, KvPuller, NixlAgent, NixlError, PrefillTracker, allocate, servePrefill, type KvLayout } from '../lib';
+import {
+  DescList,
+  KvPuller,
+  NixlAgent,
+  NixlError,
+  PrefillTracker,
+  allocate,
+  servePrefill,
+  type KvLayout,
+} from '../lib';
 import type { HandshakeServer } from '../lib/handshake';
 
 const BLOCK = 1 << 20;
