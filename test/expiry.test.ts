@@ -12,9 +12,9 @@ import { exitReason, start } from '../dist/demo/serving';
 import { KvPuller, NixlAgent, PrefillTracker, PullError, allocate, buildKvTransferParams, servePrefill } from '../lib';
 import type { HandshakeServer } from '../lib/handshake';
 import { LeaseBoard, PROBE, SLOT_BYTES, SlotState, slotOf } from '../lib/kv/lease-board';
-import { startProxy, startWorker } from '../lib/serving';
+import { startProxy } from '../lib/serving';
 import { expectedCompletion } from '../lib/serving/synthetic-model';
-import { tp1Layout } from './helpers';
+import { serveTrio, tp1Layout } from './helpers';
 
 const BLOCK = 64 * 1024;
 const BLOCKS = 16;
@@ -238,19 +238,11 @@ describe('through the proxy: a right answer or a typed error, never stale KV', (
     ['http', -3000],
   ] as const) {
     it(`prefill lease 200 ms, decode stalled 1 s, freed blocks poisoned at once (${transport}, prefill clock ${skew} ms off)`, async () => {
-      const prefill = await startWorker({ transport, blocks: 48, leaseMs: 200, poisonFreed: true, clockSkewMs: skew });
-      const decode = await startWorker({ transport, blocks: 256, stallDecodeMs: 1000 });
-      const proxy = await startProxy({
+      const { prefill, decode, proxy } = await serveTrio(closers, {
         transport,
-        prefill: [prefill.address],
-        decode: [decode.address],
-        healthIntervalMs: 0,
+        prefill: { blocks: 48, leaseMs: 200, poisonFreed: true, clockSkewMs: skew },
+        decode: { blocks: 256, stallDecodeMs: 1000 },
       });
-      closers.push(
-        () => prefill.close(),
-        () => decode.close(),
-        () => proxy.close(),
-      );
       const tally: Tally = { right: 0, typed: 0, wrong: [] };
       const first = Array.from({ length: 6 }, (_, i) => ask(proxy.url, i, tally));
       await sleep(450);
@@ -270,14 +262,10 @@ describe('through the proxy: a right answer or a typed error, never stale KV', (
   }
 
   it('a lease long enough for the pulls: every answer right, nothing expired', async () => {
-    const prefill = await startWorker({ blocks: 512, leaseMs: 10_000, poisonFreed: true });
-    const decode = await startWorker({ blocks: 256 });
-    const proxy = await startProxy({ prefill: [prefill.address], decode: [decode.address], healthIntervalMs: 0 });
-    closers.push(
-      () => prefill.close(),
-      () => decode.close(),
-      () => proxy.close(),
-    );
+    const { prefill, decode, proxy } = await serveTrio(closers, {
+      prefill: { blocks: 512, leaseMs: 10_000, poisonFreed: true },
+      decode: { blocks: 256 },
+    });
     const tally: Tally = { right: 0, typed: 0, wrong: [] };
     await Promise.all(Array.from({ length: 20 }, (_, i) => ask(proxy.url, i, tally)));
     expect(tally).toEqual({ right: 20, typed: 0, wrong: [] });

@@ -173,3 +173,35 @@ export function tp1Layout(
     totalNumKvHeads: 8,
   };
 }
+
+/**
+ * One prefill and one decode worker and a proxy in front of them, in this
+ * process; `closers` gets what closes them (in reverse order).
+ */
+export async function serveTrio(
+  closers: Array<() => unknown>,
+  o: {
+    transport?: 'http' | 'zmq';
+    prefill?: import('../lib/serving').WorkerOptions;
+    decode?: import('../lib/serving').WorkerOptions;
+    proxy?: Partial<import('../lib/serving').ProxyOptions>;
+  } = {},
+) {
+  const { startProxy, startWorker } = await import('../lib/serving');
+  const transport = o.transport ?? 'http';
+  const prefill = await startWorker({ transport, ...o.prefill });
+  const decode = await startWorker({ transport, ...o.decode });
+  const proxy = await startProxy({
+    transport,
+    prefill: [prefill.address],
+    decode: [decode.address],
+    healthIntervalMs: 0,
+    ...o.proxy,
+  });
+  closers.push(
+    () => prefill.close(),
+    () => decode.close(),
+    () => proxy.close(),
+  );
+  return { prefill, decode, proxy };
+}

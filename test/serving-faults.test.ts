@@ -11,7 +11,7 @@ import { start } from '../dist/demo/serving';
 import { startProxy, startWorker } from '../lib/serving';
 import { expectedCompletion } from '../lib/serving/synthetic-model';
 import { signKvTransferParams } from '../lib/kv/params-auth';
-import { freePort } from './helpers';
+import { freePort, serveTrio } from './helpers';
 
 const closers: Array<() => unknown> = [];
 const procs: ChildProcess[] = [];
@@ -41,23 +41,13 @@ const prompt = (i: number) => `fault ${i}: ${'the lazy dog '.repeat(1 + (i % 5))
 const right = (j: Record<string, unknown>, i: number) =>
   (j.choices as Array<{ text: string }> | undefined)?.[0]?.text === expectedCompletion(prompt(i), 6).join(' ');
 
-async function deployment(o: { transport?: 'http' | 'zmq'; secret?: string; leaseMs?: number } = {}) {
-  const transport = o.transport ?? 'http';
-  const prefill = await startWorker({ transport, blocks: 64, leaseMs: o.leaseMs, kvSecret: o.secret });
-  const decode = await startWorker({ transport, blocks: 256, kvSecret: o.secret });
-  const proxy = await startProxy({
-    transport,
-    prefill: [prefill.address],
-    decode: [decode.address],
-    healthIntervalMs: 0,
-    requestTimeoutMs: 1000,
+function deployment(o: { transport?: 'http' | 'zmq'; secret?: string; leaseMs?: number } = {}) {
+  return serveTrio(closers, {
+    transport: o.transport,
+    prefill: { blocks: 64, leaseMs: o.leaseMs, kvSecret: o.secret },
+    decode: { blocks: 256, kvSecret: o.secret },
+    proxy: { requestTimeoutMs: 1000 },
   });
-  closers.push(
-    () => prefill.close(),
-    () => decode.close(),
-    () => proxy.close(),
-  );
-  return { prefill, decode, proxy };
 }
 
 describe('request ids cannot change the protocol', () => {

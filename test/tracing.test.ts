@@ -16,9 +16,8 @@ import type { AddressInfo } from 'node:net';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { start } from '../dist/demo/serving';
 import { engines } from '../lib';
-import { startProxy, startWorker } from '../lib/serving';
 import { contextFromTraceparent, startSpan } from '../lib/tracing';
-import { ROOT } from './helpers';
+import { ROOT, serveTrio } from './helpers';
 
 const exporter = new InMemorySpanExporter();
 const provider = new BasicTracerProvider({ spanProcessors: [new SimpleSpanProcessor(exporter)] });
@@ -57,19 +56,11 @@ function one(name: string, pred: (s: ReadableSpan) => boolean = () => true): Rea
 
 describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) => {
   it('one trace: client -> proxy.request -> stage spans -> worker spans -> the KV hold and pull', async () => {
-    const prefill = await startWorker({ transport, name: `tp-${transport}` });
-    const decode = await startWorker({ transport, name: `td-${transport}` });
-    const proxy = await startProxy({
+    const { prefill, decode, proxy } = await serveTrio(closers, {
       transport,
-      prefill: [prefill.address],
-      decode: [decode.address],
-      healthIntervalMs: 0,
+      prefill: { name: `tp-${transport}` },
+      decode: { name: `td-${transport}` },
     });
-    closers.push(
-      () => prefill.close(),
-      () => decode.close(),
-      () => proxy.close(),
-    );
     const r = await fetch(`${proxy.url}/v1/completions`, {
       method: 'POST',
       headers: {
@@ -128,20 +119,11 @@ describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) 
   });
 
   it('a failing stage shows its error on its span, with the code', async () => {
-    const prefill = await startWorker({ transport });
-    const decode = await startWorker({ transport, stallDecodeMs: 2000 });
-    const proxy = await startProxy({
+    const { proxy } = await serveTrio(closers, {
       transport,
-      prefill: [prefill.address],
-      decode: [decode.address],
-      healthIntervalMs: 0,
-      timeoutMs: { decode: 300 },
+      decode: { stallDecodeMs: 2000 },
+      proxy: { timeoutMs: { decode: 300 } },
     });
-    closers.push(
-      () => prefill.close(),
-      () => decode.close(),
-      () => proxy.close(),
-    );
     const r = await fetch(`${proxy.url}/v1/completions`, {
       method: 'POST',
       headers: { 'content-type': 'application/json' },
