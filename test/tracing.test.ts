@@ -15,7 +15,7 @@ import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { start } from '../dist/demo/serving';
-import { engines } from '../lib';
+import { NixlAgent } from '../lib';
 import { contextFromTraceparent, startSpan } from '../lib/tracing';
 import { ROOT, serveTrio } from './helpers';
 
@@ -100,9 +100,12 @@ describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) 
     expect(hold.attributes['nixl_node.release_reason']).toBe('read');
     const pull = one('kv.pull');
     expect(parentOf(pull)).toBe(idOf(wDec));
-    // The workers' agents use the default engine: nixl when compiled in.
+    // The workers' agents use the default engine (NIXL_NODE_ENGINE, else nixl when compiled in).
+    const probe = new NixlAgent('engine-probe');
+    const engine = probe.engine;
+    probe.close();
     expect(pull.attributes).toMatchObject({
-      'nixl_node.engine': engines.includes('nixl') ? 'nixl' : 'loopback',
+      'nixl_node.engine': engine,
       'nixl_node.remote_ranks': '0',
     });
     expect(pull.attributes['nixl_node.bytes']).toBeGreaterThan(0);
