@@ -1,8 +1,9 @@
 // nixl-node proxy | worker: the disaggregated-serving proxy and the Node
-// workers (synthetic model) it fronts, as commands that run until killed.
+// workers (a GGUF through node-llama-cpp, or the synthetic model) it fronts, as commands that run until killed.
 // Each prints one JSON line when ready, so scripts can wait for it.
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
+import { modelPath } from '../demo/gguf';
 import { oneOf, parse, positiveInt, UsageError } from './args';
 import { startTracing } from './otel';
 
@@ -26,9 +27,15 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
 `;
 
-const WORKER_HELP = `nixl-node worker: a Node inference worker with a synthetic model (KV made from the prompt)
+const WORKER_HELP = `nixl-node worker: a Node inference worker: a GGUF model (llama.cpp) or the synthetic one
 
 Usage: nixl-node worker [options]
+  --model M            a GGUF file (needs node-llama-cpp: npm i -E node-llama-cpp@3.21.1), or
+                       tiny | small (generated test models); default: the synthetic model
+  --threads N          GGUF: CPU threads of each context (default: the cores shared among --parallel)
+  --context-size N     GGUF: tokens of each context (default 4096)
+  --parallel N         GGUF: requests evaluated at once, one context each (default 2)
+  --block-kib N        GGUF: KiB of one KV block (default 64)
   --name N             agent and engine name (default worker-<pid>-<random>)
   --transport T        http | zmq (default http)
   --host H             interface (default 127.0.0.1)
@@ -44,6 +51,7 @@ Usage: nixl-node worker [options]
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
   --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
+  --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
 `;
 
 function list(v: Record<string, unknown>, name: string): string[] {
@@ -147,9 +155,17 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'otlp-endpoint': { type: 'string' },
       'poison-freed': { type: 'boolean' },
       'clock-skew-ms': { type: 'string' },
+      model: { type: 'string' },
+      threads: { type: 'string' },
+      'context-size': { type: 'string' },
+      parallel: { type: 'string' },
+      'block-kib': { type: 'string' },
+      'tamper-kv': { type: 'string' },
     },
     WORKER_HELP,
   );
+  const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
+  const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
   const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker');
   const w = await startWorker({
     name: v.name as string | undefined,
@@ -169,8 +185,17 @@ export async function workerCommand(argv: string[]): Promise<void> {
     poisonFreed: v['poison-freed'] === true,
     kvSecret: v['kv-secret'] as string | undefined,
     clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
+    model: gguf,
+    threads: optional('threads', 1024),
+    contextSize: optional('context-size', 1 << 20),
+    parallel: optional('parallel', 256),
+    blockBytes: v['block-kib'] === undefined ? undefined : positiveInt(v, 'block-kib', 64, 1 << 20) * 1024,
+    tamperKv:
+      v['tamper-kv'] === undefined
+        ? undefined
+        : oneOf(v, 'tamper-kv', ['truncate', 'corrupt', 'oversize', 'foreign'] as const, 'corrupt'),
   });
-  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address }));
+  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId }));
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));
   await untilSignal();

@@ -1,12 +1,16 @@
 // npm run demo -- --serving: the proxy and its workers as real processes
 // (nixl-node proxy / worker), N concurrent client requests through the
-// proxy, every answer checked against what the synthetic model says for its
-// prompt, every KV byte checked by the decode worker that pulled it.
+// proxy. With the synthetic model, every answer is checked against what the
+// model says for its prompt and every KV byte by the decode worker that
+// pulled it; with a GGUF (--model), every answer against node-llama-cpp
+// generating alone in this process.
 import { type ChildProcess, spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { oneOf, parse, positiveInt } from '../cli/args';
-import { expectedCompletion } from '../lib/serving/synthetic-model';
+import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
+import { modelPath } from './gguf';
+import { type Ask, OneProcess, askBody } from './llama-reference';
 
 const HELP = `nixl-node demo --serving: clients -> proxy -> prefill / decode workers (processes), KV over nixl-node
 
@@ -15,9 +19,15 @@ Usage: nixl-node demo --serving [options]   (or npm run demo -- --serving [optio
   --transport T     proxy to workers: http | zmq (default http)
   --prefill N       prefill workers (default 2)
   --decode N        decode workers (default 2)
-  --max-tokens N    words each answer generates (default 16)
+  --max-tokens N    words (tokens, with --model) each answer generates (default 16)
+  --model M         a GGUF (needs node-llama-cpp), or tiny | small (generated test models):
+                    answers checked against node-llama-cpp alone in this process
+  --threads N       --model: CPU threads of each worker context and of the reference (default 1)
   --json            the last line is a JSON summary
 `;
+
+/** Worker context size with --model (the reference uses the same). */
+const CONTEXT_SIZE = 2048;
 
 interface Proc {
   p: ChildProcess;
@@ -138,6 +148,51 @@ async function oneRequest(url: string, i: number, maxTokens: number): Promise<Ou
   }
 }
 
+/** A --model request: completions and chat, streamed and not, greedy. */
+function ask(i: number, maxTokens: number): Ask {
+  const text = prompt(i);
+  return i % 2 === 1
+    ? { chat: true, text, history: [{ role: 'system', content: 'You answer briefly.' }], maxTokens }
+    : { chat: false, text, maxTokens };
+}
+
+async function oneModelRequest(url: string, i: number, maxTokens: number): Promise<Outcome & { text?: string }> {
+  const a = ask(i, maxTokens);
+  const stream = i % 4 >= 2;
+  const t0 = performance.now();
+  try {
+    const r = await fetch(`${url}${a.chat ? '/v1/chat/completions' : '/v1/completions'}`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', 'x-request-id': `demo-${i}` },
+      body: JSON.stringify(askBody(a, stream)),
+    });
+    let text = '';
+    let bytes = 0;
+    if (stream && r.ok) {
+      for (const line of (await r.text()).split('\n')) {
+        if (!line.startsWith('data: ') || line === 'data: [DONE]') continue;
+        const c = JSON.parse(line.slice(6));
+        if (c.error) throw new Error(c.error.message);
+        text += (a.chat ? c.choices[0].delta.content : c.choices[0].text) ?? '';
+        bytes += c.nixl_node?.kv_bytes ?? 0;
+      }
+    } else {
+      const j = (await r.json()) as {
+        error?: { message?: string };
+        choices: Array<{ text: string; message: { content: string } }>;
+        nixl_node?: { kv_bytes?: number };
+      };
+      if (!r.ok) throw new Error(`HTTP ${r.status}: ${j.error?.message}`);
+      text = a.chat ? j.choices[0].message.content : j.choices[0].text;
+      bytes = j.nixl_node?.kv_bytes ?? 0;
+    }
+    const ms = performance.now() - t0;
+    return { ok: bytes > 0, ms, bytes, text, error: bytes > 0 ? undefined : 'no KV moved' };
+  } catch (e) {
+    return { ok: false, ms: performance.now() - t0, bytes: 0, error: (e as Error).message };
+  }
+}
+
 function blockRange(n: number): string {
   const blocks = Array.from({ length: n }, (_, i) => Math.ceil(Buffer.byteLength(prompt(i)) / 16));
   return `${Math.min(...blocks)}-${Math.max(...blocks)}`;
@@ -156,10 +211,15 @@ export async function runServingDemo(argv: string[]): Promise<void> {
       prefill: { type: 'string' },
       decode: { type: 'string' },
       'max-tokens': { type: 'string' },
+      model: { type: 'string' },
+      threads: { type: 'string' },
       json: { type: 'boolean' },
     },
     HELP,
   );
+  const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
+  const threads = positiveInt(v, 'threads', 1, 1024);
+  const modelArgs = gguf ? ['--model', gguf, '--threads', String(threads), '--context-size', String(CONTEXT_SIZE)] : [];
   const n = positiveInt(v, 'requests', 64, 100_000);
   const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
   const nP = positiveInt(v, 'prefill', 2, 64);
@@ -168,7 +228,10 @@ export async function runServingDemo(argv: string[]): Promise<void> {
   const log = (s: string) => {
     if (!v.json) console.log(s);
   };
-  log(`nixl-node demo --serving: ${n} requests, proxy -> ${nP} prefill + ${nD} decode workers over ${transport}`);
+  log(
+    `nixl-node demo --serving: ${n} requests, proxy -> ${nP} prefill + ${nD} decode workers over ${transport}` +
+      (gguf ? `, model ${path.basename(gguf)}` : ', synthetic model'),
+  );
   const procs: Proc[] = [];
   try {
     const workers = await Promise.all(
@@ -180,7 +243,8 @@ export async function runServingDemo(argv: string[]): Promise<void> {
           '--name',
           `${i < nP ? 'prefill' : 'decode'}-${i < nP ? i : i - nP}`,
           '--blocks',
-          '2048',
+          gguf ? '1024' : '2048',
+          ...modelArgs,
         ]),
       ),
     );
@@ -203,8 +267,30 @@ export async function runServingDemo(argv: string[]): Promise<void> {
     const url = String(proxy.ready.url);
     log(`  proxy ${url}; workers ${addrs.join(', ')}`);
     const t0 = performance.now();
-    const outcomes = await Promise.all(Array.from({ length: n }, (_, i) => oneRequest(url, i, maxTokens)));
+    const outcomes: Array<Outcome & { text?: string }> = await Promise.all(
+      Array.from({ length: n }, (_, i) => (gguf ? oneModelRequest : oneRequest)(url, i, maxTokens)),
+    );
     const wallMs = performance.now() - t0;
+    // --model: each answer against node-llama-cpp alone (after the run, so as not to slow it).
+    let identical: number | undefined;
+    if (gguf) {
+      const ref = await OneProcess.load(gguf, { contextSize: CONTEXT_SIZE, threads });
+      identical = 0;
+      try {
+        for (const [i, o] of outcomes.entries()) {
+          if (!o.ok) continue;
+          const want = (await ref.generate(ask(i, maxTokens))).text;
+          if (o.text === want) identical++;
+          else
+            Object.assign(o, {
+              ok: false,
+              error: `answer ${JSON.stringify(o.text)} != one process's ${JSON.stringify(want)}`,
+            });
+        }
+      } finally {
+        await ref.close();
+      }
+    }
     const ok = outcomes.filter((o) => o.ok);
     const lat = outcomes.map((o) => o.ms).sort((a, b) => a - b);
     const verifiedBytes = ok.reduce((a, o) => a + o.bytes, 0);
@@ -214,11 +300,13 @@ export async function runServingDemo(argv: string[]): Promise<void> {
     procs.length = 0;
     const wstats = stats.slice(0, nP + nD).map((s) => (s?.stats ?? {}) as Record<string, number>);
     const freed = wstats.slice(0, nP).reduce((a, s) => a + (s.freedByRead ?? 0), 0);
+    const completed = outcomes.filter((o) => o.ok);
     const summary = {
       requests: n,
-      completed: ok.length,
-      failed: n - ok.length,
-      verifiedBytes,
+      completed: completed.length,
+      failed: n - completed.length,
+      ...(gguf ? { identical, kvBytes: verifiedBytes, model: path.basename(gguf) } : {}),
+      verifiedBytes: gguf ? 0 : verifiedBytes,
       latencyMsP50: Number(pct(lat, 50).toFixed(1)),
       latencyMsP99: Number(pct(lat, 99).toFixed(1)),
       wallMs: Number(wallMs.toFixed(1)),
@@ -230,22 +318,31 @@ export async function runServingDemo(argv: string[]): Promise<void> {
       prefillFreedByRead: freed,
       errors: [...deaths, ...new Set(outcomes.filter((o) => !o.ok).map((o) => o.error))].slice(0, 5),
     };
-    const rows: Array<[string, string]> = [
-      ['requests', `${n} (completions and chat, streamed and not, ${blockRange(n)} KV blocks of 16 tokens each)`],
-      ['completed', `${ok.length}, every answer equal to the synthetic model's for its prompt`],
-      ['failed', String(n - ok.length)],
-      [
-        'KV verified',
-        `${(verifiedBytes / 1048576).toFixed(2)} MiB, every byte checked by the decode worker that pulled it`,
-      ],
+    const rows: Array<[string, string]> = gguf
+      ? [
+          ['requests', `${n} (completions and chat, streamed and not, greedy, ${maxTokens} tokens each)`],
+          ['completed', `${completed.length}, ${identical} identical to node-llama-cpp generating alone`],
+          ['failed', String(n - completed.length)],
+          ['KV moved', `${(verifiedBytes / 1048576).toFixed(2)} MiB pulled by the decodes (whole KV blocks)`],
+        ]
+      : [
+          ['requests', `${n} (completions and chat, streamed and not, ${blockRange(n)} KV blocks of 16 tokens each)`],
+          ['completed', `${ok.length}, every answer equal to the synthetic model's for its prompt`],
+          ['failed', String(n - ok.length)],
+          [
+            'KV verified',
+            `${(verifiedBytes / 1048576).toFixed(2)} MiB, every byte checked by the decode worker that pulled it`,
+          ],
+        ];
+    rows.push(
       ['prefill freed', `${freed}/${n} requests' blocks after the decode read (the rest by lease)`],
       ['latency', `p50 ${summary.latencyMsP50} ms, p99 ${summary.latencyMsP99} ms (client to last byte)`],
       ['throughput', `${summary.requestsPerSecond} requests/s over ${summary.wallMs} ms wall`],
-    ];
+    );
     for (const [k, x] of rows) log(`  ${k.padEnd(14)} ${x}`);
     for (const e of summary.errors) log(`  error: ${e}`);
     if (v.json) console.log(JSON.stringify(summary));
-    if (ok.length !== n || deaths.length > 0) process.exitCode = 1;
+    if (completed.length !== n || deaths.length > 0) process.exitCode = 1;
   } finally {
     await Promise.all(procs.map(stop));
   }

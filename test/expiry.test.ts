@@ -13,7 +13,7 @@ import { KvPuller, NixlAgent, PrefillTracker, PullError, allocate, buildKvTransf
 import type { HandshakeServer } from '../lib/handshake';
 import { LeaseBoard, PROBE, SLOT_BYTES, SlotState, slotOf } from '../lib/kv/lease-board';
 import { startProxy } from '../lib/serving';
-import { expectedCompletion } from '../lib/serving/synthetic-model';
+import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { serveTrio, tp1Layout } from './helpers';
 
 const BLOCK = 64 * 1024;

@@ -9,7 +9,7 @@ import * as net from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import { start } from '../dist/demo/serving';
 import { startProxy, startWorker } from '../lib/serving';
-import { expectedCompletion } from '../lib/serving/synthetic-model';
+import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { signKvTransferParams } from '../lib/kv/params-auth';
 import { freePort, serveTrio } from './helpers';
 

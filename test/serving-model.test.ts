@@ -7,7 +7,7 @@
 import fc from 'fast-check';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../lib/serving';
-import { expectedCompletion } from '../lib/serving/synthetic-model';
+import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 
 const seed = Number(process.env.FC_SEED ?? Date.now() % 2 ** 31);
 console.log(`serving model test seed: ${seed} (FC_SEED=${seed} replays it)`);

@@ -8,7 +8,7 @@ import type { ChildProcess } from 'node:child_process';
 import { afterEach, describe, expect, it } from 'vitest';
 import { start } from '../dist/demo/serving';
 import { startProxy, startWorker } from '../lib/serving';
-import { expectedCompletion } from '../lib/serving/synthetic-model';
+import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { freePort } from './helpers';
 
 const closers: Array<() => unknown> = [];

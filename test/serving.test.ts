@@ -12,7 +12,7 @@ import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../lib/serving';
 import { WorkerPool } from '../lib/serving/pool';
-import { expectedCompletion } from '../lib/serving/synthetic-model';
+import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { ROOT } from './helpers';
 
 const cleanup: Array<() => Promise<unknown> | unknown> = [];

@@ -12,7 +12,7 @@ import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
-import { type HttpError, errorBody, hasImages, readJson } from './worker';
+import { type HttpError, errorBody, hasImages, readJson } from './http';
 
 export interface ProxyOptions {
   /** Interface to bind: 127.0.0.1 unless told otherwise. */

@@ -1,21 +1,20 @@
-// A Node inference worker for the serving proxy, with the synthetic model
-// (synthetic-model.ts): OpenAI-compatible /v1/completions and
-// /v1/chat/completions over HTTP, or the proxy's ZeroMQ protocol. One worker
-// can act as encoder, prefill and decode:
-//   prefill  kv_transfer_params.do_remote_decode: compute the prompt's KV into
-//            free blocks, answer with kv_transfer_params (wire profile), hold
-//            the blocks until the decode side's read (PrefillTracker) or the
-//            lease runs out;
+// A Node inference worker for the serving proxy: the stage logic between a
+// front (worker-http.ts: OpenAI-compatible HTTP; worker-zmq.ts: the proxy's
+// ZeroMQ protocol) and a model (models/: the synthetic one, or a GGUF through
+// node-llama-cpp). One worker can act as encoder, prefill and decode:
+//   prefill  kv_transfer_params.do_remote_decode: evaluate the prompt, put its
+//            KV into free blocks of the registered pool, answer with
+//            kv_transfer_params (wire profile), hold the blocks until the
+//            decode side's read (PrefillTracker) or the lease runs out;
 //   decode   kv_transfer_params with remote_block_ids: pull the KV
-//            (KvPuller.pullFromParams), check every byte against the prompt,
-//            generate words from the KV it holds, stream them or not;
+//            (KvPuller.pullFromParams), have the model check it (synthetic:
+//            every byte; llama: the state's envelope) and generate from it,
+//            streamed or not;
 //   encode   a request with images: digest them (what an encoder worker would
 //            cache for the prefill), answer with a count;
-//   neither  compute the KV locally and generate (an aggregated worker).
+//   neither  evaluate and generate here (an aggregated worker).
 import { randomUUID } from 'node:crypto';
-import * as http from 'node:http';
-import type { AddressInfo } from 'node:net';
-import * as zmq from 'zeromq';
+import type * as http from 'node:http';
 import { type EngineKind, NixlAgent } from '../agent';
 import { DescList, allocate } from '../descriptors';
 import type { HandshakeServer } from '../handshake/types';
@@ -25,22 +24,26 @@ import { KvPuller, type PullError } from '../kv/puller';
 import { LeaseBoard } from '../kv/lease-board';
 import { PrefillTracker, servePrefill } from '../kv/prefill';
 import type { KvLayout } from '../kv/layout';
-import { BlockPool } from './blocks';
 import { signKvTransferParams, verifyKvTransferParams } from '../kv/params-auth';
 import { type SpanLike, contextFromTraceparent, startSpan } from '../tracing';
-import { type RequestError, checkCompletionRequest } from './schema';
-import { SerialSender, decodeMessage, encodeMessage, type ZmqReply } from './protocol';
+import { BlockPool } from './blocks';
+import { HttpError, countImages } from './http';
+import { tamperEnvelope, type Tamper } from './models/kv-state';
+import { LlamaModel } from './models/llama';
+import { SyntheticModel } from './models/synthetic';
+import { DEFAULT_MODEL, type SyntheticModelSpec } from './models/synthetic-kv';
 import {
-  DEFAULT_MODEL,
-  MODEL_NAME,
-  type SyntheticModelSpec,
-  chatPrompt,
-  checkKv,
-  computeKv,
-  generate,
-  numBlocks,
-  tokenize,
-} from './synthetic-model';
+  type BlockView,
+  type ChatMessage,
+  type Generated,
+  type GenerationRequest,
+  KvRejected,
+  ModelRequestError,
+  type ServingModel,
+} from './models/types';
+import { type RequestError, checkCompletionRequest } from './schema';
+import { serveHttp } from './worker-http';
+import { ZmqFront } from './worker-zmq';
 
 export interface WorkerOptions {
   name?: string;
@@ -54,7 +57,19 @@ export interface WorkerOptions {
   sideChannelPort?: number;
   /** KV cache blocks (default 512). */
   blocks?: number;
-  model?: SyntheticModelSpec;
+  /**
+   * The model: a GGUF file (needs the node-llama-cpp package), or the
+   * synthetic model's shape (default).
+   */
+  model?: string | SyntheticModelSpec;
+  /** GGUF: CPU threads of each context (default: the cores shared among `parallel`). */
+  threads?: number;
+  /** GGUF: tokens of each context (default 4096). */
+  contextSize?: number;
+  /** GGUF: requests evaluated at once, a context each (default 2). */
+  parallel?: number;
+  /** GGUF: bytes of one KV block (default 64 KiB); a request's state takes as many as it needs. */
+  blockBytes?: number;
   wire?: WireName;
   /** How long a prefill holds KV nobody read (default: the profile's lease, 30 s for v12). */
   leaseMs?: number;
@@ -66,6 +81,8 @@ export interface WorkerOptions {
   poisonFreed?: boolean;
   /** Test hook: this worker's monotonic clock runs this far ahead (negative: behind) of the process's. */
   clockSkewMs?: number;
+  /** Test hook (GGUF): a prefill damages each state it puts into blocks, this way. */
+  tamperKv?: Tamper;
   /** Largest request body, bytes (default 1 MiB). */
   maxBodyBytes?: number;
   /** HTTP: a request whose headers and body have not all arrived by then is cut (default 30 s). */
@@ -86,6 +103,8 @@ export interface WorkerStats {
   failed: number;
   verifiedBytes: number;
   badBytes: number;
+  /** Decode: KV it was given and refused to load (wrong bytes, another model, truncated, corrupted). */
+  rejectedKv: number;
   freedByRead: number;
   freedByLease: number;
   /** Decode: pulls refused or failed because the prefill's lease ran out (or would have) first. */
@@ -96,17 +115,7 @@ export interface WorkerStats {
   abortedHolds: number;
 }
 
-class HttpError extends Error {
-  constructor(
-    readonly status: number,
-    message: string,
-    readonly code = 'invalid_request_error',
-  ) {
-    super(message);
-  }
-}
-
-type Sink = {
+export type Sink = {
   /** Streamed: one OpenAI chunk. */
   chunk(c: Record<string, unknown>): void;
   /** The whole answer (not streamed), or the end of a stream. */
@@ -123,6 +132,7 @@ export class Worker {
     failed: 0,
     verifiedBytes: 0,
     badBytes: 0,
+    rejectedKv: 0,
     freedByRead: 0,
     freedByLease: 0,
     pullsExpired: 0,
@@ -131,8 +141,8 @@ export class Worker {
   };
   /** HTTP: the base URL; ZMQ: the address to PUSH to. */
   address = '';
+  readonly model: ServingModel;
   readonly #o: WorkerOptions;
-  readonly #spec: SyntheticModelSpec;
   readonly #agent: NixlAgent;
   readonly #mem: Buffer;
   readonly #blocks: BlockPool;
@@ -142,25 +152,25 @@ export class Worker {
   /** This worker's monotonic clock, ms (skewed by the test hook). */
   readonly #now: () => number;
   readonly #secret: string | undefined;
-  readonly #aborts = new Map<string, AbortController>();
   /** Blocks held for each prefilled request until its read or lease. */
   readonly #held = new Map<string, number[]>();
   #side?: HandshakeServer;
   #http?: http.Server;
-  #pull?: zmq.Pull;
-  readonly #push = new Map<string, SerialSender>();
+  #zmq?: ZmqFront;
   #seq = 0;
   #closed = false;
 
-  constructor(o: WorkerOptions) {
+  /** A worker around a loaded model (startWorker loads it from the options). */
+  constructor(o: WorkerOptions, model: ServingModel = new SyntheticModel(DEFAULT_MODEL)) {
     this.#o = o;
+    this.model = model;
     this.name = o.name ?? `worker-${process.pid}-${randomUUID().slice(0, 8)}`;
-    this.#spec = o.model ?? DEFAULT_MODEL;
+    const { layers, blockBytes, tokensPerBlock } = model.geometry;
     const blocks = o.blocks ?? 512;
     this.#blocks = new BlockPool(blocks);
     this.#agent = new NixlAgent(this.name, { engine: o.engine });
-    const regionBytes = blocks * this.#spec.blockBytes;
-    this.#mem = allocate(this.#spec.layers * regionBytes);
+    const regionBytes = blocks * blockBytes;
+    this.#mem = allocate(layers * regionBytes);
     this.#agent.registerMemory(this.#mem);
     const base = DescList.from(this.#mem).addr(0);
     this.#layout = {
@@ -168,9 +178,9 @@ export class Worker {
       tpSize: 1,
       tpRank: 0,
       numBlocks: blocks,
-      blockSize: this.#spec.blockSize,
-      blockLens: Array(this.#spec.layers).fill(this.#spec.blockBytes),
-      baseAddrs: Array.from({ length: this.#spec.layers }, (_, l) => base + BigInt(l * regionBytes)),
+      blockSize: tokensPerBlock,
+      blockLens: Array(layers).fill(blockBytes),
+      baseAddrs: Array.from({ length: layers }, (_, l) => base + BigInt(l * regionBytes)),
       kvCacheLayout: 'LBHNC',
       totalNumKvHeads: 8,
     };
@@ -181,6 +191,8 @@ export class Worker {
       wire: o.wire,
       kvLeaseMs: o.leaseMs,
       paramsSecret: this.#secret,
+      // A prefill of another model fails at the handshake, before any read.
+      expectedHash: model.compatibilityHash,
     });
     const skew = o.clockSkewMs ?? 0;
     this.#now = () => performance.now() + skew;
@@ -205,6 +217,11 @@ export class Worker {
     });
   }
 
+  /** The model's name in answers and /v1/models. */
+  get modelId(): string {
+    return this.model.id;
+  }
+
   /**
    * Frees at once the blocks a prefilled request holds, when its decode will
    * not read them (it failed, or the client went away): the proxy says so.
@@ -219,16 +236,21 @@ export class Worker {
     return this.#blocks.available;
   }
 
-  #block(id: number, layer: number): Buffer {
-    const at = (layer * this.#blocks.size + id) * this.#spec.blockBytes;
-    return this.#mem.subarray(at, at + this.#spec.blockBytes);
+  /** Block `ids[b]` of layer l: a request's logical block b. */
+  #view(ids: readonly number[]): BlockView {
+    const { blockBytes } = this.model.geometry;
+    return (b, l) => {
+      if (b < 0 || b >= ids.length) throw new RangeError(`block ${b} of a request of ${ids.length}`);
+      const at = (l * this.#blocks.size + ids[b]) * blockBytes;
+      return this.#mem.subarray(at, at + blockBytes);
+    };
   }
 
   async start(): Promise<this> {
     const host = this.#o.host ?? '127.0.0.1';
     this.#side = await servePrefill({
       ranks: [{ agent: this.#agent, layout: this.#layout, leaseBoard: this.#tracker.board }],
-      compatibilityHash: `synthetic:${JSON.stringify(this.#spec)}`,
+      compatibilityHash: this.model.compatibilityHash,
       host,
       port: this.#o.sideChannelPort ?? 0,
       wire: this.#o.wire,
@@ -236,40 +258,34 @@ export class Worker {
       // The clock its v12 replies carry: the one remote_blocks_expiry_time is on.
       clock: () => this.#now() / 1000,
     });
+    const maxBodyBytes = this.#o.maxBodyBytes ?? 1 << 20;
     if ((this.#o.transport ?? 'http') === 'http') {
-      const requestTimeout = this.#o.requestTimeoutMs ?? 30_000;
-      this.#http = http.createServer(
-        // A body that trickles in is cut after requestTimeout, checked every second.
-        { requestTimeout, headersTimeout: Math.min(requestTimeout, 10_000), connectionsCheckingInterval: 1000 },
-        (req, res) => void this.#onHttp(req, res),
-      );
-      await new Promise<void>((resolve, reject) => {
-        this.#http!.once('error', reject);
-        this.#http!.listen(this.#o.port ?? 0, host, () => resolve());
+      const h = await serveHttp(this, {
+        host,
+        port: this.#o.port ?? 0,
+        maxBodyBytes,
+        requestTimeoutMs: this.#o.requestTimeoutMs ?? 30_000,
       });
-      this.address = `http://${host}:${(this.#http.address() as AddressInfo).port}`;
+      this.#http = h.server;
+      this.address = h.url;
     } else {
-      this.#pull = new zmq.Pull({ linger: 0, maxMessageSize: this.#o.maxBodyBytes ?? 1 << 20 });
-      await this.#pull.bind(this.#o.zmqAddr ?? `tcp://${host}:*`);
-      this.address = this.#pull.lastEndpoint!;
-      void this.#zmqLoop();
+      this.#zmq = await ZmqFront.bind(this, this.#o.zmqAddr ?? `tcp://${host}:*`, maxBodyBytes);
+      this.address = this.#zmq.address;
     }
     return this;
   }
 
-  // ---- the model ----------------------------------------------------------
-
-  #prompt(path: string, body: Record<string, unknown>): string {
-    if (path === '/v1/chat/completions') {
-      if (!Array.isArray(body.messages)) throw new HttpError(400, "'messages' must be an array");
-      return chatPrompt(body.messages);
-    }
-    if (typeof body.prompt !== 'string') throw new HttpError(400, "'prompt' must be a string");
-    return body.prompt;
+  /** Counts a failed request; the error as the front answers it. */
+  failed(e: unknown): HttpError {
+    this.stats.failed++;
+    return e instanceof HttpError ? e : new HttpError(500, (e as Error)?.message ?? String(e), 'internal_error');
   }
 
-  /** One request in its own span, a child of the proxy's stage span (traceparent) when there is one. */
-  async #handle(
+  /**
+   * One request from a front, in its own span (a child of the proxy's stage
+   * span when traceparent names one). Throws HttpError.
+   */
+  async handle(
     path: string,
     body: Record<string, unknown>,
     requestId: string,
@@ -285,9 +301,10 @@ export class Worker {
     try {
       await this.#serve(path, body, requestId, signal, sink, span);
     } catch (e) {
-      span.fail(e);
-      if (e instanceof HttpError) span.setAttribute('http.response.status_code', e.status);
-      throw e;
+      const h = asHttpError(e, signal);
+      span.fail(h);
+      span.setAttribute('http.response.status_code', h.status);
+      throw h;
     } finally {
       span.end();
     }
@@ -308,75 +325,21 @@ export class Worker {
     } catch (e) {
       throw new HttpError((e as RequestError).status ?? 400, (e as Error).message);
     }
-    const prompt = this.#prompt(path, body);
-    const tokens = tokenize(prompt);
+    const req = generationRequest(path, body);
     const kvp = body.kv_transfer_params as Record<string, unknown> | undefined;
-    const n = numBlocks(tokens.length, this.#spec);
-    if (n > this.#blocks.size)
-      throw new HttpError(
-        413,
-        `the prompt needs ${n} KV blocks of ${this.#spec.blockSize} tokens; this worker's KV cache holds ${this.#blocks.size}`,
-      );
-    const maxTokens = Number(body.max_tokens ?? body.max_completion_tokens ?? 16);
-    if (!Number.isInteger(maxTokens) || maxTokens < 1 || maxTokens > 4096)
-      throw new HttpError(400, "'max_tokens' must be an integer from 1 to 4096");
-    const chat = path === '/v1/chat/completions';
+    const answer = new Answer(requestId, this.model.id, req.chat, body, sink);
 
-    if (hasImages(body) && kvp === undefined) {
+    if (countImages(body) > 0 && kvp === undefined) {
       span.setAttribute('nixl_node.role', 'encode');
       this.stats.encodes++;
-      sink.end(200, { id: requestId, object: 'encode', model: MODEL_NAME, mm_items: countImages(body) });
+      sink.end(200, { id: requestId, object: 'encode', model: this.model.id, mm_items: countImages(body) });
       return;
     }
+    const known = this.model.blocksFor(req);
+    if (known !== undefined) this.#fits(known);
     if (kvp?.do_remote_decode === true) {
-      // Prefill for a remote decode.
       span.setAttribute('nixl_node.role', 'prefill');
-      const ids = this.#take(n);
-      computeKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
-      // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
-      const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
-      this.#held.set(remoteRequestId, ids);
-      // The hold outlives this request's span: it ends when the blocks go back.
-      const hold = startSpan('kv.hold', {
-        parent: span.context,
-        attributes: { 'nixl_node.remote_request_id': remoteRequestId, 'nixl_node.blocks': ids.length },
-      });
-      void this.#tracker.expect(remoteRequestId, ids).then((r) => {
-        hold.setAttribute('nixl_node.release_reason', r.reason === 'expired' ? 'lease' : r.reason);
-        hold.end();
-        this.#held.delete(remoteRequestId);
-        if (r.reason !== 'read' && this.#o.poisonFreed)
-          for (const id of ids) for (let l = 0; l < this.#spec.layers; l++) this.#block(id, l).fill(0xa5);
-        this.#blocks.give(ids);
-      });
-      if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
-      if (signal.aborted) {
-        // Nobody will get the params, so nobody will read the blocks.
-        this.#tracker.abort(remoteRequestId);
-        throw new HttpError(499, 'the proxy went away', 'aborted');
-      }
-      this.stats.prefills++;
-      const params = buildKvTransferParams(
-        {
-          remoteBlockIds: [ids],
-          remoteEngineId: this.name,
-          remoteRequestId,
-          remoteHost: this.#side!.host,
-          remotePort: this.#side!.basePort,
-          tpSize: 1,
-          remoteNumTokens: tokens.length,
-          // When the tracker frees the blocks unless read, on the clock the
-          // side channel sends (performance.now, seconds), as vLLM does.
-          remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
-        },
-        this.#o.wire,
-      );
-      sink.end(200, {
-        ...completion(requestId, chat, [], 'length'),
-        kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
-        // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
-        nixl_node: { worker: this.name, kv_release: true },
-      });
+      await this.#prefill(req, requestId, signal, sink, span);
       return;
     }
     if (kvp !== undefined && kvp.remote_engine_id === this.name) {
@@ -396,100 +359,148 @@ export class Worker {
           400,
           `request '${p.remoteRequestId}' holds no such blocks here (expired, or not prefilled here)`,
         );
-      if (held.length !== n)
-        throw new HttpError(400, `kv_transfer_params name ${held.length} blocks; the prompt needs ${n}`);
       try {
-        const bad = checkKv(tokens, this.#spec, (b, l) => this.#block(held[b], l));
-        if (bad > 0) throw new HttpError(500, `${bad} bytes of the held KV differ from the prompt's`, 'kv_mismatch');
-        this.stats.verifiedBytes += n * this.#spec.layers * this.#spec.blockBytes;
+        const g = await this.#decode(req, held, answer, signal, () => {});
         this.stats.decodes++;
-        await this.#answer(requestId, chat, body.stream === true, signal, sink, held, n, maxTokens, {
-          worker: this.name,
-          verified_bytes: n * this.#spec.layers * this.#spec.blockBytes,
-          kv_blocks: n,
-          kv_moved: false,
-        });
+        answer.finish(g, { worker: this.name, kv_blocks: held.length, kv_moved: false, ...g.info });
       } finally {
         this.#tracker.release(p.remoteRequestId);
       }
       return;
     }
+    if (kvp === undefined) {
+      span.setAttribute('nixl_node.role', 'aggregated');
+      const g = await this.model.generate(req, answer.text, signal);
+      this.stats.aggregated++;
+      answer.finish(g, { worker: this.name, kv_blocks: 0, kv_moved: false, ...g.info });
+      return;
+    }
+    // Decode: the KV comes from the prefill named in kv_transfer_params.
+    span.setAttribute('nixl_node.role', 'decode');
+    const n = known ?? remoteBlockCount(kvp, this.#o.wire);
+    this.#fits(n);
     const ids = this.#take(n);
+    let given = false;
+    const give = () => {
+      if (!given) this.#blocks.give(ids);
+      given = true;
+    };
     try {
-      let verified = 0;
-      if (kvp !== undefined) {
-        // Decode: the KV comes from the prefill named in kv_transfer_params.
-        if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
-        try {
-          span.setAttribute('nixl_node.role', 'decode');
-          await this.#puller.pullFromParams(kvp, {
-            traceContext: span.context,
-            localBlockIds: ids,
-            signal,
-            timeoutMs: 30_000,
-            issuedAtMs: arrivedMs,
-          });
-        } catch (e) {
-          const err = e as PullError;
-          if (err.kind === 'expired') {
-            // Not this worker's fault nor the client's: the proxy prefills again.
-            this.stats.pullsExpired++;
-            throw new HttpError(503, `KV pull failed (expired): ${err.message}`, 'kv_expired');
-          }
-          // What the params name does not fit (bad ids, sizes, a layout the
-          // peer does not have): the request's fault, not this worker's.
-          const refused = err.kind === 'setup' || err.code === 'NIXL_ERR_MISMATCH';
-          throw new HttpError(refused ? 400 : 502, `KV pull failed (${err.kind}): ${err.message}`, err.code);
+      if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
+      try {
+        await this.#puller.pullFromParams(kvp, {
+          traceContext: span.context,
+          localBlockIds: ids,
+          signal,
+          timeoutMs: 30_000,
+          issuedAtMs: arrivedMs,
+        });
+      } catch (e) {
+        const err = e as PullError;
+        if (err.kind === 'expired') {
+          // Not this worker's fault nor the client's: the proxy prefills again.
+          this.stats.pullsExpired++;
+          throw new HttpError(503, `KV pull failed (expired): ${err.message}`, 'kv_expired');
         }
-        const bad = checkKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
-        if (bad > 0) {
-          this.stats.badBytes += bad;
-          throw new HttpError(500, `${bad} bytes of the pulled KV differ from the prompt's`, 'kv_mismatch');
-        }
-        verified = n * this.#spec.layers * this.#spec.blockBytes;
-        this.stats.verifiedBytes += verified;
-        this.stats.decodes++;
-      } else {
-        computeKv(tokens, this.#spec, (b, l) => this.#block(ids[b], l));
-        span.setAttribute('nixl_node.role', 'aggregated');
-        this.stats.aggregated++;
+        // What the params name does not fit (bad ids, sizes, a layout or a
+        // model the peer does not have): the request's fault, not this worker's.
+        const refused = err.kind === 'setup' || err.code === 'NIXL_ERR_MISMATCH';
+        throw new HttpError(refused ? 400 : 502, `KV pull failed (${err.kind}): ${err.message}`, err.code);
       }
-      await this.#answer(requestId, chat, body.stream === true, signal, sink, ids, n, maxTokens, {
+      const g = await this.#decode(req, ids, answer, signal, give);
+      this.stats.decodes++;
+      const { layers, blockBytes } = this.model.geometry;
+      answer.finish(g, {
         worker: this.name,
-        verified_bytes: verified,
         kv_blocks: n,
-        kv_moved: kvp !== undefined,
+        kv_moved: true,
+        kv_bytes: n * layers * blockBytes,
+        ...g.info,
       });
     } finally {
-      this.#blocks.give(ids);
+      give();
     }
   }
 
-  /** Generates from the KV in `ids` and answers, streamed or not. */
-  async #answer(
-    requestId: string,
-    chat: boolean,
-    stream: boolean,
-    signal: AbortSignal,
-    sink: Sink,
+  async #prefill(req: GenerationRequest, requestId: string, signal: AbortSignal, sink: Sink, span: SpanLike) {
+    const kv = await this.model.prefill(req, signal);
+    this.#fits(kv.blocks);
+    const ids = this.#take(kv.blocks);
+    kv.writeTo(this.#view(ids));
+    if (this.#o.tamperKv) tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv);
+    // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
+    const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
+    this.#held.set(remoteRequestId, ids);
+    // The hold outlives this request's span: it ends when the blocks go back.
+    const hold = startSpan('kv.hold', {
+      parent: span.context,
+      attributes: { 'nixl_node.remote_request_id': remoteRequestId, 'nixl_node.blocks': ids.length },
+    });
+    void this.#tracker.expect(remoteRequestId, ids).then((r) => {
+      hold.setAttribute('nixl_node.release_reason', r.reason === 'expired' ? 'lease' : r.reason);
+      hold.end();
+      this.#held.delete(remoteRequestId);
+      if (r.reason !== 'read' && this.#o.poisonFreed) {
+        const view = this.#view(ids);
+        for (let b = 0; b < ids.length; b++) for (let l = 0; l < this.model.geometry.layers; l++) view(b, l).fill(0xa5);
+      }
+      this.#blocks.give(ids);
+    });
+    if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
+    if (signal.aborted) {
+      // Nobody will get the params, so nobody will read the blocks.
+      this.#tracker.abort(remoteRequestId);
+      throw new HttpError(499, 'the proxy went away', 'aborted');
+    }
+    this.stats.prefills++;
+    const params = buildKvTransferParams(
+      {
+        remoteBlockIds: [ids],
+        remoteEngineId: this.name,
+        remoteRequestId,
+        remoteHost: this.#side!.host,
+        remotePort: this.#side!.basePort,
+        tpSize: 1,
+        remoteNumTokens: kv.promptTokens,
+        // When the tracker frees the blocks unless read, on the clock the
+        // side channel sends (performance.now, seconds), as vLLM does.
+        remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
+      },
+      this.#o.wire,
+    );
+    sink.end(200, {
+      ...completionBody(requestId, this.model.id, req.chat, '', 'length', { prompt: kv.promptTokens, completion: 0 }),
+      kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
+      // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
+      nixl_node: { worker: this.name, kv_release: true },
+    });
+  }
+
+  /** Generates from the KV in blocks ids; a KV the model rejects is a typed 502, nothing loaded. */
+  async #decode(
+    req: GenerationRequest,
     ids: readonly number[],
-    n: number,
-    maxTokens: number,
-    info: Record<string, unknown>,
-  ): Promise<void> {
-    const words = generate((b, l) => this.#block(ids[b], l), n, this.#spec, maxTokens);
-    const extra = { nixl_node: info };
-    if (!stream) {
-      sink.end(200, { ...completion(requestId, chat, words, 'length'), ...extra });
-      return;
+    answer: Answer,
+    signal: AbortSignal,
+    blocksRead: () => void,
+  ) {
+    try {
+      const g = await this.model.decode(req, this.#view(ids), ids.length, answer.text, signal, blocksRead);
+      this.stats.verifiedBytes += Number(g.info.verified_bytes ?? 0);
+      return g;
+    } catch (e) {
+      if (!(e instanceof KvRejected)) throw e;
+      this.stats.rejectedKv++;
+      this.stats.badBytes += e.badBytes;
+      if (e.reason === 'mismatch') throw new HttpError(500, e.message, 'kv_mismatch');
+      throw new HttpError(502, `KV state rejected (${e.reason}): ${e.message}`, 'kv_rejected');
     }
-    for (const [i, w] of words.entries()) {
-      if (signal.aborted) return;
-      sink.chunk(chunk(requestId, chat, i === 0 ? w : ` ${w}`, null));
-      if (i % 4 === 3) await new Promise((r) => setImmediate(r));
-    }
-    sink.chunk({ ...chunk(requestId, chat, '', 'length'), ...extra });
-    sink.end(200);
+  }
+
+  /** 413 when a request's KV cannot fit this worker's cache even when empty. */
+  #fits(n: number): void {
+    if (n > this.#blocks.size)
+      throw new HttpError(413, `the prompt's KV needs ${n} blocks; this worker's KV cache holds ${this.#blocks.size}`);
   }
 
   #take(n: number): number[] {
@@ -499,242 +510,181 @@ export class Worker {
     return ids;
   }
 
-  // ---- HTTP ---------------------------------------------------------------
-
-  async #onHttp(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
-    const json = (status: number, body: unknown) => {
-      if (res.headersSent) return void res.end();
-      const text = JSON.stringify(body);
-      res.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text) });
-      res.end(text);
-    };
-    const path = (req.url ?? '').split('?')[0];
-    if (req.method === 'GET' && path === '/health')
-      return json(200, { status: 'ok', name: this.name, free_blocks: this.freeBlocks });
-    if (req.method !== 'POST') return json(405, errorBody('only POST', 'invalid_request_error'));
-    if (path === '/v1/kv/release') {
-      try {
-        const b = await readJson(req, 4096);
-        return json(200, { released: this.releaseHold(b.remote_request_id) });
-      } catch (e) {
-        const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
-        return json(h.status, errorBody(h.message, h.code));
-      }
-    }
-    const ac = new AbortController();
-    res.on('close', () => {
-      if (!res.writableFinished) ac.abort();
-    });
-    try {
-      const body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
-      const rid = String(req.headers['x-request-id'] ?? randomUUID());
-      let streaming = false;
-      await this.#handle(
-        path,
-        body,
-        rid,
-        ac.signal,
-        {
-          chunk: (c) => {
-            if (!streaming) {
-              streaming = true;
-              res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
-            }
-            res.write(`data: ${JSON.stringify(c)}\n\n`);
-          },
-          end: (status, b) => {
-            if (streaming) res.end('data: [DONE]\n\n');
-            else json(status, b);
-          },
-        },
-        req.headers.traceparent,
-      );
-    } catch (e) {
-      this.stats.failed++;
-      const h = e instanceof HttpError ? e : new HttpError(500, (e as Error).message, 'internal_error');
-      json(h.status, errorBody(h.message, h.code));
-    }
-  }
-
-  // ---- ZeroMQ -------------------------------------------------------------
-
-  async #zmqLoop(): Promise<void> {
-    for (;;) {
-      let frames: Buffer[];
-      try {
-        frames = await this.#pull!.receive();
-      } catch {
-        return; // closed
-      }
-      let msg: ReturnType<typeof decodeMessage>;
-      try {
-        msg = decodeMessage(frames);
-      } catch {
-        continue; // garbage: nobody to answer
-      }
-      const b = msg.body as {
-        msg_id: string;
-        reply_to?: string;
-        path?: string;
-        request_id?: string;
-        payload?: unknown;
-      };
-      if (msg.tag === 'ABORT') {
-        this.#aborts.get(b.msg_id)?.abort();
-        continue;
-      }
-      if (msg.tag === 'RELEASE') {
-        this.releaseHold((b as { remote_request_id?: unknown }).remote_request_id);
-        continue;
-      }
-      if (typeof b.reply_to !== 'string') continue;
-      const reply = (tag: 'ENCODE' | 'GENERATION' | 'FAILURE' | 'HEALTH', r: ZmqReply) =>
-        this.#reply(b.reply_to!, tag, r);
-      if (msg.tag === 'HEALTH') {
-        void reply('HEALTH', { msg_id: b.msg_id, ok: true, name: this.name });
-        continue;
-      }
-      if (msg.tag !== 'ENCODE' && msg.tag !== 'GENERATION') continue;
-      const ac = new AbortController();
-      this.#aborts.set(b.msg_id, ac);
-      const tag = msg.tag;
-      void (async () => {
-        try {
-          if (typeof b.payload !== 'object' || b.payload === null || Array.isArray(b.payload))
-            throw new HttpError(400, 'payload must be a map');
-          await this.#handle(
-            String(b.path ?? '/v1/completions'),
-            b.payload as Record<string, unknown>,
-            String(b.request_id ?? b.msg_id),
-            ac.signal,
-            {
-              chunk: (c) => void reply(tag, { msg_id: b.msg_id, chunk: c, done: false }),
-              end: (status, body) => void reply(tag, { msg_id: b.msg_id, status, payload: body, done: true }),
-            },
-            (b as { traceparent?: unknown }).traceparent,
-          );
-        } catch (e) {
-          this.stats.failed++;
-          const h = e instanceof HttpError ? e : new HttpError(500, (e as Error).message, 'internal_error');
-          void reply('FAILURE', { msg_id: b.msg_id, status: h.status, error: { message: h.message, code: h.code } });
-        } finally {
-          this.#aborts.delete(b.msg_id);
-        }
-      })();
-    }
-  }
-
-  async #reply(to: string, tag: 'ENCODE' | 'GENERATION' | 'FAILURE' | 'HEALTH', r: ZmqReply): Promise<void> {
-    if (this.#closed) return;
-    let s = this.#push.get(to);
-    if (!s) {
-      const sock = new zmq.Push({ linger: 0, sendTimeout: 5000 });
-      sock.connect(to);
-      s = new SerialSender(sock);
-      this.#push.set(to, s);
-    }
-    try {
-      await s.send(encodeMessage(tag, r));
-    } catch {
-      /* the proxy is gone; it times the request out */
-    }
-  }
-
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    for (const a of this.#aborts.values()) a.abort();
+    this.#zmq?.close();
     if (this.#http) {
       this.#http.closeAllConnections();
       await new Promise((r) => this.#http!.close(r));
     }
-    this.#pull?.close();
-    for (const s of this.#push.values()) s.socket.close();
     await this.#side?.close();
     await this.#puller.close();
     await this.#tracker.close();
     this.#agent.close();
+    await this.model.close();
   }
 }
 
+/** Loads the model the options name, then starts the worker. */
 export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   wireProfile(o.wire); // a bad profile fails before anything starts
-  return new Worker(o).start();
+  const blocks = o.blocks ?? 512;
+  const blockBytes = o.blockBytes ?? 64 << 10;
+  const model =
+    typeof o.model === 'string'
+      ? await LlamaModel.load({
+          modelPath: o.model,
+          threads: o.threads,
+          contextSize: o.contextSize,
+          parallel: o.parallel,
+          blockBytes,
+          poolBytes: blocks * blockBytes,
+        })
+      : new SyntheticModel(o.model ?? DEFAULT_MODEL);
+  let w: Worker;
+  try {
+    w = new Worker(o, model);
+  } catch (e) {
+    await model.close();
+    throw e;
+  }
+  try {
+    return await w.start();
+  } catch (e) {
+    await w.close();
+    throw e;
+  }
 }
 
 // ---- helpers ----------------------------------------------------------------
 
-export function hasImages(body: Record<string, unknown>): boolean {
-  return countImages(body) > 0;
+/** An answer on its way out: the text as it comes (streamed, or kept), then the end. */
+class Answer {
+  #text = '';
+  readonly #stream: boolean;
+
+  constructor(
+    readonly id: string,
+    readonly model: string,
+    readonly chat: boolean,
+    readonly body: Record<string, unknown>,
+    readonly sink: Sink,
+  ) {
+    this.#stream = body.stream === true;
+  }
+
+  readonly text = (t: string): void => {
+    if (t.length === 0) return;
+    if (!this.#stream) {
+      this.#text += t;
+      return;
+    }
+    this.sink.chunk(chunkBody(this.id, this.model, this.chat, t, null));
+  };
+
+  finish(g: Generated, info: Record<string, unknown>): void {
+    const usage = { prompt: g.promptTokens, completion: g.completionTokens };
+    if (!this.#stream) {
+      this.sink.end(200, {
+        ...completionBody(this.id, this.model, this.chat, this.#text, g.finishReason, usage),
+        nixl_node: info,
+      });
+      return;
+    }
+    const last: Record<string, unknown> = {
+      ...chunkBody(this.id, this.model, this.chat, '', g.finishReason),
+      nixl_node: info,
+    };
+    if ((this.body.stream_options as { include_usage?: unknown } | null)?.include_usage === true)
+      last.usage = usageBody(usage);
+    this.sink.chunk(last);
+    this.sink.end(200);
+  }
 }
 
-function countImages(body: Record<string, unknown>): number {
-  if (!Array.isArray(body.messages)) return 0;
-  let n = 0;
-  for (const m of body.messages as Array<{ content?: unknown }>)
-    if (Array.isArray(m?.content)) for (const p of m.content) if ((p as { type?: string })?.type === 'image_url') n++;
-  return n;
+function usageBody(u: { prompt: number; completion: number }) {
+  return { prompt_tokens: u.prompt, completion_tokens: u.completion, total_tokens: u.prompt + u.completion };
 }
 
-function completion(id: string, chat: boolean, words: string[], finish: string): Record<string, unknown> {
-  const text = words.join(' ');
+function completionBody(
+  id: string,
+  model: string,
+  chat: boolean,
+  text: string,
+  finish: string,
+  usage: { prompt: number; completion: number },
+): Record<string, unknown> {
   const created = Math.floor(Date.now() / 1000);
   return chat
     ? {
         id,
         object: 'chat.completion',
         created,
-        model: MODEL_NAME,
+        model,
         choices: [{ index: 0, message: { role: 'assistant', content: text }, finish_reason: finish }],
-        usage: { completion_tokens: words.length },
+        usage: usageBody(usage),
       }
     : {
         id,
         object: 'text_completion',
         created,
-        model: MODEL_NAME,
+        model,
         choices: [{ index: 0, text, finish_reason: finish }],
-        usage: { completion_tokens: words.length },
+        usage: usageBody(usage),
       };
 }
 
-function chunk(id: string, chat: boolean, text: string, finish: string | null): Record<string, unknown> {
+function chunkBody(id: string, model: string, chat: boolean, text: string, finish: string | null) {
   return chat
     ? {
         id,
         object: 'chat.completion.chunk',
-        model: MODEL_NAME,
+        model,
         choices: [{ index: 0, delta: { content: text }, finish_reason: finish }],
       }
-    : { id, object: 'text_completion', model: MODEL_NAME, choices: [{ index: 0, text, finish_reason: finish }] };
+    : { id, object: 'text_completion', model, choices: [{ index: 0, text, finish_reason: finish }] };
 }
 
-export function errorBody(message: string, type: string, extra: Record<string, unknown> = {}): Record<string, unknown> {
-  return { error: { message, type, ...extra } };
+/** The request as a model takes it (the body was checked by checkCompletionRequest). */
+function generationRequest(path: string, body: Record<string, unknown>): GenerationRequest {
+  const maxTokens = Number(body.max_tokens ?? body.max_completion_tokens ?? 16);
+  if (!Number.isInteger(maxTokens) || maxTokens < 1 || maxTokens > 4096)
+    throw new HttpError(400, "'max_tokens' must be an integer from 1 to 4096");
+  const stop =
+    body.stop === undefined || body.stop === null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop;
+  return {
+    chat: path === '/v1/chat/completions',
+    prompt: typeof body.prompt === 'string' ? body.prompt : '',
+    messages: (body.messages as ChatMessage[] | undefined) ?? [],
+    maxTokens,
+    // OpenAI's and vLLM's default.
+    temperature: (body.temperature as number | undefined) ?? 1,
+    topP: body.top_p as number | undefined,
+    seed: body.seed as number | undefined,
+    stop: (stop as string[]).filter((s) => s.length > 0),
+  };
 }
 
-/** Reads a JSON object body of at most max bytes; 400 / 413 otherwise. */
-export async function readJson(req: http.IncomingMessage, max: number): Promise<Record<string, unknown>> {
-  const declared = Number(req.headers['content-length'] ?? 0);
-  if (declared > max) throw new HttpError(413, `body larger than ${max} bytes`);
-  const chunks: Buffer[] = [];
-  let size = 0;
-  for await (const c of req) {
-    size += (c as Buffer).length;
-    if (size > max) throw new HttpError(413, `body larger than ${max} bytes`);
-    chunks.push(c as Buffer);
-  }
-  let v: unknown;
+/** How many blocks kv_transfer_params name (a decode of a model that cannot tell from the prompt). */
+function remoteBlockCount(kvp: Record<string, unknown>, wire: WireName | undefined): number {
   try {
-    v = JSON.parse(Buffer.concat(chunks).toString('utf8'));
-  } catch {
-    throw new HttpError(400, 'body is not JSON');
+    const n = parseKvTransferParams(kvp, wire).remoteBlockIds[0]?.length ?? 0;
+    if (n < 1) throw new Error('no remote blocks');
+    return n;
+  } catch (e) {
+    throw new HttpError(400, `kv_transfer_params: ${(e as Error).message}`);
   }
-  if (typeof v !== 'object' || v === null || Array.isArray(v)) throw new HttpError(400, 'body must be a JSON object');
-  return v as Record<string, unknown>;
 }
 
-export { HttpError };
+function asHttpError(e: unknown, signal: AbortSignal): HttpError {
+  if (e instanceof HttpError) return e;
+  if (e instanceof ModelRequestError)
+    return new HttpError(e.status, e.message, e.status === 499 ? 'aborted' : undefined);
+  if (signal.aborted) return new HttpError(499, 'the client went away', 'aborted');
+  const err = e as Error & { code?: string };
+  return new HttpError(500, err?.message ?? String(e), 'internal_error');
+}
 
 function expirySeconds(tracker: PrefillTracker, requestId: string): number | null {
   const ms = tracker.leaseExpiry(requestId);

@@ -1,0 +1,568 @@
+// A GGUF model through node-llama-cpp (llama.cpp), behind the ServingModel
+// boundary. node-llama-cpp is an optional peer dependency, imported only
+// here, when a worker is given a GGUF.
+//
+// prefill  evaluates the prompt the way node-llama-cpp's own LlamaCompletion
+//          (or LlamaChatSession, through the model's chat wrapper) would, with
+//          one greedy token, then saves the sequence state and wraps it
+//          (kv-state.ts) into the request's blocks;
+// decode   checks the envelope (model, build, size, checksum, token count),
+//          loads the state into a fresh sequence and generates with the same
+//          class: node-llama-cpp reuses every loaded token that matches the
+//          prompt, so only the last prompt token is evaluated again.
+// Each request has a context of its own (a pool of `parallel` contexts, one
+// sequence each, cleared between requests), so that nothing another request
+// evaluates changes this one's numbers.
+import { createHash, randomUUID } from 'node:crypto';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { pathToFileURL } from 'node:url';
+import type * as Nlc from 'node-llama-cpp';
+import { NixlError } from '../../errors';
+import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
+import {
+  type BlockView,
+  type ChatMessage,
+  type Generated,
+  type GenerationRequest,
+  type KvGeometry,
+  ModelRequestError,
+  type PrefilledKv,
+  type ServingModel,
+  type TextSink,
+} from './types';
+
+/** The node-llama-cpp release this package is tested with. */
+export const NODE_LLAMA_CPP = 'node-llama-cpp@3.21.1';
+
+export interface LlamaModelOptions {
+  /** A GGUF file. */
+  modelPath: string;
+  /** CPU threads of each context (default: the cores, shared among `parallel` contexts). */
+  threads?: number;
+  /** Tokens of each context (default 4096, at most the model's trained length). */
+  contextSize?: number;
+  /** Requests evaluated at once, one context each (default 2). */
+  parallel?: number;
+  /** Bytes of one KV block of the worker's pool. */
+  blockBytes: number;
+  /** Bytes of the whole pool: the largest state a decode takes. */
+  poolBytes: number;
+  /** node-llama-cpp's GPU backend (default false: CPU). */
+  gpu?: false | 'auto';
+}
+
+// tsc (module commonjs) turns import() into require(), which cannot load
+// node-llama-cpp (ESM with top-level await): the compiled package imports
+// through a Function. Under vitest, which runs this source in a vm without a
+// dynamic-import hook, the plain import() is vitest's own.
+const importEsm: (url: string) => Promise<unknown> = process.env.VITEST
+  ? (url) => import(url)
+  : (new Function('url', 'return import(url)') as (url: string) => Promise<unknown>);
+
+/** node-llama-cpp, or a NixlError (NIXL_ERR_NOT_SUPPORTED) naming the package to install. */
+export async function loadNodeLlamaCpp(): Promise<typeof Nlc> {
+  let resolved: string;
+  try {
+    resolved = require.resolve('node-llama-cpp');
+  } catch {
+    throw new NixlError(
+      `a GGUF model needs node-llama-cpp, which is not installed: npm i -E ${NODE_LLAMA_CPP}`,
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
+  }
+  return (await importEsm(pathToFileURL(resolved).href)) as typeof Nlc;
+}
+
+/** At most `max` contexts, made on demand: a request waits for a free one. */
+class ContextPool {
+  readonly #free: Nlc.LlamaContext[] = [];
+  readonly #waiters: Array<(c: Nlc.LlamaContext) => void> = [];
+  #created = 0;
+  readonly all: Nlc.LlamaContext[] = [];
+
+  constructor(
+    readonly max: number,
+    readonly create: () => Promise<Nlc.LlamaContext>,
+  ) {}
+
+  async acquire(signal: AbortSignal): Promise<Nlc.LlamaContext> {
+    const c = this.#free.pop();
+    if (c) return c;
+    if (this.#created < this.max) {
+      this.#created++;
+      try {
+        const ctx = await this.create();
+        this.all.push(ctx);
+        return ctx;
+      } catch (e) {
+        this.#created--;
+        throw e;
+      }
+    }
+    return new Promise((resolve, reject) => {
+      const w = (ctx: Nlc.LlamaContext) => {
+        signal.removeEventListener('abort', onAbort);
+        resolve(ctx);
+      };
+      const onAbort = () => {
+        this.#waiters.splice(this.#waiters.indexOf(w), 1);
+        reject(new ModelRequestError(499, 'aborted while waiting for a context'));
+      };
+      signal.addEventListener('abort', onAbort, { once: true });
+      this.#waiters.push(w);
+    });
+  }
+
+  async release(ctx: Nlc.LlamaContext): Promise<void> {
+    try {
+      // A fresh start for the next request: nothing of this one is reused.
+      await sequenceOf(ctx).clearHistory();
+    } catch {
+      this.#created--;
+      this.all.splice(this.all.indexOf(ctx), 1);
+      void ctx.dispose();
+      return;
+    }
+    const w = this.#waiters.shift();
+    if (w) w(ctx);
+    else this.#free.push(ctx);
+  }
+}
+
+const sequences = new WeakMap<Nlc.LlamaContext, Nlc.LlamaContextSequence>();
+
+function sequenceOf(ctx: Nlc.LlamaContext): Nlc.LlamaContextSequence {
+  let s = sequences.get(ctx);
+  if (!s) {
+    s = ctx.getSequence();
+    sequences.set(ctx, s);
+  }
+  return s;
+}
+
+export class LlamaModel implements ServingModel {
+  readonly id: string;
+  readonly geometry: KvGeometry;
+  readonly compatibilityHash: string;
+  /** sha256 of the GGUF (sampled) and the node-llama-cpp / llama.cpp build. */
+  readonly fingerprint: Buffer;
+  readonly contextSize: number;
+  readonly threads: number;
+  readonly #nlc: typeof Nlc;
+  readonly #model: Nlc.LlamaModel;
+  readonly #pool: ContextPool;
+  readonly #o: LlamaModelOptions;
+  readonly #tmp: string;
+
+  private constructor(nlc: typeof Nlc, model: Nlc.LlamaModel, fingerprint: Buffer, o: LlamaModelOptions) {
+    this.#nlc = nlc;
+    this.#model = model;
+    this.#o = o;
+    this.fingerprint = fingerprint;
+    this.id = path.basename(o.modelPath).replace(/\.gguf$/i, '');
+    this.geometry = { layers: 1, blockBytes: o.blockBytes, tokensPerBlock: 16 };
+    this.compatibilityHash = `llama:${fingerprint.toString('hex')}`;
+    const trained = model.trainContextSize;
+    this.contextSize = Math.min(o.contextSize ?? 4096, trained > 0 ? trained : Number.POSITIVE_INFINITY);
+    const parallel = o.parallel ?? 2;
+    this.threads = o.threads ?? Math.max(1, Math.floor(os.availableParallelism() / parallel));
+    this.#pool = new ContextPool(parallel, () =>
+      model.createContext({ contextSize: this.contextSize, threads: this.threads, sequences: 1 }),
+    );
+    this.#tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-kv-'));
+  }
+
+  static async load(o: LlamaModelOptions): Promise<LlamaModel> {
+    for (const k of ['threads', 'contextSize', 'parallel'] as const) {
+      const v = o[k];
+      if (v !== undefined && (!Number.isInteger(v) || v < 1 || v > 1 << 20))
+        throw new NixlError(`${k} must be a positive integer, got ${v}`, 'NIXL_ERR_INVALID_PARAM');
+    }
+    let st: fs.Stats;
+    try {
+      st = fs.statSync(o.modelPath);
+    } catch {
+      throw new NixlError(`no model file ${o.modelPath}`, 'NIXL_ERR_INVALID_PARAM');
+    }
+    if (!st.isFile()) throw new NixlError(`${o.modelPath} is not a file`, 'NIXL_ERR_INVALID_PARAM');
+    const nlc = await loadNodeLlamaCpp();
+    const llama = await nlc.getLlama({ gpu: o.gpu ?? false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
+    let model: Nlc.LlamaModel;
+    try {
+      model = await llama.loadModel({ modelPath: o.modelPath });
+    } catch (e) {
+      throw new NixlError(`cannot load ${o.modelPath}: ${(e as Error).message}`, 'NIXL_ERR_INVALID_PARAM');
+    }
+    const build = JSON.stringify({ nlc: NODE_LLAMA_CPP, release: llama.llamaCppRelease, gpu: llama.gpu });
+    return new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o);
+  }
+
+  blocksFor(): undefined {
+    return undefined; // the state's size is known once it is evaluated
+  }
+
+  async prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv> {
+    const ctx = await this.#pool.acquire(signal);
+    const file = path.join(this.#tmp, `${randomUUID()}.state`);
+    let state: Buffer;
+    let promptTokens: number;
+    let firstToken: number | 'end' | undefined;
+    try {
+      const seq = sequenceOf(ctx);
+      // One greedy token: the prompt evaluated exactly as a generation would;
+      // a greedy decode starts from that token (see #continue).
+      const r = await this.#run(
+        seq,
+        req,
+        { ...req, maxTokens: 1, temperature: 0, seed: undefined, stop: [] },
+        undefined,
+        signal,
+      );
+      firstToken = r.tokens.length > 0 ? r.tokens[0] : r.finishReason === 'stop' ? 'end' : undefined;
+      promptTokens = seq.contextTokens.length;
+      await seq.saveStateToFile(file);
+      state = await fs.promises.readFile(file);
+    } finally {
+      await this.#pool.release(ctx);
+      fs.rm(file, { force: true }, () => {});
+    }
+    const header = stateHeader(state, { promptTokens, firstToken, fingerprint: this.fingerprint });
+    const { blockBytes } = this.#o;
+    return {
+      blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
+      promptTokens,
+      writeTo: (view) => writeEnvelope(header, state, blockBytes, (i) => view(i, 0)),
+    };
+  }
+
+  async decode(
+    req: GenerationRequest,
+    view: BlockView,
+    blocks: number,
+    out: TextSink,
+    signal: AbortSignal,
+    blocksRead?: () => void,
+  ): Promise<Generated> {
+    const { state, promptTokens, firstToken } = openEnvelope((i) => view(i, 0), {
+      blocks,
+      blockBytes: this.#o.blockBytes,
+      fingerprint: this.fingerprint,
+      maxTokens: this.contextSize,
+      maxStateBytes: this.#o.poolBytes - HEADER_BYTES,
+    });
+    blocksRead?.(); // the state is a copy now
+    const file = path.join(this.#tmp, `${randomUUID()}.state`);
+    await fs.promises.writeFile(file, state);
+    const ctx = await this.#pool.acquire(signal);
+    try {
+      const seq = sequenceOf(ctx);
+      await seq.loadStateFromFile(file, { acceptRisk: true });
+      const loaded = seq.contextTokens.length;
+      const before = evaluated(seq);
+      const r =
+        req.temperature !== 0 || firstToken === undefined
+          ? await this.#run(seq, req, req, out, signal)
+          : req.chat
+            ? await this.#continueChat(seq, req, firstToken, out, signal)
+            : await this.#continue(seq, req, firstToken, out, signal);
+      return {
+        completionTokens: r.completionTokens,
+        finishReason: r.finishReason,
+        promptTokens,
+        info: { kv_state_bytes: state.length, kv_tokens_loaded: loaded, tokens_evaluated: evaluated(seq) - before },
+      };
+    } finally {
+      await this.#pool.release(ctx);
+      fs.rm(file, { force: true }, () => {});
+    }
+  }
+
+  async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
+    const ctx = await this.#pool.acquire(signal);
+    try {
+      const r = await this.#run(sequenceOf(ctx), req, req, out, signal);
+      return {
+        completionTokens: r.completionTokens,
+        finishReason: r.finishReason,
+        promptTokens: r.promptTokens,
+        info: {},
+      };
+    } finally {
+      await this.#pool.release(ctx);
+    }
+  }
+
+  /** Generates with node-llama-cpp's own classes, as a one-process user would. */
+  async #run(
+    seq: Nlc.LlamaContextSequence,
+    req: GenerationRequest,
+    s: Pick<GenerationRequest, 'maxTokens' | 'temperature' | 'topP' | 'seed' | 'stop'>,
+    out: TextSink | undefined,
+    signal: AbortSignal,
+    /** Chat: the answer starts with this text (the prefill's first token). */
+    responsePrefix?: string,
+  ): Promise<Omit<Generated, 'info'> & { tokens: Nlc.Token[] }> {
+    const tokens: Nlc.Token[] = [];
+    let promptTokens: number;
+    const options = {
+      maxTokens: s.maxTokens,
+      temperature: s.temperature,
+      ...(s.topP !== undefined ? { topP: s.topP } : {}),
+      ...(s.seed !== undefined ? { seed: s.seed } : {}),
+      ...(s.stop.length ? { customStopTriggers: s.stop } : {}),
+      signal,
+      onToken: (t: Nlc.Token[]) => {
+        tokens.push(...t);
+      },
+      ...(out ? { onTextChunk: out } : {}),
+    };
+    let stopReason: string;
+    if (req.chat) {
+      const { history, last } = chatHistory(req.messages, this.id);
+      const session = new this.#nlc.LlamaChatSession({ contextSequence: seq, autoDisposeSequence: false });
+      try {
+        const context = session.chatWrapper.generateContextState({
+          chatHistory: [...history, { type: 'user', text: last }, { type: 'model', response: [] }],
+        }).contextText;
+        promptTokens = context.tokenize(this.#model.tokenizer).length;
+        this.#fits(promptTokens, s.maxTokens);
+        session.setChatHistory(history);
+        ({ stopReason } = await session.promptWithMeta(last, {
+          ...options,
+          ...(responsePrefix !== undefined ? { responsePrefix } : {}),
+        }));
+      } finally {
+        session.dispose({ disposeSequence: false });
+      }
+    } else {
+      // The prompt and BOS.
+      promptTokens = this.#model.tokenize(req.prompt).length + 1;
+      this.#fits(promptTokens, s.maxTokens);
+      const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
+      try {
+        ({
+          metadata: { stopReason },
+        } = await completion.generateCompletionWithMeta(req.prompt, options));
+      } finally {
+        completion.dispose({ disposeSequence: false });
+      }
+    }
+    return {
+      tokens,
+      promptTokens,
+      completionTokens: tokens.length,
+      finishReason: stopReason === 'maxTokens' ? 'length' : 'stop',
+    };
+  }
+
+  /**
+   * A greedy chat answer from a loaded state: LlamaChatSession, told that the
+   * answer starts with the prefill's first token, evaluates that token alone
+   * (as a single generation does) and goes on, instead of evaluating the
+   * prompt's last token again (see #continue). A first token whose text
+   * would not tokenize back to itself in context (whitespace, with
+   * SentencePiece vocabularies) takes the plain path.
+   */
+  async #continueChat(
+    seq: Nlc.LlamaContextSequence,
+    req: GenerationRequest,
+    first: number | 'end',
+    out: TextSink | undefined,
+    signal: AbortSignal,
+  ): Promise<{ completionTokens: number; finishReason: 'stop' | 'length' }> {
+    if (first === 'end') return { completionTokens: 0, finishReason: 'stop' };
+    const prefix = this.#model.detokenize([first as Nlc.Token], false, seq.contextTokens);
+    if (prefix.length === 0 || prefix.trim() !== prefix || req.stop.some((x) => prefix.includes(x)))
+      return this.#run(seq, req, req, out, signal);
+    if (req.maxTokens === 1) {
+      out?.(prefix);
+      return { completionTokens: 1, finishReason: 'length' };
+    }
+    const before = evaluated(seq);
+    const r = await this.#run(seq, req, { ...req, maxTokens: req.maxTokens - 1 }, out, signal, prefix);
+    // onToken also counts the prefix as the chat wrapper tokenized it: count
+    // what was evaluated instead (the first token, then every generated one
+    // but the last, which nothing evaluates when max_tokens ends the answer).
+    const n = evaluated(seq) - before + (r.finishReason === 'length' ? 1 : 0);
+    return { completionTokens: Math.min(req.maxTokens, n), finishReason: r.finishReason };
+  }
+
+  /**
+   * A greedy completion from a loaded state, starting from the first token
+   * the prefill took: the prompt's last token is not evaluated again, so
+   * every number is the one a single process computes (llama.cpp evaluates
+   * a token alone and inside a batch with results that differ in the last
+   * bits, enough to change a greedy token now and then).
+   */
+  async #continue(
+    seq: Nlc.LlamaContextSequence,
+    req: GenerationRequest,
+    first: number | 'end',
+    out: TextSink | undefined,
+    signal: AbortSignal,
+  ): Promise<{ completionTokens: number; finishReason: 'stop' | 'length' }> {
+    const text = new StopText(this.#model, req.stop, out);
+    if (first === 'end') return { completionTokens: 0, finishReason: 'stop' };
+    const t1 = first as Nlc.Token;
+    if (text.push([t1])) return { completionTokens: 1, finishReason: 'stop' };
+    // LlamaCompletion would evaluate the whole prompt again with the first
+    // token in the batch (other numbers): the sequence's own generator
+    // evaluates only that token, as a single generation does next.
+    const generated: Nlc.Token[] = [t1];
+    const nl = this.#model.tokens.nl;
+    let finishReason: 'stop' | 'length' = 'length';
+    if (req.maxTokens > 1) {
+      const it = seq.evaluate([t1], {
+        temperature: 0,
+        // As LlamaCompletion punishes repeats: the last 64 generated tokens, new lines aside.
+        repeatPenalty: {
+          punishTokens: () => generated.slice(-64).filter((t) => t !== nl),
+          maxPunishTokens: 64,
+        },
+        yieldEogToken: true,
+      });
+      for await (const t of it) {
+        if (signal.aborted) throw signal.reason;
+        if (this.#model.isEogToken(t)) {
+          finishReason = 'stop';
+          break;
+        }
+        generated.push(t);
+        if (text.push([t])) {
+          finishReason = 'stop';
+          break;
+        }
+        if (generated.length >= req.maxTokens) break;
+      }
+    }
+    const n = generated.length;
+    text.end();
+    return { completionTokens: n, finishReason };
+  }
+
+  /**
+   * A 400 when the prompt and max_tokens do not fit the context, as vLLM
+   * answers: node-llama-cpp would otherwise cut the prompt and answer
+   * something else.
+   */
+  #fits(promptTokens: number, maxTokens: number): void {
+    if (promptTokens + maxTokens > this.contextSize)
+      throw new ModelRequestError(
+        400,
+        `this model's context holds ${this.contextSize} tokens; the request needs ${promptTokens + maxTokens} ` +
+          `(${promptTokens} in the prompt, ${maxTokens} to generate)`,
+      );
+  }
+
+  async close(): Promise<void> {
+    for (const c of this.#pool.all) await c.dispose();
+    await this.#model.dispose();
+    fs.rmSync(this.#tmp, { recursive: true, force: true });
+  }
+}
+
+/**
+ * The text of generated tokens as it grows: cut at the first stop string,
+ * streamed without a partial character or the start of a stop string.
+ */
+class StopText {
+  readonly #tokens: Nlc.Token[] = [];
+  #sent = 0;
+  #done = false;
+  readonly #hold: number;
+
+  constructor(
+    readonly model: Nlc.LlamaModel,
+    readonly stop: string[],
+    readonly out: TextSink | undefined,
+  ) {
+    this.#hold = Math.max(0, ...stop.map((x) => x.length - 1));
+  }
+
+  /** Adds tokens; true when a stop string ended the text. */
+  push(ts: Nlc.Token[]): boolean {
+    if (this.#done) return true;
+    this.#tokens.push(...ts);
+    const full = this.model.detokenize(this.#tokens);
+    const at = Math.min(...this.stop.map((x) => full.indexOf(x)).filter((i) => i >= 0));
+    if (Number.isFinite(at)) {
+      this.#emit(full.slice(0, at));
+      this.#done = true;
+      return true;
+    }
+    let safe = full.length - this.#hold;
+    while (safe > 0 && full[safe - 1] === '\uFFFD') safe--;
+    this.#emit(full.slice(0, Math.max(safe, this.#sent)));
+    return false;
+  }
+
+  end(): void {
+    if (!this.#done) this.#emit(this.model.detokenize(this.#tokens));
+    this.#done = true;
+  }
+
+  #emit(upTo: string): void {
+    if (upTo.length > this.#sent) this.out?.(upTo.slice(this.#sent));
+    this.#sent = Math.max(this.#sent, upTo.length);
+  }
+}
+
+function evaluated(seq: Nlc.LlamaContextSequence): number {
+  return seq.tokenMeter.usedInputTokens + seq.tokenMeter.usedOutputTokens;
+}
+
+/** OpenAI messages as node-llama-cpp's chat history, and the last user message (what is prompted). */
+export function chatHistory(messages: ChatMessage[], model: string): { history: Nlc.ChatHistoryItem[]; last: string } {
+  const text = (m: ChatMessage, i: number): string => {
+    if (typeof m.content === 'string') return m.content;
+    return m.content
+      .map((p, j) => {
+        if (p.type !== 'text')
+          throw new ModelRequestError(400, `messages[${i}].content[${j}]: ${model} takes text only`);
+        return p.text ?? '';
+      })
+      .join('\n');
+  };
+  const history: Nlc.ChatHistoryItem[] = messages.map((m, i) => {
+    const t = text(m, i);
+    switch (m.role) {
+      case 'system':
+      case 'developer':
+        return { type: 'system', text: t };
+      case 'user':
+        return { type: 'user', text: t };
+      case 'assistant':
+        return { type: 'model', response: [t] };
+      default:
+        throw new ModelRequestError(400, `messages[${i}].role '${m.role}': use system, user or assistant`);
+    }
+  });
+  const last = history.pop();
+  if (last?.type !== 'user') throw new ModelRequestError(400, 'the last message must be the user’s');
+  return { history, last: last.text };
+}
+
+/**
+ * What a state must come from: the GGUF (its size, its first 16 MiB, its last
+ * MiB and 32 slices between: the header, the metadata and weights from end to
+ * end, without reading gigabytes) and the node-llama-cpp / llama.cpp build.
+ */
+export function modelFingerprint(file: string, size: number, build: string): Buffer {
+  const h = createHash('sha256').update(`${size}\n${build}\n`);
+  const fd = fs.openSync(file, 'r');
+  try {
+    const read = (at: number, len: number) => {
+      const b = Buffer.alloc(Math.max(0, Math.min(len, size - at)));
+      fs.readSync(fd, b, 0, b.length, at);
+      h.update(b);
+    };
+    read(0, 16 << 20);
+    for (let i = 1; i <= 32; i++) read(Math.floor((size * i) / 33), 64 << 10);
+    read(Math.max(0, size - (1 << 20)), 1 << 20);
+  } finally {
+    fs.closeSync(fd);
+  }
+  return h.digest();
+}

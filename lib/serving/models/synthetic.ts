@@ -1,0 +1,103 @@
+// The synthetic model behind the ServingModel boundary: no weights, every
+// byte checkable (synthetic-kv.ts). A decode checks each byte of the KV it
+// was given against the prompt's before it "generates".
+import {
+  DEFAULT_MODEL,
+  MODEL_NAME,
+  type SyntheticModelSpec,
+  chatPrompt,
+  checkKv,
+  computeKv,
+  generate,
+  numBlocks,
+  tokenize,
+} from './synthetic-kv';
+import {
+  type BlockView,
+  type Generated,
+  type GenerationRequest,
+  type KvGeometry,
+  KvRejected,
+  type PrefilledKv,
+  type ServingModel,
+  type TextSink,
+} from './types';
+
+export class SyntheticModel implements ServingModel {
+  readonly id = MODEL_NAME;
+  readonly geometry: KvGeometry;
+  readonly compatibilityHash: string;
+
+  constructor(readonly spec: SyntheticModelSpec = DEFAULT_MODEL) {
+    this.geometry = { layers: spec.layers, blockBytes: spec.blockBytes, tokensPerBlock: spec.blockSize };
+    this.compatibilityHash = `synthetic:${JSON.stringify(spec)}`;
+  }
+
+  #tokens(req: GenerationRequest): Uint8Array {
+    return tokenize(req.chat ? chatPrompt(req.messages) : req.prompt);
+  }
+
+  blocksFor(req: GenerationRequest): number {
+    return numBlocks(this.#tokens(req).length, this.spec);
+  }
+
+  async prefill(req: GenerationRequest): Promise<PrefilledKv> {
+    const tokens = this.#tokens(req);
+    const spec = this.spec;
+    return {
+      blocks: numBlocks(tokens.length, spec),
+      promptTokens: tokens.length,
+      writeTo: (view) => computeKv(tokens, spec, view),
+    };
+  }
+
+  async decode(
+    req: GenerationRequest,
+    view: BlockView,
+    blocks: number,
+    out: TextSink,
+    signal: AbortSignal,
+    blocksRead?: () => void,
+  ): Promise<Generated> {
+    const tokens = this.#tokens(req);
+    const n = numBlocks(tokens.length, this.spec);
+    if (blocks !== n) throw new KvRejected(`the KV names ${blocks} blocks; the prompt needs ${n}`, 'mismatch');
+    const bad = checkKv(tokens, this.spec, view);
+    if (bad > 0) throw new KvRejected(`${bad} bytes of the KV differ from the prompt's`, 'mismatch', bad);
+    const verified = n * this.spec.layers * this.spec.blockBytes;
+    return this.#emit(view, n, tokens.length, req.maxTokens, out, signal, { verified_bytes: verified }, blocksRead);
+  }
+
+  async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
+    const tokens = this.#tokens(req);
+    const { spec } = this;
+    const n = numBlocks(tokens.length, spec);
+    const kv = Array.from({ length: n * spec.layers }, () => Buffer.alloc(spec.blockBytes));
+    const view: BlockView = (b, l) => kv[b * spec.layers + l];
+    computeKv(tokens, spec, view);
+    return this.#emit(view, n, tokens.length, req.maxTokens, out, signal, { verified_bytes: 0 });
+  }
+
+  async #emit(
+    view: BlockView,
+    blocks: number,
+    promptTokens: number,
+    maxTokens: number,
+    out: TextSink,
+    signal: AbortSignal,
+    info: Record<string, unknown>,
+    blocksRead?: () => void,
+  ): Promise<Generated> {
+    const words = generate(view, blocks, this.spec, maxTokens);
+    blocksRead?.();
+    for (const [i, w] of words.entries()) {
+      if (signal.aborted) break;
+      out(i === 0 ? w : ` ${w}`);
+      // Streamed answers go out as they come, not in one burst at the end.
+      if (i % 4 === 3) await new Promise((r) => setImmediate(r));
+    }
+    return { completionTokens: words.length, promptTokens, finishReason: 'length', info };
+  }
+
+  async close(): Promise<void> {}
+}

@@ -1,0 +1,113 @@
+// The boundary between a worker's stage logic (worker.ts) and a model: the
+// synthetic one (synthetic.ts) and llama.cpp through node-llama-cpp
+// (llama.ts). The worker owns the registered KV pool, the blocks, the pulls
+// and the holds; a model only evaluates, puts its KV into blocks it is given,
+// and generates from blocks it is given.
+
+/** One chat message as a request carries it (checked by schema.ts). */
+export interface ChatMessage {
+  role: string;
+  content: string | Array<{ type: string; text?: string; image_url?: { url?: string } }>;
+}
+
+/** What a model needs of a /v1/completions or /v1/chat/completions request. */
+export interface GenerationRequest {
+  chat: boolean;
+  /** /v1/completions */
+  prompt: string;
+  /** /v1/chat/completions */
+  messages: ChatMessage[];
+  maxTokens: number;
+  /** 0: greedy. */
+  temperature: number;
+  topP?: number;
+  /** Sampling seed (temperature > 0): the same seed gives the same tokens. */
+  seed?: number;
+  /** Generation ends before any of these strings. */
+  stop: string[];
+}
+
+/** Block `block` (logical, 0-based within a request) of layer `layer`, in the worker's registered pool. */
+export type BlockView = (block: number, layer: number) => Buffer;
+
+/** How a model's KV lies in the worker's pool: `layers` regions of `blockBytes`-byte blocks. */
+export interface KvGeometry {
+  layers: number;
+  blockBytes: number;
+  /** Tokens one block holds (the layout's block_size; 1 block per request when a model's KV is one blob). */
+  tokensPerBlock: number;
+}
+
+/** A prompt's KV, evaluated, ready to go into blocks. */
+export interface PrefilledKv {
+  readonly blocks: number;
+  readonly promptTokens: number;
+  /** Writes it into the request's blocks. */
+  writeTo(view: BlockView): void;
+}
+
+export interface Generated {
+  completionTokens: number;
+  promptTokens: number;
+  finishReason: 'stop' | 'length';
+  /** What the worker adds under nixl_node in the answer (bytes checked, tokens reused...). */
+  info: Record<string, unknown>;
+}
+
+/** Gets each piece of generated text as it comes (streamed answers). */
+export type TextSink = (text: string) => void;
+
+export interface ServingModel {
+  /** The model's name in answers and /v1/models. */
+  readonly id: string;
+  readonly geometry: KvGeometry;
+  /** The side channel's compatibility hash: decodes refuse a prefill of another model at the handshake. */
+  readonly compatibilityHash: string;
+  /** Blocks a prompt's KV takes when the model knows before evaluating it (a 413 before any work), else undefined. */
+  blocksFor(req: GenerationRequest): number | undefined;
+  /** Evaluates the prompt. */
+  prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv>;
+  /**
+   * Generates from the KV in `blocks` blocks of `view` (pulled from a
+   * prefill, or held here). Throws KvRejected, and loads nothing, when the
+   * blocks do not hold this prompt's KV for this model. Calls `blocksRead`
+   * once it no longer reads the blocks (the worker can reuse them while the
+   * model generates).
+   */
+  decode(
+    req: GenerationRequest,
+    view: BlockView,
+    blocks: number,
+    out: TextSink,
+    signal: AbortSignal,
+    blocksRead?: () => void,
+  ): Promise<Generated>;
+  /** Evaluates and generates here (an aggregated worker). */
+  generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated>;
+  close(): Promise<void>;
+}
+
+/** The KV a decode was given is not what it must be: nothing was loaded from it. */
+export class KvRejected extends Error {
+  constructor(
+    message: string,
+    /** truncated | corrupted | foreign-model | oversized | malformed | mismatch */
+    readonly reason: string,
+    /** Synthetic model: how many bytes differ. */
+    readonly badBytes = 0,
+  ) {
+    super(message);
+    this.name = 'KvRejected';
+  }
+}
+
+/** A request this model cannot serve (a 4xx naming why). */
+export class ModelRequestError extends Error {
+  constructor(
+    readonly status: number,
+    message: string,
+  ) {
+    super(message);
+    this.name = 'ModelRequestError';
+  }
+}

@@ -1,0 +1,95 @@
+// A worker's HTTP front: OpenAI-compatible /v1/completions and
+// /v1/chat/completions (JSON or SSE), /v1/models, /health, and
+// /v1/kv/release for the proxy.
+import { randomUUID } from 'node:crypto';
+import * as http from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { HttpError, errorBody, readJson } from './http';
+import type { Worker } from './worker';
+
+export interface HttpFrontOptions {
+  host: string;
+  port: number;
+  maxBodyBytes: number;
+  /** A request whose headers and body have not all arrived by then is cut. */
+  requestTimeoutMs: number;
+}
+
+/** Listens; resolves with the server and its base URL. */
+export async function serveHttp(w: Worker, o: HttpFrontOptions): Promise<{ server: http.Server; url: string }> {
+  const server = http.createServer(
+    // A body that trickles in is cut after requestTimeout, checked every second.
+    {
+      requestTimeout: o.requestTimeoutMs,
+      headersTimeout: Math.min(o.requestTimeoutMs, 10_000),
+      connectionsCheckingInterval: 1000,
+    },
+    (req, res) => void onRequest(w, o, req, res),
+  );
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(o.port, o.host, () => resolve());
+  });
+  return { server, url: `http://${o.host}:${(server.address() as AddressInfo).port}` };
+}
+
+async function onRequest(
+  w: Worker,
+  o: HttpFrontOptions,
+  req: http.IncomingMessage,
+  res: http.ServerResponse,
+): Promise<void> {
+  const json = (status: number, body: unknown) => {
+    if (res.headersSent) return void res.end();
+    const text = JSON.stringify(body);
+    res.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text) });
+    res.end(text);
+  };
+  const path = (req.url ?? '').split('?')[0];
+  if (req.method === 'GET' && path === '/health')
+    return json(200, { status: 'ok', name: w.name, model: w.modelId, free_blocks: w.freeBlocks });
+  if (req.method === 'GET' && path === '/v1/models')
+    return json(200, { object: 'list', data: [{ id: w.modelId, object: 'model', owned_by: 'nixl-node' }] });
+  if (req.method !== 'POST') return json(405, errorBody('only POST', 'invalid_request_error'));
+  if (path === '/v1/kv/release') {
+    try {
+      const b = await readJson(req, 4096);
+      return json(200, { released: w.releaseHold(b.remote_request_id) });
+    } catch (e) {
+      const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
+      return json(h.status, errorBody(h.message, h.code));
+    }
+  }
+  const ac = new AbortController();
+  res.on('close', () => {
+    if (!res.writableFinished) ac.abort();
+  });
+  try {
+    const body = await readJson(req, o.maxBodyBytes);
+    const rid = String(req.headers['x-request-id'] ?? randomUUID());
+    let streaming = false;
+    await w.handle(
+      path,
+      body,
+      rid,
+      ac.signal,
+      {
+        chunk: (c) => {
+          if (!streaming) {
+            streaming = true;
+            res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
+          }
+          res.write(`data: ${JSON.stringify(c)}\n\n`);
+        },
+        end: (status, b) => {
+          if (streaming) res.end('data: [DONE]\n\n');
+          else json(status, b);
+        },
+      },
+      req.headers.traceparent,
+    );
+  } catch (e) {
+    const h = w.failed(e);
+    json(h.status, errorBody(h.message, h.code));
+  }
+}
