@@ -7,6 +7,7 @@ import { makeCerts } from './certs';
 import { benchCoalesce } from './coalesce';
 import { benchHandshake } from './handshake';
 import { benchNative } from './native';
+import { benchServing } from './serving';
 import { benchTracing } from './tracing';
 import { engines } from '../lib';
 import type { Engine } from './agents';
@@ -21,10 +22,11 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --json FILE      write the results as JSON
   --svg FILE       write a bar chart
   --quick          fewer repetitions
-  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing (default all;
-                   native: against a C++ program on the installed NIXL, when NIXL is compiled in)
+  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving (default all;
+                   native: against a C++ program on the installed NIXL, when NIXL is compiled in;
+                   serving: a generated llama GGUF through node-llama-cpp, when it is installed)
 `;
-const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing'];
+const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving'];
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -210,6 +212,44 @@ export async function runBench(argv: string[]): Promise<void> {
         reference: 1,
         bars: tr.rows.map((r) => ({ label: r.mode, value: r.ratio })),
       });
+  }
+
+  if (only.includes('serving')) {
+    const n = quick ? 5 : 15;
+    const maxTokens = quick ? 16 : 32;
+    console.log(
+      `\n# Serving a real model, ${n} streamed greedy requests x ${maxTokens} tokens, proxy in front: disaggregated (prefill + decode workers, KV over nixl-node) / co-located (one worker in both pools)`,
+    );
+    const sv = await benchServing(n, maxTokens);
+    if (sv.note) console.log(`(${sv.note})`);
+    else {
+      table(
+        ['config', 'TTFT ms', 'min', 'max', 'TTFT ratio', 'decode tok/s', 'decode ratio'],
+        sv.rows.map((r) => [
+          r.config,
+          r.ttftMs,
+          r.ttftMin,
+          r.ttftMax,
+          r.ttftRatio,
+          r.decodeTokensPerSecond,
+          r.decodeRatio,
+        ]),
+      );
+      console.log(
+        `model ${sv.model}; disaggregated TTFT spent on the KV (medians): saving ${(sv.shareSave * 100).toFixed(1)}%, moving ${(sv.shareMove * 100).toFixed(1)}%, loading ${(sv.shareLoad * 100).toFixed(1)}%; ${sv.kvBytesPerToken} KV bytes per token; ${sv.identical}/${sv.requests} answers the same text both ways`,
+      );
+      result.serving = sv;
+      panels.push({
+        title: 'Disaggregated / co-located (real model)',
+        reference: 1,
+        bars: sv.rows
+          .filter((r) => r.config === 'disaggregated')
+          .flatMap((r) => [
+            { label: 'TTFT', value: r.ttftRatio },
+            { label: 'decode tok/s', value: r.decodeRatio },
+          ]),
+      });
+    }
   }
 
   const json = v.json as string | undefined;

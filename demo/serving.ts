@@ -11,6 +11,7 @@ import { oneOf, parse, positiveInt } from '../cli/args';
 import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { modelPath } from './gguf';
 import { type Ask, OneProcess, askBody } from './llama-reference';
+import { loadNodeLlamaCpp } from '../lib/serving/models/llama';
 
 const HELP = `nixl-node demo --serving: clients -> proxy -> prefill / decode workers (processes), KV over nixl-node
 
@@ -218,6 +219,8 @@ export async function runServingDemo(argv: string[]): Promise<void> {
     HELP,
   );
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
+  // Without node-llama-cpp: one line naming it, before any worker starts.
+  if (gguf) await loadNodeLlamaCpp();
   const threads = positiveInt(v, 'threads', 1, 1024);
   const modelArgs = gguf ? ['--model', gguf, '--threads', String(threads), '--context-size', String(CONTEXT_SIZE)] : [];
   const n = positiveInt(v, 'requests', 64, 100_000);

@@ -43,6 +43,10 @@ for (const wire of ['v12', 'v0.13'] as const) {
     // The proxy with tracing off, on with the no-op tracer, and exporting (the SDK is a dev dependency).
     expect(r.tracing.map((t: { mode: string }) => t.mode)).toEqual(['off', 'no-op tracer', 'exporting']);
     for (const t of r.tracing) expect(t.requestsPerSecond).toBeGreaterThan(0);
+    // A real model both ways: the same answers, the KV's share of time to first token, its size per token.
+    expect(r.serving.rows.map((x: { config: string }) => x.config)).toEqual(['co-located', 'disaggregated']);
+    expect(r.serving.identical).toBe(r.serving.requests);
+    expect(r.serving.kvBytesPerToken).toBeGreaterThan(0);
     expect(stdout).toMatch(/# Handshake latency/);
     expect(fs.statSync(path.join(dir, 'out.svg')).size).toBeGreaterThan(0);
     fs.rmSync(dir, { recursive: true, force: true });

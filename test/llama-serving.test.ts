@@ -10,77 +10,40 @@ import * as path from 'node:path';
 import type * as Nlc from 'node-llama-cpp';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { BUILTIN, TINY, modelPath, writeGguf } from '../demo/gguf';
+import { type Ask as RefAsk, OneProcess, askBody } from '../demo/llama-reference';
 import { loadNodeLlamaCpp } from '../lib/serving/models/llama';
 import { startProxy, startWorker, type Worker } from '../lib/serving';
 import { serveTrio } from './helpers';
 
 const CTX = { contextSize: 2048, threads: 1 };
 const MAX_TOKENS = 12;
+const SYSTEM = [{ role: 'system', content: 'You answer briefly.' }];
 let nlc: typeof Nlc;
-let model: Nlc.LlamaModel;
+let ref: OneProcess;
 let gguf: string;
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-test-'));
 
 beforeAll(async () => {
   gguf = modelPath('tiny', dir);
   nlc = await loadNodeLlamaCpp();
-  const llama = await nlc.getLlama({ gpu: false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
-  model = await llama.loadModel({ modelPath: gguf });
+  ref = await OneProcess.load(gguf, CTX);
 }, 60_000);
 afterAll(async () => {
-  await model?.dispose();
+  await ref?.close();
   fs.rmSync(dir, { recursive: true, force: true });
 });
 
-interface Ask {
-  chat: boolean;
-  text: string;
-  maxTokens?: number;
-  temperature?: number;
-  seed?: number;
-  stop?: string[];
-  stream?: boolean;
-}
+type Ask = Omit<RefAsk, 'maxTokens'> & { maxTokens?: number; stream?: boolean };
+
+const full = (a: Ask): RefAsk => ({ ...a, maxTokens: a.maxTokens ?? MAX_TOKENS, history: a.chat ? SYSTEM : undefined });
 
 /** What node-llama-cpp generates for a request alone, in this process. */
 async function reference(a: Ask): Promise<string> {
-  const ctx = await model.createContext({ ...CTX, sequences: 1 });
-  try {
-    const seq = ctx.getSequence();
-    const o = {
-      maxTokens: a.maxTokens ?? MAX_TOKENS,
-      temperature: a.temperature ?? 0,
-      ...(a.seed !== undefined ? { seed: a.seed } : {}),
-      ...(a.stop ? { customStopTriggers: a.stop } : {}),
-    };
-    if (a.chat) {
-      const session = new nlc.LlamaChatSession({ contextSequence: seq });
-      session.setChatHistory([{ type: 'system', text: 'You answer briefly.' }]);
-      return await session.prompt(a.text, o);
-    }
-    return await new nlc.LlamaCompletion({ contextSequence: seq }).generateCompletion(a.text, o);
-  } finally {
-    await ctx.dispose();
-  }
+  return (await ref.generate(full(a))).text;
 }
 
 function body(a: Ask): Record<string, unknown> {
-  const common = {
-    max_tokens: a.maxTokens ?? MAX_TOKENS,
-    temperature: a.temperature ?? 0,
-    ...(a.seed !== undefined ? { seed: a.seed } : {}),
-    ...(a.stop ? { stop: a.stop } : {}),
-    stream: a.stream ?? false,
-  };
-  return a.chat
-    ? {
-        messages: [
-          { role: 'system', content: 'You answer briefly.' },
-          { role: 'user', content: a.text },
-        ],
-        ...common,
-      }
-    : { prompt: a.text, ...common };
+  return askBody(full(a), a.stream ?? false);
 }
 
 interface Answer {
@@ -328,4 +291,13 @@ it('startProxy fronts llama workers with the proxy unchanged (co-located: one wo
     await proxy.close();
     await w.close();
   }
+}, 60_000);
+
+it('a model file that is missing, not a GGUF or cut short: a typed error, nothing started', async () => {
+  const junk = path.join(dir, 'junk.gguf');
+  fs.writeFileSync(junk, Buffer.alloc(100_000, 7));
+  const cut = path.join(dir, 'cut.gguf');
+  fs.writeFileSync(cut, fs.readFileSync(gguf).subarray(0, 50_000));
+  for (const model of [path.join(dir, 'none.gguf'), junk, cut, dir])
+    await expect(startWorker({ model })).rejects.toMatchObject({ code: 'NIXL_ERR_INVALID_PARAM' });
 }, 60_000);

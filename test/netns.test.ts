@@ -5,10 +5,15 @@
 // compiled in or namespaces cannot be made (not root, no iproute2).
 import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { once } from 'node:events';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
 import * as path from 'node:path';
+import * as readline from 'node:readline';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { engines } from '../lib';
-import { FIXTURES } from './helpers';
+import { modelPath } from '../demo/gguf';
+import { OneProcess } from '../demo/llama-reference';
+import { FIXTURES, ROOT } from './helpers';
 
 const tag = (process.pid % 10000).toString();
 const NS = { p: `nxp${tag}`, d: `nxd${tag}` };
@@ -113,6 +118,68 @@ describe('two hosts on one machine (network namespaces, veth, NIXL over UCX TCP)
       for (const d of decodes) if (d.exitCode === null) d.kill('SIGKILL');
       prefill.send({ cmd: 'exit' });
       if (prefill.exitCode === null) await once(prefill, 'exit');
+    }
+  }, 120_000);
+});
+
+/** A nixl-node command inside a namespace; resolves with its JSON ready line. */
+async function commandInNs(ns: string, args: string[], procs: ChildProcess[]): Promise<Record<string, unknown>> {
+  const p = spawn('ip', ['netns', 'exec', ns, process.execPath, path.join(ROOT, 'bin/nixl-node.js'), ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    env: { ...process.env, UCX_TLS: 'tcp', UCX_NET_DEVICES: ns === NS.p ? VETH.p : VETH.d, NIXL_NODE_ENGINE: 'nixl' },
+  });
+  procs.push(p);
+  let err = '';
+  p.stderr!.on('data', (d) => {
+    err = (err + d).slice(-4000);
+  });
+  return new Promise((resolve, reject) => {
+    readline.createInterface({ input: p.stdout! }).on('line', (l) => {
+      if (l.startsWith('{"ready"')) resolve(JSON.parse(l));
+    });
+    p.once('exit', (c) => reject(new Error(`nixl-node ${args[0]} in ${ns} exited (${c}): ${err}`)));
+  });
+}
+
+describe('a real model across two hosts (network namespaces, NIXL over UCX TCP)', () => {
+  it('llama prefill in one namespace, decode and proxy in the other: answers identical to one process', async (ctx) => {
+    if (skip) ctx.skip();
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-netns-llama-'));
+    const gguf = modelPath('tiny', dir);
+    const modelArgs = ['--model', gguf, '--threads', '1', '--context-size', '2048', '--block-kib', '4'];
+    const procs: ChildProcess[] = [];
+    try {
+      const [pre, dec] = await Promise.all([
+        commandInNs(NS.p, ['worker', '--host', ADDR.p, ...modelArgs], procs),
+        commandInNs(NS.d, ['worker', '--host', ADDR.d, ...modelArgs], procs),
+      ]);
+      const proxy = await commandInNs(
+        NS.d,
+        ['proxy', '--host', ADDR.d, '--port', '0', '--prefill', String(pre.address), '--decode', String(dec.address)],
+        procs,
+      );
+      const prompts = Array.from({ length: 20 }, (_, i) => `request ${i}: ${'the cat sat on a mat '.repeat(1 + i)}`);
+      // The client runs in the decode's namespace too: this one cannot reach it.
+      const client = `(async () => { const out = []; for (const p of ${JSON.stringify(prompts)}) {
+        const r = await fetch('${proxy.url}/v1/completions', { method: 'POST', body: JSON.stringify({ prompt: p, max_tokens: 12, temperature: 0 }) });
+        const j = await r.json(); out.push({ status: r.status, text: j.choices?.[0]?.text, info: j.nixl_node, error: j.error }); }
+        console.log(JSON.stringify(out)); })()`;
+      const answers = JSON.parse(
+        execFileSync('ip', ['netns', 'exec', NS.d, process.execPath, '-e', client], { encoding: 'utf8' }),
+      ) as Array<{ status: number; text: string; info: Record<string, unknown>; error?: unknown }>;
+      const ref = await OneProcess.load(gguf, { contextSize: 2048, threads: 1 });
+      try {
+        for (const [i, a] of answers.entries()) {
+          expect(a.status, JSON.stringify(a.error)).toBe(200);
+          expect(a.info.kv_moved).toBe(true);
+          expect(a.text).toBe((await ref.generate({ chat: false, text: prompts[i], maxTokens: 12 })).text);
+        }
+      } finally {
+        await ref.close();
+      }
+    } finally {
+      for (const p of procs) if (p.exitCode === null) p.kill('SIGKILL');
+      fs.rmSync(dir, { recursive: true, force: true });
     }
   }, 120_000);
 });

@@ -2,7 +2,7 @@
 // empty user npmrc, check that nothing was compiled (the prebuild loads), and
 // import it by name from CommonJS, ESM and strict TypeScript (nodenext),
 // each running a READ with every byte verified.
-import { execFileSync } from 'node:child_process';
+import { execFileSync, spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
@@ -119,6 +119,18 @@ it('the nixl-node command runs from the app (bin): info names the prebuild, the 
   expect(fs.existsSync(path.join(app, 'node_modules', 'nixl-node', 'docs', 'side-channel-http.schema.json'))).toBe(
     true,
   );
+}, 60_000);
+
+it('a GGUF without node-llama-cpp installed: one line naming the package to install, exit code 2', () => {
+  const bin = path.join(app, 'node_modules', '.bin', 'nixl-node');
+  for (const args of [
+    ['worker', '--model', 'tiny'],
+    ['demo', '--serving', '--model', 'tiny'],
+  ]) {
+    const r = spawnSync(bin, args, { cwd: app, encoding: 'utf8', timeout: 30_000 });
+    expect(r.status, r.stderr).toBe(2);
+    expect(r.stderr.trim().split('\n')).toEqual([expect.stringMatching(/npm i -E node-llama-cpp@3\.21\.1$/)]);
+  }
 }, 60_000);
 
 it('strict TypeScript: the wire profiles and the serving API type-check from the package', () => {

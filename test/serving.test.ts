@@ -12,6 +12,7 @@ import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../lib/serving';
 import { WorkerPool } from '../lib/serving/pool';
+import { encodeMessage } from '../lib/serving/protocol';
 import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { ROOT } from './helpers';
 
@@ -365,6 +366,8 @@ describe('worker choice and health', () => {
       [Buffer.from('x')],
       [Buffer.from('GENERATION'), Buffer.from([0xc1])],
       [Buffer.from('NOPE'), Buffer.from([0x80])],
+      // A RELEASE whose id is not a string (once ended the worker's receive loop).
+      encodeMessage('RELEASE', { msg_id: 'r', remote_request_id: 42 as unknown as string }),
     ])
       await push.send(junk);
     push.close();

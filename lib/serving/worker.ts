@@ -113,6 +113,10 @@ export interface WorkerStats {
   lateReads: number;
   /** Prefill: holds released early because the proxy said the decode would not read them. */
   abortedHolds: number;
+  /** Time spent taking KV out of the model into blocks (prefill), pulling it (decode), putting it back in (decode), ms. */
+  kvSaveMs: number;
+  kvPullMs: number;
+  kvLoadMs: number;
 }
 
 export type Sink = {
@@ -138,6 +142,9 @@ export class Worker {
     pullsExpired: 0,
     lateReads: 0,
     abortedHolds: 0,
+    kvSaveMs: 0,
+    kvPullMs: 0,
+    kvLoadMs: 0,
   };
   /** HTTP: the base URL; ZMQ: the address to PUSH to. */
   address = '';
@@ -387,6 +394,7 @@ export class Worker {
     };
     try {
       if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
+      const pulled = performance.now();
       try {
         await this.#puller.pullFromParams(kvp, {
           traceContext: span.context,
@@ -407,6 +415,8 @@ export class Worker {
         const refused = err.kind === 'setup' || err.code === 'NIXL_ERR_MISMATCH';
         throw new HttpError(refused ? 400 : 502, `KV pull failed (${err.kind}): ${err.message}`, err.code);
       }
+      const pullMs = performance.now() - pulled;
+      this.stats.kvPullMs += pullMs;
       const g = await this.#decode(req, ids, answer, signal, give);
       this.stats.decodes++;
       const { layers, blockBytes } = this.model.geometry;
@@ -415,6 +425,7 @@ export class Worker {
         kv_blocks: n,
         kv_moved: true,
         kv_bytes: n * layers * blockBytes,
+        kv_pull_ms: Math.round(pullMs * 1000) / 1000,
         ...g.info,
       });
     } finally {
@@ -426,7 +437,9 @@ export class Worker {
     const kv = await this.model.prefill(req, signal);
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
+    const t0 = performance.now();
     kv.writeTo(this.#view(ids));
+    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t0;
     if (this.#o.tamperKv) tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv);
     // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
     const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
@@ -487,6 +500,7 @@ export class Worker {
     try {
       const g = await this.model.decode(req, this.#view(ids), ids.length, answer.text, signal, blocksRead);
       this.stats.verifiedBytes += Number(g.info.verified_bytes ?? 0);
+      this.stats.kvLoadMs += Number(g.info.kv_load_ms ?? 0);
       return g;
     } catch (e) {
       if (!(e instanceof KvRejected)) throw e;

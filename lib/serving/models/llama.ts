@@ -55,11 +55,18 @@ export interface LlamaModelOptions {
 
 // tsc (module commonjs) turns import() into require(), which cannot load
 // node-llama-cpp (ESM with top-level await): the compiled package imports
-// through a Function. Under vitest, which runs this source in a vm without a
-// dynamic-import hook, the plain import() is vitest's own.
-const importEsm: (url: string) => Promise<unknown> = process.env.VITEST
-  ? (url) => import(url)
-  : (new Function('url', 'return import(url)') as (url: string) => Promise<unknown>);
+// through a Function. Code run in a vm without a dynamic-import hook (vitest
+// runs this source so) cannot; there the plain import() is the runner's own.
+const viaFunction = new Function('url', 'return import(url)') as (url: string) => Promise<unknown>;
+
+async function importEsm(url: string): Promise<unknown> {
+  try {
+    return await viaFunction(url);
+  } catch (e) {
+    if ((e as { code?: string }).code !== 'ERR_VM_DYNAMIC_IMPORT_CALLBACK_MISSING') throw e;
+    return import(url);
+  }
+}
 
 /** node-llama-cpp, or a NixlError (NIXL_ERR_NOT_SUPPORTED) naming the package to install. */
 export async function loadNodeLlamaCpp(): Promise<typeof Nlc> {
@@ -209,6 +216,7 @@ export class LlamaModel implements ServingModel {
     let state: Buffer;
     let promptTokens: number;
     let firstToken: number | 'end' | undefined;
+    let saveMs = 0;
     try {
       const seq = sequenceOf(ctx);
       // One greedy token: the prompt evaluated exactly as a generation would;
@@ -222,8 +230,10 @@ export class LlamaModel implements ServingModel {
       );
       firstToken = r.tokens.length > 0 ? r.tokens[0] : r.finishReason === 'stop' ? 'end' : undefined;
       promptTokens = seq.contextTokens.length;
+      const t0 = performance.now();
       await seq.saveStateToFile(file);
       state = await fs.promises.readFile(file);
+      saveMs = performance.now() - t0;
     } finally {
       await this.#pool.release(ctx);
       fs.rm(file, { force: true }, () => {});
@@ -233,6 +243,7 @@ export class LlamaModel implements ServingModel {
     return {
       blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
       promptTokens,
+      saveMs,
       writeTo: (view) => writeEnvelope(header, state, blockBytes, (i) => view(i, 0)),
     };
   }
@@ -245,6 +256,7 @@ export class LlamaModel implements ServingModel {
     signal: AbortSignal,
     blocksRead?: () => void,
   ): Promise<Generated> {
+    const t0 = performance.now();
     const { state, promptTokens, firstToken } = openEnvelope((i) => view(i, 0), {
       blocks,
       blockBytes: this.#o.blockBytes,
@@ -259,6 +271,7 @@ export class LlamaModel implements ServingModel {
     try {
       const seq = sequenceOf(ctx);
       await seq.loadStateFromFile(file, { acceptRisk: true });
+      const loadMs = performance.now() - t0;
       const loaded = seq.contextTokens.length;
       const before = evaluated(seq);
       const r =
@@ -271,7 +284,12 @@ export class LlamaModel implements ServingModel {
         completionTokens: r.completionTokens,
         finishReason: r.finishReason,
         promptTokens,
-        info: { kv_state_bytes: state.length, kv_tokens_loaded: loaded, tokens_evaluated: evaluated(seq) - before },
+        info: {
+          kv_state_bytes: state.length,
+          kv_tokens_loaded: loaded,
+          tokens_evaluated: evaluated(seq) - before,
+          kv_load_ms: round(loadMs),
+        },
       };
     } finally {
       await this.#pool.release(ctx);
@@ -507,6 +525,10 @@ class StopText {
     if (upTo.length > this.#sent) this.out?.(upTo.slice(this.#sent));
     this.#sent = Math.max(this.#sent, upTo.length);
   }
+}
+
+function round(ms: number): number {
+  return Math.round(ms * 1000) / 1000;
 }
 
 function evaluated(seq: Nlc.LlamaContextSequence): number {

@@ -42,6 +42,8 @@ export interface KvGeometry {
 export interface PrefilledKv {
   readonly blocks: number;
   readonly promptTokens: number;
+  /** Time taken to take the KV out of the model (llama: save the sequence state), ms. */
+  readonly saveMs?: number;
   /** Writes it into the request's blocks. */
   writeTo(view: BlockView): void;
 }

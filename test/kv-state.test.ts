@@ -1,0 +1,131 @@
+// The envelope around a llama sequence state in KV blocks: whatever arrives,
+// the decode either gets the exact state the prefill wrapped or a KvRejected
+// naming why, never an exception of another kind and never other bytes.
+import { createHash, randomBytes } from 'node:crypto';
+import fc from 'fast-check';
+import { describe, expect, it } from 'vitest';
+import {
+  HEADER_BYTES,
+  envelopeBytes,
+  openEnvelope,
+  stateHeader,
+  tamperEnvelope,
+  writeEnvelope,
+} from '../lib/serving/models/kv-state';
+import { KvRejected } from '../lib/serving/models/types';
+
+const FP = createHash('sha256').update('model a').digest();
+const BLOCK = 256;
+
+/** A llama.cpp-shaped sequence state: 'ggsq', version, n tokens, tokens, payload. */
+function seqState(tokens: number, payload: number): Buffer {
+  const b = Buffer.alloc(12 + 4 * tokens + payload);
+  b.writeUInt32LE(0x67677371, 0);
+  b.writeUInt32LE(3, 4);
+  b.writeUInt32LE(tokens, 8);
+  randomBytes(b.length - 12).copy(b, 12);
+  return b;
+}
+
+function wrap(state: Buffer, tokens: number, first?: number | 'end') {
+  const n = Math.ceil(envelopeBytes(state.length) / BLOCK);
+  const blocks = Array.from({ length: n + 2 }, () => Buffer.alloc(BLOCK));
+  writeEnvelope(
+    stateHeader(state, { promptTokens: tokens, fingerprint: FP, firstToken: first }),
+    state,
+    BLOCK,
+    (i) => blocks[i],
+  );
+  return { blocks, n };
+}
+
+const opts = (n: number) => ({
+  blocks: n,
+  blockBytes: BLOCK,
+  fingerprint: FP,
+  maxTokens: 4096,
+  maxStateBytes: 1 << 20,
+});
+
+function reason(f: () => unknown): string {
+  try {
+    f();
+  } catch (e) {
+    expect(e).toBeInstanceOf(KvRejected);
+    return (e as KvRejected).reason;
+  }
+  return 'accepted';
+}
+
+describe('KV state envelope', () => {
+  it('round-trips the state, its token count and the first token, across block boundaries', () => {
+    for (const [tokens, payload, first] of [
+      [1, 0, undefined],
+      [5, 1000, 7],
+      [60, BLOCK * 3, 'end'],
+    ] as const) {
+      const state = seqState(tokens, payload);
+      const { blocks, n } = wrap(state, tokens, first);
+      const got = openEnvelope((i) => blocks[i], opts(n));
+      expect(got.state.equals(state)).toBe(true);
+      expect(got.promptTokens).toBe(tokens);
+      expect(got.firstToken).toBe(first);
+    }
+  });
+
+  it.each([
+    ['truncate', 'truncated'],
+    ['corrupt', 'corrupted'],
+    ['oversize', 'oversized'],
+    ['foreign', 'foreign-model'],
+  ] as const)('a %s state is refused as %s', (how, why) => {
+    const state = seqState(40, 2000);
+    const { blocks, n } = wrap(state, 40);
+    tamperEnvelope((b) => blocks[b], n, BLOCK, how);
+    expect(reason(() => openEnvelope((i) => blocks[i], opts(n)))).toBe(why);
+  });
+
+  it('fewer blocks than the state, another model, more tokens than the context: refused', () => {
+    const state = seqState(40, 2000);
+    const { blocks, n } = wrap(state, 40);
+    expect(reason(() => openEnvelope((i) => blocks[i], opts(n - 1)))).toBe('truncated');
+    expect(reason(() => openEnvelope((i) => blocks[i], { ...opts(n), fingerprint: Buffer.alloc(32) }))).toBe(
+      'foreign-model',
+    );
+    expect(reason(() => openEnvelope((i) => blocks[i], { ...opts(n), maxTokens: 39 }))).toBe('oversized');
+    expect(reason(() => openEnvelope((i) => blocks[i], { ...opts(n), maxStateBytes: 100 }))).toBe('oversized');
+    expect(reason(() => openEnvelope((i) => blocks[i], opts(0)))).toBe('truncated');
+  });
+
+  it('a header whose token count disagrees with the state inside is malformed', () => {
+    const state = seqState(40, 100);
+    const { blocks, n } = wrap(state, 41);
+    expect(reason(() => openEnvelope((i) => blocks[i], opts(n)))).toBe('malformed');
+  });
+
+  it('random bytes, and any one byte of a good envelope changed: KvRejected, never the wrong state', () => {
+    fc.assert(
+      fc.property(fc.uint8Array({ minLength: 1, maxLength: 4 * BLOCK }), (bytes) => {
+        const n = Math.ceil(bytes.length / BLOCK);
+        const blocks = Array.from({ length: n }, (_, i) => {
+          const b = Buffer.alloc(BLOCK);
+          Buffer.from(bytes.subarray(i * BLOCK, (i + 1) * BLOCK)).copy(b);
+          return b;
+        });
+        expect(reason(() => openEnvelope((i) => blocks[i], opts(n)))).not.toBe('accepted');
+      }),
+      { numRuns: Number(process.env.FC_RUNS ?? 200) },
+    );
+    const state = seqState(20, 500);
+    fc.assert(
+      fc.property(fc.nat(envelopeBytes(state.length) - 1), fc.integer({ min: 1, max: 255 }), (at, x) => {
+        const { blocks, n } = wrap(state, 20);
+        // Reserved header bytes (120..128) carry nothing: a change there changes nothing read.
+        if (at >= 120 && at < HEADER_BYTES) return;
+        blocks[Math.floor(at / BLOCK)][at % BLOCK] ^= x;
+        expect(reason(() => openEnvelope((i) => blocks[i], opts(n)))).not.toBe('accepted');
+      }),
+      { numRuns: Number(process.env.FC_RUNS ?? 300) },
+    );
+  });
+});
