@@ -3,7 +3,7 @@
 // LlamaCompletion for /v1/completions, LlamaChatSession for chat, each on a
 // fresh context of the workers' size and thread count.
 import type * as Nlc from 'node-llama-cpp';
-import { loadNodeLlamaCpp } from '../lib/serving/models/llama';
+import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';
 
 export interface Ask {
   chat: boolean;

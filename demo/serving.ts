@@ -11,7 +11,7 @@ import { oneOf, parse, positiveInt } from '../cli/args';
 import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { modelPath } from './gguf';
 import { type Ask, OneProcess, askBody } from './llama-reference';
-import { loadNodeLlamaCpp } from '../lib/serving/models/llama';
+import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';
 
 const HELP = `nixl-node demo --serving: clients -> proxy -> prefill / decode workers (processes), KV over nixl-node
 

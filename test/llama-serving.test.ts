@@ -11,7 +11,7 @@ import type * as Nlc from 'node-llama-cpp';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { BUILTIN, TINY, modelPath, writeGguf } from '../demo/gguf';
 import { type Ask as RefAsk, OneProcess, askBody } from '../demo/llama-reference';
-import { loadNodeLlamaCpp } from '../lib/serving/models/llama';
+import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';
 import { startProxy, startWorker, type Worker } from '../lib/serving';
 import { serveTrio } from './helpers';
 

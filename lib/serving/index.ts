@@ -6,8 +6,9 @@ export { decodeMessage, encodeMessage, TAGS, type Tag } from './protocol';
 export { HttpError } from './http';
 export * as syntheticModel from './models/synthetic-kv';
 export { SyntheticModel } from './models/synthetic';
-export { LlamaModel, type LlamaModelOptions, NODE_LLAMA_CPP } from './models/llama';
+export { LlamaModel, type LlamaModelOptions } from './models/llama';
 export {
+  NODE_LLAMA_CPP,
   KvRejected,
   ModelRequestError,
   type ServingModel,

@@ -18,8 +18,12 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { pathToFileURL } from 'node:url';
+// Types only (erased): the declarations this file emits name none of them, so
+// an application without node-llama-cpp still type-checks against the package.
 import type * as Nlc from 'node-llama-cpp';
 import { NixlError } from '../../errors';
+import { loadNodeLlamaCpp } from './node-llama-cpp';
+import { NODE_LLAMA_CPP } from './types';
 import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
 import {
   type BlockView,
@@ -32,9 +36,6 @@ import {
   type ServingModel,
   type TextSink,
 } from './types';
-
-/** The node-llama-cpp release this package is tested with. */
-export const NODE_LLAMA_CPP = 'node-llama-cpp@3.21.1';
 
 export interface LlamaModelOptions {
   /** A GGUF file. */
@@ -51,35 +52,6 @@ export interface LlamaModelOptions {
   poolBytes: number;
   /** node-llama-cpp's GPU backend (default false: CPU). */
   gpu?: false | 'auto';
-}
-
-// tsc (module commonjs) turns import() into require(), which cannot load
-// node-llama-cpp (ESM with top-level await): the compiled package imports
-// through a Function. Code run in a vm without a dynamic-import hook (vitest
-// runs this source so) cannot; there the plain import() is the runner's own.
-const viaFunction = new Function('url', 'return import(url)') as (url: string) => Promise<unknown>;
-
-async function importEsm(url: string): Promise<unknown> {
-  try {
-    return await viaFunction(url);
-  } catch (e) {
-    if ((e as { code?: string }).code !== 'ERR_VM_DYNAMIC_IMPORT_CALLBACK_MISSING') throw e;
-    return import(url);
-  }
-}
-
-/** node-llama-cpp, or a NixlError (NIXL_ERR_NOT_SUPPORTED) naming the package to install. */
-export async function loadNodeLlamaCpp(): Promise<typeof Nlc> {
-  let resolved: string;
-  try {
-    resolved = require.resolve('node-llama-cpp');
-  } catch {
-    throw new NixlError(
-      `a GGUF model needs node-llama-cpp, which is not installed: npm i -E ${NODE_LLAMA_CPP}`,
-      'NIXL_ERR_NOT_SUPPORTED',
-    );
-  }
-  return (await importEsm(pathToFileURL(resolved).href)) as typeof Nlc;
 }
 
 /** At most `max` contexts, made on demand: a request waits for a free one. */
@@ -536,7 +508,7 @@ function evaluated(seq: Nlc.LlamaContextSequence): number {
 }
 
 /** OpenAI messages as node-llama-cpp's chat history, and the last user message (what is prompted). */
-export function chatHistory(messages: ChatMessage[], model: string): { history: Nlc.ChatHistoryItem[]; last: string } {
+function chatHistory(messages: ChatMessage[], model: string): { history: Nlc.ChatHistoryItem[]; last: string } {
   const text = (m: ChatMessage, i: number): string => {
     if (typeof m.content === 'string') return m.content;
     return m.content

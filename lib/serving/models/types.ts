@@ -4,6 +4,9 @@
 // and the holds; a model only evaluates, puts its KV into blocks it is given,
 // and generates from blocks it is given.
 
+/** The node-llama-cpp release GGUF workers are tested with (an optional peer dependency). */
+export const NODE_LLAMA_CPP = 'node-llama-cpp@3.21.1';
+
 /** One chat message as a request carries it (checked by schema.ts). */
 export interface ChatMessage {
   role: string;

@@ -1,0 +1,36 @@
+// Loads node-llama-cpp, the optional peer dependency behind GGUF workers.
+// Kept out of the package's public declarations: they would name its types,
+// and an application without it installed would no longer type-check.
+import { pathToFileURL } from 'node:url';
+import type * as Nlc from 'node-llama-cpp';
+import { NixlError } from '../../errors';
+import { NODE_LLAMA_CPP } from './types';
+
+// tsc (module commonjs) turns import() into require(), which cannot load
+// node-llama-cpp (ESM with top-level await): the compiled package imports
+// through a Function. Code run in a vm without a dynamic-import hook (vitest
+// runs this source so) cannot; there the plain import() is the runner's own.
+const viaFunction = new Function('url', 'return import(url)') as (url: string) => Promise<unknown>;
+
+async function importEsm(url: string): Promise<unknown> {
+  try {
+    return await viaFunction(url);
+  } catch (e) {
+    if ((e as { code?: string }).code !== 'ERR_VM_DYNAMIC_IMPORT_CALLBACK_MISSING') throw e;
+    return import(url);
+  }
+}
+
+/** node-llama-cpp, or a NixlError (NIXL_ERR_NOT_SUPPORTED) naming the package to install. */
+export async function loadNodeLlamaCpp(): Promise<typeof Nlc> {
+  let resolved: string;
+  try {
+    resolved = require.resolve('node-llama-cpp');
+  } catch {
+    throw new NixlError(
+      `a GGUF model needs node-llama-cpp, which is not installed: npm i -E ${NODE_LLAMA_CPP}`,
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
+  }
+  return (await importEsm(pathToFileURL(resolved).href)) as typeof Nlc;
+}
