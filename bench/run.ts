@@ -14,7 +14,7 @@ import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { fmtBytes } from './stats';
 import { barChart, type Panel } from './svg';
-import { parse, run, UsageError } from '../cli/args';
+import { parse, run, UsageError } from '../lib/command-args';
 
 const HELP = `nixl-node bench: bandwidth, native NIXL baseline, coalescing and handshake latency, as ratios to baselines of the same run
 

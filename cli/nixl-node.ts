@@ -1,6 +1,6 @@
 // The nixl-node command: info, demo, bench, sidechannel, proxy, worker.
 import * as path from 'node:path';
-import { run, UsageError } from './args';
+import { run, UsageError } from '../lib/command-args';
 
 const HELP = `nixl-node: NVIDIA NIXL for Node.js
 
@@ -18,7 +18,7 @@ function packageRoot(): string {
 }
 
 async function info(argv: string[]): Promise<void> {
-  const { parse } = await import('./args');
+  const { parse } = await import('../lib/command-args');
   const v = parse(argv, { json: { type: 'boolean' } }, 'Usage: nixl-node info [--json]\n');
   const root = packageRoot();
   const pkg = require(path.join(root, 'package.json')) as { version: string };
@@ -56,7 +56,7 @@ run(cmd ?? '', async () => {
     case 'info':
       return info(rest);
     case 'demo':
-      return (await import('../demo/cli')).runDemo(rest);
+      return (await import('../demo/run')).runDemo(rest);
     case 'bench':
       return (await import('../bench/run')).runBench(rest);
     case 'sidechannel':

@@ -4,7 +4,7 @@
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../demo/gguf';
-import { oneOf, parse, positiveInt, UsageError } from './args';
+import { oneOf, parse, positiveInt, UsageError } from '../lib/command-args';
 import { startTracing } from './otel';
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers

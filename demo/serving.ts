@@ -7,7 +7,7 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
-import { oneOf, parse, positiveInt } from '../cli/args';
+import { oneOf, parse, positiveInt } from '../lib/command-args';
 import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { modelPath } from './gguf';
 import { type Ask, OneProcess, askBody } from './llama-reference';

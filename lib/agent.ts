@@ -7,11 +7,16 @@ import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
 
+/** Which engine an agent runs on: NIXL, or the in-process loopback engine. */
 export type EngineKind = 'loopback' | 'nixl';
+/** A transfer's direction: READ pulls remote memory into local, WRITE pushes local into remote. */
 export type XferOp = 'READ' | 'WRITE';
+/** A transfer's state, as NIXL reports it: in progress, done, or failed. */
 export type XferState = 'PROC' | 'DONE' | 'ERR';
+/** A notification message: text, or bytes. */
 export type NotifMsg = string | Uint8Array;
 
+/** Options of a new NixlAgent (NIXL's nixlAgentConfig, and the engine). */
 export interface AgentOptions {
   /** Default: 'nixl' when compiled in, else 'loopback' (env NIXL_NODE_ENGINE overrides). */
   engine?: EngineKind;
@@ -31,17 +36,20 @@ export interface AgentOptions {
   testDelayUs?: number;
 }
 
+/** How long a wait may take, and what cancels it. */
 export interface WaitOptions {
   timeoutMs?: number;
   signal?: AbortSignal;
 }
 
+/** Options of a one-shot read or write. */
 export interface XferOptions extends WaitOptions {
   notifMsg?: NotifMsg;
   memType?: MemType;
   remoteMemType?: MemType;
 }
 
+/** A notification received from a peer agent. */
 export interface Notif {
   agent: string;
   msg: Buffer;
@@ -79,6 +87,7 @@ interface Waiter {
 
 let warnedLoopback = false;
 
+/** The engines compiled into this build of the addon: 'loopback', and 'nixl' when NIXL was found at build time. */
 export const engines: readonly string[] = binding.engines;
 
 function defaultEngine(): EngineKind {
@@ -98,6 +107,12 @@ function stateOf(status: number | [number, string]): XferState {
   return s === 0 ? 'DONE' : s === 1 ? 'PROC' : 'ERR';
 }
 
+/**
+ * A NIXL agent: registers memory, exchanges metadata with peers, and posts
+ * transfers between its memory and theirs. The method names are those of NIXL's
+ * Python API (nixl._api), in camelCase. Transfers complete on the engine's thread;
+ * `wait` and the one-shot `read` / `write` resolve on the event loop.
+ */
 export class NixlAgent {
   readonly name: string;
   readonly #native: NativeAgent;
@@ -144,18 +159,22 @@ export class NixlAgent {
 
   // ---- backends -------------------------------------------------------------
 
+  /** The backend plugins this engine can create (NIXL get_plugin_list). */
   getPluginList(): string[] {
     return this.#native.getPluginList();
   }
 
+  /** A plugin's parameters and the memory types it handles (NIXL get_plugin_params). */
   getPluginParams(plugin: string): { params: Record<string, string>; memTypes: string[] } {
     return this.#native.getPluginParams(plugin);
   }
 
+  /** Creates a backend of a plugin with these parameters (NIXL create_backend). */
   createBackend(plugin: string, params: Record<string, string> = {}): void {
     this.#native.createBackend(plugin, params);
   }
 
+  /** The backends this agent has created. */
   getBackends(): string[] {
     return this.#native.getBackends();
   }
@@ -167,6 +186,11 @@ export class NixlAgent {
     return toDescList(mem, memType);
   }
 
+  /**
+   * Registers memory with the agent's backends (NIXL register_memory). The
+   * buffers stay valid until deregistered: they are marked untransferable so that
+   * postMessage cannot detach them.
+   */
   registerMemory(
     mem: DescList | MemoryLike | readonly MemoryLike[],
     opts: { memType?: MemType; backends?: string[] } = {},
@@ -181,6 +205,7 @@ export class NixlAgent {
     return new RegisteredMemory(id, d);
   }
 
+  /** Deregisters what registerMemory returned (NIXL deregister_memory). */
   deregisterMemory(reg: RegisteredMemory): void {
     if (!(reg instanceof RegisteredMemory)) throw invalidParam('deregisterMemory expects what registerMemory returned');
     this.#native.deregisterMem(reg.id);
@@ -188,6 +213,7 @@ export class NixlAgent {
 
   // ---- metadata -------------------------------------------------------------
 
+  /** This agent's metadata, for a peer's addRemoteAgent (NIXL get_agent_metadata). */
   getAgentMetadata(): Buffer {
     return this.#native.getLocalMD();
   }
@@ -198,6 +224,7 @@ export class NixlAgent {
     return this.#native.loadRemoteMD(metadata);
   }
 
+  /** Forgets a peer's metadata (NIXL remove_remote_agent); its transfers fail from then on. */
   removeRemoteAgent(agent: string): void {
     this.#native.invalidateRemoteMD(agent);
   }
@@ -220,10 +247,12 @@ export class NixlAgent {
   // listenPort) or etcd when no ip is given. The loopback engine has neither
   // and says so (NIXL_ERR_NOT_SUPPORTED); use lib/handshake there.
 
+  /** Sends this agent's metadata to a peer's listener, or to etcd without an ip (NIXL send_local_metadata). */
   sendLocalMetadata(opts: { ip?: string; port?: number } = {}): void {
     this.#native.sendLocalMD(opts.ip, opts.port);
   }
 
+  /** Sends the metadata of the registrations covering descs only (NIXL send_partial_agent_metadata). */
   sendPartialAgentMetadata(
     descs: DescList | MemoryLike | readonly MemoryLike[],
     opts: { memType?: MemType; ip?: string; port?: number } = {},
@@ -232,10 +261,12 @@ export class NixlAgent {
     this.#native.sendLocalPartialMD(d.triples, memTypeId(d.memType), opts.ip, opts.port);
   }
 
+  /** Asks a peer's listener (or etcd) for its metadata (NIXL fetch_remote_metadata); see checkRemoteMetadata. */
   fetchRemoteMetadata(remoteAgent: string, opts: { ip?: string; port?: number } = {}): void {
     this.#native.fetchRemoteMD(remoteAgent, opts.ip, opts.port);
   }
 
+  /** Tells peers (or etcd) to forget this agent's metadata (NIXL invalidate_local_metadata). */
   invalidateLocalMetadata(opts: { ip?: string; port?: number } = {}): void {
     this.#native.invalidateLocalMD(opts.ip, opts.port);
   }
@@ -250,6 +281,7 @@ export class NixlAgent {
     return this.#native.checkRemoteMD(remoteAgent, d.triples, memTypeId(d.memType));
   }
 
+  /** Connects to a peer ahead of the first transfer (NIXL make_connection). */
   makeConnection(remoteAgent: string): void {
     this.#native.makeConnection(remoteAgent);
   }
@@ -279,6 +311,7 @@ export class NixlAgent {
     return new DlistHandle(id, local ? '' : agent, d.length);
   }
 
+  /** A transfer between entries of two prepared lists (NIXL make_prepped_xfer); post it with transfer. */
   makePreppedXfer(
     op: XferOp,
     local: DlistHandle,
@@ -298,6 +331,7 @@ export class NixlAgent {
     return new XferHandle(id, remote.agent);
   }
 
+  /** A transfer between two descriptor lists (NIXL initialize_xfer); post it with transfer, then wait. */
   initializeXfer(
     op: XferOp,
     local: DescList | MemoryLike | readonly MemoryLike[],
@@ -330,6 +364,7 @@ export class NixlAgent {
     return stateOf(this.#native.postXferReq(handle.id, notifMsg));
   }
 
+  /** A posted transfer's state (NIXL check_xfer_state); throws if it was never posted. */
   checkXferState(handle: XferHandle): XferState {
     const s = this.#native.getXferStatus(handle.id);
     if (Array.isArray(s) && s[0] === -1) throw NixlError.fromStatus(s[0], 'checkXferState: transfer was never posted');
@@ -341,11 +376,13 @@ export class NixlAgent {
     return errorOf(this.#native.getXferStatus(handle.id));
   }
 
+  /** Releases a transfer request; a wait on it rejects with NIXL_ERR_CANCELED. */
   releaseXferHandle(handle: XferHandle): void {
     this.#native.releaseXferReq(handle.id);
     this.#settle(handle.id, new NixlError('transfer handle was released', 'NIXL_ERR_CANCELED'));
   }
 
+  /** Releases a prepared descriptor list (NIXL release_dlist_handle). */
   releaseDlistHandle(handle: DlistHandle): void {
     this.#native.releaseDlist(handle.id);
   }
@@ -355,6 +392,7 @@ export class NixlAgent {
     return this.#native.estimateXferCost(handle.id);
   }
 
+  /** The telemetry of a finished transfer (the agent needs captureTelemetry). */
   getXferTelemetry(handle: XferHandle): NativeTelemetry {
     return this.#native.getXferTelemetry(handle.id);
   }
@@ -401,6 +439,7 @@ export class NixlAgent {
     return this.#oneShot('READ', local, remote, remoteAgent, opts);
   }
 
+  /** Writes local memory into a peer's and waits for it: initializeXfer, transfer and wait in one call. */
   async write(
     local: DescList | MemoryLike | readonly MemoryLike[],
     remote: DescList | readonly MemoryLike[] | MemoryLike,
@@ -434,6 +473,7 @@ export class NixlAgent {
 
   // ---- notifications --------------------------------------------------------
 
+  /** Sends a notification to a peer agent (NIXL send_notif). */
   sendNotif(remoteAgent: string, msg: NotifMsg): void {
     this.#native.genNotif(remoteAgent, msg);
   }
@@ -494,6 +534,7 @@ export class NixlAgent {
     });
   }
 
+  /** Closes the agent: pending waits reject, its memory is deregistered, later calls throw. */
   close(): void {
     if (this.#closed) return;
     this.#closed = true;
@@ -503,6 +544,7 @@ export class NixlAgent {
     for (const w of [...this.#notifWatchers]) w.reject(err);
   }
 
+  /** Closes the agent (`using agent = new NixlAgent(...)`). */
   [Symbol.dispose](): void {
     this.close();
   }

@@ -4,6 +4,7 @@
 import { invalidParam } from './errors';
 import { binding } from './native';
 
+/** Where memory lives: host (DRAM), GPU (VRAM), block device, object store or file, as in NIXL. */
 export type MemType = 'DRAM' | 'VRAM' | 'BLK' | 'OBJ' | 'FILE';
 const MEM_TYPES: readonly MemType[] = ['DRAM', 'VRAM', 'BLK', 'OBJ', 'FILE'];
 
@@ -15,11 +16,15 @@ export function memTypeId(t: MemType): number {
 
 /** Memory owned elsewhere (e.g. a CUDA allocation from another addon). */
 export interface RawDesc {
+  /** Start address. */
   addr: bigint;
+  /** Length in bytes. */
   len: number | bigint;
+  /** Device id (GPU index for VRAM); 0 by default. */
   devId?: number;
 }
 
+/** Memory a descriptor list can be made from: a buffer, a view, or a raw address range. */
 export type MemoryLike = ArrayBufferView | ArrayBuffer | RawDesc;
 
 function isRaw(m: unknown): m is RawDesc {
@@ -46,14 +51,17 @@ export class DescList {
     return this.triples.length / 3;
   }
 
+  /** Start address of descriptor i. */
   addr(i: number): bigint {
     return this.triples[3 * i];
   }
 
+  /** Length of descriptor i, bytes. */
   len(i: number): number {
     return Number(this.triples[3 * i + 1]);
   }
 
+  /** Device id of descriptor i. */
   devId(i: number): number {
     return Number(this.triples[3 * i + 2]);
   }

@@ -3,6 +3,7 @@
 // lib/native.ts hands the addon a factory built on it at load, so errors made
 // in C++ are real instances (instanceof works). Pure: no addon needed.
 
+/** NIXL's status codes (nixl_status_t) by name. */
 export const Status = {
   NIXL_IN_PROG: 1,
   NIXL_SUCCESS: 0,
@@ -36,6 +37,10 @@ const byStatus = new Map<number, NixlErrorCode>(
     .map(([k, v]) => [v, k as NixlErrorCode]),
 );
 
+/**
+ * An error of a NIXL call, or of bad input refused before one: `code` names
+ * it (NIXL_ERR_INVALID_PARAM, NIXL_ERR_NOT_FOUND...), `status` is NIXL's number.
+ */
 export class NixlError extends Error {
   readonly code: NixlErrorCode;
   readonly status: number;
@@ -47,6 +52,7 @@ export class NixlError extends Error {
     this.status = status ?? (Status as Record<string, number>)[code] ?? Status.NIXL_ERR_UNKNOWN;
   }
 
+  /** The error of a NIXL status code. */
   static fromStatus(status: number, message: string): NixlError {
     return new NixlError(message, byStatus.get(status) ?? 'NIXL_ERR_UNKNOWN', status);
   }

@@ -40,4 +40,12 @@ export type { KvLayout, KvMetricsOptions, PromRegistry, PullOptions, PullResult,
 export * as serving from './serving';
 export { ServingProxy, Worker, startProxy, startWorker } from './serving';
 export type { ProxyOptions, WorkerOptions } from './serving';
-export { type SpanLike, type TraceContext, contextFromTraceparent, setTracing, startSpan } from './tracing';
+export {
+  type SpanLike,
+  type SpanOptions,
+  type TraceContext,
+  contextFromTraceparent,
+  setTracing,
+  startSpan,
+} from './tracing';
+export type { NativeTelemetry } from './native';

@@ -14,6 +14,7 @@ export interface NativeAgentOptions {
   testDelayUs?: number;
 }
 
+/** A finished transfer's telemetry: when it started, how long posting and the transfer took, bytes and descriptors. */
 export interface NativeTelemetry {
   startTimeUs: number;
   postDurationUs: number;

@@ -8,10 +8,13 @@ import type * as Otel from '@opentelemetry/api';
 
 /** A span as this package uses it (the API's Span, or a no-op). */
 export interface SpanLike {
+  /** Sets an attribute. */
   setAttribute(key: string, value: string | number | boolean): unknown;
+  /** Records an event. */
   addEvent(name: string, attributes?: Record<string, string | number | boolean>): unknown;
   /** Ends it as failed: status ERROR, the exception, and the NixlError code when there is one. */
   fail(e: unknown): void;
+  /** Ends the span. */
   end(): void;
   /** The W3C traceparent of this span, for a child in another process. */
   traceparent(): string | undefined;
@@ -95,6 +98,7 @@ class OtelSpan implements SpanLike {
   }
 }
 
+/** Options of a span: its kind, its parent and its first attributes. */
 export interface SpanOptions {
   /** The parent: a span's context, or one read from a traceparent. Default: the active context. */
   parent?: TraceContext;

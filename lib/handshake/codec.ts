@@ -7,6 +7,7 @@
 import { createHash } from 'node:crypto';
 import { NixlError } from '../errors';
 
+/** The request a vLLM side channel answers with its handshake payload. */
 export const GET_META_MSG = Buffer.from('get_meta_msg');
 
 /** vLLM's NixlHandshakePayload, with the inner metadata still encoded. */
@@ -15,6 +16,7 @@ export interface HandshakePayload {
   agentMetadataBytes: Buffer;
 }
 
+/** A handshake that failed: a side channel refused, answered garbage, timed out or has another model. */
 export class HandshakeError extends NixlError {
   constructor(message: string, code: string = 'NIXL_ERR_INVALID_PARAM', options?: { cause?: unknown }) {
     super(message, code, undefined, options);
@@ -29,6 +31,7 @@ export class Float64 {
   constructor(readonly value: number) {}
 }
 
+/** A msgpack value as the codec reads and writes it (64-bit integers as bigint, floats tagged). */
 export type MpValue = string | number | bigint | boolean | null | Buffer | Float64 | MpValue[] | Map<string, MpValue>;
 
 class Writer {
@@ -283,6 +286,7 @@ class Reader {
   }
 }
 
+/** Decodes one msgpack value; `what` names it in errors. Integers >= 2^64 are refused. */
 export function unpackMsgpack(buf: Uint8Array, what: string): unknown {
   const r = new Reader(Buffer.from(buf.buffer, buf.byteOffset, buf.byteLength));
   try {
@@ -300,6 +304,7 @@ export function unpackMsgpack(buf: Uint8Array, what: string): unknown {
 // A profile describes each map it sends as a table of fields; one codec
 // encodes, decodes, checks types and converts to JSON from it.
 
+/** The type of one field of a vLLM wire structure. */
 export type FieldType =
   | 'str'
   | 'bin'
@@ -315,6 +320,7 @@ export type FieldType =
   | 'str[]'
   | 'str[][]';
 
+/** One field of a vLLM wire structure: its msgpack key, its property, its type. */
 export interface FieldSpec {
   key: string;
   /** Property of the model object. */
@@ -497,10 +503,12 @@ const PAYLOAD_FIELDS: readonly FieldSpec[] = [
   { key: 'agent_metadata_bytes', prop: 'agentMetadataBytes', type: 'bin', required: true },
 ];
 
+/** Encodes vLLM's NixlHandshakePayload. */
 export function encodeHandshakePayload(p: HandshakePayload): Buffer {
   return packMsgpack(encodeFields(PAYLOAD_FIELDS, p as unknown as Record<string, unknown>, 'NixlHandshakePayload'));
 }
 
+/** Decodes vLLM's NixlHandshakePayload; an error reply from the side channel throws HandshakeError. */
 export function decodeHandshakePayload(buf: Uint8Array): HandshakePayload {
   const what = 'NixlHandshakePayload';
   const o = unpackMsgpack(buf, what) as Record<string, unknown>;
@@ -514,6 +522,7 @@ export function decodeHandshakePayload(buf: Uint8Array): HandshakePayload {
 
 // ---- compatibility hash -----------------------------------------------------
 
+/** A factor of vLLM's compatibility hash (JSON-like). */
 export type HashFactor = string | number | boolean | null | HashFactor[] | { [k: string]: HashFactor };
 
 /** Python's json.dumps(v, sort_keys=True): ', ' and ': ' separators, ASCII-only escapes. */

@@ -208,6 +208,7 @@ class HttpServer implements HandshakeServer {
   }
 }
 
+/** The HTTP side channel (docs/side-channel-http.md), with TLS and client certificates optional. */
 export class HttpHandshake implements HandshakeStrategy {
   readonly method = 'http' as const;
   readonly #httpAgent = new http.Agent({ keepAlive: true, maxSockets: 16 });
@@ -216,10 +217,12 @@ export class HttpHandshake implements HandshakeStrategy {
   /** keepAlive: false opens a new connection per request (for comparison). */
   constructor(private readonly keepAlive = true) {}
 
+  /** Serves the handshake payloads of this engine's ranks. */
   async serve(opts: ServeOptions): Promise<HandshakeServer> {
     return new HttpServer(opts).listen();
   }
 
+  /** Fetches one rank's payload from a remote side channel, with retries. */
   async fetch(opts: FetchOptions): Promise<FetchResult> {
     const timeoutMs = opts.timeoutMs ?? defaultTimeoutMs();
     const attempts = 1 + (opts.retries ?? 2);

@@ -4,6 +4,7 @@ import { HttpHandshake } from './http';
 import type { HandshakeMethod, HandshakeStrategy } from './types';
 import { zmqHandshake } from './zmq';
 
+/** The side channel for a method: the option, else NIXL_HANDSHAKE_METHOD, else zmq. */
 export function createHandshake(method?: HandshakeMethod, opts: { keepAlive?: boolean } = {}): HandshakeStrategy {
   const m = method ?? (process.env.NIXL_HANDSHAKE_METHOD as HandshakeMethod | undefined) ?? 'zmq';
   if (m === 'zmq') return zmqHandshake;

@@ -92,6 +92,7 @@ export const KV_LAYOUTS = {
   BHLNC: { blockContiguous: false, headsMajor: true },
 } as const;
 
+/** A KV-cache layout name, as vLLM's kv_cache_layout. */
 export type KvLayoutName = keyof typeof KV_LAYOUTS;
 
 /** v0.13's names for the layouts it had. */
@@ -151,6 +152,7 @@ export interface MetaRequest {
   ppRank: number;
 }
 
+/** The vLLM NixlConnector wire formats nixl-node speaks. */
 export type WireName = 'v0.13' | 'v12';
 
 /** One vLLM NixlConnector format: tables, plus the few rules that are not tables. */
@@ -180,6 +182,8 @@ export interface WireProfile {
   readonly defaultLeaseMs: number;
   /** kv_transfer_params keys a prefill returns, in order. */
   readonly kvParamsFields: readonly FieldSpec[];
+  /** The kv_transfer_params JSON a prefill returns, in this profile's keys. */
   toKvParams(p: KvTransferParams): Record<string, unknown>;
+  /** Parses kv_transfer_params in this profile's keys. */
   fromKvParams(decoded: Record<string, unknown>): KvTransferParams;
 }

@@ -5,16 +5,21 @@
 import type { HandshakePayload } from './codec';
 import type { NixlAgentMetadata, WireName, WireProfile } from './model';
 
+/** The side channel's transport: vLLM's ZeroMQ one, or HTTP(S). */
 export type HandshakeMethod = 'zmq' | 'http';
 
+/** Where handshake warnings go. */
 export interface HandshakeLogger {
+  /** Reports a warning. */
   warn(message: string): void;
 }
 
+/** Writes warnings to stderr. */
 export const defaultLogger: HandshakeLogger = {
   warn: (m) => process.stderr.write(`nixl-node handshake: ${m}\n`),
 };
 
+/** TLS of an HTTPS side channel server. */
 export interface TlsServerOptions {
   cert: string | Buffer;
   key: string | Buffer;
@@ -22,6 +27,7 @@ export interface TlsServerOptions {
   clientCa?: string | Buffer;
 }
 
+/** TLS of an HTTPS side channel client. */
 export interface TlsClientOptions {
   /** CA for the server certificate (e.g. a self-signed one). */
   ca?: string | Buffer;
@@ -31,6 +37,7 @@ export interface TlsClientOptions {
   servername?: string;
 }
 
+/** What a side channel serves, and where. */
 export interface ServeOptions {
   /** Interface to bind. Default 127.0.0.1; 0.0.0.0 only when given here. */
   host?: string;
@@ -54,6 +61,7 @@ export interface ServeOptions {
   bearerToken?: string;
 }
 
+/** The handshake payload of one (pipeline, tensor-parallel) rank. */
 export interface RankPayload {
   ppRank: number;
   tpRank: number;
@@ -63,14 +71,17 @@ export interface RankPayload {
 /** Seconds on this process's monotonic clock (what v12 replies carry). */
 export const monotonicSeconds = (): number => performance.now() / 1000;
 
+/** The key of a rank in maps of payloads. */
 export function rankKey(ppRank: number, tpRank: number): string {
   return `${ppRank}:${tpRank}`;
 }
 
+/** Payloads given as a map of tp ranks or a list, as a list. */
 export function payloadList(p: ServeOptions['payloads']): RankPayload[] {
   return Array.isArray(p) ? p : [...p].map(([tpRank, payload]) => ({ ppRank: 0, tpRank, payload }));
 }
 
+/** A running side channel. */
 export interface HandshakeServer {
   readonly method: HandshakeMethod;
   readonly wire: WireProfile;
@@ -82,10 +93,13 @@ export interface HandshakeServer {
   readonly dpRank: number;
   /** Requests answered and requests refused so far. */
   readonly stats: { served: number; refused: number };
+  /** Replaces the payload a rank serves (after registering more memory, say). */
   setPayload(tpRank: number, payload: HandshakePayload, ppRank?: number): void;
+  /** Stops serving. */
   close(): Promise<void>;
 }
 
+/** Where to fetch a rank's payload from, and how long to try. */
 export interface FetchOptions {
   host: string;
   /** The server's base port (as advertised). */
@@ -110,6 +124,7 @@ export interface FetchOptions {
   bearerToken?: string;
 }
 
+/** A fetched payload: the peer's compatibility hash and agent metadata. */
 export interface FetchResult {
   compatibilityHash: string;
   metadata: NixlAgentMetadata;
@@ -122,17 +137,23 @@ export interface FetchResult {
   clockOffsetS?: number;
 }
 
+/** A side-channel transport: serve payloads, fetch them. */
 export interface HandshakeStrategy {
   readonly method: HandshakeMethod;
+  /** Serves payloads. */
   serve(opts: ServeOptions): Promise<HandshakeServer>;
+  /** Fetches one rank's payload. */
   fetch(opts: FetchOptions): Promise<FetchResult>;
   /** Releases pooled connections (HTTP keep-alive). */
   close(): void;
 }
 
+/** Largest side-channel request served, bytes. */
 export const DEFAULT_MAX_REQUEST = 4096;
+/** Largest side-channel answer read, bytes. */
 export const DEFAULT_MAX_RESPONSE = 64 << 20;
 
+/** The handshake timeout: NIXL_HANDSHAKE_TIMEOUT (seconds), else 5 s. */
 export function defaultTimeoutMs(): number {
   const s = process.env.NIXL_HANDSHAKE_TIMEOUT;
   if (s !== undefined && s !== '') {
@@ -142,6 +163,7 @@ export function defaultTimeoutMs(): number {
   return 5000;
 }
 
+/** A rank number: an integer in 0..65535, or a RangeError naming it. */
 export function checkRank(name: string, v: number | undefined): number {
   const r = v ?? 0;
   if (!Number.isInteger(r) || r < 0 || r > 65535)

@@ -43,6 +43,7 @@ const KV_PARAMS: readonly FieldSpec[] = [
   { key: 'tp_size', prop: 'tpSize', type: 'uint', default: 1 },
 ];
 
+/** vLLM v0.13's wire format (NixlConnector version 2). */
 export const wireV013: WireProfile = {
   name: 'v0.13',
   connectorVersion: 2,

@@ -74,6 +74,7 @@ const KV_PARAMS: readonly FieldSpec[] = [
   { key: 'transfer_mode', prop: 'transferMode', type: 'str', default: 'pull' },
 ];
 
+/** vLLM's current wire format (NixlConnector version 12): clock offset, leases, pipeline ranks. */
 export const wireV12: WireProfile = {
   name: 'v12',
   connectorVersion: 12,

@@ -28,7 +28,9 @@ import {
 import { wireV013 } from './wire-v0.13';
 import { wireV12 } from './wire-v12';
 
+/** Every wire profile by name. */
 export const WIRE_PROFILES: Readonly<Record<WireName, WireProfile>> = { 'v0.13': wireV013, v12: wireV12 };
+/** The profile used when none is named and NIXL_WIRE is unset. */
 export const DEFAULT_WIRE: WireName = 'v12';
 
 /** The profile named (or given), else NIXL_WIRE, else v12. */
@@ -56,11 +58,13 @@ function normalize(m: AgentMetadataInput, p: WireProfile): Record<string, unknow
   return { ...m, blockStrides: m.blockStrides ?? m.blockLens, kvCacheLayout: wireLayout };
 }
 
+/** Encodes vLLM's NixlAgentMetadata in a profile. */
 export function encodeAgentMetadata(m: AgentMetadataInput, wire?: WireName | WireProfile): Buffer {
   const p = wireProfile(wire);
   return packMsgpack(encodeFields(p.metadataFields, normalize(m, p), `NixlAgentMetadata (${p.name})`));
 }
 
+/** Decodes vLLM's NixlAgentMetadata in a profile; bad fields throw HandshakeError. */
 export function decodeAgentMetadata(buf: Uint8Array, wire?: WireName | WireProfile): NixlAgentMetadata {
   const p = wireProfile(wire);
   const what = `NixlAgentMetadata (${p.name})`;
@@ -73,6 +77,7 @@ export function agentMetadataToJson(m: NixlAgentMetadata, wire?: WireName | Wire
   return fieldsToJson(p.metadataFields, normalize(m, p));
 }
 
+/** NixlAgentMetadata from the HTTP side channel's JSON. */
 export function agentMetadataFromJson(o: unknown, wire?: WireName | WireProfile): NixlAgentMetadata {
   const p = wireProfile(wire);
   const what = `agent_metadata (${p.name})`;
@@ -97,6 +102,7 @@ export function openHandshakePayload(
 
 // ---- side-channel requests and replies --------------------------------------
 
+/** The side-channel request for one rank's payload. */
 export function encodeMetaRequest(tpRank: number, ppRank = 0, wire?: WireName | WireProfile): Buffer {
   const p = wireProfile(wire);
   if (p.requestRanks.length === 1 && ppRank !== 0)

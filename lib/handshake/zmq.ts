@@ -183,6 +183,7 @@ async function fetchOnce(opts: FetchOptions, wire: WireProfile, timeoutMs: numbe
   }
 }
 
+/** vLLM's ZeroMQ side channel (ROUTER / REQ), byte-compatible with vLLM's own. */
 export const zmqHandshake: HandshakeStrategy = {
   method: 'zmq',
   serve: (opts) => ZmqServer.start(opts),

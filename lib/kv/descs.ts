@@ -64,6 +64,7 @@ export function adjacentRuns(local: ArrayLike<number>, remote: ArrayLike<number>
   return runs;
 }
 
+/** Local and remote descriptors of a pull, adjacent blocks merged. */
 export interface CoalescedDescs {
   local: BigUint64Array;
   remote: BigUint64Array;

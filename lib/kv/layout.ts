@@ -11,6 +11,7 @@ import {
 } from '../handshake/model';
 import type { MemType } from '../descriptors';
 
+/** How an engine's KV cache lies in memory: its TP rank, block geometry and one region per layer (and K/V). */
 export interface KvLayout {
   engineId: string;
   tpSize: number;
@@ -47,6 +48,7 @@ export interface KvLayout {
 
 const isPosInt = (v: unknown) => Number.isSafeInteger(v) && (v as number) >= 1;
 
+/** Throws NIXL_ERR_INVALID_PARAM naming what is wrong with a layout. */
 export function checkLayout(l: KvLayout): void {
   const bad = (m: string): never => {
     throw invalidParam(`KV layout of engine '${l.engineId}': ${m}`);

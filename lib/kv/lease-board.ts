@@ -21,6 +21,7 @@ import { allocate } from '../descriptors';
 export const PROBE = 8;
 export const SLOT_BYTES = 16;
 
+/** What a prefill's lease board says of a request's blocks. */
 export enum SlotState {
   FREE = 0,
   HELD = 1,

@@ -10,6 +10,7 @@ import { NixlError } from '../errors';
 import type { NixlAgentMetadata } from '../handshake/model';
 import type { KvLayout } from './layout';
 
+/** Bounds on what a peer or a request may size, checked before anything is allocated or opened. */
 export interface PullLimits {
   /** Largest remote tp_size accepted. Default 1024. */
   maxTpSize?: number;
@@ -23,6 +24,7 @@ export interface PullLimits {
   maxRemoteDescriptors?: number;
 }
 
+/** The bounds used when none are given. */
 export const DEFAULT_LIMITS: Required<PullLimits> = {
   maxTpSize: 1024,
   maxPpSize: 64,

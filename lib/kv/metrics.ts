@@ -13,9 +13,11 @@ import { BUCKETS_MS } from './stats';
  * compile for users who do not install prom-client.
  */
 export interface PromRegistry {
+  /** Registers a metric. */
   registerMetric(metric: never): void;
 }
 
+/** What registerKvMetrics exports: a puller's stats, a prefill tracker's, or both. */
 export interface KvMetricsOptions {
   puller?: KvPuller;
   tracker?: PrefillTracker;

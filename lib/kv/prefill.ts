@@ -20,6 +20,7 @@ import { type KvLayout, toAgentMetadata } from './layout';
 import { type LeaseBoard, SlotState, registerBoard } from './lease-board';
 import { notifsToWaitFor } from './tp';
 
+/** One rank of a prefill engine: its agent, its layout and, optionally, its lease board. */
 export interface PrefillRank {
   agent: NixlAgent;
   layout: KvLayout;
@@ -30,6 +31,7 @@ export interface PrefillRank {
   leaseBoard?: LeaseBoard;
 }
 
+/** What servePrefill serves: the ranks, the compatibility hash, where, and in which wire profile. */
 export interface ServePrefillOptions {
   ranks: PrefillRank[];
   compatibilityHash: string;
@@ -81,6 +83,7 @@ export async function servePrefill(o: ServePrefillOptions): Promise<HandshakeSer
 const KV_NOTIF = /^(.+):(\d+)$/s;
 const HEARTBEAT = /^HB:(.*)$/s;
 
+/** A request whose blocks a PrefillTracker released, and why. */
 export interface Released {
   requestId: string;
   blockIds: number[];
@@ -97,6 +100,7 @@ interface Pending {
   resolve(r: Released): void;
 }
 
+/** Options of a PrefillTracker. */
 export interface PrefillTrackerOptions {
   agent: NixlAgent;
   /** This prefill engine's TP size. */
@@ -123,12 +127,18 @@ export interface PrefillTrackerOptions {
 
 /** Told of each release and each notification for an untracked request (registerKvMetrics). */
 export interface PrefillTrackerSink {
+  /** Blocks were released (read, lease expired, or aborted). */
   released(r: Released, heldMs: number): void;
+  /** A notification named no request this tracker holds. */
   unrecognized(): void;
   /** A decode reported reading a request whose lease had run out (its blocks may have been reused). */
   lateRead?(requestId: string): void;
 }
 
+/**
+ * Holds a prefill's blocks per request until the decode's completion
+ * notification, the lease, or an abort; sends heartbeats' extensions through.
+ */
 export class PrefillTracker {
   readonly sinks = new Set<PrefillTrackerSink>();
   readonly #o: PrefillTrackerOptions;

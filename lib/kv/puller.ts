@@ -19,6 +19,7 @@ import { verifyKvTransferParams } from './params-auth';
 import { KvStats } from './stats';
 import { type RankRead, type ReadPlan, completionNotif, handshakeTargets, planReads } from './tp';
 
+/** A prefill engine to pull from: its side channel and engine id. */
 export interface RemoteEndpoint {
   host: string;
   /** The prefill engine's advertised side-channel port (kv_transfer_params remote_port). */
@@ -56,6 +57,7 @@ export class PullError extends NixlError {
   }
 }
 
+/** One pull: from whom, which remote blocks into which local blocks, and how long to try. */
 export interface PullOptions {
   remote: RemoteEndpoint;
   localBlockIds: ArrayLike<number>;
@@ -87,6 +89,7 @@ export interface RemoteLease {
   leaseMs: number;
 }
 
+/** What a pull moved. */
 export interface PullResult {
   requestId: string;
   bytes: number;
@@ -97,6 +100,7 @@ export interface PullResult {
   coalesced: boolean;
 }
 
+/** Options of KvPuller.pullFromParams. */
 export interface PullFromParamsOptions {
   /** Our logical block ids (one KV-cache group), expanded by layout.physicalBlocksPerLogical. */
   localBlockIds: ArrayLike<number>;
@@ -113,6 +117,7 @@ export interface PullFromParamsOptions {
   issuedAtMs?: number;
 }
 
+/** Options of a KvPuller. */
 export interface KvPullerOptions {
   agent: NixlAgent;
   layout: KvLayout;
@@ -209,6 +214,11 @@ interface RemoteEngine {
 // handshake itself worked, so the pull fails as kind 'setup'.
 const setupErrors = new WeakSet<object>();
 
+/**
+ * The decode side of disaggregated serving: handshakes with prefill engines,
+ * maps TP ranks, pulls blocks, sends the completion notification, and fails a
+ * pull it cannot prove right (lease expired, peer gone, bad metadata).
+ */
 export class KvPuller {
   readonly stats = new KvStats();
   readonly #agent: NixlAgent;
@@ -253,8 +263,12 @@ export class KvPuller {
     return this.#wire;
   }
 
-  /** Handshakes and prepares descriptor lists (done once per remote engine; pulls call it). */
-  connect(ep: RemoteEndpoint): Promise<RemoteEngine> {
+  /** Handshakes and prepares descriptor lists ahead of the first pull (pulls do it once per remote engine). */
+  async connect(ep: RemoteEndpoint): Promise<void> {
+    await this.#engineFor(ep);
+  }
+
+  #engineFor(ep: RemoteEndpoint): Promise<RemoteEngine> {
     const key = engineKey(ep);
     let p = this.#engines.get(key);
     if (!p) {
@@ -616,7 +630,7 @@ export class KvPuller {
     let engine: RemoteEngine | undefined;
     const cached = this.#engines.has(key);
     let post: SpanLike | undefined;
-    const connecting = this.connect(opts.remote);
+    const connecting = this.#engineFor(opts.remote);
     try {
       const hs = child('kv.handshake', { 'nixl_node.cached': cached });
       try {
@@ -963,7 +977,7 @@ export class KvPuller {
     const h = this.#held.get(key);
     if (!h || h.ids.size === 0) return;
     // Heartbeats trigger handshakes too (vLLM), so a prefill hears of a request before any READ.
-    const engine = await this.connect(h.ep).catch(() => undefined);
+    const engine = await this.#engineFor(h.ep).catch(() => undefined);
     if (!engine || engine.dropped) return;
     const ids = [...h.ids.keys()];
     const msg = `HB:${ids.join(',')}`;
@@ -978,7 +992,7 @@ export class KvPuller {
 
   /** v12: the prefill's clock minus ours, seconds (lowest-RTT handshake sample). */
   async clockOffset(ep: RemoteEndpoint): Promise<number | undefined> {
-    return (await this.connect(ep)).clockOffsetS;
+    return (await this.#engineFor(ep)).clockOffsetS;
   }
 
   #notify(agentName: string, msg: string): boolean {
@@ -994,7 +1008,7 @@ export class KvPuller {
 
   /** Handshake time of a connected engine, ms. */
   async handshakeMs(ep: RemoteEndpoint): Promise<number> {
-    return (await this.connect(ep)).handshakeMs;
+    return (await this.#engineFor(ep)).handshakeMs;
   }
 
   /** What the puller holds right now (tests check nothing leaks). */
@@ -1016,6 +1030,7 @@ export class KvPuller {
     };
   }
 
+  /** Stops: in-flight pulls fail, remote agents are forgotten. */
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;

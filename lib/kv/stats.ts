@@ -1,5 +1,6 @@
 // Transfer statistics like vLLM's NixlKVConnectorStats, as an object and as
 // Prometheus text.
+/** Histogram buckets of transfer times, ms. */
 export const BUCKETS_MS = [0.1, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 5000];
 
 class Histogram {
@@ -28,6 +29,7 @@ class Histogram {
   }
 }
 
+/** A puller's counters at one moment. */
 export interface KvStatsSnapshot {
   transfers: number;
   failedTransfers: number;
@@ -46,12 +48,17 @@ export interface KvStatsSnapshot {
 
 /** Told of every record as it happens (registerKvMetrics feeds prom-client from it). */
 export interface KvStatsSink {
+  /** A transfer finished. */
   transfer(bytes: number, descriptors: number, postMs: number, transferMs: number): void;
+  /** A transfer failed. */
   failedTransfer(): void;
+  /** A completion notification could not be sent. */
   failedNotification(): void;
+  /** A pull expired (its lease ran out). */
   expired?(): void;
 }
 
+/** A puller's counters, with sinks (metrics) told of each event. */
 export class KvStats {
   readonly sinks = new Set<KvStatsSink>();
   transfers = 0;
@@ -66,6 +73,7 @@ export class KvStats {
   readonly #xfer = new Histogram();
   readonly #post = new Histogram();
 
+  /** Counts a finished transfer. */
   recordTransfer(bytes: number, descriptors: number, postMs: number, transferMs: number): void {
     this.transfers++;
     this.bytesTransferred += bytes;
@@ -75,11 +83,13 @@ export class KvStats {
     for (const s of this.sinks) s.transfer(bytes, descriptors, postMs, transferMs);
   }
 
+  /** Counts a failed transfer. */
   recordFailedTransfer(): void {
     this.failedTransfers++;
     for (const s of this.sinks) s.failedTransfer();
   }
 
+  /** Counts a notification that could not be sent. */
   recordFailedNotification(): void {
     this.failedNotifications++;
     for (const s of this.sinks) s.failedNotification();
@@ -92,11 +102,13 @@ export class KvStats {
     this.lastLeaseMarginMs = marginMs;
   }
 
+  /** Counts a pull that expired. */
   recordExpired(): void {
     this.pullsExpired++;
     for (const s of this.sinks) s.expired?.();
   }
 
+  /** The counters now. */
   snapshot(): KvStatsSnapshot {
     const h = (x: Histogram) => ({ sum: x.sum, count: x.n, avg: x.n ? x.sum / x.n : 0 });
     return {

@@ -15,6 +15,7 @@ import { NixlError } from '../errors';
 import { KV_LAYOUTS, type NixlAgentMetadata, type WireProfile } from '../handshake/model';
 import { type KvLayout, layoutOf } from './layout';
 
+/** Layouts that cannot be mapped onto each other (NIXL_ERR_MISMATCH). */
 export class KvLayoutError extends NixlError {
   constructor(message: string) {
     super(message, 'NIXL_ERR_MISMATCH');
@@ -22,6 +23,7 @@ export class KvLayoutError extends NixlError {
   }
 }
 
+/** local / remote TP size when local is larger, minus remote / local when smaller (vLLM's tp_ratio). */
 export function tpRatio(localTp: number, remoteTp: number): number {
   if (localTp >= remoteTp) {
     if (localTp % remoteTp !== 0)
@@ -38,10 +40,12 @@ export function isKvReplicated(remoteTp: number, totalNumKvHeads: number): boole
   return Math.floor(remoteTp / totalNumKvHeads) >= 1;
 }
 
+/** Whether every remote rank holds all KV heads (MLA, or fewer KV heads than ranks). */
 export function replicatesKvCache(isMla: boolean, remoteTp: number, totalNumKvHeads: number): boolean {
   return isMla || isKvReplicated(remoteTp, totalNumKvHeads);
 }
 
+/** The remote TP ranks a local rank reads from (vLLM's rule). */
 export function targetRemoteRanks(localTp: number, localRank: number, remoteTp: number): number[] {
   const r = tpRatio(localTp, remoteTp);
   if (r > 0) return [Math.floor(localRank / r)];
@@ -105,12 +109,14 @@ export interface RankRead {
   notifyOnly: boolean;
 }
 
+/** How a local rank reads one remote rank: the ratio, replication, and the byte ranges. */
 export interface ReadPlan {
   tpRatio: number;
   replicated: boolean;
   reads: RankRead[];
 }
 
+/** Where a remote rank's regions land among ours. */
 export interface PlanContext {
   /** The remote rank's pipeline rank, and the first of our regions its regions map to. Default 0, 0. */
   ppRank?: number;

@@ -1,8 +1,16 @@
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy';
-export { Worker, startWorker, type WorkerOptions, type WorkerStats } from './worker';
+export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker';
+export type { Tamper } from './models/kv-state';
 export { WorkerPool, type Policy, type Stage, type WorkerRef } from './pool';
-export { HttpTransport, ZmqTransport, TransportError, type WorkerTransport } from './transports';
-export { decodeMessage, encodeMessage, TAGS, type Tag } from './protocol';
+export {
+  HttpTransport,
+  ZmqTransport,
+  TransportError,
+  type WorkerTransport,
+  type StageCall,
+  type StageAnswer,
+} from './transports';
+export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './protocol';
 export { HttpError } from './http';
 export * as syntheticModel from './models/synthetic-kv';
 export { SyntheticModel } from './models/synthetic';
@@ -16,4 +24,7 @@ export {
   type Generated,
   type KvGeometry,
   type PrefilledKv,
+  type ChatMessage,
+  type BlockView,
+  type TextSink,
 } from './models/types';

@@ -1,9 +1,12 @@
 // The workers of one stage (encode, prefill or decode): which one takes the
 // next request (round-robin or least-outstanding, healthy ones only), and
 // health checks that take a worker out and bring it back.
+/** How a pool picks a worker. */
 export type Policy = 'round-robin' | 'least-outstanding';
+/** A stage of a disaggregated request. */
 export type Stage = 'encode' | 'prefill' | 'decode';
 
+/** A worker as the proxy tracks it. */
 export interface WorkerRef {
   /** HTTP base URL or ZMQ address. */
   address: string;
@@ -14,6 +17,7 @@ export interface WorkerRef {
   failures: number;
 }
 
+/** The workers of one stage, with the policy that picks among the healthy ones. */
 export class WorkerPool {
   readonly workers: WorkerRef[];
   #next = 0;
@@ -56,6 +60,7 @@ export class WorkerPool {
     w.healthy = false;
   }
 
+  /** Marks a worker healthy again (a health check or a call succeeded). */
   markOk(w: WorkerRef): void {
     w.failures = 0;
     w.healthy = true;

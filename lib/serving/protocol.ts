@@ -13,9 +13,12 @@
 //                    HEALTH               {msg_id, ok, name}
 import { Packr } from 'msgpackr';
 
+/** The message tags of the ZeroMQ worker protocol. */
 export const TAGS = ['ENCODE', 'GENERATION', 'FAILURE', 'ABORT', 'HEALTH', 'RELEASE'] as const;
+/** A message tag. */
 export type Tag = (typeof TAGS)[number];
 
+/** A message from the proxy to a worker. */
 export interface ZmqRequest {
   msg_id: string;
   request_id?: string;
@@ -27,6 +30,7 @@ export interface ZmqRequest {
   payload?: Record<string, unknown>;
 }
 
+/** A message from a worker to the proxy. */
 export interface ZmqReply {
   msg_id: string;
   status?: number;
@@ -41,6 +45,7 @@ export interface ZmqReply {
 // Plain maps and arrays only (no msgpackr records or extensions), so any msgpack peer reads them.
 const packr = new Packr({ useRecords: false, mapsAsObjects: true, variableMapSize: true });
 
+/** A message as its two frames: the tag, and a msgpack map. */
 export function encodeMessage(tag: Tag, body: ZmqRequest | ZmqReply): [Buffer, Buffer] {
   return [Buffer.from(tag, 'ascii'), packr.pack(body)];
 }

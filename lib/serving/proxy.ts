@@ -14,6 +14,7 @@ import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } f
 import { checkCompletionRequest } from './schema';
 import { type HttpError, errorBody, hasImages, readJson } from './http';
 
+/** Options of the serving proxy. */
 export interface ProxyOptions {
   /** Interface to bind: 127.0.0.1 unless told otherwise. */
   host?: string;
@@ -74,6 +75,10 @@ class StageFailure extends Error {
   }
 }
 
+/**
+ * The disaggregated-serving front door: an OpenAI-compatible server that
+ * sends each request through encode, prefill and decode workers.
+ */
 export class ServingProxy {
   readonly pools: Record<Stage, WorkerPool>;
   readonly stats = {
@@ -159,6 +164,7 @@ export class ServingProxy {
     }
   }
 
+  /** Listens; resolves once the proxy takes requests. */
   async start(): Promise<this> {
     if (this.#transport instanceof ZmqTransport) await this.#transport.bind(this.#o.zmqReplyAddr);
     const host = this.#o.host ?? '127.0.0.1';
@@ -538,6 +544,7 @@ export class ServingProxy {
     throw last ?? new StageFailure(503, stage, undefined, `no healthy ${stage} worker`);
   }
 
+  /** Stops: requests in flight are aborted, sockets closed. */
   async close(): Promise<void> {
     clearInterval(this.#health);
     for (const ac of this.#inflight) ac.abort(new Error('proxy closing'));
@@ -547,6 +554,7 @@ export class ServingProxy {
   }
 }
 
+/** Starts a serving proxy. */
 export async function startProxy(o: ProxyOptions): Promise<ServingProxy> {
   return new ServingProxy(o).start();
 }

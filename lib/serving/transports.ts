@@ -7,6 +7,7 @@ import * as zmq from 'zeromq';
 import type { Stage, WorkerRef } from './pool';
 import { SerialSender, decodeMessage, encodeMessage, type Tag } from './protocol';
 
+/** One stage of a request, as the proxy sends it to a worker. */
 export interface StageCall {
   stage: Stage;
   worker: WorkerRef;
@@ -20,6 +21,7 @@ export interface StageCall {
   traceparent?: string;
 }
 
+/** A worker's answer to a stage: a whole body, or a stream of chunks. */
 export interface StageAnswer {
   status: number;
   /** Not streamed (or an error): the JSON body. */
@@ -38,9 +40,12 @@ export class TransportError extends Error {
   }
 }
 
+/** How the proxy talks to workers: HTTP, or ZeroMQ. */
 export interface WorkerTransport {
   readonly kind: 'http' | 'zmq';
+  /** Sends one stage of a request to a worker. */
   call(c: StageCall): Promise<StageAnswer>;
+  /** True when the worker answers a health check in time. */
   health(w: WorkerRef, timeoutMs: number): Promise<boolean>;
   /**
    * Tells a prefill worker to free the KV blocks it holds for a request now
@@ -48,6 +53,7 @@ export interface WorkerTransport {
    * them anyway.
    */
   release(w: WorkerRef, remoteRequestId: string): Promise<void>;
+  /** Closes the transport's sockets. */
   close(): Promise<void>;
 }
 
@@ -71,9 +77,11 @@ async function* sseChunks(body: ReadableStream<Uint8Array>): AsyncIterable<Recor
   }
 }
 
+/** Workers as OpenAI HTTP servers (vLLM's, or nixl-node's). */
 export class HttpTransport implements WorkerTransport {
   readonly kind = 'http' as const;
 
+  /** Sends one stage over HTTP. */
   async call(c: StageCall): Promise<StageAnswer> {
     let res: Response;
     try {
@@ -106,6 +114,7 @@ export class HttpTransport implements WorkerTransport {
     }
   }
 
+  /** GET /health. */
   async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
     try {
       const r = await fetch(`${w.address}/health`, { signal: AbortSignal.timeout(timeoutMs) });
@@ -130,6 +139,7 @@ export class HttpTransport implements WorkerTransport {
     }
   }
 
+  /** Nothing to close (fetch keeps no state here). */
   async close(): Promise<void> {}
 }
 
@@ -154,6 +164,7 @@ export class ZmqTransport implements WorkerTransport {
   replyAddress = '';
   #closed = false;
 
+  /** Binds the PULL socket workers answer on. */
   async bind(addr = 'tcp://127.0.0.1:*'): Promise<this> {
     await this.#pull.bind(addr);
     this.replyAddress = this.#pull.lastEndpoint!;
@@ -214,6 +225,7 @@ export class ZmqTransport implements WorkerTransport {
     }
   }
 
+  /** Sends one stage over ZeroMQ and collects its reply (or stream). */
   async call(c: StageCall): Promise<StageAnswer> {
     const msgId = `${c.requestId}/${randomUUID()}`;
     // Replies arrive in order on one socket; a queue hands them to the reader.
@@ -285,6 +297,7 @@ export class ZmqTransport implements WorkerTransport {
     }
   }
 
+  /** A HEALTH message, answered in time. */
   async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
     const msgId = `health/${randomUUID()}`;
     return new Promise<boolean>((resolve) => {
@@ -309,6 +322,7 @@ export class ZmqTransport implements WorkerTransport {
     }).catch(() => {});
   }
 
+  /** Closes the sockets; calls in flight fail. */
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;

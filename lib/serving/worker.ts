@@ -45,11 +45,13 @@ import { type RequestError, checkCompletionRequest } from './schema';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
 
+/** Options of a worker. */
 export interface WorkerOptions {
   name?: string;
   transport?: 'http' | 'zmq';
   /** HTTP: interface and port of the API (default 127.0.0.1, any free port). */
   host?: string;
+  /** HTTP port (default 0: any free port). */
   port?: number;
   /** ZMQ: the PULL address to bind (tcp://host:port, tcp://127.0.0.1:0 for any port, or ipc://path). */
   zmqAddr?: string;
@@ -95,6 +97,7 @@ export interface WorkerOptions {
   kvSecret?: string;
 }
 
+/** A worker's counters. */
 export interface WorkerStats {
   prefills: number;
   decodes: number;
@@ -119,6 +122,7 @@ export interface WorkerStats {
   kvLoadMs: number;
 }
 
+/** Where a front takes a worker's answer: streamed chunks, then the end. */
 export type Sink = {
   /** Streamed: one OpenAI chunk. */
   chunk(c: Record<string, unknown>): void;
@@ -126,6 +130,10 @@ export type Sink = {
   end(status: number, body?: Record<string, unknown>): void;
 };
 
+/**
+ * A Node inference worker: encoder, prefill, decode or aggregated, with the
+ * synthetic model or a GGUF; KV moves with servePrefill, PrefillTracker and KvPuller.
+ */
 export class Worker {
   readonly name: string;
   readonly stats: WorkerStats = {
@@ -253,6 +261,7 @@ export class Worker {
     };
   }
 
+  /** Serves: the side channel, then the HTTP or ZeroMQ front. */
   async start(): Promise<this> {
     const host = this.#o.host ?? '127.0.0.1';
     this.#side = await servePrefill({
@@ -524,6 +533,7 @@ export class Worker {
     return ids;
   }
 
+  /** Stops: fronts closed, requests aborted, agent and model freed. */
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;

@@ -37,6 +37,7 @@ import {
   type TextSink,
 } from './types';
 
+/** Options of a LlamaModel. */
 export interface LlamaModelOptions {
   /** A GGUF file. */
   modelPath: string;
@@ -121,6 +122,10 @@ function sequenceOf(ctx: Nlc.LlamaContext): Nlc.LlamaContextSequence {
   return s;
 }
 
+/**
+ * A GGUF model through node-llama-cpp behind the ServingModel boundary
+ * (docs/models.md): greedy answers equal node-llama-cpp's alone.
+ */
 export class LlamaModel implements ServingModel {
   readonly id: string;
   readonly geometry: KvGeometry;
@@ -153,6 +158,7 @@ export class LlamaModel implements ServingModel {
     this.#tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-kv-'));
   }
 
+  /** Loads node-llama-cpp and the model; NIXL_ERR_NOT_SUPPORTED without node-llama-cpp, NIXL_ERR_INVALID_PARAM for a bad file. */
   static async load(o: LlamaModelOptions): Promise<LlamaModel> {
     for (const k of ['threads', 'contextSize', 'parallel'] as const) {
       const v = o[k];
@@ -446,6 +452,7 @@ export class LlamaModel implements ServingModel {
       );
   }
 
+  /** Frees the contexts and the model. */
   async close(): Promise<void> {
     for (const c of this.#pool.all) await c.dispose();
     await this.#model.dispose();

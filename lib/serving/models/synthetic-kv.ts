@@ -7,6 +7,7 @@
 // arrived.
 import { createHash } from 'node:crypto';
 
+/** The synthetic model's KV geometry. */
 export interface SyntheticModelSpec {
   /** Tokens per block. */
   blockSize: number;
@@ -15,7 +16,9 @@ export interface SyntheticModelSpec {
   blockBytes: number;
 }
 
+/** The geometry workers use unless told otherwise. */
 export const DEFAULT_MODEL: SyntheticModelSpec = { blockSize: 16, layers: 4, blockBytes: 4096 };
+/** The synthetic model's name in answers. */
 export const MODEL_NAME = 'nixl-node/synthetic';
 
 const WORDS = (
@@ -23,6 +26,7 @@ const WORDS = (
   'quebec romeo sierra tango uniform victor whiskey xray yankee zulu'
 ).split(' ');
 
+/** The synthetic model's tokens: the prompt's UTF-8 bytes. */
 export function tokenize(prompt: string): Uint8Array {
   return new Uint8Array(Buffer.from(prompt, 'utf8'));
 }
@@ -44,6 +48,7 @@ export function chatPrompt(messages: unknown): string {
     .join('\n');
 }
 
+/** KV blocks a prompt of this many tokens takes (at least one). */
 export function numBlocks(tokens: number, spec: SyntheticModelSpec): number {
   return Math.max(1, Math.ceil(tokens / spec.blockSize));
 }

@@ -23,6 +23,7 @@ import {
   type TextSink,
 } from './types';
 
+/** The synthetic model behind the ServingModel boundary: no weights, every KV byte checkable. */
 export class SyntheticModel implements ServingModel {
   readonly id = MODEL_NAME;
   readonly geometry: KvGeometry;
@@ -99,5 +100,6 @@ export class SyntheticModel implements ServingModel {
     return { completionTokens: words.length, promptTokens, finishReason: 'length', info };
   }
 
+  /** Nothing to free. */
   async close(): Promise<void> {}
 }

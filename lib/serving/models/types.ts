@@ -51,6 +51,7 @@ export interface PrefilledKv {
   writeTo(view: BlockView): void;
 }
 
+/** What a generation produced, besides its text. */
 export interface Generated {
   completionTokens: number;
   promptTokens: number;
@@ -62,6 +63,7 @@ export interface Generated {
 /** Gets each piece of generated text as it comes (streamed answers). */
 export type TextSink = (text: string) => void;
 
+/** What a worker needs of a model (synthetic, or a GGUF through node-llama-cpp). */
 export interface ServingModel {
   /** The model's name in answers and /v1/models. */
   readonly id: string;
@@ -89,6 +91,7 @@ export interface ServingModel {
   ): Promise<Generated>;
   /** Evaluates and generates here (an aggregated worker). */
   generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated>;
+  /** Frees the model. */
   close(): Promise<void>;
 }
 

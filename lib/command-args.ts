@@ -1,4 +1,5 @@
-// Argument parsing shared by the nixl-node commands: util.parseArgs (so
+// Argument parsing shared by the nixl-node commands (cli/, and the demo and
+// bench they run, which may not import cli/): util.parseArgs (so
 // --x=y works), --help everywhere, and a bad value is one line on stderr and
 // exit code 2, never a stack trace.
 import { parseArgs, type ParseArgsConfig } from 'node:util';

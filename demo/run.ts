@@ -6,7 +6,7 @@ import { constants as bufferConstants } from 'node:buffer';
 import { fork } from 'node:child_process';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { parse, positiveInt, oneOf, run, UsageError } from '../cli/args';
+import { parse, positiveInt, oneOf, run, UsageError } from '../lib/command-args';
 import { engines } from '../lib';
 import { computeCompatibilityHash } from '../lib/handshake';
 import { execFileSync } from 'node:child_process';
