@@ -104,6 +104,34 @@ interface Outcome {
   error?: string;
 }
 
+/** An answer's text, streamed (SSE) or not, and the sum of one nixl_node field; a failure throws. */
+async function readAnswer(
+  r: Response,
+  chat: boolean,
+  stream: boolean,
+  field: 'verified_bytes' | 'kv_bytes',
+): Promise<{ text: string; bytes: number }> {
+  let text = '';
+  let bytes = 0;
+  if (stream && r.ok) {
+    for (const line of (await r.text()).split('\n')) {
+      if (!line.startsWith('data: ') || line === 'data: [DONE]') continue;
+      const c = JSON.parse(line.slice(6));
+      if (c.error) throw new Error(c.error.message);
+      text += (chat ? c.choices[0].delta.content : c.choices[0].text) ?? '';
+      bytes += c.nixl_node?.[field] ?? 0;
+    }
+    return { text, bytes };
+  }
+  const j = (await r.json()) as {
+    error?: { message?: string };
+    choices: Array<{ text: string; message: { content: string } }>;
+    nixl_node?: Record<string, number>;
+  };
+  if (!r.ok) throw new Error(`HTTP ${r.status}: ${j.error?.message}`);
+  return { text: chat ? j.choices[0].message.content : j.choices[0].text, bytes: j.nixl_node?.[field] ?? 0 };
+}
+
 async function oneRequest(url: string, i: number, maxTokens: number): Promise<Outcome> {
   const chat = i % 2 === 1;
   const stream = i % 4 >= 2;
@@ -119,27 +147,7 @@ async function oneRequest(url: string, i: number, maxTokens: number): Promise<Ou
       headers: { 'content-type': 'application/json', 'x-request-id': `demo-${i}` },
       body: JSON.stringify(body),
     });
-    let got = '';
-    let bytes = 0;
-    if (stream && r.ok) {
-      const sse = await r.text();
-      for (const line of sse.split('\n')) {
-        if (!line.startsWith('data: ') || line === 'data: [DONE]') continue;
-        const c = JSON.parse(line.slice(6));
-        if (c.error) throw new Error(c.error.message);
-        got += chat ? (c.choices[0].delta.content ?? '') : c.choices[0].text;
-        bytes += c.nixl_node?.verified_bytes ?? 0;
-      }
-    } else {
-      const j = (await r.json()) as {
-        error?: { message?: string };
-        choices: Array<{ text: string; message: { content: string } }>;
-        nixl_node?: { verified_bytes?: number };
-      };
-      if (!r.ok) throw new Error(`HTTP ${r.status}: ${j.error?.message}`);
-      got = chat ? j.choices[0].message.content : j.choices[0].text;
-      bytes = j.nixl_node?.verified_bytes ?? 0;
-    }
+    const { text: got, bytes } = await readAnswer(r, chat, stream, 'verified_bytes');
     const ms = performance.now() - t0;
     if (got !== want) return { ok: false, ms, bytes: 0, error: `answer '${got}' != expected '${want}'` };
     if (r.headers.get('x-request-id') !== `demo-${i}`) return { ok: false, ms, bytes, error: 'x-request-id not kept' };
@@ -167,26 +175,7 @@ async function oneModelRequest(url: string, i: number, maxTokens: number): Promi
       headers: { 'content-type': 'application/json', 'x-request-id': `demo-${i}` },
       body: JSON.stringify(askBody(a, stream)),
     });
-    let text = '';
-    let bytes = 0;
-    if (stream && r.ok) {
-      for (const line of (await r.text()).split('\n')) {
-        if (!line.startsWith('data: ') || line === 'data: [DONE]') continue;
-        const c = JSON.parse(line.slice(6));
-        if (c.error) throw new Error(c.error.message);
-        text += (a.chat ? c.choices[0].delta.content : c.choices[0].text) ?? '';
-        bytes += c.nixl_node?.kv_bytes ?? 0;
-      }
-    } else {
-      const j = (await r.json()) as {
-        error?: { message?: string };
-        choices: Array<{ text: string; message: { content: string } }>;
-        nixl_node?: { kv_bytes?: number };
-      };
-      if (!r.ok) throw new Error(`HTTP ${r.status}: ${j.error?.message}`);
-      text = a.chat ? j.choices[0].message.content : j.choices[0].text;
-      bytes = j.nixl_node?.kv_bytes ?? 0;
-    }
+    const { text, bytes } = await readAnswer(r, a.chat, stream, 'kv_bytes');
     const ms = performance.now() - t0;
     return { ok: bytes > 0, ms, bytes, text, error: bytes > 0 ? undefined : 'no KV moved' };
   } catch (e) {

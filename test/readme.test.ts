@@ -1,4 +1,4 @@
-// Doc test: every TypeScript block of README.md is a complete program that
+// Doc test: every TypeScript block of README.md and docs/*.md is a complete program that
 // compiles under strict TypeScript (nodenext) against the package by name,
 // and runs, printing what its comments say (`// <printed>` after a
 // console.log). Blocks that only export functions (the NIXL/VRAM one) run
@@ -10,9 +10,17 @@ import * as path from 'node:path';
 import { afterAll, expect, it } from 'vitest';
 import { ROOT, strictTsApp } from './helpers';
 
-const blocks = [...fs.readFileSync(path.join(ROOT, 'README.md'), 'utf8').matchAll(/```ts\n([\s\S]*?)```/g)].map(
-  (m) => m[1],
+const DOCS = [
+  'README.md',
+  ...fs
+    .readdirSync(path.join(ROOT, 'docs'))
+    .filter((f) => f.endsWith('.md'))
+    .map((f) => `docs/${f}`),
+];
+const blocks = DOCS.flatMap((f) =>
+  [...fs.readFileSync(path.join(ROOT, f), 'utf8').matchAll(/```ts\n([\s\S]*?)```/g)].map((m) => m[1]),
 );
+const readmeBlocks = [...fs.readFileSync(path.join(ROOT, 'README.md'), 'utf8').matchAll(/```ts\n/g)].length;
 const app = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-readme-'));
 afterAll(() => fs.rmSync(app, { recursive: true, force: true }));
 
@@ -23,8 +31,9 @@ fs.symlinkSync(path.join(ROOT, 'node_modules', 'prom-client'), path.join(app, 'n
 fs.writeFileSync(path.join(app, 'package.json'), JSON.stringify({ name: 'readme-app', private: true }));
 for (const [i, b] of blocks.entries()) fs.writeFileSync(path.join(app, `block${i}.mts`), b);
 
-it('README.md has its examples', () => {
-  expect(blocks.length).toBeGreaterThanOrEqual(4);
+it('README.md has its three examples, docs/ more', () => {
+  expect(readmeBlocks).toBe(3);
+  expect(blocks.length).toBeGreaterThanOrEqual(6);
 });
 
 it('every block compiles under strict TypeScript, importing nixl-node by name', () => {
