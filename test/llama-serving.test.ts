@@ -67,11 +67,16 @@ async function ask(url: string, a: Ask): Promise<Answer> {
 
 async function readAnswer(res: Response, a: Ask): Promise<Answer> {
   if (!a.stream || res.status !== 200) {
-    const j = (await res.json()) as Record<string, any>;
+    const j = (await res.json()) as {
+      choices?: Array<{ text?: string; message?: { content: string }; finish_reason?: string }>;
+      usage?: Answer['usage'];
+      nixl_node?: Answer['info'];
+      error?: Answer['error'];
+    };
     const c = j.choices?.[0];
     return {
       status: res.status,
-      text: a.chat ? c?.message?.content : c?.text,
+      text: (a.chat ? c?.message?.content : c?.text) ?? '',
       finish: c?.finish_reason,
       usage: j.usage,
       info: j.nixl_node,

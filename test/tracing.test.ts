@@ -56,7 +56,7 @@ function one(name: string, pred: (s: ReadableSpan) => boolean = () => true): Rea
 
 describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) => {
   it('one trace: client -> proxy.request -> stage spans -> worker spans -> the KV hold and pull', async () => {
-    const { prefill, decode, proxy } = await serveTrio(closers, {
+    const { prefill, proxy } = await serveTrio(closers, {
       transport,
       prefill: { name: `tp-${transport}` },
       decode: { name: `td-${transport}` },

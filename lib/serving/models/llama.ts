@@ -17,7 +17,6 @@ import { createHash, randomUUID } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { pathToFileURL } from 'node:url';
 // Types only (erased): the declarations this file emits name none of them, so
 // an application without node-llama-cpp still type-checks against the package.
 import type * as Nlc from 'node-llama-cpp';
