@@ -306,3 +306,25 @@ it('a model file that is missing, not a GGUF or cut short: a typed error, nothin
   for (const model of [path.join(dir, 'none.gguf'), junk, cut, dir])
     await expect(startWorker({ model })).rejects.toMatchObject({ code: 'NIXL_ERR_INVALID_PARAM' });
 }, 60_000);
+
+it("vLLM v0.13's wire profile carries a real model's KV too", async () => {
+  const o = { ...workerOptions, model: gguf, wire: 'v0.13' as const };
+  const p = await startWorker(o);
+  const d = await startWorker(o);
+  const proxy = await startProxy({ prefill: [p.address], decode: [d.address], healthIntervalMs: 0, wire: 'v0.13' });
+  try {
+    for (const a of [
+      { chat: false, text: 'an older wire, the same answer' },
+      { chat: true, text: 'and for chat' },
+    ]) {
+      const g = await ask(proxy.url, a);
+      expect(g.status, JSON.stringify(g.error)).toBe(200);
+      expect(g.info?.kv_moved).toBe(true);
+      expect(g.text).toBe(await reference(a));
+    }
+  } finally {
+    await proxy.close();
+    await p.close();
+    await d.close();
+  }
+}, 60_000);
