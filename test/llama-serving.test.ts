@@ -137,6 +137,10 @@ describe.each(['http', 'zmq'] as const)('llama through the proxy (%s)', (transpo
     expect(prefill.stats.prefills).toBe(asks.length);
     await expect.poll(() => prefill.freeBlocks, { timeout: 10_000 }).toBe(workerOptions.blocks);
     expect(decode.freeBlocks).toBe(workerOptions.blocks);
+    // The proxy's /v1/models: what its healthy decode workers said they serve.
+    await proxy.checkHealth();
+    const models = (await (await fetch(`${proxy.url}/v1/models`)).json()) as { data: Array<{ id: string }> };
+    expect(models.data.map((m) => m.id)).toEqual([TINY.name]);
   }, 240_000);
 });
 

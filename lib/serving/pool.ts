@@ -15,6 +15,8 @@ export interface WorkerRef {
   outstanding: number;
   /** Consecutive failed health checks or requests. */
   failures: number;
+  /** The model it serves, when its health answer said (nixl-node workers do). */
+  model?: string;
 }
 
 /** The workers of one stage, with the policy that picks among the healthy ones. */

@@ -10,7 +10,7 @@
 //                    GENERATION           {msg_id, status, payload, done: true}      (not streamed)
 //                                         {msg_id, chunk, done: false} ... {msg_id, done: true}  (streamed)
 //                    FAILURE              {msg_id, status, error: {message, code}}
-//                    HEALTH               {msg_id, ok, name}
+//                    HEALTH               {msg_id, ok, name, model?}
 import { Packr } from 'msgpackr';
 
 /** The message tags of the ZeroMQ worker protocol. */
@@ -40,6 +40,8 @@ export interface ZmqReply {
   error?: { message: string; code?: string };
   ok?: boolean;
   name?: string;
+  /** HEALTH: the model the worker serves (its /v1/models id). */
+  model?: string;
 }
 
 // Plain maps and arrays only (no msgpackr records or extensions), so any msgpack peer reads them.

@@ -230,6 +230,11 @@ export class ServingProxy {
         ),
       });
     }
+    if (req.method === 'GET' && path === '/v1/models') {
+      // What the healthy decode workers serve, as their health answers said.
+      const ids = [...new Set(this.pools.decode.workers.filter((w) => w.healthy && w.model).map((w) => w.model!))];
+      return send(200, { object: 'list', data: ids.map((id) => ({ id, object: 'model', owned_by: 'nixl-node' })) });
+    }
     if (req.method === 'GET' && path === '/metrics') {
       if (!this.#prom) return send(501, errorBody('install prom-client for /metrics', 'not_implemented'));
       const text = await this.#prom.registry.metrics();

@@ -118,7 +118,8 @@ export class HttpTransport implements WorkerTransport {
   async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
     try {
       const r = await fetch(`${w.address}/health`, { signal: AbortSignal.timeout(timeoutMs) });
-      await r.arrayBuffer();
+      const text = await r.text();
+      if (r.ok) w.model = modelOf(text) ?? w.model;
       return r.ok;
     } catch {
       return false;
@@ -308,7 +309,10 @@ export class ZmqTransport implements WorkerTransport {
         resolve(ok);
       };
       this.#pending.set(msgId, {
-        push: (tag, body) => finish(tag === 'HEALTH' && body.ok === true),
+        push: (tag, body) => {
+          if (tag === 'HEALTH' && typeof body.model === 'string' && body.model.length <= 256) w.model = body.model;
+          finish(tag === 'HEALTH' && body.ok === true);
+        },
         fail: () => finish(false),
       });
       this.#send(w.address, 'HEALTH', { msg_id: msgId, reply_to: this.replyAddress }).catch(() => finish(false));
@@ -329,5 +333,15 @@ export class ZmqTransport implements WorkerTransport {
     for (const p of this.#pending.values()) p.fail(new TransportError('proxy closing'));
     this.#pull.close();
     for (const s of this.#push.values()) s.sender.socket.close();
+  }
+}
+
+/** The model a nixl-node worker's /health names (vLLM's answers an empty body: none). */
+function modelOf(body: string): string | undefined {
+  try {
+    const m = (JSON.parse(body) as { model?: unknown }).model;
+    return typeof m === 'string' && m.length <= 256 ? m : undefined;
+  } catch {
+    return undefined;
   }
 }

@@ -71,7 +71,7 @@ export class ZmqFront {
       const replyTo = b.reply_to;
       const reply = (tag: ReplyTag, r: ZmqReply) => this.#reply(replyTo, tag, r);
       if (msg.tag === 'HEALTH') {
-        void reply('HEALTH', { msg_id: b.msg_id, ok: true, name: this.#w.name });
+        void reply('HEALTH', { msg_id: b.msg_id, ok: true, name: this.#w.name, model: this.#w.modelId });
         continue;
       }
       if (msg.tag !== 'ENCODE' && msg.tag !== 'GENERATION') continue;
