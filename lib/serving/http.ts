@@ -1,6 +1,6 @@
 // HTTP pieces the proxy and the workers share: the error a handler throws
-// (status + OpenAI error type), the OpenAI error body, and a bounded JSON
-// body reader.
+// (status + OpenAI error type) and a bounded JSON body reader (the OpenAI
+// bodies are in openai.ts).
 import type * as http from 'node:http';
 
 /** A request that ends in this status with an OpenAI-style error body. */
@@ -13,10 +13,6 @@ export class HttpError extends Error {
     super(message);
     this.name = 'HttpError';
   }
-}
-
-export function errorBody(message: string, type: string, extra: Record<string, unknown> = {}): Record<string, unknown> {
-  return { error: { message, type, ...extra } };
 }
 
 /** Reads a JSON object body of at most max bytes; 400 / 413 otherwise. */

@@ -12,7 +12,8 @@ import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
-import { type HttpError, errorBody, hasImages, readJson } from './http';
+import { type HttpError, hasImages, readJson } from './http';
+import { errorBody, modelList } from './openai';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -233,7 +234,7 @@ export class ServingProxy {
     if (req.method === 'GET' && path === '/v1/models') {
       // What the healthy decode workers serve, as their health answers said.
       const ids = [...new Set(this.pools.decode.workers.filter((w) => w.healthy && w.model).map((w) => w.model!))];
-      return send(200, { object: 'list', data: ids.map((id) => ({ id, object: 'model', owned_by: 'nixl-node' })) });
+      return send(200, modelList(ids));
     }
     if (req.method === 'GET' && path === '/metrics') {
       if (!this.#prom) return send(501, errorBody('install prom-client for /metrics', 'not_implemented'));

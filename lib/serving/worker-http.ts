@@ -4,8 +4,9 @@
 import { randomUUID } from 'node:crypto';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
-import { HttpError, errorBody, readJson } from './http';
-import type { Worker } from './worker';
+import type { FrontHandler } from './front';
+import { HttpError, readJson } from './http';
+import { errorBody, modelList } from './openai';
 
 export interface HttpFrontOptions {
   host: string;
@@ -16,7 +17,7 @@ export interface HttpFrontOptions {
 }
 
 /** Listens; resolves with the server and its base URL. */
-export async function serveHttp(w: Worker, o: HttpFrontOptions): Promise<{ server: http.Server; url: string }> {
+export async function serveHttp(w: FrontHandler, o: HttpFrontOptions): Promise<{ server: http.Server; url: string }> {
   const server = http.createServer(
     // A body that trickles in is cut after requestTimeout, checked every second.
     {
@@ -34,7 +35,7 @@ export async function serveHttp(w: Worker, o: HttpFrontOptions): Promise<{ serve
 }
 
 async function onRequest(
-  w: Worker,
+  w: FrontHandler,
   o: HttpFrontOptions,
   req: http.IncomingMessage,
   res: http.ServerResponse,
@@ -48,8 +49,7 @@ async function onRequest(
   const path = (req.url ?? '').split('?')[0];
   if (req.method === 'GET' && path === '/health')
     return json(200, { status: 'ok', name: w.name, model: w.modelId, free_blocks: w.freeBlocks });
-  if (req.method === 'GET' && path === '/v1/models')
-    return json(200, { object: 'list', data: [{ id: w.modelId, object: 'model', owned_by: 'nixl-node' }] });
+  if (req.method === 'GET' && path === '/v1/models') return json(200, modelList([w.modelId]));
   if (req.method !== 'POST') return json(405, errorBody('only POST', 'invalid_request_error'));
   if (path === '/v1/kv/release') {
     try {

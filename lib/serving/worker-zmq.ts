@@ -3,24 +3,24 @@
 import * as zmq from 'zeromq';
 import { HttpError } from './http';
 import { SerialSender, decodeMessage, encodeMessage, type ZmqReply } from './protocol';
-import type { Worker } from './worker';
+import type { FrontHandler } from './front';
 
 type ReplyTag = 'ENCODE' | 'GENERATION' | 'FAILURE' | 'HEALTH';
 
 export class ZmqFront {
-  readonly #w: Worker;
+  readonly #w: FrontHandler;
   readonly #pull: zmq.Pull;
   readonly #push = new Map<string, SerialSender>();
   readonly #aborts = new Map<string, AbortController>();
   #closed = false;
 
-  private constructor(w: Worker, pull: zmq.Pull) {
+  private constructor(w: FrontHandler, pull: zmq.Pull) {
     this.#w = w;
     this.#pull = pull;
   }
 
   /** Binds addr (tcp://host:port, tcp://host:* for any port, ipc://path) and serves. */
-  static async bind(w: Worker, addr: string, maxBodyBytes: number): Promise<ZmqFront> {
+  static async bind(w: FrontHandler, addr: string, maxBodyBytes: number): Promise<ZmqFront> {
     const pull = new zmq.Pull({ linger: 0, maxMessageSize: maxBodyBytes });
     await pull.bind(addr);
     const f = new ZmqFront(w, pull);

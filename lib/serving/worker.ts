@@ -27,6 +27,7 @@ import type { KvLayout } from '../kv/layout';
 import { signKvTransferParams, verifyKvTransferParams } from '../kv/params-auth';
 import { type SpanLike, contextFromTraceparent, startSpan } from '../tracing';
 import { BlockPool } from './blocks';
+import type { FrontHandler, Sink } from './front';
 import { HttpError, countImages } from './http';
 import { tamperEnvelope, type Tamper } from './models/kv-state';
 import { LlamaModel } from './models/llama';
@@ -41,6 +42,7 @@ import {
   ModelRequestError,
   type ServingModel,
 } from './models/types';
+import { chunkBody, completionBody, usageBody } from './openai';
 import { type RequestError, checkCompletionRequest } from './schema';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
@@ -122,19 +124,13 @@ export interface WorkerStats {
   kvLoadMs: number;
 }
 
-/** Where a front takes a worker's answer: streamed chunks, then the end. */
-export type Sink = {
-  /** Streamed: one OpenAI chunk. */
-  chunk(c: Record<string, unknown>): void;
-  /** The whole answer (not streamed), or the end of a stream. */
-  end(status: number, body?: Record<string, unknown>): void;
-};
+export type { Sink } from './front';
 
 /**
  * A Node inference worker: encoder, prefill, decode or aggregated, with the
  * synthetic model or a GGUF; KV moves with servePrefill, PrefillTracker and KvPuller.
  */
-export class Worker {
+export class Worker implements FrontHandler {
   readonly name: string;
   readonly stats: WorkerStats = {
     prefills: 0,
@@ -625,49 +621,6 @@ class Answer {
     this.sink.chunk(last);
     this.sink.end(200);
   }
-}
-
-function usageBody(u: { prompt: number; completion: number }) {
-  return { prompt_tokens: u.prompt, completion_tokens: u.completion, total_tokens: u.prompt + u.completion };
-}
-
-function completionBody(
-  id: string,
-  model: string,
-  chat: boolean,
-  text: string,
-  finish: string,
-  usage: { prompt: number; completion: number },
-): Record<string, unknown> {
-  const created = Math.floor(Date.now() / 1000);
-  return chat
-    ? {
-        id,
-        object: 'chat.completion',
-        created,
-        model,
-        choices: [{ index: 0, message: { role: 'assistant', content: text }, finish_reason: finish }],
-        usage: usageBody(usage),
-      }
-    : {
-        id,
-        object: 'text_completion',
-        created,
-        model,
-        choices: [{ index: 0, text, finish_reason: finish }],
-        usage: usageBody(usage),
-      };
-}
-
-function chunkBody(id: string, model: string, chat: boolean, text: string, finish: string | null) {
-  return chat
-    ? {
-        id,
-        object: 'chat.completion.chunk',
-        model,
-        choices: [{ index: 0, delta: { content: text }, finish_reason: finish }],
-      }
-    : { id, object: 'text_completion', model, choices: [{ index: 0, text, finish_reason: finish }] };
 }
 
 /** The request as a model takes it (the body was checked by checkCompletionRequest). */

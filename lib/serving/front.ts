@@ -1,0 +1,34 @@
+// What a worker's fronts (HTTP, ZeroMQ) need of the worker behind them: they
+// depend on this, not on Worker, so the worker imports its fronts and
+// nothing imports it back.
+import type { HttpError } from './http';
+
+/** Where a front takes a worker's answer: streamed chunks, then the end. */
+export type Sink = {
+  /** Streamed: one OpenAI chunk. */
+  chunk(c: Record<string, unknown>): void;
+  /** The whole answer (not streamed), or the end of a stream. */
+  end(status: number, body?: Record<string, unknown>): void;
+};
+
+/** The worker as its fronts see it. @internal */
+export interface FrontHandler {
+  readonly name: string;
+  /** The model's name in answers and /v1/models. */
+  readonly modelId: string;
+  /** KV blocks free right now. */
+  readonly freeBlocks: number;
+  /** Frees the blocks a prefilled request holds (the proxy says its decode will not read them). */
+  releaseHold(remoteRequestId: unknown): boolean;
+  /** One request, answered into `sink`. Throws HttpError. */
+  handle(
+    path: string,
+    body: Record<string, unknown>,
+    requestId: string,
+    signal: AbortSignal,
+    sink: Sink,
+    traceparent?: unknown,
+  ): Promise<void>;
+  /** Counts a failed request; the error as the front answers it. */
+  failed(e: unknown): HttpError;
+}
