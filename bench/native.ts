@@ -198,3 +198,28 @@ export async function benchNative(rounds: number, reps: number): Promise<NativeR
   }
   return rows;
 }
+
+/**
+ * The same NIXL, from a C++ program (bench/native): one process pair reading
+ * 64 MiB in blocks of the decode's size with scattered ids, as the demo's
+ * shuffled decode blocks are: what this machine's NIXL does without Node.
+ */
+export function nativeBaselineLine(block: number): string {
+  try {
+    const prog = nativeProgram();
+    if ('skip' in prog) return `(baseline skipped: ${prog.skip})`;
+    const count = Math.min(4096, Math.floor((64 << 20) / block));
+    const out = execFileSync(
+      prog.path,
+      ['--block', String(block), '--count', String(count), '--reps', '3', '--scatter'],
+      {
+        encoding: 'utf8',
+        stdio: ['ignore', 'pipe', 'ignore'],
+      },
+    );
+    const j = JSON.parse(out.trim().split('\n').at(-1)!);
+    return `${j.gbps.toFixed(2)} GB/s (${j.gbpsMin.toFixed(2)}-${j.gbpsMax.toFixed(2)}): a C++ program on the same NIXL, one process pair, ${count} scattered ${block / 1024} KiB blocks`;
+  } catch (e) {
+    return `(baseline failed: ${(e as Error).message.split('\n')[0]})`;
+  }
+}

@@ -9,24 +9,14 @@ import { benchHandshake } from './handshake';
 import { benchNative } from './native';
 import { benchServing } from './serving';
 import { benchTracing } from './tracing';
-import { engines } from '../lib';
+import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { fmtBytes } from './stats';
 import { barChart, type Panel } from './svg';
-import { parse, run, UsageError } from '../lib/command-args';
 
-const HELP = `nixl-node bench: bandwidth, native NIXL baseline, coalescing and handshake latency, as ratios to baselines of the same run
-
-Usage: nixl-node bench [options]   (or npm run bench -- [options])
-  --json FILE      write the results as JSON
-  --svg FILE       write a bar chart
-  --quick          fewer repetitions
-  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving (default all;
-                   native: against a C++ program on the installed NIXL, when NIXL is compiled in;
-                   serving: a generated llama GGUF through node-llama-cpp, when it is installed)
-`;
-const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving'];
+/** The bench's sections, in the order they run. */
+export const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving'];
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -37,17 +27,27 @@ function table(head: string[], rows: Array<Array<string | number>>): void {
   for (const r of cells) console.log(r.map((c, i) => (i === 0 ? c.padEnd(w[i]) : c.padStart(w[i]))).join('  '));
 }
 
-export async function runBench(argv: string[]): Promise<void> {
-  const v = parse(
-    argv,
-    { json: { type: 'string' }, svg: { type: 'string' }, quick: { type: 'boolean' }, only: { type: 'string' } },
-    HELP,
-  );
-  const quick = v.quick === true;
-  const only = String(v.only ?? SECTIONS.join(',')).split(',');
+/** What the bench runs (cli/bench.ts parses them from the command line). */
+export interface BenchOptions {
+  /** Write the results as JSON here. */
+  json?: string;
+  /** Write a bar chart here. */
+  svg?: string;
+  /** Fewer repetitions. */
+  quick: boolean;
+  /** Sections to run (of SECTIONS). Default all. */
+  only?: readonly string[];
+}
+
+export async function runBench(o: BenchOptions): Promise<void> {
+  const quick = o.quick;
+  const only = o.only ?? SECTIONS;
   const unknown = only.filter((x) => !SECTIONS.includes(x));
   if (unknown.length)
-    throw new UsageError(`--only: unknown section(s) ${unknown.join(', ')} (expected ${SECTIONS.join(', ')})`);
+    throw new NixlError(
+      `--only: unknown section(s) ${unknown.join(', ')} (expected ${SECTIONS.join(', ')})`,
+      'NIXL_ERR_INVALID_PARAM',
+    );
   // Both engines side by side when NIXL is compiled in; NIXL_NODE_ENGINE picks one.
   const runEngines: Engine[] = process.env.NIXL_NODE_ENGINE
     ? [process.env.NIXL_NODE_ENGINE as Engine]
@@ -252,7 +252,7 @@ export async function runBench(argv: string[]): Promise<void> {
     }
   }
 
-  const json = v.json as string | undefined;
+  const json = o.json;
   if (json) {
     fs.writeFileSync(
       json,
@@ -260,11 +260,9 @@ export async function runBench(argv: string[]): Promise<void> {
     );
     console.log(`\nwrote ${json}`);
   }
-  const svg = v.svg as string | undefined;
+  const svg = o.svg;
   if (svg) {
     fs.writeFileSync(svg, barChart(`nixl-node bench, ${engine} engine`, panels, machine));
     console.log(`wrote ${svg}`);
   }
 }
-
-if (require.main === module) run('bench', () => runBench(process.argv.slice(2)));

@@ -9,7 +9,7 @@
 // the KV, KV bytes per token, and whether both answered the same text.
 import * as os from 'node:os';
 import { type Worker, startProxy, startWorker } from '../lib/serving';
-import { modelPath } from '../demo/gguf';
+import { modelPath } from '../lib/serving/models/test-models';
 import { median } from './stats';
 
 export interface ServingRow {

@@ -1,64 +1,29 @@
 // The nixl-node command: info, demo, bench, sidechannel, proxy, worker.
-import * as path from 'node:path';
-import { run, UsageError } from '../lib/command-args';
+import { run, UsageError } from './args';
 
 const HELP = `nixl-node: NVIDIA NIXL for Node.js
 
-Usage: nixl-node <command> [options]
+Usage: nixl-node <command> [options]   (nixl-node <command> --help for its options)
   info     package version, engines compiled in, NIXL plugins, which addon build loaded
-  demo     disaggregated prefill -> decode KV transfer between processes (nixl-node demo --help)
-  bench    bandwidth and handshake benchmarks (nixl-node bench --help)
+  demo     prefill -> decode KV transfer between processes, every byte checked;
+           --serving: clients -> proxy -> prefill / decode workers, every answer checked
+  bench    READ bandwidth, native NIXL baseline, coalescing, handshake, tracing and serving,
+           as ratios to baselines of the same run
   sidechannel fetch|serve   ask a side channel for a rank's metadata, or serve synthetic metadata
-  proxy    disaggregated-serving proxy: encode -> prefill -> decode workers (nixl-node proxy --help)
-  worker   a Node inference worker with a synthetic model, for the proxy (nixl-node worker --help)
+  proxy    disaggregated-serving proxy: encode -> prefill -> decode workers over HTTP or ZeroMQ
+  worker   a Node inference worker for the proxy: a GGUF, a generated test model (tiny, small)
+           or the synthetic model
 `;
-
-function packageRoot(): string {
-  return path.join(__dirname, '..', '..');
-}
-
-async function info(argv: string[]): Promise<void> {
-  const { parse } = await import('../lib/command-args');
-  const v = parse(argv, { json: { type: 'boolean' } }, 'Usage: nixl-node info [--json]\n');
-  const root = packageRoot();
-  const pkg = require(path.join(root, 'package.json')) as { version: string };
-  const { engines, NixlAgent } = await import('../lib');
-  const addon = process.env.NIXL_NODE_ADDON ?? (require('node-gyp-build') as { path(d: string): string }).path(root);
-  const out: Record<string, unknown> = {
-    version: pkg.version,
-    node: process.version,
-    engines,
-    addon: path.relative(root, addon) || addon,
-  };
-  if (engines.includes('nixl')) {
-    const a = new NixlAgent(`nixl-node-info-${process.pid}`, { engine: 'nixl', backends: [] });
-    try {
-      out.nixlPlugins = a.getPluginList();
-    } finally {
-      a.close();
-    }
-  }
-  if (v.json) {
-    console.log(JSON.stringify(out));
-    return;
-  }
-  console.log(`nixl-node ${out.version} (node ${out.node})`);
-  console.log(
-    `  engines:  ${engines.join(', ')}${engines.includes('nixl') ? '' : ' (NIXL not compiled in: set NIXL_PREFIX and reinstall)'}`,
-  );
-  if (out.nixlPlugins) console.log(`  NIXL plugins: ${(out.nixlPlugins as string[]).join(', ')}`);
-  console.log(`  addon:    ${out.addon}`);
-}
 
 const [cmd, ...rest] = process.argv.slice(2);
 run(cmd ?? '', async () => {
   switch (cmd) {
     case 'info':
-      return info(rest);
+      return (await import('./info')).infoCommand(rest);
     case 'demo':
-      return (await import('../demo/run')).runDemo(rest);
+      return (await import('./demo')).demoCommand(rest);
     case 'bench':
-      return (await import('../bench/run')).runBench(rest);
+      return (await import('./bench')).benchCommand(rest);
     case 'sidechannel':
       return (await import('./sidechannel')).sidechannel(rest);
     case 'proxy':

@@ -7,7 +7,7 @@ import type * as Api from '@opentelemetry/api';
 import type * as Exporter from '@opentelemetry/exporter-trace-otlp-http';
 import type * as Resources from '@opentelemetry/resources';
 import type * as Sdk from '@opentelemetry/sdk-trace-base';
-import { UsageError } from '../lib/command-args';
+import { UsageError } from './args';
 
 const PACKAGES = [
   '@opentelemetry/api',

@@ -3,8 +3,8 @@
 // Each prints one JSON line when ready, so scripts can wait for it.
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
-import { modelPath } from '../demo/gguf';
-import { oneOf, parse, positiveInt, UsageError } from '../lib/command-args';
+import { modelPath } from '../lib/serving/models/test-models';
+import { oneOf, parse, positiveInt, UsageError } from './args';
 import { startTracing } from './otel';
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers

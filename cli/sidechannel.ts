@@ -7,7 +7,7 @@ import { createHandshake, type HandshakeMethod } from '../lib/handshake';
 import type { HandshakePayload } from '../lib/handshake/codec';
 import type { WireName } from '../lib/handshake/model';
 import { encodeAgentMetadata, wireProfile } from '../lib/handshake/wire';
-import { oneOf, parse, positiveInt, UsageError } from '../lib/command-args';
+import { oneOf, parse, positiveInt, UsageError } from './args';
 
 const WIRES = ['v12', 'v0.13'] as const;
 

@@ -6,17 +6,15 @@ import { constants as bufferConstants } from 'node:buffer';
 import { fork } from 'node:child_process';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { parse, positiveInt, oneOf, run, UsageError } from '../lib/command-args';
-import { engines } from '../lib';
+import { NixlError, engines } from '../lib';
 import { computeCompatibilityHash } from '../lib/handshake';
-import { execFileSync } from 'node:child_process';
 import { targetRemoteRanks } from '../lib/kv';
-import { nativeProgram } from '../bench/native';
 import type { DecodeConfig } from './decode-worker';
 import type { PrefillConfig } from './prefill-worker';
 import { rankBytes, rankDims, type KvSpec } from './kvpattern';
 
-interface Options {
+/** What the demo runs (cli/demo.ts parses them from the command line). */
+export interface DemoOptions {
   prefillTp: number;
   decodeTp: number;
   layers: number;
@@ -32,80 +30,25 @@ interface Options {
   mla: boolean;
 }
 
-const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
-
-Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works too
-
-  --prefill-tp N   prefill tensor-parallel size (default 2)
-  --decode-tp N    decode tensor-parallel size (default 4)
-  --layers N       model layers; K and V make 2 regions each (default 32)
-  --blocks N       KV blocks per rank (default 256)
-  --block-kib N    bytes of one block of one layer's K (or V), all heads, KiB (default 64)
-  --heads N        KV heads (default 8)
-  --requests N     requests the blocks are split into (default 16)
-  --in-flight N    pulls in flight per decode rank (default 4)
-  --method M       handshake: zmq | http (default zmq, or NIXL_HANDSHAKE_METHOD)
-  --engine E       loopback | nixl (default: nixl if compiled in)
-  --no-progress-thread
-                   nixl: agents without NIXL's progress thread (the engine's poller
-                   progresses them); faster on one host, see the README
-  --mla            MLA: one latent cache per layer, replicated on every rank
-  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
-`;
-
-const ARGS = {
-  'prefill-tp': { type: 'string' },
-  'decode-tp': { type: 'string' },
-  layers: { type: 'string' },
-  blocks: { type: 'string' },
-  'block-kib': { type: 'string' },
-  heads: { type: 'string' },
-  requests: { type: 'string' },
-  'in-flight': { type: 'string' },
-  method: { type: 'string' },
-  engine: { type: 'string' },
-  'no-progress-thread': { type: 'boolean' },
-  mla: { type: 'boolean' },
-} as const;
-
-export function parseDemoArgs(argv: string[]): Options {
-  const v = parse(argv, ARGS, HELP);
-  const envMethod = process.env.NIXL_HANDSHAKE_METHOD;
-  const o: Options = {
-    prefillTp: positiveInt(v, 'prefill-tp', 2, 64),
-    decodeTp: positiveInt(v, 'decode-tp', 4, 64),
-    layers: positiveInt(v, 'layers', 32, 4096),
-    blocks: positiveInt(v, 'blocks', 256),
-    blockKib: positiveInt(v, 'block-kib', 64),
-    heads: positiveInt(v, 'heads', 8, 4096),
-    requests: positiveInt(v, 'requests', 16),
-    inFlight: positiveInt(v, 'in-flight', 4, 1024),
-    method: oneOf(v, 'method', ['zmq', 'http'] as const, envMethod === 'http' ? 'http' : 'zmq'),
-    engine: oneOf(
-      v,
-      'engine',
-      ['loopback', 'nixl'] as const,
-      (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'),
-    ),
-    progressThread: v['no-progress-thread'] !== true,
-    mla: v.mla === true,
-  };
-  if (!o.progressThread && o.engine !== 'nixl') throw new UsageError('--no-progress-thread: only with --engine nixl');
-  if (o.engine === 'nixl' && !engines.includes('nixl')) {
-    throw new UsageError('--engine nixl: NIXL is not compiled in (install NIXL, set NIXL_PREFIX and rebuild)');
-  }
-  if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp)) {
-    throw new UsageError(`${o.heads} heads must split over both TP sizes`);
-  }
-  if (o.requests > o.blocks) throw new UsageError('--requests must not exceed --blocks');
-  if (!o.mla && (o.blockKib * 1024) % o.heads) throw new UsageError('--block-kib x 1024 must split over --heads');
+/**
+ * Refuses options the demo cannot run with (NIXL_ERR_INVALID_PARAM: the
+ * command answers one line and exit code 2).
+ */
+export function checkDemoOptions(o: DemoOptions): void {
+  const bad = (m: string) => new NixlError(m, 'NIXL_ERR_INVALID_PARAM');
+  if (!o.progressThread && o.engine !== 'nixl') throw bad('--no-progress-thread: only with --engine nixl');
+  if (o.engine === 'nixl' && !engines.includes('nixl'))
+    throw bad('--engine nixl: NIXL is not compiled in (install NIXL, set NIXL_PREFIX and rebuild)');
+  if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp))
+    throw bad(`${o.heads} heads must split over both TP sizes`);
+  if (o.requests > o.blocks) throw bad('--requests must not exceed --blocks');
+  if (!o.mla && (o.blockKib * 1024) % o.heads) throw bad('--block-kib x 1024 must split over --heads');
   checkMemory(o);
-  return o;
 }
 
 // Refuses, before allocating anything, sizes that cannot be held: one
 // rank's KV must fit in one Buffer, and all ranks together in free memory.
-function checkMemory(o: Options): void {
+function checkMemory(o: DemoOptions): void {
   const regions = o.mla ? o.layers : o.layers * 2;
   const headBytes = o.mla ? o.blockKib * 1024 : (o.blockKib * 1024) / o.heads;
   const base = { heads: o.heads, headBytes, numBlocks: o.blocks, regions, mla: o.mla };
@@ -113,14 +56,16 @@ function checkMemory(o: Options): void {
   const d = rankBytes({ ...base, tpSize: o.decodeTp, tpRank: 0 });
   const biggest = Math.max(p, d);
   if (biggest > bufferConstants.MAX_LENGTH) {
-    throw new UsageError(
+    throw new NixlError(
       `one rank would hold ${fmt(biggest)} of KV, more than one Buffer can (${fmt(bufferConstants.MAX_LENGTH)}); use fewer --layers, --blocks or --block-kib`,
+      'NIXL_ERR_INVALID_PARAM',
     );
   }
   const total = p * o.prefillTp + d * o.decodeTp;
   if (total > os.freemem() * 0.8) {
-    throw new UsageError(
+    throw new NixlError(
       `the demo needs ${fmt(total)} of KV in memory, and ${fmt(os.freemem())} is free; use fewer --layers, --blocks or --block-kib`,
+      'NIXL_ERR_INVALID_PARAM',
     );
   }
 }
@@ -144,10 +89,13 @@ function worker(file: string, cfg: unknown) {
   return fork(path.join(__dirname, file), [JSON.stringify(cfg)], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
 }
 
-export async function runDemo(argv: string[]): Promise<void> {
-  if (argv.includes('--serving'))
-    return (await import('./serving')).runServingDemo(argv.filter((a) => a !== '--serving'));
-  const o = parseDemoArgs(argv);
+/**
+ * Runs the demo. `nativeBaseline` gives the line comparing with a native
+ * program on the same NIXL (the bench's, passed in by the command) for a
+ * block size; without it the demo prints none.
+ */
+export async function runDemo(o: DemoOptions, nativeBaseline?: (blockBytes: number) => string): Promise<void> {
+  checkDemoOptions(o);
   const regions = o.mla ? o.layers : o.layers * 2;
   const headBytes = o.mla ? o.blockKib * 1024 : (o.blockKib * 1024) / o.heads;
   const base = { heads: o.heads, headBytes, numBlocks: o.blocks, regions, mla: o.mla };
@@ -303,7 +251,7 @@ export async function runDemo(argv: string[]): Promise<void> {
         : `${released}/${requests.length} (timed out waiting)`,
     ],
   ];
-  if (o.engine === 'nixl') rows.push(['native NIXL', nativeLine(dBlock)]);
+  if (o.engine === 'nixl' && nativeBaseline) rows.push(['native NIXL', nativeBaseline(dBlock)]);
   console.log('');
   const w = Math.max(...rows.map((r) => r[0].length));
   for (const [k, v] of rows) console.log(`  ${k.padEnd(w)}  ${v}`);
@@ -315,30 +263,3 @@ export async function runDemo(argv: string[]): Promise<void> {
   if (bad || !releasedInTime || expired) failures.push('verification or release failed');
   if (failures.length) throw new Error(`demo FAILED: ${failures.join('; ')}`);
 }
-
-/**
- * The same NIXL, from a C++ program (bench/native): one process pair reading
- * 64 MiB in blocks of the decode's size with scattered ids, as the demo's
- * shuffled decode blocks are: what this machine's NIXL does without Node.
- */
-function nativeLine(block: number): string {
-  try {
-    const prog = nativeProgram();
-    if ('skip' in prog) return `(baseline skipped: ${prog.skip})`;
-    const count = Math.min(4096, Math.floor((64 << 20) / block));
-    const out = execFileSync(
-      prog.path,
-      ['--block', String(block), '--count', String(count), '--reps', '3', '--scatter'],
-      {
-        encoding: 'utf8',
-        stdio: ['ignore', 'pipe', 'ignore'],
-      },
-    );
-    const j = JSON.parse(out.trim().split('\n').at(-1)!);
-    return `${j.gbps.toFixed(2)} GB/s (${j.gbpsMin.toFixed(2)}-${j.gbpsMax.toFixed(2)}): a C++ program on the same NIXL, one process pair, ${count} scattered ${block / 1024} KiB blocks`;
-  } catch (e) {
-    return `(baseline failed: ${(e as Error).message.split('\n')[0]})`;
-  }
-}
-
-if (require.main === module) run('demo', () => runDemo(process.argv.slice(2)));

@@ -7,25 +7,28 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
-import { oneOf, parse, positiveInt } from '../lib/command-args';
 import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
-import { modelPath } from './gguf';
+import { modelPath } from '../lib/serving/models/test-models';
 import { type Ask, OneProcess, askBody } from './llama-reference';
 import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';
 
-const HELP = `nixl-node demo --serving: clients -> proxy -> prefill / decode workers (processes), KV over nixl-node
-
-Usage: nixl-node demo --serving [options]   (or npm run demo -- --serving [options])
-  --requests N      concurrent client requests (default 64)
-  --transport T     proxy to workers: http | zmq (default http)
-  --prefill N       prefill workers (default 2)
-  --decode N        decode workers (default 2)
-  --max-tokens N    words (tokens, with --model) each answer generates (default 16)
-  --model M         a GGUF (needs node-llama-cpp), or tiny | small (generated test models):
-                    answers checked against node-llama-cpp alone in this process
-  --threads N       --model: CPU threads of each worker context and of the reference (default 1)
-  --json            the last line is a JSON summary
-`;
+/** What the serving demo runs (cli/demo.ts parses them from the command line). */
+export interface ServingDemoOptions {
+  /** Concurrent client requests. */
+  requests: number;
+  transport: 'http' | 'zmq';
+  /** Prefill workers. */
+  prefill: number;
+  /** Decode workers. */
+  decode: number;
+  maxTokens: number;
+  /** A GGUF, or the name of a generated test model (tiny, small); default the synthetic model. */
+  model?: string;
+  /** With a model: CPU threads of each worker context and of the reference. */
+  threads: number;
+  /** The last line is a JSON summary. */
+  json: boolean;
+}
 
 /** Worker context size with --model (the reference uses the same). */
 const CONTEXT_SIZE = 2048;
@@ -192,33 +195,17 @@ function pct(sorted: number[], p: number): number {
   return sorted.length === 0 ? 0 : sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))];
 }
 
-export async function runServingDemo(argv: string[]): Promise<void> {
-  const v = parse(
-    argv,
-    {
-      requests: { type: 'string' },
-      transport: { type: 'string' },
-      prefill: { type: 'string' },
-      decode: { type: 'string' },
-      'max-tokens': { type: 'string' },
-      model: { type: 'string' },
-      threads: { type: 'string' },
-      json: { type: 'boolean' },
-    },
-    HELP,
-  );
-  const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
+export async function runServingDemo(o: ServingDemoOptions): Promise<void> {
+  const gguf = o.model === undefined ? undefined : modelPath(o.model);
   // Without node-llama-cpp: one line naming it, before any worker starts.
   if (gguf) await loadNodeLlamaCpp();
-  const threads = positiveInt(v, 'threads', 1, 1024);
+  const { threads, transport, maxTokens } = o;
   const modelArgs = gguf ? ['--model', gguf, '--threads', String(threads), '--context-size', String(CONTEXT_SIZE)] : [];
-  const n = positiveInt(v, 'requests', 64, 100_000);
-  const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
-  const nP = positiveInt(v, 'prefill', 2, 64);
-  const nD = positiveInt(v, 'decode', 2, 64);
-  const maxTokens = positiveInt(v, 'max-tokens', 16, 4096);
+  const n = o.requests;
+  const nP = o.prefill;
+  const nD = o.decode;
   const log = (s: string) => {
-    if (!v.json) console.log(s);
+    if (!o.json) console.log(s);
   };
   log(
     `nixl-node demo --serving: ${n} requests, proxy -> ${nP} prefill + ${nD} decode workers over ${transport}` +
@@ -333,7 +320,7 @@ export async function runServingDemo(argv: string[]): Promise<void> {
     );
     for (const [k, x] of rows) log(`  ${k.padEnd(14)} ${x}`);
     for (const e of summary.errors) log(`  error: ${e}`);
-    if (v.json) console.log(JSON.stringify(summary));
+    if (o.json) console.log(JSON.stringify(summary));
     if (completed.length !== n || deaths.length > 0) process.exitCode = 1;
   } finally {
     await Promise.all(procs.map(stop));

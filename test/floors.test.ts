@@ -1,6 +1,9 @@
 // The house: the command (cli/) on top, then demo/ and bench/, then lib/;
 // nothing imports a folder on a floor above its own (demo and bench once
-// imported cli/args.ts while the CLI ran them).
+// imported cli/args.ts while the CLI ran them), demo/ and bench/ do not
+// import each other, the command takes only their entry points (once it
+// reached into demo/ for the test-model writer), and lib/ holds no
+// command-line code (option parsing that exits the process once lived there).
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { expect, it } from 'vitest';
@@ -15,20 +18,56 @@ function sources(dir: string): string[] {
     .map((f) => path.join(dir, f));
 }
 
+/** Every relative import of the floors: [importing file, its folder, the specifier, the target path]. */
+function imports(): Array<{ file: string; from: string; spec: string; target: string }> {
+  const out: Array<{ file: string; from: string; spec: string; target: string }> = [];
+  for (const file of Object.keys(FLOOR).flatMap(sources)) {
+    const text = fs.readFileSync(path.join(ROOT, file), 'utf8');
+    for (const m of text.matchAll(/(?:from\s+|import\()\s*'(\.[^']+)'/g))
+      out.push({
+        file,
+        from: file.split(path.sep)[0],
+        spec: m[1],
+        target: path.relative(ROOT, path.resolve(ROOT, path.dirname(file), m[1])),
+      });
+  }
+  return out;
+}
+
 it('no import runs to a floor above: cli -> demo, bench -> lib', () => {
   const wrong: string[] = [];
-  let seen = 0;
-  for (const file of Object.keys(FLOOR).flatMap(sources)) {
-    const from = file.split(path.sep)[0];
-    const text = fs.readFileSync(path.join(ROOT, file), 'utf8');
-    for (const m of text.matchAll(/(?:from\s+|import\()\s*'(\.[^']+)'/g)) {
-      seen++;
-      const target = path.relative(ROOT, path.resolve(ROOT, path.dirname(file), m[1])).split(path.sep)[0];
-      if (!(target in FLOOR)) wrong.push(`${file} imports ${m[1]} (outside the floors)`);
-      else if (FLOOR[target] > FLOOR[from]) wrong.push(`${file} (${from}) imports ${m[1]} (${target}, a floor above)`);
-    }
+  const all = imports();
+  for (const { file, from, spec, target } of all) {
+    const floor = target.split(path.sep)[0];
+    if (!(floor in FLOOR)) wrong.push(`${file} imports ${spec} (outside the floors)`);
+    else if (FLOOR[floor] > FLOOR[from]) wrong.push(`${file} (${from}) imports ${spec} (${floor}, a floor above)`);
   }
-  expect(seen).toBeGreaterThan(100);
+  expect(all.length).toBeGreaterThan(100);
+  expect(wrong).toEqual([]);
+});
+
+/** What the command may take from the apps: their entry points, nothing of the library kind. */
+const APP_ENTRIES = new Set(['demo/run', 'demo/serving', 'bench/run', 'bench/native']);
+
+it('demo/ and bench/ do not import each other; the command takes only their entry points', () => {
+  const wrong: string[] = [];
+  for (const { file, from, spec, target } of imports()) {
+    const floor = target.split(path.sep)[0];
+    if ((from === 'demo' && floor === 'bench') || (from === 'bench' && floor === 'demo'))
+      wrong.push(`${file} imports ${spec} (apps on one floor: what both need belongs in lib/)`);
+    if (from === 'cli' && (floor === 'demo' || floor === 'bench') && !APP_ENTRIES.has(target.split(path.sep).join('/')))
+      wrong.push(`${file} imports ${spec} (not an app entry point: library code belongs in lib/)`);
+  }
+  expect(wrong).toEqual([]);
+});
+
+it('lib/ holds no command-line code: no process.exit, no option parsing', () => {
+  const wrong: string[] = [];
+  for (const file of sources('lib')) {
+    const text = fs.readFileSync(path.join(ROOT, file), 'utf8');
+    if (/process\.exit\s*\(/.test(text)) wrong.push(`${file} calls process.exit`);
+    if (/\bparseArgs\b|process\.argv/.test(text)) wrong.push(`${file} parses the command line`);
+  }
   expect(wrong).toEqual([]);
 });
 

@@ -9,7 +9,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import type * as Nlc from 'node-llama-cpp';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { BUILTIN, TINY, modelPath, writeGguf } from '../demo/gguf';
+import { BUILTIN, TINY, modelPath, writeGguf } from '../lib/serving/models/test-models';
 import { type Ask as RefAsk, OneProcess, askBody } from '../demo/llama-reference';
 import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';
 import { startProxy, startWorker, type Worker } from '../lib/serving';

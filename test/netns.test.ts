@@ -11,7 +11,7 @@ import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { engines } from '../lib';
-import { modelPath } from '../demo/gguf';
+import { modelPath } from '../lib/serving/models/test-models';
 import { OneProcess } from '../demo/llama-reference';
 import { FIXTURES, ROOT } from './helpers';
 

@@ -1,4 +1,5 @@
-// Small llama-architecture GGUF models for the demo, the bench and the tests:
+// Generated test models: small llama-architecture GGUFs for `nixl-node worker
+// --model tiny`, the demo, the bench and the tests:
 // nothing can be downloaded where they run, and a real GGUF is gigabytes.
 // The weights are deterministic pseudo-random F32 (the same file on every
 // machine for a given spec), the vocabulary is SentencePiece-style with only
@@ -10,6 +11,7 @@ import { createHash } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
+import { NixlError } from '../../errors';
 
 export interface GgufSpec {
   /** Model name (general.name). */
@@ -188,9 +190,10 @@ function tensors(s: GgufSpec): Tensor[] {
 function checkSpec(s: GgufSpec): void {
   for (const k of ['embedding', 'layers', 'heads', 'kvHeads', 'feedForward', 'contextLength'] as const)
     if (!Number.isInteger(s[k]) || s[k] < 1 || s[k] > 1 << 16)
-      throw new RangeError(`${k} must be an integer from 1 to 65536`);
-  if (s.embedding % s.heads !== 0) throw new RangeError('embedding must be a multiple of heads');
-  if (s.heads % s.kvHeads !== 0) throw new RangeError('heads must be a multiple of kvHeads');
+      throw new NixlError(`${k} must be an integer from 1 to 65536`, 'NIXL_ERR_INVALID_PARAM');
+  if (s.embedding % s.heads !== 0)
+    throw new NixlError('embedding must be a multiple of heads', 'NIXL_ERR_INVALID_PARAM');
+  if (s.heads % s.kvHeads !== 0) throw new NixlError('heads must be a multiple of kvHeads', 'NIXL_ERR_INVALID_PARAM');
 }
 
 /** The GGUF file of a spec, as bytes. */

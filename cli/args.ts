@@ -1,7 +1,7 @@
-// Argument parsing shared by the nixl-node commands (cli/, and the demo and
-// bench they run, which may not import cli/): util.parseArgs (so
-// --x=y works), --help everywhere, and a bad value is one line on stderr and
-// exit code 2, never a stack trace.
+// Option parsing shared by the nixl-node commands: util.parseArgs (so --x=y
+// works), --help everywhere, and a bad value is one line on stderr and exit
+// code 2, never a stack trace. Command-line code: it may exit the process, so
+// only cli/ uses it (demo/ and bench/ take parsed options).
 import { parseArgs, type ParseArgsConfig } from 'node:util';
 
 export class UsageError extends Error {}

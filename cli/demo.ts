@@ -1,0 +1,113 @@
+// nixl-node demo [--serving]: the options of the two demos (demo/run.ts,
+// demo/serving.ts), with the bench's native baseline passed to the KV demo.
+import { nativeBaselineLine } from '../bench/native';
+import type { DemoOptions } from '../demo/run';
+import { engines } from '../lib';
+import { oneOf, parse, positiveInt } from './args';
+
+const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
+
+Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works too
+
+  --prefill-tp N   prefill tensor-parallel size (default 2)
+  --decode-tp N    decode tensor-parallel size (default 4)
+  --layers N       model layers; K and V make 2 regions each (default 32)
+  --blocks N       KV blocks per rank (default 256)
+  --block-kib N    bytes of one block of one layer's K (or V), all heads, KiB (default 64)
+  --heads N        KV heads (default 8)
+  --requests N     requests the blocks are split into (default 16)
+  --in-flight N    pulls in flight per decode rank (default 4)
+  --method M       handshake: zmq | http (default zmq, or NIXL_HANDSHAKE_METHOD)
+  --engine E       loopback | nixl (default: nixl if compiled in)
+  --no-progress-thread
+                   nixl: agents without NIXL's progress thread (the engine's poller
+                   progresses them); faster on one host, see the README
+  --mla            MLA: one latent cache per layer, replicated on every rank
+  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
+`;
+
+const ARGS = {
+  'prefill-tp': { type: 'string' },
+  'decode-tp': { type: 'string' },
+  layers: { type: 'string' },
+  blocks: { type: 'string' },
+  'block-kib': { type: 'string' },
+  heads: { type: 'string' },
+  requests: { type: 'string' },
+  'in-flight': { type: 'string' },
+  method: { type: 'string' },
+  engine: { type: 'string' },
+  'no-progress-thread': { type: 'boolean' },
+  mla: { type: 'boolean' },
+} as const;
+
+export function parseDemoArgs(argv: string[]): DemoOptions {
+  const v = parse(argv, ARGS, HELP);
+  const envMethod = process.env.NIXL_HANDSHAKE_METHOD;
+  const o: DemoOptions = {
+    prefillTp: positiveInt(v, 'prefill-tp', 2, 64),
+    decodeTp: positiveInt(v, 'decode-tp', 4, 64),
+    layers: positiveInt(v, 'layers', 32, 4096),
+    blocks: positiveInt(v, 'blocks', 256),
+    blockKib: positiveInt(v, 'block-kib', 64),
+    heads: positiveInt(v, 'heads', 8, 4096),
+    requests: positiveInt(v, 'requests', 16),
+    inFlight: positiveInt(v, 'in-flight', 4, 1024),
+    method: oneOf(v, 'method', ['zmq', 'http'] as const, envMethod === 'http' ? 'http' : 'zmq'),
+    engine: oneOf(
+      v,
+      'engine',
+      ['loopback', 'nixl'] as const,
+      (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'),
+    ),
+    progressThread: v['no-progress-thread'] !== true,
+    mla: v.mla === true,
+  };
+  return o;
+}
+
+const SERVING_HELP = `nixl-node demo --serving: clients -> proxy -> prefill / decode workers (processes), KV over nixl-node
+
+Usage: nixl-node demo --serving [options]   (or npm run demo -- --serving [options])
+  --requests N      concurrent client requests (default 64)
+  --transport T     proxy to workers: http | zmq (default http)
+  --prefill N       prefill workers (default 2)
+  --decode N        decode workers (default 2)
+  --max-tokens N    words (tokens, with --model) each answer generates (default 16)
+  --model M         a GGUF (needs node-llama-cpp), or tiny | small (generated test models):
+                    answers checked against node-llama-cpp alone in this process
+  --threads N       --model: CPU threads of each worker context and of the reference (default 1)
+  --json            the last line is a JSON summary
+`;
+
+export async function demoCommand(argv: string[]): Promise<void> {
+  if (argv.includes('--serving')) {
+    const v = parse(
+      argv.filter((a) => a !== '--serving'),
+      {
+        requests: { type: 'string' },
+        transport: { type: 'string' },
+        prefill: { type: 'string' },
+        decode: { type: 'string' },
+        'max-tokens': { type: 'string' },
+        model: { type: 'string' },
+        threads: { type: 'string' },
+        json: { type: 'boolean' },
+      },
+      SERVING_HELP,
+    );
+    const { runServingDemo } = await import('../demo/serving');
+    return runServingDemo({
+      model: v.model === undefined ? undefined : String(v.model),
+      threads: positiveInt(v, 'threads', 1, 1024),
+      requests: positiveInt(v, 'requests', 64, 100_000),
+      transport: oneOf(v, 'transport', ['http', 'zmq'] as const, 'http'),
+      prefill: positiveInt(v, 'prefill', 2, 64),
+      decode: positiveInt(v, 'decode', 2, 64),
+      maxTokens: positiveInt(v, 'max-tokens', 16, 4096),
+      json: v.json === true,
+    });
+  }
+  const o = parseDemoArgs(argv);
+  return (await import('../demo/run')).runDemo(o, nativeBaselineLine);
+}
