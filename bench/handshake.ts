@@ -8,11 +8,11 @@ import * as zmq from 'zeromq';
 import {
   HttpHandshake,
   encodeAgentMetadata,
-  encodeHandshakePayload,
   zmqHandshake,
   type HandshakePayload,
   type TlsServerOptions,
 } from '../lib/handshake';
+import { encodeHandshakePayload } from '../lib/handshake/codec';
 import { median, percentile } from './stats';
 
 export interface HandshakeRow {

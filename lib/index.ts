@@ -1,10 +1,12 @@
+// nixl-node: the Agent API, and the names most programs need from the side
+// channels, the KV path and serving. The rest of each is on its subpath:
+// nixl-node/handshake, nixl-node/kv, nixl-node/serving.
 export { NixlAgent, RegisteredMemory, DlistHandle, XferHandle, engines } from './agent';
 export type { AgentOptions, EngineKind, Notif, NotifMsg, WaitOptions, XferOp, XferOptions, XferState } from './agent';
 export { DescList, allocate } from './descriptors';
 export type { MemType, MemoryLike, RawDesc } from './descriptors';
 export { NixlError, Status } from './errors';
 export type { NixlErrorCode } from './errors';
-export * as handshake from './handshake';
 export {
   buildKvTransferParams,
   computeCompatibilityHash,
@@ -25,7 +27,6 @@ export type {
   FetchOptions,
   ServeOptions,
 } from './handshake';
-export * as kv from './kv';
 export {
   KvPuller,
   PullError,
@@ -37,7 +38,6 @@ export {
   registerKvMetrics,
 } from './kv';
 export type { KvLayout, KvMetricsOptions, PromRegistry, PullOptions, PullResult, RemoteEndpoint } from './kv';
-export * as serving from './serving';
 export { ServingProxy, Worker, startProxy, startWorker } from './serving';
 export type { ProxyOptions, WorkerOptions } from './serving';
 export {

@@ -5,15 +5,8 @@
 // mutated towards 0, -1, 2^31, 2^53 and 2^64-1.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { KvPuller, NixlAgent, PullError, allocate, buildKvTransferParams, servePrefill, type KvLayout } from '../lib';
-import {
-  type HandshakeServer,
-  type HandshakeStrategy,
-  type MpValue,
-  createHandshake,
-  encodeFields,
-  packMsgpack,
-  wireV12,
-} from '../lib/handshake';
+import { type HandshakeServer, type HandshakeStrategy, createHandshake, wireV12 } from '../lib/handshake';
+import { type MpValue, encodeFields, packMsgpack } from '../lib/handshake/codec';
 import { toAgentMetadata } from '../lib/kv/layout';
 import { tp1Layout } from './helpers';
 import { expandTail } from '../lib/kv/limits';

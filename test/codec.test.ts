@@ -3,32 +3,36 @@
 import { describe, expect, it } from 'vitest';
 import vectors from './vectors/handshake.json';
 import {
-  Float64,
-  GET_META_MSG,
-  absentMetadataFields,
   HandshakeError,
   buildKvTransferParams,
   computeCompatibilityHash,
   decodeAgentMetadata,
-  decodeHandshakePayload,
-  decodeMetaRequest,
   encodeAgentMetadata,
-  encodeHandshakePayload,
-  encodeMetaRequest,
-  hashFactors,
-  openHandshakePayload,
-  packMsgpack,
   parseKvTransferParams,
-  pyJsonDumps,
-  readReply,
-  replyFrames,
-  unpackMsgpack,
   wireProfile,
   wireV12,
   wireV013,
-  type HashFactor,
   type NixlAgentMetadata,
 } from '../lib/handshake';
+import {
+  Float64,
+  GET_META_MSG,
+  decodeHandshakePayload,
+  encodeHandshakePayload,
+  hashFactors,
+  packMsgpack,
+  pyJsonDumps,
+  unpackMsgpack,
+  type HashFactor,
+} from '../lib/handshake/codec';
+import { absentMetadataFields } from '../lib/handshake/model';
+import {
+  decodeMetaRequest,
+  encodeMetaRequest,
+  openHandshakePayload,
+  readReply,
+  replyFrames,
+} from '../lib/handshake/wire';
 
 type V013 = (typeof vectors.metadata)[number];
 type V12 = (typeof vectors.v12.metadata)[number]['fields'];

@@ -5,7 +5,8 @@ import { runInNewContext } from 'node:vm';
 import { afterEach, describe, expect, it } from 'vitest';
 import { Unpackr, Packr } from 'msgpackr';
 import { DescList, NixlAgent, NixlError, allocate } from '../lib';
-import { decodeAgentMetadata, encodeAgentMetadata, packMsgpack } from '../lib/handshake';
+import { decodeAgentMetadata, encodeAgentMetadata } from '../lib/handshake';
+import { packMsgpack } from '../lib/handshake/codec';
 import { binding } from '../lib/native';
 import { Peer } from './helpers';
 

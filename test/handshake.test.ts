@@ -4,26 +4,21 @@ import * as net from 'node:net';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import {
-  GET_META_MSG,
   type HandshakeServer,
   HTTP_SCHEMA,
   HttpHandshake,
   type WireName,
   createHandshake,
   decodeAgentMetadata,
-  decodeHandshakePayload,
   encodeAgentMetadata,
-  encodeMetaRequest,
-  openHandshakePayload,
-  packMsgpack,
-  readReply,
-  unpackMsgpack,
   wireProfile,
   zmqHandshake,
   type AgentMetadataInput,
   type HandshakePayload,
   type NixlAgentMetadata,
 } from '../lib/handshake';
+import { GET_META_MSG, decodeHandshakePayload, packMsgpack, unpackMsgpack } from '../lib/handshake/codec';
+import { encodeMetaRequest, openHandshakePayload, readReply } from '../lib/handshake/wire';
 import { makeCerts, type Certs } from '../bench/certs';
 import { Peer, freePort, onFreePort } from './helpers';
 

@@ -3,7 +3,8 @@
 // the blocks, a read after expiry is not taken for a new request. The clock
 // and the timers are fake; the notifications are real (loopback agents).
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
-import { NixlAgent, PrefillTracker, type Released } from '../lib';
+import { NixlAgent, PrefillTracker } from '../lib';
+import type { Released } from '../lib/kv';
 
 const quiet = {
   lines: [] as string[],

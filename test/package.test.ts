@@ -206,6 +206,70 @@ it('strict TypeScript with nodenext resolution compiles and runs', () => {
   }
 });
 
+// The subpaths: what is not in the root is on nixl-node/handshake, /kv and
+// /serving, with types, for require, import and TypeScript alike.
+const SUBPATH_USE = [
+  "const hash = computeCompatibilityHash({ vllmVersion: 'v', model: 'm', dtype: 'torch.bfloat16', numKvHeads: 8, headSize: 128, numHiddenLayers: 4, attnBackendName: 'FLASH_ATTN', cacheDtype: 'auto', isHmaEnabled: false });",
+  "if (!/^[0-9a-f]{64}$/.test(hash) || wireProfile('v12').name !== 'v12' || typeof zmqHandshake.fetch !== 'function') throw new Error('handshake');",
+  'if (tpRatio(4, 2) !== 2 || targetRemoteRanks(4, 1, 2).join() !== "0" || new LeaseBoard(8).slots !== 8) throw new Error("kv");',
+  "if (typeof startWorker !== 'function' || typeof SyntheticModel !== 'function' || !TAGS.includes('HEALTH')) throw new Error('serving');",
+  "console.log('subpaths ok');",
+].join('\n');
+
+it('subpaths nixl-node/handshake, /kv and /serving: require, import, and TypeScript (nodenext, node16, bundler)', () => {
+  const names = {
+    handshake: ['computeCompatibilityHash', 'wireProfile', 'zmqHandshake'],
+    kv: ['tpRatio', 'targetRemoteRanks', 'LeaseBoard'],
+    serving: ['startWorker', 'SyntheticModel', 'TAGS'],
+  };
+  const cjs = Object.entries(names)
+    .map(([sub, ns]) => `const { ${ns.join(', ')} } = require('nixl-node/${sub}');`)
+    .join('\n');
+  fs.writeFileSync(path.join(app, 'sub.cjs'), `${cjs}\n${SUBPATH_USE}`);
+  expect(execFileSync(process.execPath, ['sub.cjs'], { cwd: app, encoding: 'utf8' })).toContain('subpaths ok');
+  const esm = Object.entries(names)
+    .map(([sub, ns]) => `import { ${ns.join(', ')} } from 'nixl-node/${sub}';`)
+    .join('\n');
+  fs.writeFileSync(path.join(app, 'sub.mjs'), `${esm}\n${SUBPATH_USE}`);
+  expect(execFileSync(process.execPath, ['sub.mjs'], { cwd: app, encoding: 'utf8' })).toContain('subpaths ok');
+  // TypeScript: the types come with them (a wrong use fails to compile).
+  strictTsApp(app, { files: ['sub.mts'] });
+  fs.writeFileSync(
+    path.join(app, 'sub.mts'),
+    `${esm}\nimport type { KvTransferParams } from 'nixl-node/handshake';\nimport type { PullOptions, KvLayout } from 'nixl-node/kv';\nimport type { WorkerOptions, ServingModel } from 'nixl-node/serving';\nconst o: WorkerOptions = { name: 'w' };\nlet m: ServingModel | undefined; let l: KvLayout | undefined; let p: PullOptions | undefined; let k: KvTransferParams | undefined;\nvoid [o, m, l, p, k];\n${SUBPATH_USE}`,
+  );
+  const tsc = path.join(ROOT, 'node_modules', 'typescript', 'bin', 'tsc');
+  execFileSync(process.execPath, [tsc, '-p', '.'], { cwd: app, encoding: 'utf8' });
+  expect(execFileSync(process.execPath, ['out/sub.mjs'], { cwd: app, encoding: 'utf8' })).toContain('subpaths ok');
+  for (const [module, moduleResolution] of [
+    ['node16', 'node16'],
+    ['esnext', 'bundler'],
+  ])
+    execFileSync(
+      process.execPath,
+      [
+        tsc,
+        '--noEmit',
+        '--strict',
+        '--module',
+        module,
+        '--moduleResolution',
+        moduleResolution,
+        '--target',
+        'ES2022',
+        '--types',
+        'node',
+        'sub.mts',
+      ],
+      { cwd: app, encoding: 'utf8' },
+    );
+  // A deep path into dist is not part of the package's surface.
+  fs.writeFileSync(path.join(app, 'deep.cjs'), "require('nixl-node/dist/lib/handshake/codec');");
+  const deep = spawnSync(process.execPath, ['deep.cjs'], { cwd: app, encoding: 'utf8' });
+  expect(deep.status).not.toBe(0);
+  expect(deep.stderr).toMatch(/ERR_PACKAGE_PATH_NOT_EXPORTED/);
+}, 120_000);
+
 // linux-arm64 (Grace hosts): the cross-compiled prebuild, loaded by name by an
 // arm64 Node under qemu-user. CI provides both (see .ci/run); elsewhere the
 // test says what is missing.

@@ -1,19 +1,18 @@
 // The TP mapping, table-driven against vLLM's rules.
 import { describe, expect, it } from 'vitest';
-import { absentMetadataFields, wireV12, wireV013, type NixlAgentMetadata } from '../lib/handshake';
+import { wireV12, wireV013, type NixlAgentMetadata } from '../lib/handshake';
+import { absentMetadataFields } from '../lib/handshake/model';
 import {
   KvLayoutError,
-  completionNotif,
   consumersPerProducer,
   expectedConsumers,
-  handshakeTargets,
-  notifsToWaitFor,
   isKvReplicated,
   planReads,
   targetRemoteRanks,
   tpRatio,
   type KvLayout,
 } from '../lib/kv';
+import { completionNotif, handshakeTargets, notifsToWaitFor } from '../lib/kv/tp';
 
 const HEAD = 1024; // bytes per KV head per block
 

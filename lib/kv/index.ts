@@ -1,10 +1,44 @@
-export * from './layout';
-export * from './tp';
-export * from './descs';
-export * from './stats';
-export * from './puller';
-export * from './prefill';
-export * from './metrics';
-export * from './limits';
+// nixl-node/kv: the KV-cache path of disaggregated serving: the decode's
+// puller, the prefill's server and tracker, TP mapping, layouts, leases,
+// signed kv_transfer_params, counters and metrics. Descriptor planning, the
+// pull's stages and its connections stay internal.
+export { type KvLayout, type RemoteRankInfo, checkLayout, layoutOf, toAgentMetadata } from './layout';
+export {
+  KvLayoutError,
+  type PlanContext,
+  type RankRead,
+  type ReadPlan,
+  consumersPerProducer,
+  expectedConsumers,
+  isKvReplicated,
+  planReads,
+  replicatesKvCache,
+  targetRemoteRanks,
+  tpRatio,
+} from './tp';
+export { BUCKETS_MS, KvStats, type KvStatsSink, type KvStatsSnapshot } from './stats';
+export {
+  KvPuller,
+  type KvPullerOptions,
+  PullError,
+  type PullFailure,
+  type PullFromParamsOptions,
+  type PullOptions,
+  type PullResult,
+  type RemoteEndpoint,
+  type RemoteLease,
+  expand,
+} from './puller';
+export {
+  PrefillTracker,
+  type PrefillRank,
+  type PrefillTrackerOptions,
+  type PrefillTrackerSink,
+  type Released,
+  type ServePrefillOptions,
+  servePrefill,
+} from './prefill';
+export { type KvMetricsOptions, type PromRegistry, registerKvMetrics } from './metrics';
+export { DEFAULT_LIMITS, type PullLimits } from './limits';
 export { LeaseBoard, SlotState } from './lease-board';
 export { SIGNATURE_KEY, signKvTransferParams, verifyKvTransferParams } from './params-auth';

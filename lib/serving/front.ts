@@ -11,7 +11,7 @@ export type Sink = {
   end(status: number, body?: Record<string, unknown>): void;
 };
 
-/** The worker as its fronts see it. @internal */
+/** The worker as its fronts (HTTP, ZeroMQ) see it. */
 export interface FrontHandler {
   readonly name: string;
   /** The model's name in answers and /v1/models. */

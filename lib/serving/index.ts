@@ -1,5 +1,9 @@
+// nixl-node/serving: the disaggregated-serving proxy, Node inference
+// workers, the transports between them, and the model boundary (the
+// synthetic model, GGUF through node-llama-cpp).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy';
 export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker';
+export type { FrontHandler } from './front';
 export type { Tamper } from './models/kv-state';
 export { WorkerPool, type Policy, type Stage, type WorkerRef } from './pool';
 export {
@@ -12,8 +16,8 @@ export {
 } from './transports';
 export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './protocol';
 export { HttpError } from './http';
-export * as syntheticModel from './models/synthetic-kv';
 export { SyntheticModel } from './models/synthetic';
+export type { SyntheticModelSpec } from './models/synthetic-kv';
 export { LlamaModel, type LlamaModelOptions } from './models/llama';
 export {
   NODE_LLAMA_CPP,
