@@ -659,7 +659,7 @@ function guardWait(opts: WaitOptions, reject: (e: Error) => void, remove: () => 
     if (!(timeoutMs >= 0)) throw invalidParam('timeoutMs must be >= 0');
     timer = setTimeout(() => {
       disarm();
-      reject(new NixlError(`${what} timed out after ${timeoutMs} ms`, 'NIXL_ERR_TIMEOUT', -11));
+      reject(new NixlError(`${what} timed out after ${timeoutMs} ms`, 'NIXL_ERR_TIMEOUT'));
     }, timeoutMs);
   }
   return disarm;

@@ -22,6 +22,14 @@ export const Status = {
 } as const;
 
 /**
+ * Status numbers of the codes nixl-node adds to NIXL's, below every number
+ * NIXL uses or has reserved (nixl_types.h: -1..-13).
+ */
+export const NODE_STATUS = {
+  NIXL_ERR_TIMEOUT: -100,
+} as const;
+
+/**
  * NIXL's codes, plus NIXL_ERR_TIMEOUT for promise forms that gave up waiting
  * and NIXL_ERR_LEASE_EXPIRED for a KV pull that could not end inside the
  * prefill's lease on its blocks (KvPuller).
@@ -31,8 +39,10 @@ export type NixlErrorCode =
   | 'NIXL_ERR_TIMEOUT'
   | 'NIXL_ERR_LEASE_EXPIRED';
 
+const STATUS_OF: Readonly<Record<string, number>> = { ...Status, ...NODE_STATUS };
+
 const byStatus = new Map<number, NixlErrorCode>(
-  Object.entries(Status)
+  Object.entries(STATUS_OF)
     .filter(([, v]) => v < 0)
     .map(([k, v]) => [v, k as NixlErrorCode]),
 );
@@ -49,7 +59,7 @@ export class NixlError extends Error {
     super(message, options);
     this.name = 'NixlError';
     this.code = code as NixlErrorCode;
-    this.status = status ?? (Status as Record<string, number>)[code] ?? Status.NIXL_ERR_UNKNOWN;
+    this.status = status ?? STATUS_OF[code] ?? Status.NIXL_ERR_UNKNOWN;
   }
 
   /** The error of a NIXL status code. */

@@ -1,7 +1,8 @@
 // The engine boundary: everything the addon needs from a transfer engine.
 // Two implementations exist: LoopbackEngine (native/loopback/, no library, one
 // host) and NixlEngine (native/nixl/, wraps nixlAgent when NIXL is installed).
-// The addon (native/addon.cpp) only talks to this interface.
+// The addon (native/addon/: agent, arguments, errors, module) only talks to
+// this interface.
 //
 // Threading: every method is called from the JS main thread. Engines run their
 // own progress thread(s) and report finished requests through CompletionSink

@@ -1,15 +1,17 @@
-// A model-based random test of the Agent API, on either engine. Agent A
+// A model-based random test of the Agent API, on either engine (the "model"
+// here is the oracle: a state machine of what the Agent API promises; not an
+// ML model, nor a generated test model). Agent A
 // (this process) moves bytes to and from agent B (this process, or a child
 // process) in random sequences of register / deregister, prep, make /
 // initialize, transfer and re-post, wait (sometimes late), release,
-// removeRemoteAgent, fill and close. A small model predicts each outcome;
+// removeRemoteAgent, fill and close. The oracle predicts each outcome;
 // where it cannot (a posting that may or may not have finished) it accepts
 // either answer and follows the real one. Invariants:
 //  - a resolved wait means that posting's bytes are in place (dest == source);
 //  - a bad descriptor gets a typed error, and no byte outside registered
 //    memory changes (canaries around every buffer, on both sides);
 //  - every promise settles; nothing leaks (fds, mappings, threads).
-// On the NIXL engine, where NIXL defines less, the model asks less:
+// On the NIXL engine, where NIXL defines less, the oracle asks less:
 //  - A knows B's memory only through the metadata it loaded (as across
 //    processes), and posts nothing over remote memory B deregistered since:
 //    NIXL leaves that undefined (the peer is to announce it first);
@@ -23,10 +25,10 @@ import { DescList, NixlAgent, NixlError, type XferHandle, allocate } from '../li
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 const { setupAgent } = require('./fixtures/conformance-setup');
 
-export type ModelEngine = 'loopback' | 'nixl';
+export type OracleEngine = 'loopback' | 'nixl';
 
-/** An agent as the model test makes it on each engine. */
-export function modelAgent(name: string, engine: ModelEngine): NixlAgent {
+/** An agent as the oracle test makes it on each engine. */
+export function oracleAgent(name: string, engine: OracleEngine): NixlAgent {
   return setupAgent(NixlAgent, name, engine) as NixlAgent;
 }
 
@@ -167,7 +169,7 @@ export const opArb: fc.Arbitrary<Op> = fc.oneof(
   { weight: 2, arbitrary: fc.constant({ t: 'drain' } as Op) },
 );
 
-// ---- the model ---------------------------------------------------------------
+// ---- the oracle --------------------------------------------------------------
 
 interface Range {
   side: 0 | 1;
@@ -226,14 +228,19 @@ export function countThreads(): number {
 }
 
 /** Runs one op sequence against A (created here) and the given B. */
-export async function runModel(ops: Op[], b: RemoteSide, tag: string, engine: ModelEngine = 'loopback'): Promise<void> {
+export async function runOracle(
+  ops: Op[],
+  b: RemoteSide,
+  tag: string,
+  engine: OracleEngine = 'loopback',
+): Promise<void> {
   const nixl = engine === 'nixl';
   // What A knows of B's registrations is what it loaded (see the header).
   const viewOnly = b.crossProcess || nixl;
   // Loopback: each copy waits 1 ms in the worker, so that a completion event
   // left from an earlier posting arrives while the next one is in flight.
   const a = nixl
-    ? modelAgent(`model-a-${tag}`, 'nixl')
+    ? oracleAgent(`model-a-${tag}`, 'nixl')
     : new NixlAgent(`model-a-${tag}`, { engine: 'loopback', testDelayUs: 1000 });
   const local = Array.from({ length: NBUF }, (_, i) => canaried(i === 0));
   const localReg: Array<ReturnType<NixlAgent['registerMemory']> | undefined> = Array(NBUF).fill(undefined);

@@ -17,11 +17,11 @@ import {
   canaried,
   canariesIntact,
   fillPattern,
-  type ModelEngine,
-  modelAgent,
+  type OracleEngine,
+  oracleAgent,
   opArb,
   resources,
-  runModel,
+  runOracle,
 } from './model-harness';
 import { Peer } from './helpers';
 
@@ -43,9 +43,9 @@ class InProcess implements RemoteSide {
   readonly probeAddr: bigint;
   constructor(
     readonly name: string,
-    engine: ModelEngine,
+    engine: OracleEngine,
   ) {
-    this.agent = modelAgent(name, engine);
+    this.agent = oracleAgent(name, engine);
     this.agent.registerMemory(this.probe.data);
     this.probeAddr = DescList.from(this.probe.data).addr(0);
   }
@@ -91,7 +91,7 @@ class OtherProcess implements RemoteSide {
   probeAddr = 0n;
   constructor(
     readonly name: string,
-    engine: ModelEngine,
+    engine: OracleEngine,
   ) {
     this.peer = new Peer('model-peer.js', [name, String(SIZE), String(CANARY), String(NBUF), engine]);
   }
@@ -149,7 +149,7 @@ async function settleGc() {
   }
 }
 
-async function check(ops: Op[], engine: ModelEngine, makeB: (name: string) => Promise<RemoteSide>) {
+async function check(ops: Op[], engine: OracleEngine, makeB: (name: string) => Promise<RemoteSide>) {
   const before = resources();
   const fdsBefore = fdList();
   // In a function of its own, so nothing of the run is still referenced here
@@ -157,7 +157,7 @@ async function check(ops: Op[], engine: ModelEngine, makeB: (name: string) => Pr
   await (async () => {
     const b = await makeB(`model-b-${runs}`);
     try {
-      await runModel(ops, b, String(runs++), engine);
+      await runOracle(ops, b, String(runs++), engine);
     } finally {
       await b.close();
     }
@@ -182,7 +182,7 @@ async function check(ops: Op[], engine: ModelEngine, makeB: (name: string) => Pr
   expect(after.maps, 'mappings left behind').toBeLessThanOrEqual(before.maps);
 }
 
-const wanted = (process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE] : ['loopback', 'nixl']) as ModelEngine[];
+const wanted = (process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE] : ['loopback', 'nixl']) as OracleEngine[];
 
 describe.each(wanted)('random Agent API sequences (fast-check, %s engine)', (engine) => {
   if (!engines.includes(engine)) {
@@ -194,7 +194,7 @@ describe.each(wanted)('random Agent API sequences (fast-check, %s engine)', (eng
   beforeAll(() => {
     // Whatever an engine starts once per process (UCX's own threads), before
     // the first run counts what it leaves behind.
-    modelAgent('model-warmup', engine).close();
+    oracleAgent('model-warmup', engine).close();
     first = runs;
     before = { ...stats };
   });

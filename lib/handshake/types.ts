@@ -4,6 +4,7 @@
 // it, in either wire profile; index.ts picks one.
 import type { HandshakePayload } from './codec';
 import type { NixlAgentMetadata, WireName, WireProfile } from './model';
+import { NixlError } from '../errors';
 
 /** The side channel's transport: vLLM's ZeroMQ one, or HTTP(S). */
 export type HandshakeMethod = 'zmq' | 'http';
@@ -163,10 +164,10 @@ export function defaultTimeoutMs(): number {
   return 5000;
 }
 
-/** A rank number: an integer in 0..65535, or a RangeError naming it. */
+/** A rank number: an integer in 0..65535, or NIXL_ERR_INVALID_PARAM naming it. */
 export function checkRank(name: string, v: number | undefined): number {
   const r = v ?? 0;
   if (!Number.isInteger(r) || r < 0 || r > 65535)
-    throw new RangeError(`${name} must be an integer in 0..65535, got ${v}`);
+    throw new NixlError(`${name} must be an integer in 0..65535, got ${v}`, 'NIXL_ERR_INVALID_PARAM');
   return r;
 }

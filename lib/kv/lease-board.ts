@@ -17,6 +17,7 @@
 import { createHash } from 'node:crypto';
 import type { NixlAgent, RegisteredMemory } from '../agent';
 import { allocate } from '../descriptors';
+import { NixlError } from '../errors';
 
 export const PROBE = 8;
 export const SLOT_BYTES = 16;
@@ -43,7 +44,8 @@ export class LeaseBoard {
   readonly slots: number;
 
   constructor(slots = 8192) {
-    if (!Number.isInteger(slots) || slots < PROBE) throw new RangeError(`a lease board needs at least ${PROBE} slots`);
+    if (!Number.isInteger(slots) || slots < PROBE)
+      throw new NixlError(`a lease board needs at least ${PROBE} slots`, 'NIXL_ERR_INVALID_PARAM');
     this.slots = slots;
     // Shared memory: loopback peers map it, as they map the KV.
     this.mem = allocate((slots + PROBE) * SLOT_BYTES);

@@ -19,6 +19,7 @@ import { DescList } from '../descriptors';
 import { type KvLayout, toAgentMetadata } from './layout';
 import { type LeaseBoard, SlotState, registerBoard } from './lease-board';
 import { notifsToWaitFor } from './tp';
+import { NixlError } from '../errors';
 
 /** One rank of a prefill engine: its agent, its layout and, optionally, its lease board. */
 export interface PrefillRank {
@@ -161,7 +162,8 @@ export class PrefillTracker {
     this.#o = o;
     this.#wire = wireProfile(o.wire);
     this.#leaseMs = o.leaseMs ?? o.expireMs ?? this.#wire.defaultLeaseMs;
-    if (!(this.#leaseMs > 0)) throw new RangeError(`leaseMs must be positive, got ${this.#leaseMs}`);
+    if (!(this.#leaseMs > 0))
+      throw new NixlError(`leaseMs must be positive, got ${this.#leaseMs}`, 'NIXL_ERR_INVALID_PARAM');
     this.#now = o.now ?? (() => performance.now());
   }
 
@@ -184,7 +186,8 @@ export class PrefillTracker {
    * rank that reads this prefill rank has said so, or when it expires.
    */
   expect(requestId: string, blockIds: number[]): Promise<Released> {
-    if (this.#pending.has(requestId)) throw new RangeError(`request '${requestId}' is already tracked`);
+    if (this.#pending.has(requestId))
+      throw new NixlError(`request '${requestId}' is already tracked`, 'NIXL_ERR_INVALID_PARAM');
     this.#start();
     this.#expired.delete(requestId);
     return new Promise<Released>((resolve) => {

@@ -14,6 +14,7 @@ import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } f
 import { checkCompletionRequest } from './schema';
 import { type HttpError, hasImages, readJson } from './http';
 import { errorBody, modelList } from './openai';
+import { NixlError } from '../errors';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -112,7 +113,8 @@ export class ServingProxy {
 
   constructor(o: ProxyOptions) {
     this.#o = o;
-    if (!o.prefill?.length || !o.decode?.length) throw new RangeError('a proxy needs prefill and decode workers');
+    if (!o.prefill?.length || !o.decode?.length)
+      throw new NixlError('a proxy needs prefill and decode workers', 'NIXL_ERR_INVALID_PARAM');
     wireProfile(o.wire);
     const policy = o.policy ?? 'round-robin';
     this.pools = {

@@ -46,6 +46,7 @@ import { chunkBody, completionBody, usageBody } from './openai';
 import { type RequestError, checkCompletionRequest } from './schema';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
+import { NixlError } from '../errors';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -251,7 +252,8 @@ export class Worker implements FrontHandler {
   #view(ids: readonly number[]): BlockView {
     const { blockBytes } = this.model.geometry;
     return (b, l) => {
-      if (b < 0 || b >= ids.length) throw new RangeError(`block ${b} of a request of ${ids.length}`);
+      if (b < 0 || b >= ids.length)
+        throw new NixlError(`block ${b} of a request of ${ids.length}`, 'NIXL_ERR_INVALID_PARAM');
       const at = (l * this.#blocks.size + ids[b]) * blockBytes;
       return this.#mem.subarray(at, at + blockBytes);
     };

@@ -18,6 +18,7 @@
 //               token count, tokens, the sequence's KV)
 import { createHash } from 'node:crypto';
 import { KvRejected } from './types';
+import { NixlError } from '../../errors';
 
 export const HEADER_BYTES = 128;
 const MAGIC = 0x564b4e4e; // 'NNKV' little-endian
@@ -40,7 +41,7 @@ export function envelopeBytes(stateBytes: number): number {
 
 /** The 128-byte header of a state. */
 export function stateHeader(state: Buffer, info: StateInfo): Buffer {
-  if (info.fingerprint.length !== 32) throw new RangeError('the fingerprint is 32 bytes');
+  if (info.fingerprint.length !== 32) throw new NixlError('the fingerprint is 32 bytes', 'NIXL_ERR_INVALID_PARAM');
   const h = Buffer.alloc(HEADER_BYTES);
   h.writeUInt32LE(MAGIC, 0);
   h.writeUInt16LE(VERSION, 4);
