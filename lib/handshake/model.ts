@@ -1,8 +1,7 @@
-// The profile-independent data (a data model: not an ML model) that everything
-// above the wire works on (TP
-// mapping, puller, tracker, proxy). A wire profile (wire-v0.13.ts,
-// wire-v12.ts) maps it to and from one vLLM NixlConnector version; a later
-// vLLM is one new profile file.
+// The profile-independent data (a data model, not an ML model) that
+// everything above the wire works on (TP mapping, puller, tracker, proxy). A
+// wire profile (wire-v0.13.ts, wire-v12.ts) maps it to and from one vLLM
+// NixlConnector version; a later vLLM is one new profile file.
 import type { FieldSpec, HashFactor } from './codec';
 
 /**
