@@ -14,11 +14,11 @@
 //   16      8    state bytes
 //   24      32   model fingerprint (modelFingerprint in llama.ts)
 //   56      32   binding: the request the state was made for (bindingDigest)
-//   88      136  fields (FIELDS below; bytes no field names are 0)
+//   88      136  fields (ENVELOPE_FIELDS below; bytes no field names are 0)
 //   224     32   MAC of bytes 0..224 and the state
 //   256     ...  the state: llama.cpp's sequence state file
 //
-// Fields that say what the state holds go in FIELDS (offsets inside 88..224)
+// Fields that say what the state holds go in ENVELOPE_FIELDS (offsets inside 88..224)
 // and StateInfo, read and written by writeFields / readFields only.
 import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
 import { KvRejected, type KvBinding } from './types';
@@ -29,7 +29,7 @@ export const ENVELOPE_VERSION = 2;
 const FLAG_HMAC = 1;
 const AT = { flags: 8, reserved: 12, stateBytes: 16, fingerprint: 24, binding: 56, fields: 88, mac: 224 } as const;
 /** The fields, offsets from the start of the header. */
-const FIELDS = {
+export const ENVELOPE_FIELDS = {
   promptTokens: 88, // u32
   firstToken: 92, // u32: the prefill's greedy first token + 1 (0: none; 0xffffffff: end of generation)
 } as const;
@@ -59,15 +59,15 @@ export function bindingDigest(b: KvBinding): Buffer {
 }
 
 function writeFields(h: Buffer, info: StateInfo): void {
-  h.writeUInt32LE(info.promptTokens, FIELDS.promptTokens);
+  h.writeUInt32LE(info.promptTokens, ENVELOPE_FIELDS.promptTokens);
   const f = info.firstToken;
-  h.writeUInt32LE(f === undefined ? 0 : f === 'end' ? 0xffffffff : f + 1, FIELDS.firstToken);
+  h.writeUInt32LE(f === undefined ? 0 : f === 'end' ? 0xffffffff : f + 1, ENVELOPE_FIELDS.firstToken);
 }
 
 function readFields(h: Buffer): Pick<StateInfo, 'promptTokens' | 'firstToken'> {
-  const first = h.readUInt32LE(FIELDS.firstToken);
+  const first = h.readUInt32LE(ENVELOPE_FIELDS.firstToken);
   return {
-    promptTokens: h.readUInt32LE(FIELDS.promptTokens),
+    promptTokens: h.readUInt32LE(ENVELOPE_FIELDS.promptTokens),
     firstToken: first === 0 ? undefined : first === 0xffffffff ? 'end' : first - 1,
   };
 }

@@ -157,6 +157,11 @@ export class LlamaModel implements ServingModel {
     }
   }
 
+  /** What this model's states must look like (a decode parses each against it), or why none can be checked. */
+  get stateLayout(): LlamaStateLayout | string {
+    return this.#layout;
+  }
+
   /** Why this model cannot serve now (no context can be made), or undefined. */
   unhealthy(): string | undefined {
     return this.#pool.broken;
