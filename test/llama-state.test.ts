@@ -135,7 +135,14 @@ describe('a state that is not one an honest prefill saves is refused', () => {
     ['a cell count of 0', (b: Buffer) => b.writeUInt32LE(0, 16 + 4 * n), 'malformed'],
     ['a position of 2^31-1', (b: Buffer) => b.writeInt32LE(0x7fffffff, cell(n - 1)), 'malformed'],
     ['a negative position', (b: Buffer) => b.writeInt32LE(-1, cell(0)), 'malformed'],
-    ['two positions swapped', (b: Buffer) => (b.writeInt32LE(1, cell(0)), b.writeInt32LE(0, cell(1))), 'malformed'],
+    [
+      'two positions swapped',
+      (b: Buffer) => {
+        b.writeInt32LE(1, cell(0));
+        b.writeInt32LE(0, cell(1));
+      },
+      'malformed',
+    ],
     ['a cell in two sequences', (b: Buffer) => b.writeUInt32LE(2, cell(0) + 4), 'malformed'],
     ['a cell of sequence 1', (b: Buffer) => b.writeInt32LE(1, cell(0) + 8), 'malformed'],
     ['the other V transposition', (b: Buffer) => b.writeUInt32LE(l.vTrans ? 0 : 1, afterCells()), 'malformed'],
