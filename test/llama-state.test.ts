@@ -3,7 +3,7 @@
 // state an honest prefill of the tiny and small test models saves
 // (completions and chat, 1 token to a full context), and refuses, with a
 // KvRejected, every state that is not one (each field, then random mutations:
-// FUZZ_RUNS, default 3000). An accepted mutation is always one that changed
+// FUZZ_RUNS, default 20,000). An accepted mutation is always one that changed
 // K / V values only: the length and every count and id are what an honest
 // state of that many tokens has (sizes computed here independently).
 import * as fs from 'node:fs';
@@ -20,7 +20,7 @@ import { KvRejected } from '../lib/serving/models/types';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-state-'));
 const CTX = 256;
-const runs = Number(process.env.FUZZ_RUNS ?? 3000);
+const runs = Number(process.env.FUZZ_RUNS ?? 20000);
 const models: Record<string, LlamaModel> = {};
 
 beforeAll(async () => {
