@@ -15,7 +15,8 @@ import { SMALL, TINY, kvBytesPerToken, modelPath } from '../demo/gguf';
 import type { GenerationRequest } from '../lib/serving/models/types';
 import { HEADER_BYTES } from '../lib/serving/models/kv-state';
 import { LlamaModel } from '../lib/serving/models/llama';
-import { type LlamaStateLayout, parseSeqState } from '../lib/serving/models/llama-state';
+import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState } from '../lib/serving/models/llama-state';
+import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';
 import { KvRejected } from '../lib/serving/models/types';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-state-'));
@@ -103,6 +104,38 @@ describe.each([
       }
   }, 60_000);
 });
+
+it('both V layouts: with flash attention (V by rows) and without (V transposed), states parse', async () => {
+  const nlc = await loadNodeLlamaCpp();
+  const llama = await nlc.getLlama({ gpu: false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
+  const model = await llama.loadModel({ modelPath: modelPath('small', dir) });
+  const seen: boolean[] = [];
+  try {
+    for (const flashAttention of [false, true]) {
+      const ctx = await model.createContext({ contextSize: CTX, threads: 1, flashAttention });
+      const save = async (text: string) => {
+        const seq = ctx.getSequence();
+        await seq.evaluateWithoutGeneratingNewTokens(model.tokenize(text));
+        const file = path.join(dir, `flash-${flashAttention}.state`);
+        await seq.saveStateToFile(file);
+        seq.dispose();
+        return fs.readFileSync(file);
+      };
+      const geometry = kvGeometry(model.fileInfo.metadata)!;
+      const l = learnLayout(await save('ab'), geometry, 259, CTX);
+      seen.push(l.vTrans);
+      const state = await save('word '.repeat(20));
+      expect(parseSeqState(state, l).tokens.length).toBe(state.readUInt32LE(8));
+      expect(state.length).toBe(honestSize(state.readUInt32LE(8), SMALL));
+      // A state of the other layout is refused.
+      expect(reason(() => parseSeqState(state, { ...l, vTrans: !l.vTrans }))).toBe('malformed');
+      await ctx.dispose();
+    }
+  } finally {
+    await model.dispose();
+  }
+  expect(seen).toEqual([true, false]);
+}, 60_000);
 
 describe('a state that is not one an honest prefill saves is refused', () => {
   let state: Buffer;
