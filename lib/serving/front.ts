@@ -18,6 +18,8 @@ export interface FrontHandler {
   readonly modelId: string;
   /** KV blocks free right now. */
   readonly freeBlocks: number;
+  /** Why the worker cannot serve right now (its model cannot make a context), or undefined. */
+  unhealthy(): string | undefined;
   /** Frees the blocks a prefilled request holds (the proxy says its decode will not read them). */
   releaseHold(remoteRequestId: unknown): boolean;
   /** One request, answered into `sink`. Throws HttpError. */

@@ -19,6 +19,7 @@ export { HttpError } from './http';
 export { SyntheticModel } from './models/synthetic';
 export type { SyntheticModelSpec } from './models/synthetic-kv';
 export { LlamaModel, type LlamaModelOptions } from './models/llama';
+export type { LlamaStateLayout } from './models/llama-state';
 export {
   NODE_LLAMA_CPP,
   KvRejected,
@@ -27,6 +28,7 @@ export {
   type GenerationRequest,
   type Generated,
   type KvGeometry,
+  type KvBinding,
   type PrefilledKv,
   type ChatMessage,
   type BlockView,
