@@ -137,65 +137,103 @@ export function planReads(
   remote: NixlAgentMetadata,
   ctx: PlanContext = {},
 ): ReadPlan {
-  const where = `remote engine '${remote.engineId}'`;
-  const mismatch = (field: string, r: unknown, l: unknown, why = ''): never => {
-    throw new KvLayoutError(`${where}: ${field}: remote ${fmt(r)}, local ${fmt(l)}${why ? ` (${why})` : ''}`);
-  };
-  const unsupported = (m: string): never => {
-    throw new NixlError(`${where}: ${m} is not supported by nixl-node`, 'NIXL_ERR_NOT_SUPPORTED');
-  };
+  const c = checker(remote);
   const ratio = tpRatio(local.tpSize, remoteTp);
   const isMla = local.isMla ?? false;
   const kvReplicated = isKvReplicated(remoteTp, local.totalNumKvHeads);
   const replicated = isMla || kvReplicated;
-  const regionStart = ctx.regionStart ?? 0;
-  const n = remote.kvCachesBaseAddr.length;
-  const localLayout = layoutOf(local);
+  checkSupported(c, remote, ctx);
+  checkTpAndLayout(c, local, remote, remoteTp, { ratio, isMla, kvReplicated, replicated });
+  const localLens = checkRegions(c, local, remote, ctx);
+  checkBlockLens(c, localLens, remote, ratio, replicated);
+  const reads = rankReads(local, remoteTp, localLens, {
+    ratio,
+    isMla,
+    replicated,
+    ppRank: ctx.ppRank ?? 0,
+    regionStart: ctx.regionStart ?? 0,
+  });
+  return { tpRatio: ratio, replicated, reads };
+}
 
-  // What vLLM reshapes or refuses before validating.
+/** How planReads refuses: a mismatch names the field and both values; unsupported what nixl-node cannot read. */
+interface Checker {
+  where: string;
+  mismatch(field: string, r: unknown, l: unknown, why?: string): never;
+  unsupported(m: string): never;
+}
+
+function checker(remote: NixlAgentMetadata): Checker {
+  const where = `remote engine '${remote.engineId}'`;
+  return {
+    where,
+    mismatch: (field, r, l, why = '') => {
+      throw new KvLayoutError(`${where}: ${field}: remote ${fmt(r)}, local ${fmt(l)}${why ? ` (${why})` : ''}`);
+    },
+    unsupported: (m) => {
+      throw new NixlError(`${where}: ${m} is not supported by nixl-node`, 'NIXL_ERR_NOT_SUPPORTED');
+    },
+  };
+}
+
+/** What vLLM reshapes or refuses before validating. */
+function checkSupported(c: Checker, remote: NixlAgentMetadata, ctx: PlanContext): void {
   const memTypes = new Set(remote.regionMemTypes ?? []);
-  if (memTypes.size > 1) unsupported(`a mixed-memory producer (region_mem_types ${[...memTypes].join(', ')})`);
+  if (memTypes.size > 1) c.unsupported(`a mixed-memory producer (region_mem_types ${[...memTypes].join(', ')})`);
   if (remote.ssmSizes[0] !== 0 || remote.ssmSizes[1] !== 0)
-    unsupported(`Mamba state (ssm_sizes [${remote.ssmSizes.join(', ')}])`);
-  if (remote.pcpSize !== 1) unsupported(`prefill context parallelism (pcp_size ${remote.pcpSize})`);
+    c.unsupported(`Mamba state (ssm_sizes [${remote.ssmSizes.join(', ')}])`);
+  if (remote.pcpSize !== 1) c.unsupported(`prefill context parallelism (pcp_size ${remote.pcpSize})`);
   if (remote.dcpSize !== (ctx.dcpSize ?? 1))
-    mismatch('dcp_size', remote.dcpSize, ctx.dcpSize ?? 1, 'kv_transfer_params dcp_size');
-  if (remote.dcpSize !== 1) unsupported(`decode context parallelism (dcp_size ${remote.dcpSize})`);
+    c.mismatch('dcp_size', remote.dcpSize, ctx.dcpSize ?? 1, 'kv_transfer_params dcp_size');
+  if (remote.dcpSize !== 1) c.unsupported(`decode context parallelism (dcp_size ${remote.dcpSize})`);
+}
 
-  // TP and replication.
-  if (ratio < 0 && kvReplicated && !isMla)
-    mismatch(
+/** TP and replication, block sizes, and the layout. */
+function checkTpAndLayout(
+  c: Checker,
+  local: KvLayout,
+  remote: NixlAgentMetadata,
+  remoteTp: number,
+  t: { ratio: number; isMla: boolean; kvReplicated: boolean; replicated: boolean },
+): void {
+  if (t.ratio < 0 && t.kvReplicated && !t.isMla)
+    c.mismatch(
       'tp_size',
       remoteTp,
       local.tpSize,
       `a replicated KV cache (TP >= ${local.totalNumKvHeads} KV heads) cannot be split over more prefill ranks`,
     );
-
   // Block sizes: P's block must divide D's; nixl-node reads only equal ones.
   if (local.blockSize % remote.blockSize !== 0)
-    mismatch('block_size', remote.blockSize, local.blockSize, "the prefill block size must divide the decode's");
-  if (remote.blockSize !== local.blockSize) unsupported(`a block size ratio of ${local.blockSize / remote.blockSize}`);
-
+    c.mismatch('block_size', remote.blockSize, local.blockSize, "the prefill block size must divide the decode's");
+  if (remote.blockSize !== local.blockSize)
+    c.unsupported(`a block size ratio of ${local.blockSize / remote.blockSize}`);
   // Layout (not for MLA): equal, and heads-major for heterogeneous TP.
-  if (!isMla && remote.kvCacheLayout !== localLayout) mismatch('kv_cache_layout', remote.kvCacheLayout, localLayout);
-  if (!replicated && Math.abs(ratio) !== 1 && !KV_LAYOUTS[localLayout].headsMajor)
-    mismatch(
+  const localLayout = layoutOf(local);
+  if (!t.isMla && remote.kvCacheLayout !== localLayout)
+    c.mismatch('kv_cache_layout', remote.kvCacheLayout, localLayout);
+  if (!t.replicated && Math.abs(t.ratio) !== 1 && !KV_LAYOUTS[localLayout].headsMajor)
+    c.mismatch(
       'kv_cache_layout',
       remote.kvCacheLayout,
       localLayout,
       'heterogeneous TP slices heads and needs a heads-major layout such as LBHNC',
     );
+}
 
-  // Region counts.
+/** Region counts, per-region lists, strides, block counts and names; our block lens of its regions. */
+function checkRegions(c: Checker, local: KvLayout, remote: NixlAgentMetadata, ctx: PlanContext): number[] {
+  const regionStart = ctx.regionStart ?? 0;
+  const n = remote.kvCachesBaseAddr.length;
   if (regionStart + n > local.baseAddrs.length)
-    mismatch(
+    c.mismatch(
       'kv_caches_base_addr (regions)',
       n,
       local.baseAddrs.length - regionStart,
       'different model or layer count?',
     );
   if (ctx.regionStart === undefined && n !== local.baseAddrs.length)
-    mismatch('kv_caches_base_addr (regions)', n, local.baseAddrs.length, 'different model or layer count?');
+    c.mismatch('kv_caches_base_addr (regions)', n, local.baseAddrs.length, 'different model or layer count?');
   for (const [field, list] of [
     ['block_lens', remote.blockLens],
     ['block_strides', remote.blockStrides],
@@ -204,42 +242,59 @@ export function planReads(
     ['region_mem_types', remote.regionMemTypes],
     ['region_names', remote.regionNames],
   ] as const) {
-    if (list !== null && list.length !== n) mismatch(`${field} (entries)`, list.length, n, 'one per region');
+    if (list !== null && list.length !== n) c.mismatch(`${field} (entries)`, list.length, n, 'one per region');
   }
   const localLens = local.blockLens.slice(regionStart, regionStart + n);
   remote.blockStrides.forEach((s, i) => {
     if (s < remote.blockLens[i])
-      throw new KvLayoutError(`${where}: block_strides[${i}] ${s} is below block_lens[${i}] ${remote.blockLens[i]}`);
+      throw new KvLayoutError(`${c.where}: block_strides[${i}] ${s} is below block_lens[${i}] ${remote.blockLens[i]}`);
   });
-  if (remote.numBlocks < 1) throw new KvLayoutError(`${where}: num_blocks ${remote.numBlocks} is not positive`);
-  (remote.regionNumBlocks ?? []).forEach((c, i) => {
-    if (c < 1) throw new KvLayoutError(`${where}: region_num_blocks[${i}] ${c} is not positive`);
+  if (remote.numBlocks < 1) throw new KvLayoutError(`${c.where}: num_blocks ${remote.numBlocks} is not positive`);
+  (remote.regionNumBlocks ?? []).forEach((count, i) => {
+    if (count < 1) throw new KvLayoutError(`${c.where}: region_num_blocks[${i}] ${count} is not positive`);
   });
   if (remote.regionNames !== null && local.regionNames !== undefined) {
     const mine = local.regionNames.slice(regionStart, regionStart + n);
     remote.regionNames.forEach((name, i) => {
-      if (name !== mine[i]) mismatch(`region_names[${i}]`, name, mine[i], 'layer names must match in order');
+      if (name !== mine[i]) c.mismatch(`region_names[${i}]`, name, mine[i], 'layer names must match in order');
     });
   }
+  return localLens;
+}
 
-  // Per-region block lens (vLLM's rules).
+/** Per-region block lens (vLLM's rules). */
+function checkBlockLens(
+  c: Checker,
+  localLens: number[],
+  remote: NixlAgentMetadata,
+  ratio: number,
+  replicated: boolean,
+): void {
   localLens.forEach((l, i) => {
     const r = remote.blockLens[i];
     const field = `block_lens[${i}]`;
     if (replicated) {
-      if (r !== l) mismatch(field, r, l, 'a replicated cache is read whole');
+      if (r !== l) c.mismatch(field, r, l, 'a replicated cache is read whole');
     } else if (ratio > 0) {
       if (r !== l * ratio)
-        mismatch(field, r, l, `remote = local x tp_ratio ${ratio}: same heads per rank x ratio, same dtype`);
+        c.mismatch(field, r, l, `remote = local x tp_ratio ${ratio}: same heads per rank x ratio, same dtype`);
     } else if (r * -ratio !== l) {
-      mismatch(field, r, l, `remote = local / ${-ratio}`);
+      c.mismatch(field, r, l, `remote = local / ${-ratio}`);
     }
   });
+}
 
+/** The read of each remote rank this rank reads from. */
+function rankReads(
+  local: KvLayout,
+  remoteTp: number,
+  localLens: number[],
+  p: { ratio: number; isMla: boolean; replicated: boolean; ppRank: number; regionStart: number },
+): RankRead[] {
+  const { ratio, isMla, ppRank, regionStart } = p;
   const ranks = targetRemoteRanks(local.tpSize, local.tpRank, remoteTp);
-  const indexesIntoRemote = !replicated && ratio > 0;
-  const ppRank = ctx.ppRank ?? 0;
-  const reads: RankRead[] = ranks.map((remoteRank, i) => {
+  const indexesIntoRemote = !p.replicated && ratio > 0;
+  return ranks.map((remoteRank, i) => {
     if (ratio < 0 && !isMla) {
       // Our block is |r| remote blocks side by side: chunk i from remote rank i.
       const chunk = localLens.map((l) => l / -ratio);
@@ -264,7 +319,6 @@ export function planReads(
       notifyOnly: isMla && ratio < 0 && i > 0,
     };
   });
-  return { tpRatio: ratio, replicated, reads };
 }
 
 function fmt(v: unknown): string {
