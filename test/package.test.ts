@@ -268,7 +268,7 @@ it('subpaths nixl-node/handshake, /kv and /serving: require, import, and TypeScr
   const deep = spawnSync(process.execPath, ['deep.cjs'], { cwd: app, encoding: 'utf8' });
   expect(deep.status).not.toBe(0);
   expect(deep.stderr).toMatch(/ERR_PACKAGE_PATH_NOT_EXPORTED/);
-}, 120_000);
+}, 240_000);
 
 // linux-arm64 (Grace hosts): the cross-compiled prebuild, loaded by name by an
 // arm64 Node under qemu-user. CI provides both (see .ci/run); elsewhere the
