@@ -4,13 +4,12 @@
 // contiguous block ids (NIXL merges them into few descriptors) and with
 // every other remote block (nothing merges: one descriptor per block). The
 // two alternate round by round, so both see the machine in the same state.
-import { execFileSync, fork, spawn } from 'node:child_process';
+import { fork, spawn } from 'node:child_process';
 import { once } from 'node:events';
-import * as fs from 'node:fs';
-import * as os from 'node:os';
 import * as path from 'node:path';
 import { createInterface } from 'node:readline';
-import { DescList, engines } from '../lib';
+import { DescList } from '../lib';
+import { nativeProgram } from '../lib/native-program';
 import { benchAgent } from './agents';
 import { median, nowNs } from './stats';
 
@@ -32,41 +31,6 @@ export interface NativeRow {
   nativePostUsPerDesc: number;
   /** The binding's transfer() call, us (it only queues). */
   bindingPostUs: number;
-}
-
-const ROOT = path.join(__dirname, '..', '..');
-
-/** The native program, built once per source change; or why it cannot be. */
-export function nativeProgram(): { path: string } | { skip: string } {
-  if (!engines.includes('nixl')) return { skip: 'NIXL is not compiled in (build with NIXL_PREFIX=<nixl install>)' };
-  const find = (what: string) =>
-    execFileSync(process.execPath, [path.join(ROOT, 'scripts', 'find-nixl.js'), what], { encoding: 'utf8' });
-  if (find('found') !== '1') return { skip: 'no installed NIXL found (NIXL_PREFIX, /opt/nvidia/nvda_nixl)' };
-  const src = path.join(ROOT, 'bench', 'native', 'nixl_read.cpp');
-  const dir = path.join(os.tmpdir(), 'nixl-node-bench');
-  const out = path.join(dir, `nixl_read-${fs.statSync(src).mtimeMs.toFixed(0)}`);
-  if (!fs.existsSync(out)) {
-    fs.mkdirSync(dir, { recursive: true });
-    const libdir = find('libdir');
-    execFileSync(
-      'g++',
-      [
-        '-O2',
-        '-std=c++20',
-        `-I${find('include')}`,
-        src,
-        `-L${libdir}`,
-        `-Wl,-rpath,${libdir}`,
-        '-lnixl',
-        '-lnixl_build',
-        '-lserdes',
-        '-o',
-        out,
-      ],
-      { stdio: ['ignore', 'ignore', 'inherit'] },
-    );
-  }
-  return { path: out };
 }
 
 interface NativeJob {
