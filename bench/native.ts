@@ -58,6 +58,11 @@ async function startNative(bin: string, pool: number) {
   };
   await next(); // {"ready":true}
   return {
+    /** One job line, its JSON answer. */
+    async ask(line: string): Promise<Record<string, unknown>> {
+      child.stdin.write(`${line}\n`);
+      return next();
+    },
     async run(block: number, count: number, reps: number, scatter: boolean): Promise<NativeJob> {
       child.stdin.write(`${block} ${count} ${reps} ${scatter ? 1 : 0} 0\n`);
       return next();
@@ -161,4 +166,31 @@ export async function benchNative(rounds: number, reps: number): Promise<NativeR
     await native.close();
   }
   return rows;
+}
+
+type Dist = { avg: number; p99: number };
+export type NativeGridCell = { gbps: number; prepUs: Dist; postUs: Dist; xferUs: Dist };
+
+/**
+ * The native program serving grid cells (bench/grid.ts), one process pair
+ * holding `pool` bytes; or why it cannot run.
+ */
+export async function nativeGrid(pool: number): Promise<
+  | {
+      run(op: 'READ' | 'WRITE', block: number, batch: number, iters: number, warmup: number): Promise<NativeGridCell>;
+      close(): Promise<void>;
+    }
+  | { skip: string }
+> {
+  const prog = nativeProgram();
+  if ('skip' in prog) return prog;
+  process.env.UCX_TLS ??= 'sm,self'; // as benchAgent sets it for the binding's agents
+  const native = await startNative(prog.path, pool);
+  return {
+    async run(op, block, batch, iters, warmup) {
+      const j = await native.ask(`grid ${op} ${block} ${batch} ${iters} ${warmup}`);
+      return { gbps: j.gbps as number, prepUs: j.prepUs as Dist, postUs: j.postUs as Dist, xferUs: j.xferUs as Dist };
+    },
+    close: () => native.close(),
+  };
 }

@@ -6,7 +6,16 @@ import { constants as bufferConstants } from 'node:buffer';
 import { fork } from 'node:child_process';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { parse, positiveInt, oneOf, run, UsageError } from '../lib/command-args';
+import {
+  applyUcxNetDevices,
+  parse,
+  positiveInt,
+  oneOf,
+  run,
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+  UsageError,
+} from '../lib/command-args';
 import { engines } from '../lib';
 import { computeCompatibilityHash } from '../lib/handshake';
 import { execFileSync } from 'node:child_process';
@@ -54,7 +63,7 @@ Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works to
                    nixl: agents without NIXL's progress thread (the engine's poller
                    progresses them); faster on one host, see the README
   --mla            MLA: one latent cache per layer, replicated on every rank
-  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
+${UCX_NET_DEVICES_HELP}  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
 `;
 
 const ARGS = {
@@ -71,10 +80,12 @@ const ARGS = {
   engine: { type: 'string' },
   'no-progress-thread': { type: 'boolean' },
   mla: { type: 'boolean' },
+  ...UCX_NET_DEVICES_OPTION,
 } as const;
 
 export function parseDemoArgs(argv: string[]): Options {
   const v = parse(argv, ARGS, HELP);
+  applyUcxNetDevices(v); // the workers inherit it
   const envMethod = process.env.NIXL_HANDSHAKE_METHOD;
   const o: Options = {
     prefillTp: positiveInt(v, 'prefill-tp', 2, 64),
