@@ -393,6 +393,7 @@ export class Worker {
     }
     // Decode: the KV comes from the prefill named in kv_transfer_params.
     span.setAttribute('nixl_node.role', 'decode');
+    this.#fitsContext(req, kvp);
     const n = known ?? remoteBlockCount(kvp, this.#o.wire);
     this.#fits(n);
     const ids = this.#take(n);
@@ -518,6 +519,29 @@ export class Worker {
       if (e.reason === 'mismatch') throw new HttpError(500, e.message, 'kv_mismatch');
       throw new HttpError(502, `KV state rejected (${e.reason}): ${e.message}`, 'kv_rejected');
     }
+  }
+
+  /**
+   * A decode's 400 before any pull when the prompt the prefill evaluated
+   * (remote_num_tokens) and max_tokens cannot fit the model's context, as
+   * one worker answers the same request. Params that do not say (vLLM
+   * v0.13) are checked by the model once it reads the KV.
+   */
+  #fitsContext(req: GenerationRequest, kvp: Record<string, unknown>): void {
+    const ctx = this.model.contextSize;
+    if (ctx === undefined) return;
+    let prompt: number | null = null;
+    try {
+      prompt = parseKvTransferParams(kvp, this.#o.wire).remoteNumTokens;
+    } catch {
+      return; // the pull says what is wrong with them
+    }
+    if (prompt !== null && prompt + req.maxTokens > ctx)
+      throw new HttpError(
+        400,
+        `this model's context holds ${ctx} tokens; the request needs ${prompt + req.maxTokens} ` +
+          `(${prompt} in the prompt, ${req.maxTokens} to generate)`,
+      );
   }
 
   /** 413 when a request's KV cannot fit this worker's cache even when empty. */
