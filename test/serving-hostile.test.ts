@@ -1,0 +1,88 @@
+// What a hostile or careless client or peer sends the proxy and the workers
+// (issue 30): fields we do not serve, oversized headers, reply addresses a
+// ZeroMQ worker cannot use, clients that hang up during the prefill.
+import * as net from 'node:net';
+import { afterEach, describe, expect, it } from 'vitest';
+import { startWorker } from '../lib/serving';
+import { serveTrio } from './helpers';
+
+const closers: Array<() => unknown> = [];
+afterEach(async () => {
+  for (const c of closers.splice(0).reverse()) await c();
+});
+
+async function post(url: string, body: unknown, headers: Record<string, string> = {}) {
+  const r = await fetch(url, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...headers },
+    body: JSON.stringify(body),
+  });
+  const text = await r.text();
+  let json: Record<string, unknown> = {};
+  try {
+    json = JSON.parse(text);
+  } catch {
+    /* not JSON */
+  }
+  return { status: r.status, json };
+}
+
+/** The status line a raw HTTP/1.1 request gets (fetch cannot send a 70 KB header). */
+function rawStatus(url: string, head: string): Promise<number> {
+  const u = new URL(url);
+  return new Promise((resolve, reject) => {
+    const s = net.connect(Number(u.port), u.hostname, () => s.write(head));
+    let got = '';
+    s.on('data', (d) => {
+      got += d.toString('latin1');
+      const m = /^HTTP\/1\.1 (\d{3})/.exec(got);
+      if (m) {
+        resolve(Number(m[1]));
+        s.destroy();
+      }
+    });
+    s.on('error', reject);
+    s.on('close', () => reject(new Error(`closed with no status: ${JSON.stringify(got.slice(0, 80))}`)));
+  });
+}
+
+describe('one choice per request', () => {
+  it("'n' other than 1 is a 400 invalid_request_error from the proxy and from a worker, on both routes", async () => {
+    const { proxy, decode } = await serveTrio(closers);
+    const routes = [
+      ['/v1/completions', { prompt: 'pick one' }],
+      ['/v1/chat/completions', { messages: [{ role: 'user', content: 'pick one' }] }],
+    ] as const;
+    for (const base of [proxy.url, decode.address]) {
+      for (const [route, body] of routes) {
+        for (const n of [2, 0, -1, 'x', 1.5, [1]]) {
+          const r = await post(`${base}${route}`, { ...body, max_tokens: 4, n });
+          expect(r.status, `${base}${route} n=${JSON.stringify(n)}`).toBe(400);
+          const e = r.json.error as { message: string; type: string };
+          expect(e.type).toBe('invalid_request_error');
+          expect(e.message).toMatch(/'n'/);
+        }
+        for (const n of [1, undefined]) {
+          const r = await post(`${base}${route}`, { ...body, max_tokens: 4, n });
+          expect(r.status, `n=${n}`).toBe(200);
+          expect((r.json.choices as unknown[]).length).toBe(1);
+        }
+      }
+    }
+    expect(proxy.pools.decode.workers[0].healthy).toBe(true);
+  });
+});
+
+describe('oversized headers', () => {
+  it('a 70 KB header is 431 from the proxy and from a worker; the next request is served', async () => {
+    const { proxy, decode } = await serveTrio(closers);
+    const body = JSON.stringify({ prompt: 'x', max_tokens: 2 });
+    const head = (host: string) =>
+      `POST /v1/completions HTTP/1.1\r\nHost: ${host}\r\nContent-Type: application/json\r\n` +
+      `X-Big: ${'a'.repeat(70 << 10)}\r\nContent-Length: ${body.length}\r\n\r\n${body}`;
+    for (const url of [proxy.url, decode.address]) {
+      expect(await rawStatus(url, head(new URL(url).host)), url).toBe(431);
+      expect((await post(`${url}/v1/completions`, { prompt: 'x', max_tokens: 2 })).status).toBe(200);
+    }
+  });
+});
