@@ -1,9 +1,12 @@
 // What a hostile or careless client or peer sends the proxy and the workers
 // (issue 30): fields we do not serve, oversized headers, reply addresses a
 // ZeroMQ worker cannot use, clients that hang up during the prefill.
+import * as fs from 'node:fs';
 import * as net from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
+import * as zmq from 'zeromq';
 import { startWorker } from '../lib/serving';
+import { decodeMessage, encodeMessage } from '../lib/serving/protocol';
 import { serveTrio } from './helpers';
 
 const closers: Array<() => unknown> = [];
@@ -85,4 +88,55 @@ describe('oversized headers', () => {
       expect((await post(`${url}/v1/completions`, { prompt: 'x', max_tokens: 2 })).status).toBe(200);
     }
   });
+});
+
+describe('reply_to of a ZeroMQ worker', () => {
+  const fds = () => fs.readdirSync('/proc/self/fd').length;
+
+  it('garbage, udp:// and 1,100 distinct addresses: answers dropped and counted, sockets bounded, the worker serving', async () => {
+    const w = await startWorker({ transport: 'zmq', blocks: 64 });
+    closers.push(() => w.close());
+    const replies = new zmq.Pull({ linger: 0 });
+    await replies.bind('tcp://127.0.0.1:*');
+    const push = new zmq.Push({ linger: 0 });
+    push.connect(w.address);
+    closers.push(
+      () => replies.close(),
+      () => push.close(),
+    );
+    const send = (tag: 'HEALTH' | 'GENERATION', body: Record<string, unknown>) =>
+      push.send(encodeMessage(tag, body as never));
+    /** A HEALTH answered on our socket: the worker is alive and serving. */
+    const healthy = async (id: string) => {
+      await send('HEALTH', { msg_id: id, reply_to: replies.lastEndpoint });
+      const { body } = decodeMessage(await replies.receive());
+      expect(body).toMatchObject({ msg_id: id, ok: true });
+    };
+    await healthy('h0');
+    const before = fds();
+    const bad = ['garbage', 'udp://127.0.0.1:5555', 'tcp://', 'tcp://127.0.0.1', 'ipc://', '', 'x'.repeat(5000)];
+    for (const [i, reply_to] of bad.entries()) {
+      await send('HEALTH', { msg_id: `bad-${i}`, reply_to });
+      await send('GENERATION', {
+        msg_id: `gen-${i}`,
+        reply_to,
+        path: '/v1/completions',
+        payload: { prompt: 'x', max_tokens: 2 },
+      });
+    }
+    await healthy('h1');
+    expect(w.stats.repliesDropped).toBe(2 * bad.length);
+    // Addresses ZeroMQ takes but where nobody listens (loopback ports 1..1100): sockets
+    // that would each hold a descriptor and retry for good.
+    for (let i = 0; i < 1100; i++) await send('HEALTH', { msg_id: `many-${i}`, reply_to: `tcp://127.0.0.1:${1 + i}` });
+    await healthy('h2');
+    // The same address again and again: one socket.
+    for (let i = 0; i < 300; i++) await healthy(`again-${i}`);
+    const grown = fds() - before;
+    expect(grown, `${grown} descriptors more than before`).toBeLessThan(150);
+    expect(w.stats.repliesDropped).toBe(2 * bad.length);
+    await w.close();
+    // Closing the worker closes its reply sockets.
+    await expect.poll(() => fds() - before, { timeout: 2000 }).toBeLessThan(20);
+  }, 60_000);
 });

@@ -116,6 +116,8 @@ export interface WorkerStats {
   lateReads: number;
   /** Prefill: holds released early because the proxy said the decode would not read them. */
   abortedHolds: number;
+  /** ZeroMQ: answers dropped because their reply_to is not an address a PUSH socket can connect to. */
+  repliesDropped: number;
   /** Time spent taking KV out of the model into blocks (prefill), pulling it (decode), putting it back in (decode), ms. */
   kvSaveMs: number;
   kvPullMs: number;
@@ -150,6 +152,7 @@ export class Worker {
     pullsExpired: 0,
     lateReads: 0,
     abortedHolds: 0,
+    repliesDropped: 0,
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
