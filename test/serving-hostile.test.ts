@@ -5,12 +5,16 @@ import * as fs from 'node:fs';
 import * as net from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
-import { startWorker } from '../lib/serving';
+import type { ChildProcess } from 'node:child_process';
+import { start } from '../dist/demo/serving';
+import { startProxy, startWorker } from '../lib/serving';
 import { decodeMessage, encodeMessage } from '../lib/serving/protocol';
-import { serveTrio } from './helpers';
+import { freePort, serveTrio } from './helpers';
 
 const closers: Array<() => unknown> = [];
+const procs: ChildProcess[] = [];
 afterEach(async () => {
+  for (const p of procs.splice(0)) if (p.exitCode === null && p.signalCode === null) p.kill('SIGKILL');
   for (const c of closers.splice(0).reverse()) await c();
 });
 
@@ -139,4 +143,51 @@ describe('reply_to of a ZeroMQ worker', () => {
     // Closing the worker closes its reply sockets.
     await expect.poll(() => fds() - before, { timeout: 2000 }).toBeLessThan(20);
   }, 60_000);
+});
+
+describe.each(['http', 'zmq'] as const)('clients that hang up during the prefill (%s)', (transport) => {
+  it('50 cuts 2-29 ms in: every block of the prefill is free within a second, not at the lease', async () => {
+    const at = (p: number) => (transport === 'http' ? ['--port', String(p)] : ['--zmq-addr', `tcp://127.0.0.1:${p}`]);
+    const worker = async (blocks: number) =>
+      start(['worker', '--blocks', String(blocks), '--transport', transport, ...at(await freePort())], (p) =>
+        procs.push(p),
+      );
+    const [pre, dec] = await Promise.all([worker(300), worker(1024)]);
+    const proxy = await startProxy({
+      transport,
+      prefill: [String(pre.ready.address)],
+      decode: [String(dec.ready.address)],
+      healthIntervalMs: 0,
+    });
+    closers.push(() => proxy.close());
+    const stats = async () => {
+      const n = pre.lines.length;
+      pre.p.kill('SIGUSR2');
+      await expect.poll(() => pre.lines.length, { timeout: 2000, interval: 10 }).toBeGreaterThan(n);
+      const l = pre.lines.filter((x) => x.stats).at(-1) as { freeBlocks: number; stats: Record<string, number> };
+      return { free: l.freeBlocks, ...l.stats };
+    };
+    const prompt = (i: number) => `cut ${i}: ${'the lazy dog jumps over '.repeat(4 + (i % 4))}`;
+    const ok = await post(`${proxy.url}/v1/completions`, { prompt: prompt(0), max_tokens: 4 });
+    expect(ok.status).toBe(200);
+    for (let i = 0; i < 50; i++) {
+      const ac = new AbortController();
+      const t = setTimeout(() => ac.abort(), 2 + ((i * 7) % 28));
+      await fetch(`${proxy.url}/v1/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ prompt: prompt(i), max_tokens: 4 }),
+        signal: ac.signal,
+      })
+        .then((r) => r.text())
+        .catch(() => undefined);
+      clearTimeout(t);
+    }
+    const t0 = performance.now();
+    let last: Record<string, number> = {};
+    // The lease is 30 s: back within about a second means released.
+    await expect.poll(async () => (last = await stats()).free, { timeout: 1200, interval: 50 }).toBe(300);
+    console.log(`cuts (${transport}): free after ${Math.round(performance.now() - t0)} ms`, JSON.stringify(last));
+    expect((await post(`${proxy.url}/v1/completions`, { prompt: prompt(1), max_tokens: 4 })).status).toBe(200);
+  }, 30_000);
 });

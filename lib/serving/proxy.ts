@@ -521,6 +521,12 @@ export class ServingProxy {
       } catch (e) {
         release();
         if (e instanceof StageFailure) throw e;
+        // A prefill may have answered into the connection just cut: its hold's
+        // id never arrived, so it is released by our request id instead.
+        if (stage === 'prefill' && (clientSignal.aborted || timeout.aborted)) {
+          this.stats.holdsReleased++;
+          void this.#transport.releaseRequest(w, requestId);
+        }
         if (clientSignal.aborted) {
           span.fail(e);
           throw e;

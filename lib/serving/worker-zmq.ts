@@ -68,7 +68,8 @@ export class ZmqFront {
       }
       if (msg.tag === 'RELEASE') {
         try {
-          this.#w.releaseHold(b.remote_request_id);
+          if (b.remote_request_id === undefined) this.#w.releaseRequest(b.request_id);
+          else this.#w.releaseHold(b.remote_request_id);
         } catch {
           /* not a string: nothing to release */
         }

@@ -172,6 +172,12 @@ export class Worker {
   readonly #secret: string | undefined;
   /** Blocks held for each prefilled request until its read or lease. */
   readonly #held = new Map<string, number[]>();
+  /**
+   * By the request id the proxy sent: the holds made and the prefills still
+   * running for it (releaseRequest frees both).
+   */
+  readonly #holdsOf = new Map<string, Set<string>>();
+  readonly #prefilling = new Map<string, Set<{ released: boolean }>>();
   #side?: HandshakeServer;
   #http?: http.Server;
   #zmq?: ZmqFront;
@@ -247,6 +253,23 @@ export class Worker {
   releaseHold(remoteRequestId: unknown): boolean {
     if (typeof remoteRequestId !== 'string') throw new HttpError(400, "'remote_request_id' must be a string");
     return this.#tracker.abort(remoteRequestId);
+  }
+
+  /**
+   * Frees the holds a request (the proxy's request id) made here, and makes
+   * its prefills still running give theirs up: the proxy's client went away
+   * before the prefill's answer, with the hold's id, reached the proxy.
+   * Returns how many holds and prefills it found.
+   */
+  releaseRequest(requestId: unknown): number {
+    if (typeof requestId !== 'string') throw new HttpError(400, "'request_id' must be a string");
+    let n = 0;
+    for (const p of this.#prefilling.get(requestId) ?? []) {
+      p.released = true;
+      n++;
+    }
+    for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#tracker.abort(id)) n++;
+    return n;
   }
 
   /** KV blocks free right now. */
@@ -447,6 +470,25 @@ export class Worker {
   }
 
   async #prefill(req: GenerationRequest, requestId: string, signal: AbortSignal, sink: Sink, span: SpanLike) {
+    const me = { released: false };
+    const running = getOrAdd(this.#prefilling, requestId);
+    running.add(me);
+    try {
+      await this.#prefillOnce(req, requestId, signal, sink, span, me);
+    } finally {
+      running.delete(me);
+      if (running.size === 0) this.#prefilling.delete(requestId);
+    }
+  }
+
+  async #prefillOnce(
+    req: GenerationRequest,
+    requestId: string,
+    signal: AbortSignal,
+    sink: Sink,
+    span: SpanLike,
+    me: { released: boolean },
+  ) {
     const kv = await this.model.prefill(req, signal);
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
@@ -457,6 +499,8 @@ export class Worker {
     // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
     const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
     this.#held.set(remoteRequestId, ids);
+    const holds = getOrAdd(this.#holdsOf, requestId);
+    holds.add(remoteRequestId);
     // The hold outlives this request's span: it ends when the blocks go back.
     const hold = startSpan('kv.hold', {
       parent: span.context,
@@ -466,6 +510,8 @@ export class Worker {
       hold.setAttribute('nixl_node.release_reason', r.reason === 'expired' ? 'lease' : r.reason);
       hold.end();
       this.#held.delete(remoteRequestId);
+      holds.delete(remoteRequestId);
+      if (holds.size === 0 && this.#holdsOf.get(requestId) === holds) this.#holdsOf.delete(requestId);
       if (r.reason !== 'read' && this.#o.poisonFreed) {
         const view = this.#view(ids);
         for (let b = 0; b < ids.length; b++) for (let l = 0; l < this.model.geometry.layers; l++) view(b, l).fill(0xa5);
@@ -473,7 +519,7 @@ export class Worker {
       this.#blocks.give(ids);
     });
     if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
-    if (signal.aborted) {
+    if (signal.aborted || me.released) {
       // Nobody will get the params, so nobody will read the blocks.
       this.#tracker.abort(remoteRequestId);
       throw new HttpError(499, 'the proxy went away', 'aborted');
@@ -740,6 +786,16 @@ function asHttpError(e: unknown, signal: AbortSignal): HttpError {
 function expirySeconds(tracker: PrefillTracker, requestId: string): number | null {
   const ms = tracker.leaseExpiry(requestId);
   return ms === undefined ? null : ms / 1000;
+}
+
+/** The set under key, made when missing. */
+function getOrAdd<T>(m: Map<string, Set<T>>, key: string): Set<T> {
+  let v = m.get(key);
+  if (!v) {
+    v = new Set();
+    m.set(key, v);
+  }
+  return v;
 }
 
 function sleep(ms: number, signal: AbortSignal): Promise<void> {
