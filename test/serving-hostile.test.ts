@@ -186,7 +186,15 @@ describe.each(['http', 'zmq'] as const)('clients that hang up during the prefill
     const t0 = performance.now();
     let last: Record<string, number> = {};
     // The lease is 30 s: back within about a second means released.
-    await expect.poll(async () => (last = await stats()).free, { timeout: 1200, interval: 50 }).toBe(300);
+    await expect
+      .poll(
+        async () => {
+          last = await stats();
+          return last.free;
+        },
+        { timeout: 1200, interval: 50 },
+      )
+      .toBe(300);
     console.log(`cuts (${transport}): free after ${Math.round(performance.now() - t0)} ms`, JSON.stringify(last));
     expect((await post(`${proxy.url}/v1/completions`, { prompt: prompt(1), max_tokens: 4 })).status).toBe(200);
   }, 30_000);
