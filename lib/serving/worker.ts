@@ -431,13 +431,21 @@ export class Worker {
     try {
       if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
       const pulled = performance.now();
-      try {
-        await this.#puller.pullFromParams(kvp, {
+      const pull = () =>
+        this.#puller.pullFromParams(kvp, {
           traceContext: span.context,
           localBlockIds: ids,
           signal,
           timeoutMs: 30_000,
           issuedAtMs: arrivedMs,
+        });
+      try {
+        await pull().catch((e: PullError) => {
+          // The prefill restarted at the address we knew (same side channel):
+          // our connection was to its dead incarnation, which the puller has
+          // dropped. Once more, from a fresh handshake with the new one.
+          if (e.kind !== 'peer-gone' || signal.aborted) throw e;
+          return pull();
         });
       } catch (e) {
         const err = e as PullError;
