@@ -40,11 +40,13 @@ const errorOf = (j: Record<string, unknown>) => j.error as { message: string; ty
 
 describe('tiny GGUF: one worker and prefill + decode through the proxy agree', () => {
   let single: Worker;
+  let p: Worker;
+  let d: Worker;
   let proxyUrl: string;
   beforeAll(async () => {
     single = await worker();
-    const p = await worker();
-    const d = await worker();
+    p = await worker();
+    d = await worker();
     const proxy = await startProxy({ prefill: [p.address], decode: [d.address], healthIntervalMs: 0 });
     closers.push(() => proxy.close());
     proxyUrl = proxy.url;
@@ -63,6 +65,10 @@ describe('tiny GGUF: one worker and prefill + decode through the proxy agree', (
       expect(via.status, JSON.stringify(via.json)).toBe(400);
       expect(errorOf(via.json).message).toMatch(/context holds 256 tokens/);
     }
+    // The decode refused before its pull, and the prefill's hold went back at once.
+    expect(d.stats.kvPullMs).toBe(0);
+    expect(d.stats.decodes).toBe(0);
+    await expect.poll(() => p.freeBlocks, { timeout: 1000 }).toBe(opts.blocks);
     for (const temperature of [0, 0.8]) {
       const body = { messages: [{ role: 'user', content: 'a'.repeat(200) }], max_tokens: 100, temperature };
       expect((await post(single.address, '/v1/chat/completions', body)).status).toBe(400);
