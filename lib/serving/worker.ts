@@ -179,6 +179,12 @@ export class Worker {
    */
   readonly #holdsOf = new Map<string, Set<string>>();
   readonly #prefilling = new Map<string, Set<{ released: boolean }>>();
+  /**
+   * Request ids released before any prefill of theirs arrived (the release
+   * overtook the request on another connection), with when: a prefill of one
+   * gives its blocks up. A few seconds, at most 4096.
+   */
+  readonly #releasedEarly = new Map<string, number>();
   #side?: HandshakeServer;
   #http?: http.Server;
   #zmq?: ZmqFront;
@@ -270,6 +276,11 @@ export class Worker {
       n++;
     }
     for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#tracker.abort(id)) n++;
+    if (n === 0) {
+      this.#releasedEarly.set(requestId, performance.now());
+      const [oldest] = this.#releasedEarly.keys();
+      if (this.#releasedEarly.size > 4096) this.#releasedEarly.delete(oldest);
+    }
     return n;
   }
 
@@ -485,7 +496,8 @@ export class Worker {
   }
 
   async #prefill(req: GenerationRequest, requestId: string, signal: AbortSignal, sink: Sink, span: SpanLike) {
-    const me = { released: false };
+    const early = this.#releasedEarly.get(requestId);
+    const me = { released: early !== undefined && performance.now() - early < 10_000 };
     const running = getOrAdd(this.#prefilling, requestId);
     running.add(me);
     try {
