@@ -1,4 +1,4 @@
-// nixl-node bench / npm run bench [-- --json out.json] [--svg out.svg] [--quick] [--only bandwidth,coalesce,handshake]
+// nixl-node bench / npm run bench [-- --json out.json] [--svg out.svg] [--quick] [--only bandwidth,coalesce,handshake,grid]
 // Every figure is a ratio against a baseline measured in the same run:
 // memcpy for copies, the raw ZMQ / HTTP round trip for handshakes.
 import * as fs from 'node:fs';
@@ -6,7 +6,8 @@ import * as os from 'node:os';
 import { makeCerts } from './certs';
 import { benchCoalesce } from './coalesce';
 import { benchHandshake } from './handshake';
-import { benchNative } from './native';
+import { benchGrid, gridCells, NIXLBENCH_DEFAULTS, QUICK, type GridCold, type GridOptions, type GridRow } from './grid';
+import { benchNative, nativeGrid } from './native';
 import { benchServing } from './serving';
 import { benchTracing } from './tracing';
 import { NixlError, engines } from '../lib';
@@ -14,9 +15,12 @@ import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { fmtBytes } from './stats';
 import { barChart, type Panel } from './svg';
+export { NIXLBENCH_DEFAULTS, QUICK, type GridOptions } from './grid';
 
 /** The bench's sections, in the order they run. */
-export const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving'];
+export const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'grid'];
+/** What runs when no section is named: all but the grid (minutes). */
+export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid');
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -35,13 +39,16 @@ export interface BenchOptions {
   svg?: string;
   /** Fewer repetitions. */
   quick: boolean;
-  /** Sections to run (of SECTIONS). Default all. */
+  /** Sections to run (of SECTIONS). Default DEFAULT_SECTIONS. */
   only?: readonly string[];
+  /** The grid's sizes and iterations, when `only` names it. Default nixlbench's (QUICK with quick). */
+  grid?: GridOptions;
 }
 
 export async function runBench(o: BenchOptions): Promise<void> {
   const quick = o.quick;
-  const only = o.only ?? SECTIONS;
+  const only = o.only ?? DEFAULT_SECTIONS;
+  const grid = only.includes('grid') ? (o.grid ?? (quick ? QUICK : NIXLBENCH_DEFAULTS)) : undefined;
   const unknown = only.filter((x) => !SECTIONS.includes(x));
   if (unknown.length)
     throw new NixlError(
@@ -252,6 +259,13 @@ export async function runBench(o: BenchOptions): Promise<void> {
     }
   }
 
+  if (grid) {
+    const g = await runGrid(runEngines, grid);
+    result.grid = g.rows;
+    result.gridCold = g.cold;
+    result.gridOptions = grid;
+  }
+
   const json = o.json;
   if (json) {
     fs.writeFileSync(
@@ -265,4 +279,75 @@ export async function runBench(o: BenchOptions): Promise<void> {
     fs.writeFileSync(svg, barChart(`nixl-node bench, ${engine} engine`, panels, machine));
     console.log(`wrote ${svg}`);
   }
+}
+
+const fmtDist = (d: { avg: number; p99: number }) => `${d.avg.toFixed(1)}/${d.p99.toFixed(1)}`;
+
+async function runGrid(runEngines: Engine[], o: GridOptions): Promise<{ rows: GridRow[]; cold: GridCold[] }> {
+  const cells = gridCells(o);
+  console.log(
+    `\n# Grid (nixlbench's shape): READ and WRITE between two processes, ${cells.length} block x batch cells per op, ${o.numIter} iterations (${o.warmupIter} warm-up; blocks over 1 MiB: 1/${o.largeBlockIterFactor}); latencies avg/p99 in us: prep = making the request, post = the post call, transfer = post to completion`,
+  );
+  const rows: GridRow[] = [];
+  const cold: GridCold[] = [];
+  for (const e of runEngines) {
+    let native: Awaited<ReturnType<typeof nativeGrid>> | undefined;
+    if (e === 'nixl') {
+      native = await nativeGrid(Math.max(...cells.map((c) => c.blockBytes * c.batch)));
+      if ('skip' in native) console.log(`(native program skipped: ${native.skip})`);
+    }
+    const runNative = native && !('skip' in native) ? native : undefined;
+    try {
+      const g = await benchGrid(
+        e,
+        o,
+        runNative && ((op, cell) => runNative.run(op, cell.blockBytes, cell.batch, cell.iterations, o.warmupIter)),
+      );
+      rows.push(...g.rows);
+      cold.push(...g.cold);
+    } finally {
+      await runNative?.close();
+    }
+  }
+  const withNative = rows.some((r) => r.native);
+  table(
+    [
+      'engine',
+      'op',
+      'block',
+      'batch',
+      'GB/s',
+      'prep us',
+      'post us',
+      'transfer us',
+      ...(withNative ? ['native GB/s', 'native transfer us', 'ratio'] : []),
+    ],
+    rows.map((r) => [
+      r.engine,
+      r.op,
+      fmtBytes(r.blockBytes),
+      r.batch,
+      r.gbps,
+      fmtDist(r.prepUs),
+      fmtDist(r.postUs),
+      fmtDist(r.xferUs),
+      ...(withNative ? (r.native ? [r.native.gbps, fmtDist(r.native.xferUs), r.ratio ?? 0] : ['-', '-', '-']) : []),
+    ]),
+  );
+  console.log('\n# The first transfer of a fresh agent pair (cold), against the same cell warm');
+  table(
+    ['engine', 'op', 'block', 'batch', 'connect us', 'prep us', 'post us', 'transfer us', 'warm transfer us'],
+    cold.map((c) => [
+      c.engine,
+      c.op,
+      fmtBytes(c.blockBytes),
+      c.batch,
+      c.connectUs,
+      c.prepUs,
+      c.postUs,
+      c.xferUs,
+      c.warmXferUs,
+    ]),
+  );
+  return { rows, cold };
 }

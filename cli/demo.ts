@@ -1,9 +1,8 @@
 // nixl-node demo [--serving]: the options of the two demos (demo/run.ts,
 // demo/serving.ts), with the bench's native baseline passed to the KV demo.
-import { nativeBaselineLine } from '../bench/native';
 import type { DemoOptions } from '../demo/run';
 import { engines } from '../lib';
-import { oneOf, parse, positiveInt } from './args';
+import { UCX_NET_DEVICES_HELP, UCX_NET_DEVICES_OPTION, applyUcxNetDevices, oneOf, parse, positiveInt } from './args';
 
 const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
 
@@ -17,13 +16,15 @@ Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works to
   --heads N        KV heads (default 8)
   --requests N     requests the blocks are split into (default 16)
   --in-flight N    pulls in flight per decode rank (default 4)
+  --rounds N       rounds of requests over the same prefill blocks (default 3): the first reads
+                   the prefill's pages for the first time, the later ones as a cache in service
   --method M       handshake: zmq | http (default zmq, or NIXL_HANDSHAKE_METHOD)
   --engine E       loopback | nixl (default: nixl if compiled in)
   --no-progress-thread
                    nixl: agents without NIXL's progress thread (the engine's poller
                    progresses them); faster on one host, see the README
   --mla            MLA: one latent cache per layer, replicated on every rank
-  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
+${UCX_NET_DEVICES_HELP}  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
 `;
 
 const ARGS = {
@@ -35,14 +36,17 @@ const ARGS = {
   heads: { type: 'string' },
   requests: { type: 'string' },
   'in-flight': { type: 'string' },
+  rounds: { type: 'string' },
   method: { type: 'string' },
   engine: { type: 'string' },
   'no-progress-thread': { type: 'boolean' },
   mla: { type: 'boolean' },
+  ...UCX_NET_DEVICES_OPTION,
 } as const;
 
 export function parseDemoArgs(argv: string[]): DemoOptions {
   const v = parse(argv, ARGS, HELP);
+  applyUcxNetDevices(v); // the workers inherit it
   const envMethod = process.env.NIXL_HANDSHAKE_METHOD;
   const o: DemoOptions = {
     prefillTp: positiveInt(v, 'prefill-tp', 2, 64),
@@ -53,6 +57,7 @@ export function parseDemoArgs(argv: string[]): DemoOptions {
     heads: positiveInt(v, 'heads', 8, 4096),
     requests: positiveInt(v, 'requests', 16),
     inFlight: positiveInt(v, 'in-flight', 4, 1024),
+    rounds: positiveInt(v, 'rounds', 3, 100),
     method: oneOf(v, 'method', ['zmq', 'http'] as const, envMethod === 'http' ? 'http' : 'zmq'),
     engine: oneOf(
       v,
@@ -78,7 +83,7 @@ Usage: nixl-node demo --serving [options]   (or npm run demo -- --serving [optio
                     answers checked against node-llama-cpp alone in this process
   --threads N       --model: CPU threads of each worker context and of the reference (default 1)
   --json            the last line is a JSON summary
-`;
+${UCX_NET_DEVICES_HELP}`;
 
 export async function demoCommand(argv: string[]): Promise<void> {
   if (argv.includes('--serving')) {
@@ -93,9 +98,11 @@ export async function demoCommand(argv: string[]): Promise<void> {
         model: { type: 'string' },
         threads: { type: 'string' },
         json: { type: 'boolean' },
+        ...UCX_NET_DEVICES_OPTION,
       },
       SERVING_HELP,
     );
+    applyUcxNetDevices(v); // the workers inherit it
     const { runServingDemo } = await import('../demo/serving');
     return runServingDemo({
       model: v.model === undefined ? undefined : String(v.model),
@@ -109,5 +116,5 @@ export async function demoCommand(argv: string[]): Promise<void> {
     });
   }
   const o = parseDemoArgs(argv);
-  return (await import('../demo/run')).runDemo(o, nativeBaselineLine);
+  return (await import('../demo/run')).runDemo(o);
 }

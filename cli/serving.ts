@@ -4,7 +4,15 @@
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
-import { oneOf, parse, positiveInt, UsageError } from './args';
+import {
+  applyUcxNetDevices,
+  oneOf,
+  parse,
+  positiveInt,
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+  UsageError,
+} from './args';
 import { startTracing } from './otel';
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
@@ -52,7 +60,7 @@ Usage: nixl-node worker [options]
   --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
   --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
-`;
+${UCX_NET_DEVICES_HELP}`;
 
 function list(v: Record<string, unknown>, name: string): string[] {
   const s = v[name];
@@ -161,9 +169,11 @@ export async function workerCommand(argv: string[]): Promise<void> {
       parallel: { type: 'string' },
       'block-kib': { type: 'string' },
       'tamper-kv': { type: 'string' },
+      ...UCX_NET_DEVICES_OPTION,
     },
     WORKER_HELP,
   );
+  applyUcxNetDevices(v);
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
   const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker');

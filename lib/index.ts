@@ -2,7 +2,17 @@
 // channels, the KV path and serving. The rest of each is on its subpath:
 // nixl-node/handshake, nixl-node/kv, nixl-node/serving.
 export { NixlAgent, RegisteredMemory, DlistHandle, XferHandle, engines } from './agent';
-export type { AgentOptions, EngineKind, Notif, NotifMsg, WaitOptions, XferOp, XferOptions, XferState } from './agent';
+export type {
+  AgentOptions,
+  BackendParams,
+  EngineKind,
+  Notif,
+  NotifMsg,
+  WaitOptions,
+  XferOp,
+  XferOptions,
+  XferState,
+} from './agent';
 export { DescList, allocate } from './descriptors';
 export type { MemType, MemoryLike, RawDesc } from './descriptors';
 export { NixlError, Status } from './errors';

@@ -3,6 +3,7 @@
 // InfiniBand/RoCE one); with UCX_TLS limited to shared memory (sm, self, cma,
 // posix, sysv, xpmem), NIXL's UCX backend fails to start (NIXL_ERR_BACKEND)
 // unless ucx_error_handling_mode=none.
+import { NixlError } from './errors';
 const HANDLES_PEER_FAILURE = /(^|[,^])(all|tcp|rc\w*|ud\w*|dc\w*|ib)(,|$)/;
 
 /**
@@ -29,4 +30,24 @@ export function ucxBackendParams(env: NodeJS.ProcessEnv = process.env): Record<s
   const tls = env.UCX_TLS;
   if (tls === undefined || tls === '' || HANDLES_PEER_FAILURE.test(tls)) return undefined;
   return { ucx_error_handling_mode: 'none' };
+}
+
+// UCX device names: mlx5_0:1, eth0, bond0.100, ib0; 'all' is UCX's default.
+const NET_DEVICE = /^[A-Za-z0-9_.:-]+$/;
+
+/**
+ * Sets UCX_NET_DEVICES (which NICs UCX may use) for NIXL agents this process
+ * starts later: UCX reads it once, when NIXL first loads it. A comma-separated
+ * list such as `mlx5_0:1` or `eth0`; undefined leaves the environment as it is.
+ * Throws NIXL_ERR_INVALID_PARAM on a malformed list.
+ */
+export function setUcxNetDevices(list: string | undefined, env: NodeJS.ProcessEnv = process.env): void {
+  if (list === undefined) return;
+  const devices = list.split(',').map((d) => d.trim());
+  if (devices.some((d) => !NET_DEVICE.test(d)))
+    throw new NixlError(
+      `--ucx-net-devices '${list}': expected a comma-separated list of UCX devices (e.g. mlx5_0:1,eth0)`,
+      'NIXL_ERR_INVALID_PARAM',
+    );
+  env.UCX_NET_DEVICES = devices.join(',');
 }

@@ -291,6 +291,10 @@ export class PullRun {
       agent.transfer(h);
     }
     for (const p of engine.reads) if (p.read.notifyOnly) this.#d.notify(p.rank.agentName, notif);
+    this.#span.setAttribute(
+      'nixl_node.backend',
+      [...new Set(this.#handles.map((h) => agent.queryXferBackend(h)))].join(','),
+    );
     return { descriptors, coalesced };
   }
 

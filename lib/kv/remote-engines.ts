@@ -226,7 +226,9 @@ export class RemoteEngines {
    * Engines we hold for `engineId` whose agents are not among the new
    * metadata are an older incarnation of that prefill (it restarted, maybe on
    * another port): no new pull uses them, and once their pulls end their
-   * agents are unloaded. Resolves then.
+   * agents are unloaded. Resolves then when the new agents may take an old
+   * one's name (a restart under the same name); at once otherwise, so pulls
+   * to another prefill never wait behind a stalled one's.
    */
   async #replaceOlder(engineId: string, metas: NixlAgentMetadata[]): Promise<void> {
     const olds = [...this.#live].filter(
@@ -234,6 +236,9 @@ export class RemoteEngines {
         e.engineId === engineId &&
         [...e.ranks.values()].some((r) => !metas.some((m) => m.agentMetadata.equals(r.meta.agentMetadata))),
     );
+    // Both engines write the agent's name into its metadata as it is.
+    const named = (old: RemoteEngine) =>
+      [...old.ranks.values()].some((r) => metas.some((m) => m.agentMetadata.includes(Buffer.from(r.agentName))));
     await Promise.all(
       olds.map((old) => {
         const a = this.#attempts.get(old.key);
@@ -241,6 +246,10 @@ export class RemoteEngines {
           void a.promise.then((e) => e === old && this.#attempts.get(old.key) === a && this.#attempts.delete(old.key));
         if (old.pulls === 0) {
           this.forget(old, undefined);
+          return undefined;
+        }
+        if (!named(old)) {
+          old.retired = () => this.forget(old, undefined);
           return undefined;
         }
         return new Promise<void>((resolve) => {

@@ -20,8 +20,12 @@ export interface FrontHandler {
   readonly freeBlocks: number;
   /** Why the worker cannot serve right now (its model cannot make a context), or undefined. */
   unhealthy(): string | undefined;
+  /** Counters the fronts add to. */
+  readonly stats: { repliesDropped: number };
   /** Frees the blocks a prefilled request holds (the proxy says its decode will not read them). */
   releaseHold(remoteRequestId: unknown): boolean;
+  /** Frees the holds of a request by the proxy's request id (its prefill answer may not have arrived). */
+  releaseRequest(requestId: unknown): number;
   /** One request, answered into `sink`. Throws HttpError. */
   handle(
     path: string,
