@@ -12,6 +12,7 @@ import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
+import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
 import { type HttpError, errorBody, hasImages, readJson } from './http';
 
 /** Options of the serving proxy. */
@@ -44,7 +45,7 @@ export interface ProxyOptions {
   requestTimeoutMs?: number;
 }
 
-const ROUTES = new Set(['/v1/completions', '/v1/chat/completions']);
+const ROUTES = new Set(['/v1/completions', '/v1/chat/completions', GENERATE_PATH]);
 const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
 
 /** prom-client, when installed (an optional peer dependency). */
@@ -251,7 +252,8 @@ export class ServingProxy {
     let body: Record<string, unknown>;
     try {
       body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
-      checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
+      if (path === GENERATE_PATH) checkGenerateRequest(body, { kvTransferParams: 'refuse' });
+      else checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
     } catch (e) {
       const h = e as HttpError;
       return send(
@@ -332,12 +334,15 @@ export class ServingProxy {
     if (this.pools.encode.size > 0 && hasImages(body)) {
       await this.#stage('encode', path, { ...body, stream: false, max_tokens: 1 }, requestId, signal, false);
     }
-    const prefillBody: Record<string, unknown> = {
-      ...body,
-      stream: false,
-      max_tokens: 1,
-      kv_transfer_params: prefillRequestParams(),
-    };
+    const prefillBody: Record<string, unknown> =
+      path === GENERATE_PATH
+        ? generatePrefillBody(body, prefillRequestParams())
+        : {
+            ...body,
+            stream: false,
+            max_tokens: 1,
+            kv_transfer_params: prefillRequestParams(),
+          };
     if (chat) prefillBody.max_completion_tokens = 1;
     delete prefillBody.stream_options;
     // A decode that could not read the KV inside the prefill's lease answers
@@ -409,7 +414,7 @@ export class ServingProxy {
       );
     }
     const canRelease = (pre.answer.json?.nixl_node as { kv_release?: unknown } | undefined)?.kv_release === true;
-    const decodeBody = { ...body, kv_transfer_params: kv };
+    const decodeBody = path === GENERATE_PATH ? generateDecodeBody(body, kv!) : { ...body, kv_transfer_params: kv };
     const avoid = new Set([pre.worker, ...avoidDecode]);
     try {
       const dec = await this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, avoid);

@@ -43,6 +43,7 @@ import {
   type ServingModel,
 } from './models/types';
 import { type RequestError, checkCompletionRequest } from './schema';
+import { endAnswer } from './stream-end';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
 
@@ -361,7 +362,7 @@ export class Worker {
     if (known !== undefined) this.#fits(known);
     if (kvp?.do_remote_decode === true) {
       span.setAttribute('nixl_node.role', 'prefill');
-      await this.#prefill(req, requestId, signal, sink, span);
+      await this.#prefill(req, requestId, signal, sink, span, body);
       return;
     }
     if (kvp !== undefined && kvp.remote_engine_id === this.name) {
@@ -449,7 +450,14 @@ export class Worker {
     }
   }
 
-  async #prefill(req: GenerationRequest, requestId: string, signal: AbortSignal, sink: Sink, span: SpanLike) {
+  async #prefill(
+    req: GenerationRequest,
+    requestId: string,
+    signal: AbortSignal,
+    sink: Sink,
+    span: SpanLike,
+    body: Record<string, unknown>,
+  ) {
     const kv = await this.model.prefill(req, signal);
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
@@ -498,12 +506,17 @@ export class Worker {
       },
       this.#o.wire,
     );
-    sink.end(200, {
-      ...completionBody(requestId, this.model.id, req.chat, '', 'length', { prompt: kv.promptTokens, completion: 0 }),
-      kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
-      // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
-      nixl_node: { worker: this.name, kv_release: true },
-    });
+    // Streamed (a client that asked to): the last chunk carries the params.
+    endAnswer(
+      sink,
+      {
+        ...completionBody(requestId, this.model.id, req.chat, '', 'length', { prompt: kv.promptTokens, completion: 0 }),
+        kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
+        // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
+        nixl_node: { worker: this.name, kv_release: true },
+      },
+      body,
+    );
   }
 
   /**

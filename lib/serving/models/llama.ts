@@ -34,6 +34,7 @@ import {
   type KvBinding,
   KvRejected,
   type ChatMessage,
+  type ModelTokenizer,
   type Generated,
   type GenerationRequest,
   type KvGeometry,
@@ -82,6 +83,24 @@ export class LlamaModel implements ServingModel {
   readonly #tmp: string;
   /** What states of this model look like, or why they cannot be checked (then a decode refuses them all). */
   #layout: LlamaStateLayout | string = 'not probed yet';
+  #tokenizer?: ModelTokenizer;
+
+  /** The GGUF's vocabulary (generate endpoint: token ids in and out). */
+  get tokenizer(): ModelTokenizer | undefined {
+    if (this.#tokenizer) return this.#tokenizer;
+    const m = this.#model;
+    const vocabSize = (m.fileInfo.metadata as { tokenizer?: { ggml?: { tokens?: readonly unknown[] } } })?.tokenizer
+      ?.ggml?.tokens?.length;
+    if (!vocabSize) return undefined;
+    const bos = m.tokens.bos;
+    this.#tokenizer = {
+      vocabSize,
+      contextTokens: this.contextSize,
+      encode: (text) => m.tokenize(text, false) as number[],
+      decode: (ids) => m.detokenize((ids[0] === bos ? ids.slice(1) : ids) as Nlc.Token[], false),
+    };
+    return this.#tokenizer;
+  }
 
   private constructor(nlc: typeof Nlc, model: Nlc.LlamaModel, fingerprint: Buffer, o: LlamaModelOptions) {
     this.#nlc = nlc;
