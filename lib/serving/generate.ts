@@ -1,9 +1,9 @@
 // vLLM's token-in/token-out endpoint, POST /inference/v1/generate: the
 // request's checks (as vLLM makes them: token_ids required, >= 1 of them,
 // none negative or outside the vocabulary; an unknown model is a 404), the
-// worker's handling (the ids become the prompt the model evaluates, the
-// generated text becomes ids again, through the model's tokenizer; prefill,
-// decode and aggregated as for /v1/completions), and the proxy's two legs.
+// worker's handling (the model evaluates the ids; the text it generates
+// becomes ids again through its tokenizer; prefill, decode and aggregated as
+// for /v1/completions), and the proxy's two legs.
 // kv_transfer_params ride at the top level; older peers put them in
 // sampling_params.extra_args, read too (the top level wins).
 import { randomUUID } from 'node:crypto';
@@ -140,26 +140,18 @@ export function generateDecodeBody(body: Obj, kv: Obj): Obj {
   return withParams(body, body.sampling_params as Obj, kv);
 }
 
-/** The prompt text the ids stand for; 400 unless the model's tokenizer gives exactly these ids back. */
-function promptOf(tok: ModelTokenizer, ids: number[]): string {
+/**
+ * Where a completion body carries the prompt's ids to the model (a symbol:
+ * never in JSON, so no client sets it past these checks).
+ */
+export const PROMPT_TOKENS = Symbol('nixl-node.promptTokens');
+
+/** The ids the model evaluates (its own beginning-of-sequence id left to it); 400 for one outside the vocabulary. */
+function promptIds(tok: ModelTokenizer, ids: number[]): number[] {
   for (let i = 0; i < ids.length; i++)
     if (ids[i] >= tok.vocabSize)
       throw new HttpError(400, `'token_ids[${i}]' = ${ids[i]} is outside the vocabulary (${tok.vocabSize} tokens)`);
-  const text = tok.decode(ids);
-  const back = tok.encode(text);
-  // A leading id that stands for no text (beginning of sequence) is the model's own.
-  const body = ids.length > 1 && tok.decode([ids[0]]) === '' ? ids.slice(1) : ids;
-  if (!sameIds(back, ids) && !sameIds(back, body))
-    throw new HttpError(
-      400,
-      "'token_ids' are not a tokenization this model reproduces from their text (the model evaluates text; it would " +
-        'evaluate other tokens than these)',
-    );
-  return text;
-}
-
-function sameIds(a: readonly number[], b: readonly number[]): boolean {
-  return a.length === b.length && a.every((x, i) => x === b[i]);
+  return ids.length > 1 && tok.bos !== undefined && ids[0] === tok.bos ? ids.slice(1) : ids;
 }
 
 /**
@@ -186,15 +178,17 @@ export async function handleGenerate(
   const tok = w.model.tokenizer;
   if (!tok) throw new HttpError(400, `model ${w.modelId} has no tokenizer: token ids are not supported`);
   const ids = body.token_ids as number[];
-  const prompt = promptOf(tok, ids);
+  const prompt = promptIds(tok, ids);
   const sp = body.sampling_params as Obj;
   // As vLLM: no max_tokens means what the context leaves, not 16.
   const room = tok.contextTokens === undefined ? MAX_NEW_TOKENS : tok.contextTokens - ids.length;
   const maxTokens = (sp.max_tokens as number | undefined | null) ?? Math.max(1, Math.min(MAX_NEW_TOKENS, room));
   const kv = generateKvParams(body);
-  const completion: Obj = {
+  const completion: Record<string | symbol, unknown> = {
     model: w.modelId,
-    prompt,
+    // What the ids spell, for logs and checks; the model evaluates the ids.
+    prompt: tok.decode(prompt),
+    [PROMPT_TOKENS]: prompt,
     max_tokens: maxTokens,
     ...(sp.temperature != null ? { temperature: sp.temperature } : {}),
     ...(sp.top_p != null ? { top_p: sp.top_p } : {}),
@@ -211,7 +205,7 @@ export async function handleGenerate(
         ? body.request_id
         : randomUUID();
   const id = `generate-tokens-${base}`;
-  await w.handle('/v1/completions', completion, id, signal, generateSink(sink, id, tok), traceparent);
+  await w.handle('/v1/completions', completion as Obj, id, signal, generateSink(sink, id, tok), traceparent);
 }
 
 /** Turns a worker's completion answer (whole or chunks) into generate's shape. */

@@ -43,6 +43,7 @@ import {
   type ServingModel,
 } from './models/types';
 import { type RequestError, checkCompletionRequest } from './schema';
+import { PROMPT_TOKENS } from './generate';
 import { endAnswer } from './stream-end';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
@@ -706,7 +707,7 @@ function chunkBody(id: string, model: string, chat: boolean, text: string, finis
 }
 
 /** The request as a model takes it (the body was checked by checkCompletionRequest). */
-function generationRequest(path: string, body: Record<string, unknown>): GenerationRequest {
+function generationRequest(path: string, body: Record<string | symbol, unknown>): GenerationRequest {
   const maxTokens = Number(body.max_tokens ?? body.max_completion_tokens ?? 16);
   if (!Number.isInteger(maxTokens) || maxTokens < 1 || maxTokens > 4096)
     throw new HttpError(400, "'max_tokens' must be an integer from 1 to 4096");
@@ -716,6 +717,7 @@ function generationRequest(path: string, body: Record<string, unknown>): Generat
     chat: path === '/v1/chat/completions',
     prompt: typeof body.prompt === 'string' ? body.prompt : '',
     messages: (body.messages as ChatMessage[] | undefined) ?? [],
+    ...(body[PROMPT_TOKENS] ? { promptTokens: body[PROMPT_TOKENS] as number[] } : {}),
     maxTokens,
     // OpenAI's and vLLM's default.
     temperature: (body.temperature as number | undefined) ?? 1,

@@ -95,8 +95,9 @@ export class LlamaModel implements ServingModel {
     const bos = m.tokens.bos;
     this.#tokenizer = {
       vocabSize,
+      ...(bos !== null ? { bos } : {}),
       contextTokens: this.contextSize,
-      encode: (text) => m.tokenize(text, false) as number[],
+      encode: (text) => m.tokenize(text, false, 'trimLeadingSpace') as number[],
       decode: (ids) => m.detokenize((ids[0] === bos ? ids.slice(1) : ids) as Nlc.Token[], false),
     };
     return this.#tokenizer;
@@ -379,13 +380,14 @@ export class LlamaModel implements ServingModel {
       }
     } else {
       // The prompt and BOS.
-      promptTokens = this.#model.tokenize(req.prompt).length + 1;
+      const input = req.promptTokens ? (req.promptTokens as Nlc.Token[]) : req.prompt;
+      promptTokens = (req.promptTokens ?? this.#model.tokenize(req.prompt)).length + 1;
       this.#fits(promptTokens, s.maxTokens);
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
         ({
           metadata: { stopReason },
-        } = await completion.generateCompletionWithMeta(req.prompt, options));
+        } = await completion.generateCompletionWithMeta(input, options));
       } finally {
         completion.dispose({ disposeSequence: false });
       }

@@ -42,6 +42,7 @@ export class SyntheticModel implements ServingModel {
   }
 
   #tokens(req: GenerationRequest): Uint8Array {
+    if (req.promptTokens) return Uint8Array.from(req.promptTokens);
     return tokenize(req.chat ? chatPrompt(req.messages) : req.prompt);
   }
 

@@ -19,6 +19,8 @@ export interface GenerationRequest {
   chat: boolean;
   /** /v1/completions */
   prompt: string;
+  /** The prompt as token ids (generate endpoint, checked against the vocabulary): evaluated instead of `prompt`. */
+  promptTokens?: readonly number[];
   /** /v1/chat/completions */
   messages: ChatMessage[];
   maxTokens: number;
@@ -85,6 +87,8 @@ export interface ModelTokenizer {
   readonly vocabSize: number;
   /** Tokens the model's context holds (prompt and generation), when it has a limit. */
   readonly contextTokens?: number;
+  /** The beginning-of-sequence id the model puts before every prompt itself, if any. */
+  readonly bos?: number;
   /** The text's ids, without the beginning-of-sequence token the model adds itself. */
   encode(text: string): number[];
   /** The ids' text (a leading beginning-of-sequence token stands for nothing). */
