@@ -42,7 +42,7 @@ async function post(url: string, body: Record<string, unknown>) {
 }
 
 describe('generate with a GGUF worker pair behind the proxy', () => {
-  it('token ids in and out, equal to node-llama-cpp alone; a leading BOS is the model's own; ids outside the vocabulary refused', async () => {
+  it('token ids in and out, equal to node-llama-cpp alone; a leading BOS is the model’s own; ids outside the vocabulary refused', async () => {
     const w = { model: gguf, ...CTX, parallel: 1, blockBytes: 4096, blocks: 1024 };
     const { proxy, prefill, decode } = await serveTrio(closers, { prefill: w, decode: w });
     const vocab = (decode.model.tokenizer?.vocabSize ?? 0) as number;
@@ -64,9 +64,14 @@ describe('generate with a GGUF worker pair behind the proxy', () => {
     expect(bos).toBeDefined();
     const text = 'the cat sat on a warm mat';
     const ids = Array.from(ref.model.tokenize(text, false, 'trimLeadingSpace'));
-    const withBos = await post(proxy.url, { token_ids: [bos, ...ids], sampling_params: { max_tokens: 8, temperature: 0 } });
+    const withBos = await post(proxy.url, {
+      token_ids: [bos, ...ids],
+      sampling_params: { max_tokens: 8, temperature: 0 },
+    });
     expect(withBos.status).toBe(200);
-    expect(ref.model.detokenize(withBos.json.choices[0].token_ids)).toBe((await ref.generate({ chat: false, text, maxTokens: 8 })).text);
+    expect(ref.model.detokenize(withBos.json.choices[0].token_ids)).toBe(
+      (await ref.generate({ chat: false, text, maxTokens: 8 })).text,
+    );
     expect(withBos.json.usage.prompt_tokens).toBe(ids.length + 1);
     expect(prefill.stats.prefills).toBe(5);
     expect(decode.stats.decodes).toBe(5);
