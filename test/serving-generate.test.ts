@@ -235,6 +235,9 @@ describe('generate through the proxy', () => {
       expect(nested.status).toBe(400);
       const empty = await post(proxy.url, { token_ids: [], sampling_params: {} });
       expect(empty.status).toBe(400);
+      const unknown = await post(proxy.url, { token_ids: [97], sampling_params: {}, model: 'no-such-model' });
+      expect(unknown.status).toBe(404);
+      expect(JSON.stringify(unknown.json)).toMatch(/does not exist/);
     });
   }
 
