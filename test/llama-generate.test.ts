@@ -7,6 +7,7 @@ import * as path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { modelPath } from '../demo/gguf';
 import { OneProcess } from '../demo/llama-reference';
+import { startWorker } from '../lib/serving';
 import { serveTrio } from './helpers';
 
 const CTX = { contextSize: 2048, threads: 1 };
@@ -79,4 +80,21 @@ describe('generate with a GGUF worker pair behind the proxy', () => {
     expect(outside.status).toBe(400);
     expect(outside.json.error.message).toMatch(/outside the vocabulary/);
   }, 120_000);
+
+  it('no max_tokens: as many tokens as the context leaves (its BOS counted), not 16 and not a 400', async () => {
+    const w = await startWorker({
+      model: gguf,
+      contextSize: 64,
+      threads: 1,
+      parallel: 1,
+      blocks: 64,
+      blockBytes: 4096,
+    });
+    closers.push(() => w.close());
+    const ids = Array.from(ref.model.tokenize('the cat sat on a warm mat', false, 'trimLeadingSpace'));
+    const r = await post(w.address, { token_ids: ids, sampling_params: { temperature: 0 } });
+    expect(r.status, JSON.stringify(r.json)).toBe(200);
+    expect(r.json.usage.prompt_tokens).toBe(ids.length + 1);
+    expect(r.json.usage.prompt_tokens + r.json.usage.completion_tokens).toBeLessThanOrEqual(64);
+  }, 60_000);
 });

@@ -181,7 +181,9 @@ export async function handleGenerate(
   const prompt = promptIds(tok, ids);
   const sp = body.sampling_params as Obj;
   // As vLLM: no max_tokens means what the context leaves, not 16.
-  const room = tok.contextTokens === undefined ? MAX_NEW_TOKENS : tok.contextTokens - ids.length;
+  // The model's own BOS takes a place in its context too.
+  const used = prompt.length + (tok.bos !== undefined ? 1 : 0);
+  const room = tok.contextTokens === undefined ? MAX_NEW_TOKENS : tok.contextTokens - used;
   const maxTokens = (sp.max_tokens as number | undefined | null) ?? Math.max(1, Math.min(MAX_NEW_TOKENS, room));
   const kv = generateKvParams(body);
   const completion: Record<string | symbol, unknown> = {
