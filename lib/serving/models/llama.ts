@@ -92,7 +92,7 @@ export class LlamaModel implements ServingModel {
     const vocabSize = (m.fileInfo.metadata as { tokenizer?: { ggml?: { tokens?: readonly unknown[] } } })?.tokenizer
       ?.ggml?.tokens?.length;
     if (!vocabSize) return undefined;
-    const bos = m.tokens.bos;
+    const bos = m.tokens.shouldPrependBosToken ? m.tokens.bos : null;
     this.#tokenizer = {
       vocabSize,
       ...(bos !== null ? { bos } : {}),
@@ -247,6 +247,8 @@ export class LlamaModel implements ServingModel {
     const t0 = performance.now();
     const { state, promptTokens, firstToken } = this.#open(view, blocks, binding);
     blocksRead?.(); // the state is a copy now
+    // Every path below (the greedy ones too) fits the context, or nothing is loaded.
+    this.#fits(promptTokens, req.maxTokens);
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
     await fs.promises.writeFile(file, state);
     const ctx = await this.#pool.acquire(signal);
@@ -379,9 +381,13 @@ export class LlamaModel implements ServingModel {
         session.dispose({ disposeSequence: false });
       }
     } else {
-      // The prompt and BOS.
+      // What LlamaCompletion evaluates: BOS when the vocabulary prepends one,
+      // then the prompt without the tokenizer's leading space (or the ids as given).
+      const bos = this.#model.tokens.shouldPrependBosToken && this.#model.tokens.bos !== null;
       const input = req.promptTokens ? (req.promptTokens as Nlc.Token[]) : req.prompt;
-      promptTokens = (req.promptTokens ?? this.#model.tokenize(req.prompt)).length + 1;
+      promptTokens =
+        (req.promptTokens ?? this.#model.tokenize(req.prompt, false, bos ? 'trimLeadingSpace' : undefined)).length +
+        (bos ? 1 : 0);
       this.#fits(promptTokens, s.maxTokens);
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
