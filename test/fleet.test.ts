@@ -3,6 +3,9 @@
 // could serve; etcd restarted or gone leaves the proxy serving what it knew;
 // 20 workers churning end with the proxy's pools equal to the live set; no
 // value anyone writes under the fleet's prefix brings the proxy down.
+import { type ChildProcess, spawn } from 'node:child_process';
+import * as path from 'node:path';
+import * as readline from 'node:readline';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type * as Etcd3 from 'etcd3';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../lib/serving';
@@ -10,6 +13,28 @@ import { etcdClient } from '../lib/serving/fleet/etcd';
 import { ETCD_MISSING, EtcdServer } from './etcd-server';
 
 const TTL = 2;
+const BIN = path.join(__dirname, '..', 'bin', 'nixl-node.js');
+
+/** The command, up to its ready line. */
+async function command(args: string[]): Promise<{ p: ChildProcess; ready: Record<string, unknown>; stderr: string[] }> {
+  const p = spawn(process.execPath, [BIN, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const stderr: string[] = [];
+  readline.createInterface({ input: p.stderr! }).on('line', (l) => stderr.push(l));
+  const ready = await new Promise<Record<string, unknown>>((resolve, reject) => {
+    readline.createInterface({ input: p.stdout! }).on('line', (l) => {
+      if (l.startsWith('{"ready"')) resolve(JSON.parse(l));
+    });
+    p.once('exit', (c) => reject(new Error(`${args[0]} exited ${c}: ${stderr.join('\n')}`)));
+  });
+  return { p, ready, stderr };
+}
+
+async function stop(p: ChildProcess): Promise<number | null> {
+  if (p.exitCode !== null) return p.exitCode;
+  const exited = new Promise<number | null>((r) => p.once('exit', (c) => r(c)));
+  p.kill('SIGTERM');
+  return exited;
+}
 
 /** Requests in a loop from `concurrency` clients until stop(); every answer is checked. */
 function load(url: string, concurrency: number, prompt = (i: number) => `fleet request ${i}`) {
@@ -115,5 +140,172 @@ describe.skipIf(ETCD_MISSING !== '')(`fleet through etcd${ETCD_MISSING}`, () => 
     expect((await l.stop()).failures).toEqual([]);
     await proxy.close();
     await stat.close();
+  });
+
+  it('etcd restarted: the proxy serves the last known set, says so, and follows again once it is back', async () => {
+    const p = '/restart/';
+    const ws = await Promise.all([join(p, 'prefill'), join(p, 'decode')]);
+    const proxy = await proxyFor(p);
+    const l = load(proxy.url, 2);
+    await until('answers', () => l.ok > 5);
+    logs.length = 0;
+    await etcd.stop();
+    await until('the proxy to notice', () => !proxy.fleet!.connected, 3000);
+    expect(logs.some((x) => /etcd unreachable .*serving the last known 2 fleet worker/.test(x))).toBe(true);
+    const metrics = await (await fetch(`${proxy.url}/metrics`)).text();
+    expect(metrics).toMatch(/^nixl_node_proxy_etcd_connected 0$/m);
+    let before = l.ok;
+    await until('answers with etcd down', () => l.ok > before + 10);
+    expect(addresses(proxy, 'prefill')).toEqual([ws[0].address]);
+    await etcd.start();
+    await until('the proxy to follow again', () => proxy.fleet!.connected, 5000);
+    expect(logs.some((x) => /etcd reachable: following 2 fleet worker/.test(x))).toBe(true);
+    // A worker that joins now is found; the two from before are still listed.
+    const late = await join(p, 'both');
+    await until('the late worker to serve', () => served(late) > 0, 3000);
+    expect(addresses(proxy, 'decode')).toEqual([ws[1].address, late.address].sort());
+    before = l.ok;
+    await until('more answers', () => l.ok > before + 5);
+    expect((await l.stop()).failures).toEqual([]);
+    await proxy.close();
+    await Promise.all([...ws, late].map((w) => w.close()));
+  });
+
+  it('etcd gone for good: workers and proxy keep serving, and shut down without it', async () => {
+    const gone = new EtcdServer();
+    await gone.start();
+    const opts = { endpoints: [gone.url], prefix: '/gone/', ttlSec: TTL, drainMs: 1000, log };
+    const ws = await Promise.all([
+      startWorker({ blocks: 64, etcd: { ...opts, role: 'prefill' } }),
+      startWorker({ blocks: 64, etcd: { ...opts, role: 'decode' } }),
+    ]);
+    const proxy = await startProxy({ etcd: { ...opts, resyncMs: 500 }, healthIntervalMs: 300 });
+    await gone.destroy();
+    await until('the proxy to notice', () => !proxy.fleet!.connected, 3000);
+    // Longer than the leases: nothing in the proxy depends on them.
+    await new Promise((r) => setTimeout(r, (TTL + 1) * 1000));
+    const l = load(proxy.url, 2);
+    await until('answers', () => l.ok > 10);
+    expect((await l.stop()).failures).toEqual([]);
+    expect(addresses(proxy, 'prefill')).toEqual([ws[0].address]);
+    const t0 = Date.now();
+    await Promise.all([proxy.close(), ...ws.map((w) => w.close())]);
+    expect(Date.now() - t0).toBeLessThan(6000);
+  });
+
+  it('20 workers churning under load: the pools end equal to the live set, nothing lost', async () => {
+    const p = '/churn/';
+    const live = new Set<Worker>(await Promise.all(Array.from({ length: 6 }, (_, i) => join(p, 'both', `churn-${i}`))));
+    const proxy = await proxyFor(p, { policy: 'load' });
+    await until('the first six', () => proxy.pools.prefill.size === 6);
+    const l = load(proxy.url, 4);
+    let started = 6;
+    const leaving: Promise<void>[] = [];
+    while (started < 20) {
+      // One joins, and now and then one leaves (it drains what it has).
+      live.add(await join(p, 'both', `churn-${started++}`));
+      if (started % 2 === 0) {
+        const w = [...live][Math.floor(Math.random() * live.size)];
+        live.delete(w);
+        leaving.push(w.close());
+      }
+      await new Promise((r) => setTimeout(r, 50));
+    }
+    await Promise.all(leaving);
+    const want = [...live].map((w) => w.address).sort();
+    await until('the pools to equal the live set', () => addresses(proxy, 'prefill').join() === want.join(), 3000);
+    expect(addresses(proxy, 'decode')).toEqual(want);
+    const r = await l.stop();
+    expect(r.failures).toEqual([]);
+    expect(r.ok).toBeGreaterThan(20);
+    await proxy.close();
+    await Promise.all([...live].map((w) => w.close()));
+  });
+
+  it('hostile values under the prefix (garbage, huge, wrong types) are ignored; the proxy serves on', async () => {
+    const p = '/hostile/';
+    const good = await join(p, 'both');
+    const proxy = await proxyFor(p);
+    const c: Etcd3.Etcd3 = etcdClient({ endpoints: [etcd.url] });
+    const rec = good.fleet!.record();
+    const bad: Array<[string, string | Buffer]> = [
+      ['garbage', 'not json {'],
+      ['binary', Buffer.from([0xff, 0xfe, 0x00, 0x80, 0x7b])],
+      ['huge', JSON.stringify({ ...rec, name: 'x'.repeat(1_000_000) })],
+      ['array', '[1,2,3]'],
+      ['null', 'null'],
+      ['number', '42'],
+      ['no-version', JSON.stringify({ ...rec, v: undefined })],
+      ['role', JSON.stringify({ ...rec, role: 'admin' })],
+      ['role-type', JSON.stringify({ ...rec, role: ['prefill'] })],
+      ['address-scheme', JSON.stringify({ ...rec, address: 'file:///etc/passwd' })],
+      ['address-path', JSON.stringify({ ...rec, address: 'http://127.0.0.1:1/v1/evil' })],
+      ['address-type', JSON.stringify({ ...rec, address: { toString: 1 } })],
+      ['address-zmq', JSON.stringify({ ...rec, transport: 'zmq', address: 'http://127.0.0.1:9' })],
+      ['load-negative', JSON.stringify({ ...rec, load: -1 })],
+      ['load-nan', JSON.stringify({ ...rec, load: 'NaN' })],
+      ['blocks-huge', JSON.stringify({ ...rec, freeBlocks: 1e300, totalBlocks: 1e301 })],
+      ['blocks-more-free', JSON.stringify({ ...rec, freeBlocks: 10, totalBlocks: 1 })],
+      ['model-control', JSON.stringify({ ...rec, model: 'a\nb' })],
+      ['proto', '{"__proto__": {"healthy": false}, "v": 1}'],
+      ['deep', `${'['.repeat(5000)}${']'.repeat(5000)}`],
+      [Buffer.from([0xc3, 0x28]).toString('latin1'), JSON.stringify(rec).slice(0, 20)],
+    ];
+    logs.length = 0;
+    for (const [k, v] of bad) await c.put(`${p}workers/${k}`).value(v);
+    // Keys outside workers/ are not ours to read.
+    await c.put(`${p}other`).value('anything');
+    const ignoredBefore = proxy.fleet!.stats.ignored;
+    await proxy.fleet!.resync();
+    expect(proxy.fleet!.stats.ignored).toBeGreaterThanOrEqual(ignoredBefore + bad.length);
+    expect(addresses(proxy, 'prefill')).toEqual([good.address]);
+    expect(addresses(proxy, 'decode')).toEqual([good.address]);
+    expect(logs.some((x) => x.includes('ignoring etcd key') && x.includes('role'))).toBe(true);
+    expect(logs.every((x) => x.length < 1000)).toBe(true);
+    // A key that stops being garbage joins; one that turns to garbage leaves.
+    const other = await startWorker({ blocks: 64 });
+    await c.put(`${p}workers/garbage`).value(JSON.stringify({ ...rec, name: 'fixed', address: other.address }));
+    await until('the fixed key to join', () => proxy.pools.prefill.size === 2, 2000);
+    await c.put(`${p}workers/garbage`).value('broken again');
+    await until('the broken key to leave', () => proxy.pools.prefill.size === 1, 2000);
+    const l = load(proxy.url, 2);
+    await until('answers', () => l.ok > 5);
+    expect((await l.stop()).failures).toEqual([]);
+    c.close();
+    await proxy.close();
+    await Promise.all([good.close(), other.close()]);
+  });
+
+  it('the command: nixl-node worker --etcd registers, nixl-node proxy --etcd finds it, SIGTERM deregisters', async () => {
+    const p = '/command/';
+    const worker = await command([
+      'worker',
+      '--etcd',
+      etcd.url,
+      '--etcd-prefix',
+      p,
+      '--role',
+      'both',
+      '--etcd-ttl',
+      '3',
+    ]);
+    expect(worker.ready.etcd).toBe(`${p}workers/${worker.ready.name}`);
+    const proxy = await command(['proxy', '--etcd', etcd.url, '--etcd-prefix', p, '--port', '0']);
+    expect(proxy.ready.etcd).toBe(true);
+    try {
+      const r = await fetch(`${proxy.ready.url}/v1/completions`, {
+        method: 'POST',
+        body: JSON.stringify({ prompt: 'from the command', max_tokens: 2 }),
+      });
+      expect(r.status).toBe(200);
+      const health = async () => (await (await fetch(`${proxy.ready.url}/health`)).json()).workers.prefill.length;
+      expect(await health()).toBe(1);
+      expect(await stop(worker.p)).toBe(0);
+      // Revoked on the way out: gone at once, not after the lease's 3 s.
+      await until('the worker to leave', async () => (await health()) === 0, 1500);
+    } finally {
+      await stop(worker.p);
+      await stop(proxy.p);
+    }
   });
 });
