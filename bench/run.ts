@@ -8,6 +8,7 @@ import { benchCoalesce } from './coalesce';
 import { benchHandshake } from './handshake';
 import { benchNative } from './native';
 import { benchServing } from './serving';
+import { benchFleet } from './fleet';
 import { benchTracing } from './tracing';
 import { engines } from '../lib';
 import type { Engine } from './agents';
@@ -22,11 +23,12 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --json FILE      write the results as JSON
   --svg FILE       write a bar chart
   --quick          fewer repetitions
-  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving (default all;
+  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving,fleet (default all;
                    native: against a C++ program on the installed NIXL, when NIXL is compiled in;
-                   serving: a generated llama GGUF through node-llama-cpp, when it is installed)
+                   serving: a generated llama GGUF through node-llama-cpp, when it is installed;
+                   fleet: the proxy's 'load' policy against round-robin on synthetic workers)
 `;
-const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving'];
+const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'fleet'];
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -250,6 +252,32 @@ export async function runBench(argv: string[]): Promise<void> {
           ]),
       });
     }
+  }
+
+  if (only.includes('fleet')) {
+    const n = quick ? 24 : 60;
+    const rounds = quick ? 3 : 7;
+    console.log(
+      `\n# Fleet routing, synthetic model, 3 prefills (one 20x slower) + 1 decode: prefix hit rate (${n} requests from 12 shared prefixes, one at a time, each prefill caching its last 4); time of a round of ${n} requests 6 at a time (${rounds} rounds); ratio = policy / round-robin`,
+    );
+    const fl = await benchFleet(n, rounds);
+    table(
+      ['policy', 'prefix hits', 'round ms', 'min', 'max', 'ratio'],
+      fl.rows.map((r) => [
+        r.policy,
+        `${(r.prefixHitRate * 100).toFixed(0)}%`,
+        r.roundMs,
+        r.roundMin,
+        r.roundMax,
+        r.ratio,
+      ]),
+    );
+    result.fleet = fl;
+    panels.push({
+      title: 'Fleet routing: round time, load / round-robin',
+      reference: 1,
+      bars: fl.rows.filter((r) => r.policy === 'load').map((r) => ({ label: 'one slow prefill', value: r.ratio })),
+    });
   }
 
   const json = v.json as string | undefined;
