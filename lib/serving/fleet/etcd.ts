@@ -24,7 +24,7 @@ export function fleetPrefix(o: EtcdOptions): string {
 /** Checks endpoint URLs: http(s)://host:port, at least one. */
 export function checkEndpoints(endpoints: readonly string[]): string[] {
   if (endpoints.length === 0) throw new RangeError('etcd needs at least one endpoint URL');
-  return endpoints.map((e) => {
+  const out = endpoints.map((e) => {
     let u: URL;
     try {
       u = new URL(e);
@@ -35,6 +35,9 @@ export function checkEndpoints(endpoints: readonly string[]): string[] {
       throw new RangeError(`etcd endpoint must be http:// or https://, got '${e}'`);
     return `${u.protocol}//${u.host}`;
   });
+  if (new Set(out.map((e) => e.startsWith('https:'))).size > 1)
+    throw new RangeError('etcd endpoints must be all http:// or all https://');
+  return out;
 }
 
 function loadEtcd3(): typeof Etcd3 {
