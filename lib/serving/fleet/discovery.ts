@@ -17,7 +17,6 @@ export interface FleetWatchOptions extends EtcdOptions {
   log?: (line: string) => void;
 }
 
-type Pools = Record<Stage, WorkerPool>;
 type Gauge = import('prom-client').Gauge<string>;
 
 const stderr = (line: string) => process.stderr.write(`${line}\n`);
@@ -34,7 +33,7 @@ export class FleetDiscovery {
   connected = false;
   readonly stats = { resyncs: 0, ignored: 0, joined: 0, left: 0 };
   readonly #client: Etcd3.Etcd3;
-  readonly #pools: Pools;
+  readonly #pools: Record<Stage, WorkerPool>;
   readonly #prefix: string;
   readonly #transport: 'http' | 'zmq';
   readonly #o: FleetWatchOptions;
@@ -50,7 +49,7 @@ export class FleetDiscovery {
   #gauge?: Gauge;
 
   constructor(
-    pools: Pools,
+    pools: Record<Stage, WorkerPool>,
     transport: 'http' | 'zmq',
     o: FleetWatchOptions,
     registry?: import('prom-client').Registry,
