@@ -255,8 +255,8 @@ export async function runBench(argv: string[]): Promise<void> {
   }
 
   if (only.includes('fleet')) {
-    const n = quick ? 24 : 60;
-    const rounds = quick ? 3 : 7;
+    const n = quick ? 12 : 60;
+    const rounds = quick ? 2 : 7;
     console.log(
       `\n# Fleet routing, synthetic model, 3 prefills (one 20x slower) + 1 decode: prefix hit rate (${n} requests from 12 shared prefixes, one at a time, each prefill caching its last 4); time of a round of ${n} requests 6 at a time (${rounds} rounds); ratio = policy / round-robin`,
     );
