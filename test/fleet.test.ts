@@ -9,7 +9,7 @@ import * as readline from 'node:readline';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type * as Etcd3 from 'etcd3';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../lib/serving';
-import { etcdClient } from '../lib/serving/fleet/etcd';
+import { etcdClient } from '../lib/serving/fleet/etcd-client';
 import { ETCD_MISSING, EtcdServer } from './etcd-server';
 
 const TTL = 2;

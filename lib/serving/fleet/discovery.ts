@@ -6,7 +6,8 @@
 // and in a metric, and reads everything again once etcd answers.
 import type * as Etcd3 from 'etcd3';
 import type { Stage, WorkerPool } from '../pool';
-import { type EtcdOptions, etcdClient, fleetPrefix } from './etcd';
+import { type EtcdOptions, fleetPrefix } from './etcd';
+import { etcdClient } from './etcd-client';
 import { type WorkerRecord, parseRecord } from './record';
 
 /** The proxy's fleet options (ProxyOptions.etcd). */

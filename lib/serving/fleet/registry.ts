@@ -6,7 +6,8 @@
 // etcd is unreachable the worker keeps serving and keeps trying; a lost
 // lease is granted anew.
 import type * as Etcd3 from 'etcd3';
-import { type EtcdOptions, etcdClient, fleetPrefix } from './etcd';
+import { type EtcdOptions, fleetPrefix } from './etcd';
+import { etcdClient } from './etcd-client';
 import { type FleetRole, type WorkerRecord, encodeRecord } from './record';
 
 /** A worker's fleet options (startWorker's `etcd`). */
