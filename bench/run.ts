@@ -9,6 +9,7 @@ import { benchHandshake } from './handshake';
 import { benchGrid, gridCells, NIXLBENCH_DEFAULTS, QUICK, type GridCold, type GridOptions, type GridRow } from './grid';
 import { benchNative, nativeGrid } from './native';
 import { benchServing } from './serving';
+import { benchFleet } from './fleet';
 import { benchTracing } from './tracing';
 import { engines } from '../lib';
 import type { Engine } from './agents';
@@ -31,16 +32,17 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --json FILE      write the results as JSON
   --svg FILE       write a bar chart
   --quick          fewer repetitions
-  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving,grid (default all
-                   but grid; native: against a C++ program on the installed NIXL, when NIXL is compiled in;
+  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving,fleet,grid (default
+                   all but grid; native: against a C++ program on the installed NIXL, when NIXL is compiled in;
                    serving: a generated llama GGUF through node-llama-cpp, when it is installed;
+                   fleet: the proxy's 'load' policy against round-robin on synthetic workers;
                    grid: nixlbench's shape, READ and WRITE over block x batch sizes, minutes: ask for it)
   grid, with nixlbench's option names and defaults (--quick: steps of 4, 100 iterations, 10 warm-up):
   --start-block-size N  (4096)      --max-block-size N  (67108864)
   --start-batch-size N  (1)         --max-batch-size N  (64; nixlbench's default is 1)
   --num-iter N          (1000; blocks over 1 MiB run 1/16)   --warmup-iter N  (100)
 ${UCX_NET_DEVICES_HELP}`;
-const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'grid'];
+const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'fleet', 'grid'];
 const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid');
 const GRID_ARGS = {
   'start-block-size': { type: 'string' },
@@ -307,6 +309,32 @@ export async function runBench(argv: string[]): Promise<void> {
     result.grid = g.rows;
     result.gridCold = g.cold;
     result.gridOptions = grid;
+  }
+
+  if (only.includes('fleet')) {
+    const n = quick ? 12 : 60;
+    const rounds = quick ? 2 : 7;
+    console.log(
+      `\n# Fleet routing, synthetic model, 3 prefills (one 20x slower) + 1 decode: prefix hit rate (${n} requests from 12 shared prefixes, one at a time, each prefill caching its last 4); time of a round of ${n} requests 6 at a time (${rounds} rounds); ratio = policy / round-robin`,
+    );
+    const fl = await benchFleet(n, rounds);
+    table(
+      ['policy', 'prefix hits', 'round ms', 'min', 'max', 'ratio'],
+      fl.rows.map((r) => [
+        r.policy,
+        `${(r.prefixHitRate * 100).toFixed(0)}%`,
+        r.roundMs,
+        r.roundMin,
+        r.roundMax,
+        r.ratio,
+      ]),
+    );
+    result.fleet = fl;
+    panels.push({
+      title: 'Fleet routing: round time, load / round-robin',
+      reference: 1,
+      bars: fl.rows.filter((r) => r.policy === 'load').map((r) => ({ label: 'one slow prefill', value: r.ratio })),
+    });
   }
 
   const json = v.json as string | undefined;
