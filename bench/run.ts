@@ -9,6 +9,7 @@ import { benchHandshake } from './handshake';
 import { benchGrid, gridCells, NIXLBENCH_DEFAULTS, QUICK, type GridCold, type GridOptions, type GridRow } from './grid';
 import { benchNative, nativeGrid } from './native';
 import { benchServing } from './serving';
+import { benchFleet } from './fleet';
 import { benchTracing } from './tracing';
 import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
@@ -18,7 +19,7 @@ import { barChart, type Panel } from './svg';
 export { NIXLBENCH_DEFAULTS, QUICK, type GridOptions } from './grid';
 
 /** The bench's sections, in the order they run. */
-export const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'grid'];
+export const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'fleet', 'grid'];
 /** What runs when no section is named: all but the grid (minutes). */
 export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid');
 
@@ -264,6 +265,32 @@ export async function runBench(o: BenchOptions): Promise<void> {
     result.grid = g.rows;
     result.gridCold = g.cold;
     result.gridOptions = grid;
+  }
+
+  if (only.includes('fleet')) {
+    const n = quick ? 12 : 60;
+    const rounds = quick ? 2 : 7;
+    console.log(
+      `\n# Fleet routing, synthetic model, 3 prefills (one 20x slower) + 1 decode: prefix hit rate (${n} requests from 12 shared prefixes, one at a time, each prefill caching its last 4); time of a round of ${n} requests 6 at a time (${rounds} rounds); ratio = policy / round-robin`,
+    );
+    const fl = await benchFleet(n, rounds);
+    table(
+      ['policy', 'prefix hits', 'round ms', 'min', 'max', 'ratio'],
+      fl.rows.map((r) => [
+        r.policy,
+        `${(r.prefixHitRate * 100).toFixed(0)}%`,
+        r.roundMs,
+        r.roundMin,
+        r.roundMax,
+        r.ratio,
+      ]),
+    );
+    result.fleet = fl;
+    panels.push({
+      title: 'Fleet routing: round time, load / round-robin',
+      reference: 1,
+      bars: fl.rows.filter((r) => r.policy === 'load').map((r) => ({ label: 'one slow prefill', value: r.ratio })),
+    });
   }
 
   const json = o.json;

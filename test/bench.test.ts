@@ -47,6 +47,9 @@ for (const wire of ['v12', 'v0.13'] as const) {
     expect(r.serving.rows.map((x: { config: string }) => x.config)).toEqual(['co-located', 'disaggregated']);
     expect(r.serving.identical).toBe(r.serving.requests);
     expect(r.serving.kvBytesPerToken).toBeGreaterThan(0);
+    // Fleet routing: 'load' against round-robin on the same workers.
+    expect(r.fleet.rows.map((x: { policy: string }) => x.policy)).toEqual(['round-robin', 'load']);
+    for (const f of r.fleet.rows) expect(f.roundMs).toBeGreaterThan(0);
     expect(stdout).toMatch(/# Handshake latency/);
     expect(fs.statSync(path.join(dir, 'out.svg')).size).toBeGreaterThan(0);
     fs.rmSync(dir, { recursive: true, force: true });

@@ -160,11 +160,16 @@ describe('llama worker', () => {
     );
   }, 60_000);
 
-  /** Prefill on `p`, decode on `d` (no proxy): the decode's answer. */
+  /** Prefill on `p` (not streamed, as the proxy sends it), decode on `d` (no proxy): the decode's answer. */
   async function disaggregated(p: Worker, d: Worker, a: Ask): Promise<Answer> {
     const pre = await fetch(`${p.address}/v1/${a.chat ? 'chat/completions' : 'completions'}`, {
       method: 'POST',
-      body: JSON.stringify({ ...body(a), max_tokens: 1, kv_transfer_params: { do_remote_decode: true } }),
+      body: JSON.stringify({
+        ...body(a),
+        stream: false,
+        max_tokens: 1,
+        kv_transfer_params: { do_remote_decode: true },
+      }),
     });
     const j = (await pre.json()) as { kv_transfer_params: Record<string, unknown> };
     expect(pre.status, JSON.stringify(j)).toBe(200);

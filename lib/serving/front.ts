@@ -2,6 +2,7 @@
 // depend on this, not on Worker, so the worker imports its fronts and
 // nothing imports it back.
 import type { HttpError } from './http';
+import type { ServingModel } from './models/types';
 
 /** Where a front takes a worker's answer: streamed chunks, then the end. */
 export type Sink = {
@@ -16,6 +17,8 @@ export interface FrontHandler {
   readonly name: string;
   /** The model's name in answers and /v1/models. */
   readonly modelId: string;
+  /** The model's tokenizer, for requests in token ids (vLLM's generate endpoint). */
+  readonly model: Pick<ServingModel, 'tokenizer'>;
   /** KV blocks free right now. */
   readonly freeBlocks: number;
   /** Why the worker cannot serve right now (its model cannot make a context), or undefined. */

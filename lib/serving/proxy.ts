@@ -12,9 +12,12 @@ import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
+import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
 import { type HttpError, hasImages, readJson } from './http';
 import { errorBody, modelList } from './openai';
 import { NixlError } from '../errors';
+import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
+import { type RoutingOptions, affinityKey } from './fleet/routing';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -23,11 +26,15 @@ export interface ProxyOptions {
   /** 0: any free port. */
   port?: number;
   transport?: 'http' | 'zmq';
-  /** Worker addresses: HTTP base URLs, or ZMQ addresses (tcp://, ipc://). */
-  prefill: string[];
-  decode: string[];
+  /** Worker addresses: HTTP base URLs, or ZMQ addresses (tcp://, ipc://); with `etcd`, these may be empty. */
+  prefill?: string[];
+  decode?: string[];
   encode?: string[];
+  /** Also the workers registered in etcd, followed as they come and go (docs/fleet.md). */
+  etcd?: FleetWatchOptions;
   policy?: Policy;
+  /** The 'load' policy's weights and prefix affinity. */
+  routing?: RoutingOptions;
   /** Per stage, ms (default 60 s each). */
   timeoutMs?: Partial<Record<Stage, number>>;
   /** Health checks, ms between rounds (default 2000; 0: none). */
@@ -46,7 +53,7 @@ export interface ProxyOptions {
   requestTimeoutMs?: number;
 }
 
-const ROUTES = new Set(['/v1/completions', '/v1/chat/completions']);
+const ROUTES = new Set(['/v1/completions', '/v1/chat/completions', GENERATE_PATH]);
 const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
 
 /** prom-client, when installed (an optional peer dependency). */
@@ -103,6 +110,10 @@ export class ServingProxy {
   /** Each request's span context, by our request id: its stages' spans are its children. */
   readonly #traces = new Map<string, TraceContext>();
   #health?: NodeJS.Timeout;
+  /** The workers etcd lists, when given `etcd`. */
+  fleet?: FleetDiscovery;
+  /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
+  readonly #affinity = new Map<string, string>();
   readonly #prom?: {
     registry: import('prom-client').Registry;
     requests: import('prom-client').Counter<string>;
@@ -113,14 +124,14 @@ export class ServingProxy {
 
   constructor(o: ProxyOptions) {
     this.#o = o;
-    if (!o.prefill?.length || !o.decode?.length)
-      throw new NixlError('a proxy needs prefill and decode workers', 'NIXL_ERR_INVALID_PARAM');
+    if (!o.etcd && (!o.prefill?.length || !o.decode?.length))
+      throw new NixlError('a proxy needs prefill and decode workers (or etcd to find them)', 'NIXL_ERR_INVALID_PARAM');
     wireProfile(o.wire);
     const policy = o.policy ?? 'round-robin';
     this.pools = {
-      encode: new WorkerPool('encode', o.encode ?? [], policy),
-      prefill: new WorkerPool('prefill', o.prefill, policy),
-      decode: new WorkerPool('decode', o.decode, policy),
+      encode: new WorkerPool('encode', o.encode ?? [], policy, o.routing),
+      prefill: new WorkerPool('prefill', o.prefill ?? [], policy, o.routing),
+      decode: new WorkerPool('decode', o.decode ?? [], policy, o.routing),
     };
     this.#transport = (o.transport ?? 'http') === 'zmq' ? new ZmqTransport() : new HttpTransport();
     const requestTimeout = o.requestTimeoutMs ?? 30_000;
@@ -167,6 +178,7 @@ export class ServingProxy {
         }),
       };
     }
+    if (o.etcd) this.fleet = new FleetDiscovery(this.pools, o.transport ?? 'http', o.etcd, this.#prom?.registry);
   }
 
   /** Listens; resolves once the proxy takes requests. */
@@ -178,6 +190,7 @@ export class ServingProxy {
       this.#server.listen(this.#o.port ?? 0, host, () => resolve());
     });
     this.url = `http://${host.includes(':') ? `[${host}]` : host}:${(this.#server.address() as AddressInfo).port}`;
+    await this.fleet?.start();
     const every = this.#o.healthIntervalMs ?? 2000;
     if (every > 0) {
       this.#health = setInterval(() => void this.checkHealth(), every);
@@ -256,7 +269,8 @@ export class ServingProxy {
     let body: Record<string, unknown>;
     try {
       body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
-      checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
+      if (path === GENERATE_PATH) checkGenerateRequest(body, { kvTransferParams: 'refuse' });
+      else checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
     } catch (e) {
       const h = e as HttpError;
       return send(
@@ -279,6 +293,8 @@ export class ServingProxy {
       },
     });
     this.#traces.set(requestId, span.context);
+    const key = this.pools.prefill.policy === 'load' ? affinityKey(body, this.#o.routing) : undefined;
+    if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
     const sendTraced = (s: number, b: unknown, h: Record<string, string> = {}) => {
       status = s;
@@ -320,6 +336,7 @@ export class ServingProxy {
       this.#inflight.delete(ac);
       this.#prom?.inflight.dec();
       this.#traces.delete(requestId);
+      this.#affinity.delete(requestId);
       span.setAttribute('http.response.status_code', status);
       span.end();
     }
@@ -337,12 +354,15 @@ export class ServingProxy {
     if (this.pools.encode.size > 0 && hasImages(body)) {
       await this.#stage('encode', path, { ...body, stream: false, max_tokens: 1 }, requestId, signal, false);
     }
-    const prefillBody: Record<string, unknown> = {
-      ...body,
-      stream: false,
-      max_tokens: 1,
-      kv_transfer_params: prefillRequestParams(),
-    };
+    const prefillBody: Record<string, unknown> =
+      path === GENERATE_PATH
+        ? generatePrefillBody(body, prefillRequestParams())
+        : {
+            ...body,
+            stream: false,
+            max_tokens: 1,
+            kv_transfer_params: prefillRequestParams(),
+          };
     if (chat) prefillBody.max_completion_tokens = 1;
     delete prefillBody.stream_options;
     // A decode that could not read the KV inside the prefill's lease answers
@@ -414,7 +434,7 @@ export class ServingProxy {
       );
     }
     const canRelease = (pre.answer.json?.nixl_node as { kv_release?: unknown } | undefined)?.kv_release === true;
-    const decodeBody = { ...body, kv_transfer_params: kv };
+    const decodeBody = path === GENERATE_PATH ? generateDecodeBody(body, kv!) : { ...body, kv_transfer_params: kv };
     const avoid = new Set([pre.worker, ...avoidDecode]);
     try {
       const dec = await this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, avoid);
@@ -449,7 +469,7 @@ export class ServingProxy {
     const tried = new Set<WorkerRef>(avoid);
     let last: StageFailure | undefined;
     for (let attempt = 0; attempt <= retries; attempt++) {
-      const w = pool.pick(tried);
+      const w = pool.pick(tried, stage === 'prefill' ? this.#affinity.get(requestId) : undefined);
       if (!w || (attempt > 0 && tried.has(w))) break;
       tried.add(w);
       if (attempt > 0) this.stats.retries++;
@@ -566,6 +586,7 @@ export class ServingProxy {
   /** Stops: requests in flight are aborted, sockets closed. */
   async close(): Promise<void> {
     clearInterval(this.#health);
+    await this.fleet?.close();
     for (const ac of this.#inflight) ac.abort(new Error('proxy closing'));
     this.#server.closeAllConnections();
     await new Promise((r) => this.#server.close(r));

@@ -5,6 +5,7 @@ import { randomUUID } from 'node:crypto';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { FrontHandler } from './front';
+import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
 import { errorBody, modelList } from './openai';
 
@@ -76,9 +77,12 @@ async function onRequest(
   });
   try {
     const body = await readJson(req, o.maxBodyBytes);
-    const rid = String(req.headers['x-request-id'] ?? randomUUID());
+    const header = req.headers['x-request-id'];
+    // generate: ids are built from the header, else the body's request_id (as vLLM does).
+    const rid = path === GENERATE_PATH && typeof header !== 'string' ? '' : String(header ?? randomUUID());
     let streaming = false;
-    await w.handle(
+    await serveRoute(
+      w,
       path,
       body,
       rid,

@@ -1,6 +1,7 @@
 // A worker's ZeroMQ front (docs/serving-zmq.md): one PULL socket for the
 // proxy's requests, a PUSH socket per proxy for the answers.
 import * as zmq from 'zeromq';
+import { serveRoute } from './generate';
 import { HttpError } from './http';
 import { decodeMessage, encodeMessage, type ZmqReply } from './protocol';
 import type { FrontHandler } from './front';
@@ -95,7 +96,8 @@ export class ZmqFront {
         try {
           if (typeof b.payload !== 'object' || b.payload === null || Array.isArray(b.payload))
             throw new HttpError(400, 'payload must be a map');
-          await this.#w.handle(
+          await serveRoute(
+            this.#w,
             String(b.path ?? '/v1/completions'),
             b.payload as Record<string, unknown>,
             String(b.request_id ?? b.msg_id),

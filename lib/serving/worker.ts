@@ -45,9 +45,12 @@ import {
 } from './models/types';
 import { chunkBody, completionBody, usageBody } from './openai';
 import { type RequestError, checkCompletionRequest } from './schema';
+import { PROMPT_TOKENS } from './generate';
+import { endAnswer } from './stream-end';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
 import { NixlError } from '../errors';
+import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -99,6 +102,8 @@ export interface WorkerOptions {
    * (nothing read). Default: NIXL_NODE_KV_SECRET, else none (vLLM-compatible).
    */
   kvSecret?: string;
+  /** Registers in etcd under a lease, so proxies given the same etcd find it (docs/fleet.md). */
+  etcd?: FleetJoinOptions;
 }
 
 /** A worker's counters. */
@@ -187,6 +192,10 @@ export class Worker implements FrontHandler {
   #zmq?: ZmqFront;
   #seq = 0;
   #closed = false;
+  /** Requests in progress (what it reports as its load). */
+  #active = 0;
+  /** Its record in etcd, when given `etcd`. */
+  fleet?: FleetRegistration;
 
   /** A worker around a loaded model (startWorker loads it from the options). */
   constructor(o: WorkerOptions, model: ServingModel = new SyntheticModel(DEFAULT_MODEL)) {
@@ -329,7 +338,26 @@ export class Worker implements FrontHandler {
       this.#zmq = await ZmqFront.bind(this, this.#o.zmqAddr ?? `tcp://${host}:*`, maxBodyBytes);
       this.address = this.#zmq.address;
     }
+    if (this.#o.etcd) this.fleet = await new FleetRegistration(this.#fleetView(), this.#o.etcd).join();
     return this;
+  }
+
+  /** What its etcd record reports: load is requests in progress plus KV held for a decode. */
+  #fleetView() {
+    const w = this;
+    return {
+      name: w.name,
+      address: w.address,
+      transport: w.#o.transport ?? 'http',
+      modelId: w.modelId,
+      get freeBlocks() {
+        return w.freeBlocks;
+      },
+      totalBlocks: w.#blocks.size,
+      get load() {
+        return w.#active + w.#held.size;
+      },
+    };
   }
 
   /** Counts a failed request; the error as the front answers it. */
@@ -355,6 +383,7 @@ export class Worker implements FrontHandler {
       parent: contextFromTraceparent(traceparent),
       attributes: { 'http.route': path, 'nixl_node.worker': this.name, 'nixl_node.request_id': requestId },
     });
+    this.#active++;
     try {
       await this.#serve(path, body, requestId, signal, sink, span);
     } catch (e) {
@@ -363,6 +392,7 @@ export class Worker implements FrontHandler {
       span.setAttribute('http.response.status_code', h.status);
       throw h;
     } finally {
+      this.#active--;
       span.end();
     }
   }
@@ -396,7 +426,7 @@ export class Worker implements FrontHandler {
     if (known !== undefined) this.#fits(known);
     if (kvp?.do_remote_decode === true) {
       span.setAttribute('nixl_node.role', 'prefill');
-      await this.#prefill(req, requestId, signal, sink, span);
+      await this.#prefill(req, requestId, signal, sink, span, body);
       return;
     }
     if (kvp !== undefined && kvp.remote_engine_id === this.name) {
@@ -493,13 +523,20 @@ export class Worker implements FrontHandler {
     }
   }
 
-  async #prefill(req: GenerationRequest, requestId: string, signal: AbortSignal, sink: Sink, span: SpanLike) {
+  async #prefill(
+    req: GenerationRequest,
+    requestId: string,
+    signal: AbortSignal,
+    sink: Sink,
+    span: SpanLike,
+    body: Record<string, unknown>,
+  ) {
     const early = this.#releasedEarly.get(requestId);
     const me = { released: early !== undefined && performance.now() - early < 10_000 };
     const running = getOrAdd(this.#prefilling, requestId);
     running.add(me);
     try {
-      await this.#prefillOnce(req, requestId, signal, sink, span, me);
+      await this.#prefillOnce(req, requestId, signal, sink, span, me, body);
     } finally {
       running.delete(me);
       if (running.size === 0) this.#prefilling.delete(requestId);
@@ -513,6 +550,7 @@ export class Worker implements FrontHandler {
     sink: Sink,
     span: SpanLike,
     me: { released: boolean },
+    body: Record<string, unknown>,
   ) {
     const kv = await this.model.prefill(req, signal);
     this.#fits(kv.blocks);
@@ -566,12 +604,17 @@ export class Worker implements FrontHandler {
       },
       this.#o.wire,
     );
-    sink.end(200, {
-      ...completionBody(requestId, this.model.id, req.chat, '', 'length', { prompt: kv.promptTokens, completion: 0 }),
-      kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
-      // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
-      nixl_node: { worker: this.name, kv_release: true },
-    });
+    // Streamed (a client that asked to): the last chunk carries the params.
+    endAnswer(
+      sink,
+      {
+        ...completionBody(requestId, this.model.id, req.chat, '', 'length', { prompt: kv.promptTokens, completion: 0 }),
+        kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
+        // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
+        nixl_node: { worker: this.name, kv_release: true },
+      },
+      body,
+    );
   }
 
   /**
@@ -644,6 +687,8 @@ export class Worker implements FrontHandler {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
+    // Out of the fleet first, then what is in progress (and KV held for a decode) finishes.
+    await this.fleet?.leave(() => this.#active === 0 && this.#held.size === 0);
     this.#zmq?.close();
     if (this.#http) {
       this.#http.closeAllConnections();
@@ -741,7 +786,7 @@ class Answer {
 }
 
 /** The request as a model takes it (the body was checked by checkCompletionRequest). */
-function generationRequest(path: string, body: Record<string, unknown>): GenerationRequest {
+function generationRequest(path: string, body: Record<string | symbol, unknown>): GenerationRequest {
   const maxTokens = Number(body.max_tokens ?? body.max_completion_tokens ?? 16);
   if (!Number.isInteger(maxTokens) || maxTokens < 1 || maxTokens > 4096)
     throw new HttpError(400, "'max_tokens' must be an integer from 1 to 4096");
@@ -751,6 +796,7 @@ function generationRequest(path: string, body: Record<string, unknown>): Generat
     chat: path === '/v1/chat/completions',
     prompt: typeof body.prompt === 'string' ? body.prompt : '',
     messages: (body.messages as ChatMessage[] | undefined) ?? [],
+    ...(body[PROMPT_TOKENS] ? { promptTokens: body[PROMPT_TOKENS] as number[] } : {}),
     maxTokens,
     // OpenAI's and vLLM's default.
     temperature: (body.temperature as number | undefined) ?? 1,

@@ -34,6 +34,7 @@ import {
   type KvBinding,
   KvRejected,
   type ChatMessage,
+  type ModelTokenizer,
   type Generated,
   type GenerationRequest,
   type KvGeometry,
@@ -82,6 +83,25 @@ export class LlamaModel implements ServingModel {
   readonly #tmp: string;
   /** What states of this model look like, or why they cannot be checked (then a decode refuses them all). */
   #layout: LlamaStateLayout | string = 'not probed yet';
+  #tokenizer?: ModelTokenizer;
+
+  /** The GGUF's vocabulary (generate endpoint: token ids in and out). */
+  get tokenizer(): ModelTokenizer | undefined {
+    if (this.#tokenizer) return this.#tokenizer;
+    const m = this.#model;
+    const vocabSize = (m.fileInfo.metadata as { tokenizer?: { ggml?: { tokens?: readonly unknown[] } } })?.tokenizer
+      ?.ggml?.tokens?.length;
+    if (!vocabSize) return undefined;
+    const bos = m.tokens.shouldPrependBosToken ? m.tokens.bos : null;
+    this.#tokenizer = {
+      vocabSize,
+      ...(bos !== null ? { bos } : {}),
+      contextTokens: this.contextSize,
+      encode: (text) => m.tokenize(text, false, 'trimLeadingSpace') as number[],
+      decode: (ids) => m.detokenize((ids[0] === bos ? ids.slice(1) : ids) as Nlc.Token[], false),
+    };
+    return this.#tokenizer;
+  }
 
   private constructor(nlc: typeof Nlc, model: Nlc.LlamaModel, fingerprint: Buffer, o: LlamaModelOptions) {
     this.#nlc = nlc;
@@ -362,16 +382,18 @@ export class LlamaModel implements ServingModel {
       }
     } else {
       // What LlamaCompletion evaluates: BOS when the vocabulary prepends one,
-      // then the prompt without the tokenizer's leading space.
+      // then the prompt without the tokenizer's leading space (or the ids as given).
       const bos = this.#model.tokens.shouldPrependBosToken && this.#model.tokens.bos !== null;
+      const input = req.promptTokens ? (req.promptTokens as Nlc.Token[]) : req.prompt;
       promptTokens =
-        this.#model.tokenize(req.prompt, false, bos ? 'trimLeadingSpace' : undefined).length + (bos ? 1 : 0);
+        (req.promptTokens ?? this.#model.tokenize(req.prompt, false, bos ? 'trimLeadingSpace' : undefined)).length +
+        (bos ? 1 : 0);
       this.#fits(promptTokens, s.maxTokens);
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
         ({
           metadata: { stopReason },
-        } = await completion.generateCompletionWithMeta(req.prompt, options));
+        } = await completion.generateCompletionWithMeta(input, options));
       } finally {
         completion.dispose({ disposeSequence: false });
       }

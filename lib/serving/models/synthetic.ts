@@ -18,6 +18,7 @@ import {
   type GenerationRequest,
   type KvGeometry,
   KvRejected,
+  type ModelTokenizer,
   type PrefilledKv,
   type ServingModel,
   type TextSink,
@@ -28,6 +29,12 @@ export class SyntheticModel implements ServingModel {
   readonly id = MODEL_NAME;
   readonly geometry: KvGeometry;
   readonly compatibilityHash: string;
+  /** Token ids are the prompt's UTF-8 bytes. */
+  readonly tokenizer: ModelTokenizer = {
+    vocabSize: 256,
+    encode: (text) => Array.from(tokenize(text)),
+    decode: (ids) => Buffer.from(ids).toString('utf8'),
+  };
 
   constructor(readonly spec: SyntheticModelSpec = DEFAULT_MODEL) {
     this.geometry = { layers: spec.layers, blockBytes: spec.blockBytes, tokensPerBlock: spec.blockSize };
@@ -35,6 +42,7 @@ export class SyntheticModel implements ServingModel {
   }
 
   #tokens(req: GenerationRequest): Uint8Array {
+    if (req.promptTokens) return Uint8Array.from(req.promptTokens);
     return tokenize(req.chat ? chatPrompt(req.messages) : req.prompt);
   }
 

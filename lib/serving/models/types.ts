@@ -19,6 +19,8 @@ export interface GenerationRequest {
   chat: boolean;
   /** /v1/completions */
   prompt: string;
+  /** The prompt as token ids (generate endpoint, checked against the vocabulary): evaluated instead of `prompt`. */
+  promptTokens?: readonly number[];
   /** /v1/chat/completions */
   messages: ChatMessage[];
   maxTokens: number;
@@ -75,8 +77,28 @@ export interface Generated {
 /** Gets each piece of generated text as it comes (streamed answers). */
 export type TextSink = (text: string) => void;
 
+/**
+ * A model's token ids (POST /inference/v1/generate: token ids in and out).
+ * The worker turns ids into the prompt text the model evaluates and the text
+ * it generates back into ids.
+ */
+export interface ModelTokenizer {
+  /** Ids are 0 .. vocabSize - 1. */
+  readonly vocabSize: number;
+  /** Tokens the model's context holds (prompt and generation), when it has a limit. */
+  readonly contextTokens?: number;
+  /** The beginning-of-sequence id the model puts before every prompt itself, if any. */
+  readonly bos?: number;
+  /** The text's ids, without the beginning-of-sequence token the model adds itself. */
+  encode(text: string): number[];
+  /** The ids' text (a leading beginning-of-sequence token stands for nothing). */
+  decode(ids: readonly number[]): string;
+}
+
 /** What a worker needs of a model (synthetic, or a GGUF through node-llama-cpp). */
 export interface ServingModel {
+  /** Token ids in and out (generate endpoint); a model without one answers it 400. */
+  readonly tokenizer?: ModelTokenizer;
   /** The model's name in answers and /v1/models. */
   readonly id: string;
   readonly geometry: KvGeometry;

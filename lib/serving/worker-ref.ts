@@ -1,0 +1,21 @@
+// A worker as the proxy tracks it: shared by the pools and the fleet's routing.
+
+/** A stage of a disaggregated request. */
+export type Stage = 'encode' | 'prefill' | 'decode';
+
+/** A worker as the proxy tracks it. */
+export interface WorkerRef {
+  /** HTTP base URL or ZMQ address. */
+  address: string;
+  stage: Stage;
+  healthy: boolean;
+  outstanding: number;
+  /** Consecutive failed health checks or requests. */
+  failures: number;
+  /** The model it serves, when its health answer said (nixl-node workers do). */
+  model?: string;
+  /** Its name in etcd, when the fleet brought it (not the command line). */
+  fleet?: string;
+  /** What it last reported through etcd. */
+  reported?: { load: number; freeBlocks: number; totalBlocks: number };
+}
