@@ -33,6 +33,7 @@ export {
   type ChatMessage,
   type BlockView,
   type TextSink,
+  type ModelTokenizer,
 } from './models/types';
 export { FleetRegistration, joinFleet, type FleetJoinOptions, type FleetMember } from './fleet/registry';
 export { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
