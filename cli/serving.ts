@@ -1,11 +1,14 @@
 // nixl-node proxy | worker: the disaggregated-serving proxy and the Node
 // workers (a GGUF through node-llama-cpp, or the synthetic model) it fronts, as commands that run until killed.
-// Each prints one JSON line when ready, so scripts can wait for it.
+// Each prints one JSON line on stdout when ready, so scripts can wait for it,
+// and logs JSON lines (pino) on stderr.
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../demo/gguf';
 import { oneOf, parse, positiveInt, UsageError } from '../lib/command-args';
+import { engines } from '../lib/agent';
 import { startTracing } from './otel';
+import { commandLogger, logLevel } from './log';
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
 
@@ -25,6 +28,8 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --token T            require Authorization: Bearer T
   --wire W             v12 | v0.13: the kv_transfer_params the prefills return (default NIXL_WIRE, else v12)
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
+  --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
+                       JSON lines on stderr: each request, workers unhealthy, ejected, back, models that differ
 `;
 
 const WORKER_HELP = `nixl-node worker: a Node inference worker: a GGUF model (llama.cpp) or the synthetic one
@@ -49,6 +54,8 @@ Usage: nixl-node worker [options]
   --stall-decode-ms N  test hook: start decode pulls this much later
   --kv-secret S        sign / require signed kv_transfer_params (default NIXL_NODE_KV_SECRET)
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
+  --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
+                       JSON lines on stderr; each request at debug, failed ones at info / warn
   --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
   --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
@@ -79,6 +86,18 @@ function integer(s: string, name: string): number {
   return Number(s);
 }
 
+/** An address already taken: the error names it and the options that choose it. */
+function inUse(e: unknown, options: string): unknown {
+  const err = e as Error & { code?: string; address?: string; port?: number };
+  if (err?.code !== 'EADDRINUSE' && !/address already in use/i.test(err?.message ?? '')) return e;
+  const what = err.address
+    ? `${err.address}${err.port ? `:${err.port}` : ''} is already in use`
+    : err.message.replace(/^listen EADDRINUSE: /, '');
+  return new UsageError(
+    `${what} (EADDRINUSE): another process listens there; choose another with ${options} (port 0: any free port)`,
+  );
+}
+
 function untilSignal(): Promise<void> {
   return new Promise((resolve) => {
     for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
@@ -104,10 +123,12 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       token: { type: 'string' },
       wire: { type: 'string' },
       'otlp-endpoint': { type: 'string' },
+      'log-level': { type: 'string' },
     },
     PROXY_HELP,
   );
-  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-proxy');
+  const log = commandLogger('proxy', logLevel(v));
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-proxy', log);
   const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
   const pd = list(v, 'pd-addrs');
   const prefill = [...list(v, 'prefill'), ...pd];
@@ -128,7 +149,11 @@ export async function proxyCommand(argv: string[]): Promise<void> {
     prefillRetries: v.retries === '0' ? 0 : positiveInt(v, 'retries', 1, 64),
     bearerToken: v.token as string | undefined,
     wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
+    logger: log,
+  }).catch((e) => {
+    throw inUse(e, '--host / --port');
   });
+  log.info({ url: proxy.url, transport }, 'proxy ready');
   console.log(JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode }));
   await untilSignal();
   await proxy.close();
@@ -161,12 +186,14 @@ export async function workerCommand(argv: string[]): Promise<void> {
       parallel: { type: 'string' },
       'block-kib': { type: 'string' },
       'tamper-kv': { type: 'string' },
+      'log-level': { type: 'string' },
     },
     WORKER_HELP,
   );
+  const log = commandLogger('worker', logLevel(v));
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
-  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker');
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker', log);
   const w = await startWorker({
     name: v.name as string | undefined,
     transport: oneOf(v, 'transport', ['http', 'zmq'] as const, 'http'),
@@ -194,7 +221,13 @@ export async function workerCommand(argv: string[]): Promise<void> {
       v['tamper-kv'] === undefined
         ? undefined
         : oneOf(v, 'tamper-kv', ['truncate', 'corrupt', 'oversize', 'foreign'] as const, 'corrupt'),
+    logger: log,
+  }).catch((e) => {
+    throw inUse(e, '--host, --port, --side-channel-port or --zmq-addr');
   });
+  if (!process.env.NIXL_NODE_ENGINE && !engines.includes('nixl'))
+    log.info({ engine: 'loopback' }, 'NIXL is not compiled in: the loopback engine moves KV on this host only');
+  log.info({ name: w.name, address: w.address, model: w.modelId }, 'worker ready');
   console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId }));
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));

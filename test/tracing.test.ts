@@ -16,6 +16,7 @@ import type { AddressInfo } from 'node:net';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { start } from '../dist/demo/serving';
 import { NixlAgent } from '../lib';
+import { MODEL_NAME } from '../lib/serving/models/synthetic-kv';
 import { contextFromTraceparent, startSpan } from '../lib/tracing';
 import { ROOT, serveTrio } from './helpers';
 
@@ -68,7 +69,7 @@ describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) 
         traceparent: `00-${CLIENT_TRACE}-${CLIENT_SPAN}-01`,
         'x-request-id': 'client-7',
       },
-      body: JSON.stringify({ model: 'm', prompt: 'trace me please', max_tokens: 3 }),
+      body: JSON.stringify({ model: MODEL_NAME, prompt: 'trace me please', max_tokens: 3 }),
     });
     expect(r.status).toBe(200);
     await r.json();

@@ -17,6 +17,8 @@ export interface WorkerRef {
   failures: number;
   /** The model it serves, when its health answer said (nixl-node workers do). */
   model?: string;
+  /** Tokens of its model's context (prompt and answer), when its health answer said. */
+  maxModelLen?: number;
 }
 
 /** The workers of one stage, with the policy that picks among the healthy ones. */
@@ -36,9 +38,12 @@ export class WorkerPool {
     return this.workers.length;
   }
 
-  /** A healthy worker not in `avoid` (falls back to `avoid` ones when nothing else is healthy). */
-  pick(avoid: ReadonlySet<WorkerRef> = new Set()): WorkerRef | undefined {
-    const healthy = this.workers.filter((w) => w.healthy);
+  /**
+   * A healthy worker not in `avoid` (falls back to `avoid` ones when nothing
+   * else is healthy), among those `accept` takes (all by default).
+   */
+  pick(avoid: ReadonlySet<WorkerRef> = new Set(), accept?: (w: WorkerRef) => boolean): WorkerRef | undefined {
+    const healthy = this.workers.filter((w) => w.healthy && (!accept || accept(w)));
     const preferred = healthy.filter((w) => !avoid.has(w));
     const from = preferred.length > 0 ? preferred : healthy;
     if (from.length === 0) return undefined;

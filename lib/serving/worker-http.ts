@@ -5,6 +5,7 @@ import { randomUUID } from 'node:crypto';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { HttpError, errorBody, readJson } from './http';
+import { ModelNotFound, modelNotFoundBody } from './openai';
 import type { Worker } from './worker';
 
 export interface HttpFrontOptions {
@@ -46,8 +47,7 @@ async function onRequest(
     res.end(text);
   };
   const path = (req.url ?? '').split('?')[0];
-  if (req.method === 'GET' && path === '/health')
-    return json(200, { status: 'ok', name: w.name, model: w.modelId, free_blocks: w.freeBlocks });
+  if (req.method === 'GET' && path === '/health') return json(200, { status: 'ok', ...w.healthInfo() });
   if (req.method === 'GET' && path === '/v1/models')
     return json(200, { object: 'list', data: [{ id: w.modelId, object: 'model', owned_by: 'nixl-node' }] });
   if (req.method !== 'POST') return json(405, errorBody('only POST', 'invalid_request_error'));
@@ -87,9 +87,10 @@ async function onRequest(
         },
       },
       req.headers.traceparent,
+      { decodeMaxTokens: req.headers['x-nixl-node-decode-max-tokens'] },
     );
   } catch (e) {
     const h = w.failed(e);
-    json(h.status, errorBody(h.message, h.code));
+    json(h.status, h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code));
   }
 }

@@ -322,7 +322,7 @@ export class LlamaModel implements ServingModel {
           chatHistory: [...history, { type: 'user', text: last }, { type: 'model', response: [] }],
         }).contextText;
         promptTokens = context.tokenize(this.#model.tokenizer).length;
-        this.#fits(promptTokens, s.maxTokens);
+        this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
         session.setChatHistory(history);
         ({ stopReason } = await session.promptWithMeta(last, {
           ...options,
@@ -334,7 +334,7 @@ export class LlamaModel implements ServingModel {
     } else {
       // The prompt and BOS.
       promptTokens = this.#model.tokenize(req.prompt).length + 1;
-      this.#fits(promptTokens, s.maxTokens);
+      this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
         ({

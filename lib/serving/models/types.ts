@@ -28,6 +28,11 @@ export interface GenerationRequest {
   seed?: number;
   /** Generation ends before any of these strings. */
   stop: string[];
+  /**
+   * Prefill: the tokens its decode will generate (the client's max_tokens),
+   * so that a prompt that cannot fit with them is refused before evaluating.
+   */
+  decodeMaxTokens?: number;
 }
 
 /** Block `block` (logical, 0-based within a request) of layer `layer`, in the worker's registered pool. */
@@ -68,6 +73,8 @@ export interface ServingModel {
   /** The model's name in answers and /v1/models. */
   readonly id: string;
   readonly geometry: KvGeometry;
+  /** Tokens of its context (prompt and answer), when bounded; the health answer's max_model_len. */
+  readonly contextSize?: number;
   /** The side channel's compatibility hash: decodes refuse a prefill of another model at the handshake. */
   readonly compatibilityHash: string;
   /** Blocks a prompt's KV takes when the model knows before evaluating it (a 413 before any work), else undefined. */
