@@ -359,3 +359,45 @@ it('an address in use: the message names it, says EADDRINUSE and which options c
   const z = cli(['worker', '--transport', 'zmq', '--zmq-addr', `tcp://127.0.0.1:${port}`]);
   expect(z.stderr).toMatch(new RegExp(`tcp://127\\.0\\.0\\.1:${port} is already in use \\(EADDRINUSE\\).*--zmq-addr`));
 }, 30_000);
+
+describe('node-llama-cpp, an optional peer dependency', () => {
+  it('is declared as one, at the exact version the GGUF workers check for', async () => {
+    const pkg = JSON.parse(fs.readFileSync(path.join(ROOT, 'package.json'), 'utf8'));
+    const { NODE_LLAMA_CPP } = await import('../lib/serving');
+    expect(`node-llama-cpp@${pkg.peerDependencies['node-llama-cpp']}`).toBe(NODE_LLAMA_CPP);
+    expect(pkg.peerDependenciesMeta['node-llama-cpp']).toEqual({ optional: true });
+    expect(pkg.dependencies['node-llama-cpp']).toBeUndefined();
+  });
+
+  it('another release is refused at start, naming the one to install', async () => {
+    const { checkNodeLlamaCppVersion, loadNodeLlamaCpp } = await import('../lib/serving/models/node-llama-cpp');
+    for (const v of ['3.20.0', '4.0.0', undefined]) {
+      let e: { code?: string; message?: string } = {};
+      try {
+        checkNodeLlamaCppVersion(v);
+      } catch (x) {
+        e = x as typeof e;
+      }
+      expect(e.code).toBe('NIXL_ERR_NOT_SUPPORTED');
+      expect(e.message).toMatch(/needs exactly 3\.21\.1: npm i -E node-llama-cpp@3\.21\.1$/);
+    }
+    expect(() => checkNodeLlamaCppVersion('3.21.1')).not.toThrow();
+    expect(typeof (await loadNodeLlamaCpp()).getLlama).toBe('function');
+  });
+});
+
+it('the command brings what it needs for traces and /metrics: optional dependencies, not peers to install by hand', () => {
+  const pkg = JSON.parse(fs.readFileSync(path.join(ROOT, 'package.json'), 'utf8'));
+  for (const name of [
+    '@opentelemetry/sdk-trace-base',
+    '@opentelemetry/exporter-trace-otlp-http',
+    '@opentelemetry/resources',
+    'prom-client',
+  ]) {
+    expect(pkg.optionalDependencies[name], name).toMatch(/^\d+\.\d+\.\d+$/);
+    expect(pkg.peerDependencies[name], name).toBeUndefined();
+  }
+  // The library itself imports only the API, as an optional peer.
+  expect(pkg.peerDependenciesMeta['@opentelemetry/api']).toEqual({ optional: true });
+  expect(pkg.dependencies.pino).toMatch(/^\d+\.\d+\.\d+$/);
+});

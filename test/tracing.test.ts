@@ -10,7 +10,7 @@ import {
   type ReadableSpan,
   SimpleSpanProcessor,
 } from '@opentelemetry/sdk-trace-base';
-import { type ChildProcess, spawnSync } from 'node:child_process';
+import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
@@ -236,9 +236,35 @@ describe('the nixl-node command exports its spans (OTLP/HTTP, JSON)', () => {
     expect(r.status, r.stderr).toBe(2);
     expect(r.stderr.trim().split('\n')).toHaveLength(1);
     expect(r.stderr).toMatch(
-      /needs the OpenTelemetry SDK: npm install @opentelemetry\/api @opentelemetry\/sdk-trace-base/,
+      /needs the OpenTelemetry SDK, an optional dependency left out of this install: npm install @opentelemetry\/api @opentelemetry\/sdk-trace-base/,
     );
   });
+
+  it('OTEL_EXPORTER_OTLP_ENDPOINT in the environment never stops a worker: one warning line instead', async () => {
+    for (const [env, why] of [
+      ['http://127.0.0.1:9', /tracing off: tracing to http:\/\/127\.0\.0\.1:9 needs the OpenTelemetry SDK/],
+      ['not a url', /tracing off: the OTLP endpoint must be a URL/],
+    ] as const) {
+      const p = spawn(process.execPath, ['-e', NO_SDK.replace("'--otlp-endpoint', 'http://127.0.0.1:9'", ''), ROOT], {
+        env: { ...process.env, OTEL_EXPORTER_OTLP_ENDPOINT: env },
+        stdio: ['ignore', 'pipe', 'pipe'],
+      });
+      let out = '';
+      let err = '';
+      p.stdout!.on('data', (d) => (out += d));
+      p.stderr!.on('data', (d) => (err += d));
+      await expect.poll(() => out.includes('"ready":true'), { timeout: 15_000 }).toBe(true);
+      p.kill('SIGTERM');
+      expect(await new Promise((r) => p.once('exit', r))).toBe(0);
+      const warnings = err
+        .trim()
+        .split('\n')
+        .map((l) => JSON.parse(l) as { level: number; msg: string })
+        .filter((l) => l.level >= 40);
+      expect(warnings).toHaveLength(1);
+      expect(warnings[0].msg).toMatch(why);
+    }
+  }, 40_000);
 });
 
 // Runs `nixl-node worker --otlp-endpoint ...` with the SDK packages hidden from require.
