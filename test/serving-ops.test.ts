@@ -379,7 +379,7 @@ describe('node-llama-cpp, an optional peer dependency', () => {
         e = x as typeof e;
       }
       expect(e.code).toBe('NIXL_ERR_NOT_SUPPORTED');
-      expect(e.message).toMatch(/needs exactly 3\.21\.1: npm i -E node-llama-cpp@3\.21\.1$/);
+      expect(e.message).toMatch(/need exactly 3\.21\.1: npm i -E node-llama-cpp@3\.21\.1$/);
     }
     expect(() => checkNodeLlamaCppVersion('3.21.1')).not.toThrow();
     expect(typeof (await loadNodeLlamaCpp()).getLlama).toBe('function');
