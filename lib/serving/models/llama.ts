@@ -6,8 +6,11 @@
 //          (or LlamaChatSession, through the model's chat wrapper) would, with
 //          one greedy token, then saves the sequence state and wraps it
 //          (kv-state.ts) into the request's blocks;
-// decode   checks the envelope (model, build, size, checksum, token count),
-//          loads the state into a fresh sequence and generates with the same
+// decode   checks the envelope (model, build, size, checksum or HMAC, the
+//          request it was made for) and parses the state for this model and
+//          context (llama-state.ts) before llama.cpp sees a byte, loads it
+//          into a fresh sequence (a context a failed load touched is thrown
+//          away, never reused) and generates with the same
 //          class: node-llama-cpp reuses every loaded token that matches the
 //          prompt, so only the last prompt token is evaluated again.
 // Each request has a context of its own (a pool of `parallel` contexts, one
@@ -24,8 +27,12 @@ import { NixlError } from '../../errors';
 import { loadNodeLlamaCpp } from './node-llama-cpp';
 import { NODE_LLAMA_CPP } from './types';
 import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
+import { ContextPool, sequenceOf } from './llama-contexts';
+import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState } from './llama-state';
 import {
   type BlockView,
+  type KvBinding,
+  KvRejected,
   type ChatMessage,
   type Generated,
   type GenerationRequest,
@@ -52,73 +59,8 @@ export interface LlamaModelOptions {
   poolBytes: number;
   /** node-llama-cpp's GPU backend (default false: CPU). */
   gpu?: false | 'auto';
-}
-
-/** At most `max` contexts, made on demand: a request waits for a free one. */
-class ContextPool {
-  readonly #free: Nlc.LlamaContext[] = [];
-  readonly #waiters: Array<(c: Nlc.LlamaContext) => void> = [];
-  #created = 0;
-  readonly all: Nlc.LlamaContext[] = [];
-
-  constructor(
-    readonly max: number,
-    readonly create: () => Promise<Nlc.LlamaContext>,
-  ) {}
-
-  async acquire(signal: AbortSignal): Promise<Nlc.LlamaContext> {
-    const c = this.#free.pop();
-    if (c) return c;
-    if (this.#created < this.max) {
-      this.#created++;
-      try {
-        const ctx = await this.create();
-        this.all.push(ctx);
-        return ctx;
-      } catch (e) {
-        this.#created--;
-        throw e;
-      }
-    }
-    return new Promise((resolve, reject) => {
-      const w = (ctx: Nlc.LlamaContext) => {
-        signal.removeEventListener('abort', onAbort);
-        resolve(ctx);
-      };
-      const onAbort = () => {
-        this.#waiters.splice(this.#waiters.indexOf(w), 1);
-        reject(new ModelRequestError(499, 'aborted while waiting for a context'));
-      };
-      signal.addEventListener('abort', onAbort, { once: true });
-      this.#waiters.push(w);
-    });
-  }
-
-  async release(ctx: Nlc.LlamaContext): Promise<void> {
-    try {
-      // A fresh start for the next request: nothing of this one is reused.
-      await sequenceOf(ctx).clearHistory();
-    } catch {
-      this.#created--;
-      this.all.splice(this.all.indexOf(ctx), 1);
-      void ctx.dispose();
-      return;
-    }
-    const w = this.#waiters.shift();
-    if (w) w(ctx);
-    else this.#free.push(ctx);
-  }
-}
-
-const sequences = new WeakMap<Nlc.LlamaContext, Nlc.LlamaContextSequence>();
-
-function sequenceOf(ctx: Nlc.LlamaContext): Nlc.LlamaContextSequence {
-  let s = sequences.get(ctx);
-  if (!s) {
-    s = ctx.getSequence();
-    sequences.set(ctx, s);
-  }
-  return s;
+  /** The deployment's KV secret: states are sealed and checked with an HMAC keyed by it (else a checksum). */
+  kvSecret?: string;
 }
 
 /**
@@ -138,6 +80,8 @@ export class LlamaModel implements ServingModel {
   readonly #pool: ContextPool;
   readonly #o: LlamaModelOptions;
   readonly #tmp: string;
+  /** What states of this model look like, or why they cannot be checked (then a decode refuses them all). */
+  #layout: LlamaStateLayout | string = 'not probed yet';
 
   private constructor(nlc: typeof Nlc, model: Nlc.LlamaModel, fingerprint: Buffer, o: LlamaModelOptions) {
     this.#nlc = nlc;
@@ -180,7 +124,52 @@ export class LlamaModel implements ServingModel {
       throw new NixlError(`cannot load ${o.modelPath}: ${(e as Error).message}`, 'NIXL_ERR_INVALID_PARAM');
     }
     const build = JSON.stringify({ nlc: NODE_LLAMA_CPP, release: llama.llamaCppRelease, gpu: llama.gpu });
-    return new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o);
+    const m = new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o);
+    await m.#probeLayout();
+    return m;
+  }
+
+  /**
+   * Learns what this model's states look like: its metadata (layers, K / V
+   * widths, vocabulary) and a state its own llama.cpp saves (cache types, V
+   * transposition) must agree, or no state can be checked and none is loaded.
+   */
+  async #probeLayout(): Promise<void> {
+    const geometry = kvGeometry(this.#model.fileInfo.metadata);
+    const nVocab = (this.#model.fileInfo.metadata as { tokenizer?: { ggml?: { tokens?: readonly unknown[] } } })
+      ?.tokenizer?.ggml?.tokens?.length;
+    if (!geometry || !nVocab) {
+      this.#layout = "the GGUF's metadata does not give its KV geometry and vocabulary";
+      return;
+    }
+    const ctx = await this.#pool.acquire(new AbortController().signal);
+    const file = path.join(this.#tmp, 'probe.state');
+    try {
+      const seq = sequenceOf(ctx);
+      await seq.evaluateWithoutGeneratingNewTokens(this.#model.tokenize('probe', false).slice(0, 3));
+      await seq.saveStateToFile(file);
+      this.#layout = learnLayout(fs.readFileSync(file), geometry, nVocab, ctx.contextSize);
+    } catch (e) {
+      this.#layout = `its states are not in a layout nixl-node can check (${(e as Error).message})`;
+    } finally {
+      fs.rmSync(file, { force: true });
+      await this.#pool.release(ctx);
+    }
+  }
+
+  /** What this model's states must look like (a decode parses each against it), or why none can be checked. */
+  get stateLayout(): LlamaStateLayout | string {
+    return this.#layout;
+  }
+
+  /** Why this model cannot serve now (no context can be made), or undefined. */
+  unhealthy(): string | undefined {
+    return this.#pool.broken;
+  }
+
+  /** Contexts thrown away because a request may have left them unusable. */
+  get discardedContexts(): number {
+    return this.#pool.discarded;
   }
 
   blocksFor(): undefined {
@@ -215,13 +204,14 @@ export class LlamaModel implements ServingModel {
       await this.#pool.release(ctx);
       fs.rm(file, { force: true }, () => {});
     }
-    const header = stateHeader(state, { promptTokens, firstToken, fingerprint: this.fingerprint });
-    const { blockBytes } = this.#o;
+    const { blockBytes, kvSecret } = this.#o;
+    const info = { promptTokens, firstToken, fingerprint: this.fingerprint };
     return {
       blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
       promptTokens,
       saveMs,
-      writeTo: (view) => writeEnvelope(header, state, blockBytes, (i) => view(i, 0)),
+      writeTo: (view, binding) =>
+        writeEnvelope(stateHeader(state, { ...info, binding }, kvSecret), state, blockBytes, (i) => view(i, 0)),
     };
   }
 
@@ -232,22 +222,23 @@ export class LlamaModel implements ServingModel {
     out: TextSink,
     signal: AbortSignal,
     blocksRead?: () => void,
+    binding?: KvBinding,
   ): Promise<Generated> {
     const t0 = performance.now();
-    const { state, promptTokens, firstToken } = openEnvelope((i) => view(i, 0), {
-      blocks,
-      blockBytes: this.#o.blockBytes,
-      fingerprint: this.fingerprint,
-      maxTokens: this.contextSize,
-      maxStateBytes: this.#o.poolBytes - HEADER_BYTES,
-    });
+    const { state, promptTokens, firstToken } = this.#open(view, blocks, binding);
     blocksRead?.(); // the state is a copy now
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
     await fs.promises.writeFile(file, state);
     const ctx = await this.#pool.acquire(signal);
+    // Whatever goes wrong once llama.cpp has the state, this context is not reused.
+    let clean = false;
     try {
       const seq = sequenceOf(ctx);
-      await seq.loadStateFromFile(file, { acceptRisk: true });
+      try {
+        await seq.loadStateFromFile(file, { acceptRisk: true });
+      } catch (e) {
+        throw new KvRejected(`llama.cpp refused the KV state: ${(e as Error).message}`, 'refused');
+      }
       const loadMs = performance.now() - t0;
       const loaded = seq.contextTokens.length;
       const before = evaluated(seq);
@@ -257,6 +248,7 @@ export class LlamaModel implements ServingModel {
           : req.chat
             ? await this.#continueChat(seq, req, firstToken, out, signal)
             : await this.#continue(seq, req, firstToken, out, signal);
+      clean = true;
       return {
         completionTokens: r.completionTokens,
         finishReason: r.finishReason,
@@ -268,10 +260,45 @@ export class LlamaModel implements ServingModel {
           kv_load_ms: round(loadMs),
         },
       };
+    } catch (e) {
+      // A request's own 4xx (or its client gone) leaves a state llama.cpp made: clearing it is enough.
+      if (e instanceof ModelRequestError || signal.aborted) clean = true;
+      throw e;
     } finally {
-      await this.#pool.release(ctx);
+      await (clean ? this.#pool.release(ctx) : this.#pool.discard(ctx));
       fs.rm(file, { force: true }, () => {});
     }
+  }
+
+  /**
+   * The state in the blocks, checked: the envelope (model, size, MAC, the
+   * request it is for), then every byte of the state for this model and
+   * context. Throws KvRejected; llama.cpp has seen nothing.
+   */
+  #open(view: BlockView, blocks: number, binding: KvBinding | undefined) {
+    if (!binding) throw new KvRejected('no request to check the KV state against', 'wrong-request');
+    if (typeof this.#layout === 'string')
+      throw new KvRejected(`this decode cannot check KV states of ${this.id}: ${this.#layout}`, 'unsupported');
+    const layout = this.#layout;
+    const opened = openEnvelope((i) => view(i, 0), {
+      blocks,
+      blockBytes: this.#o.blockBytes,
+      fingerprint: this.fingerprint,
+      binding,
+      secret: this.#o.kvSecret,
+      maxTokens: this.contextSize,
+      maxStateBytes: this.#o.poolBytes - HEADER_BYTES,
+    });
+    const parsed = parseSeqState(opened.state, layout);
+    if (parsed.tokens.length !== opened.promptTokens)
+      throw new KvRejected(
+        `the KV state holds ${parsed.tokens.length} tokens, its envelope says ${opened.promptTokens}`,
+        'malformed',
+      );
+    const f = opened.firstToken;
+    if (typeof f === 'number' && f >= layout.nVocab)
+      throw new KvRejected(`the first token ${f} is outside the vocabulary of ${layout.nVocab}`, 'malformed');
+    return opened;
   }
 
   async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
