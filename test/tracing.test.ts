@@ -81,7 +81,7 @@ describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) 
     expect(root.attributes).toMatchObject({
       'http.route': '/v1/completions',
       'http.response.status_code': 200,
-      'gen_ai.request.model': 'm',
+      'gen_ai.request.model': MODEL_NAME,
       'nixl_node.request_id': 'client-7',
     });
     const pre = one('proxy.prefill');
