@@ -193,21 +193,26 @@ export class ServingProxy {
     const every = this.#o.healthIntervalMs ?? 2000;
     if (every > 0) {
       // One round first: once start() resolves, /v1/models and /health say what the workers serve.
-      await this.checkHealth();
+      await this.checkHealth({ learnOnly: true });
       this.#health = setInterval(() => void this.checkHealth(), every);
       this.#health.unref();
     }
     return this;
   }
 
-  /** One round of health checks over every worker. */
-  async checkHealth(): Promise<void> {
+  /**
+   * One round of health checks over every worker. `learnOnly`: only learn
+   * what the workers serve; one slow to answer its first check (a process
+   * just started, a ZeroMQ peer still connecting) is not taken out for it.
+   */
+  async checkHealth(o: { learnOnly?: boolean } = {}): Promise<void> {
     const all = Object.values(this.pools).flatMap((p) => p.workers.map((w) => ({ p, w })));
     await Promise.all(
       all.map(async ({ p, w }) => {
         const was = w.healthy;
         const failures = w.failures;
         const ok = await this.#transport.health(w, 1000);
+        if (o.learnOnly && !ok) return;
         const fields = { stage: w.stage, worker: w.address, model: w.model };
         if (ok) {
           p.markOk(w);
