@@ -5,14 +5,29 @@
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../demo/gguf';
+<<<<<<< HEAD
 import { oneOf, parse, positiveInt, UsageError } from '../lib/command-args';
 import { engines } from '../lib/agent';
 import { startTracing } from './otel';
 import { commandLogger, logLevel } from './log';
+=======
+import {
+  applyUcxNetDevices,
+  oneOf,
+  parse,
+  positiveInt,
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+  UsageError,
+} from '../lib/command-args';
+import { startTracing } from './otel';
+import { checkEndpoints } from '../lib/serving/fleet/etcd';
+>>>>>>> main
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
 
 Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
+       nixl-node proxy --etcd URL[,URL...] [options]
   --host H             interface to bind (default 127.0.0.1)
   --port P             port (default 8000; 0: any free port)
   --transport T        http (workers are OpenAI servers: URLs) | zmq (workers' PULL addresses)
@@ -21,7 +36,11 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --encode LIST        encoder workers (requests with images go there first)
   --pd-addrs LIST      zmq: workers that do both prefill and decode (vLLM's name)
   --encode-addrs LIST  zmq: encoder workers (vLLM's name)
-  --policy P           round-robin | least-outstanding (default round-robin)
+  --etcd LIST          etcd endpoints: also route to the workers registered there, as they come and go
+  --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
+  --policy P           round-robin | least-outstanding | load (reported load, free blocks, prefix
+                       affinity; the default with --etcd, else round-robin)
+  --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)
   --timeout-ms N       per stage (default 60000)
   --health-ms N        between health checks (default 2000)
   --retries N          other prefill workers to try when one fails (default 1)
@@ -53,13 +72,17 @@ Usage: nixl-node worker [options]
   --stall-prefill-ms N test hook: answer prefills this much later
   --stall-decode-ms N  test hook: start decode pulls this much later
   --kv-secret S        sign / require signed kv_transfer_params (default NIXL_NODE_KV_SECRET)
+  --etcd LIST          register in etcd (endpoints, comma-separated) under a lease; needs etcd3
+  --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
+  --role R             prefill | decode | both | encode: the proxies' pools it joins (default both)
+  --etcd-ttl N         lease seconds: how long it stays listed after dying (default 5)
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
   --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
                        JSON lines on stderr; each request at debug, failed ones at info / warn
   --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
   --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
-`;
+${UCX_NET_DEVICES_HELP}`;
 
 function list(v: Record<string, unknown>, name: string): string[] {
   const s = v[name];
@@ -86,6 +109,7 @@ function integer(s: string, name: string): number {
   return Number(s);
 }
 
+<<<<<<< HEAD
 /** An address already taken: the error names it and the options that choose it. */
 function inUse(e: unknown, options: string): unknown {
   const err = e as Error & { code?: string; address?: string; port?: number };
@@ -96,6 +120,24 @@ function inUse(e: unknown, options: string): unknown {
   return new UsageError(
     `${what} (EADDRINUSE): another process listens there; choose another with ${options} (port 0: any free port)`,
   );
+=======
+/** --etcd and --etcd-prefix, checked. */
+function etcdOptions(v: Record<string, unknown>): { endpoints: string[]; prefix?: string } | undefined {
+  if (v.etcd === undefined) {
+    if (v['etcd-prefix'] !== undefined) throw new UsageError('--etcd-prefix goes with --etcd');
+    return undefined;
+  }
+  const endpoints = list(v, 'etcd');
+  try {
+    checkEndpoints(endpoints);
+  } catch (e) {
+    throw new UsageError(`--etcd: ${(e as Error).message}`);
+  }
+  const prefix = v['etcd-prefix'] as string | undefined;
+  if (prefix !== undefined && (prefix.length === 0 || prefix.length > 256))
+    throw new UsageError('--etcd-prefix must be 1 to 256 characters');
+  return { endpoints, prefix };
+>>>>>>> main
 }
 
 function untilSignal(): Promise<void> {
@@ -117,6 +159,9 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       'pd-addrs': { type: 'string' },
       'encode-addrs': { type: 'string' },
       policy: { type: 'string' },
+      etcd: { type: 'string' },
+      'etcd-prefix': { type: 'string' },
+      'affinity-chars': { type: 'string' },
       'timeout-ms': { type: 'string' },
       'health-ms': { type: 'string' },
       retries: { type: 'string' },
@@ -133,8 +178,10 @@ export async function proxyCommand(argv: string[]): Promise<void> {
   const pd = list(v, 'pd-addrs');
   const prefill = [...list(v, 'prefill'), ...pd];
   const decode = [...list(v, 'decode'), ...pd];
-  if (prefill.length === 0 || decode.length === 0)
-    throw new UsageError('give prefill and decode workers (--prefill and --decode, or --pd-addrs)');
+  const etcd = etcdOptions(v);
+  if (!etcd && (prefill.length === 0 || decode.length === 0))
+    throw new UsageError('give prefill and decode workers (--prefill and --decode, or --pd-addrs), or --etcd');
+  const affinity = v['affinity-chars'] === '0' ? 0 : positiveInt(v, 'affinity-chars', 512, 1 << 20);
   const timeout = positiveInt(v, 'timeout-ms', 60_000, 3_600_000);
   const proxy = await startProxy({
     host: v.host as string | undefined,
@@ -143,7 +190,9 @@ export async function proxyCommand(argv: string[]): Promise<void> {
     prefill,
     decode,
     encode: [...list(v, 'encode'), ...list(v, 'encode-addrs')],
-    policy: oneOf(v, 'policy', ['round-robin', 'least-outstanding'] as const, 'round-robin'),
+    etcd,
+    policy: oneOf(v, 'policy', ['round-robin', 'least-outstanding', 'load'] as const, etcd ? 'load' : 'round-robin'),
+    routing: { prefixChars: affinity },
     timeoutMs: { encode: timeout, prefill: timeout, decode: timeout },
     healthIntervalMs: positiveInt(v, 'health-ms', 2000, 3_600_000),
     prefillRetries: v.retries === '0' ? 0 : positiveInt(v, 'retries', 1, 64),
@@ -153,8 +202,14 @@ export async function proxyCommand(argv: string[]): Promise<void> {
   }).catch((e) => {
     throw inUse(e, '--host / --port');
   });
+<<<<<<< HEAD
   log.info({ url: proxy.url, transport }, 'proxy ready');
   console.log(JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode }));
+=======
+  console.log(
+    JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode, etcd: etcd && proxy.fleet?.connected }),
+  );
+>>>>>>> main
   await untilSignal();
   await proxy.close();
   await stopTracing();
@@ -186,6 +241,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       parallel: { type: 'string' },
       'block-kib': { type: 'string' },
       'tamper-kv': { type: 'string' },
+<<<<<<< HEAD
       'log-level': { type: 'string' },
     },
     WORKER_HELP,
@@ -194,6 +250,23 @@ export async function workerCommand(argv: string[]): Promise<void> {
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
   const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker', log);
+=======
+      ...UCX_NET_DEVICES_OPTION,
+      etcd: { type: 'string' },
+      'etcd-prefix': { type: 'string' },
+      role: { type: 'string' },
+      'etcd-ttl': { type: 'string' },
+    },
+    WORKER_HELP,
+  );
+  applyUcxNetDevices(v);
+  const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
+  const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker');
+  const etcd = etcdOptions(v);
+  if (!etcd && (v.role !== undefined || v['etcd-ttl'] !== undefined))
+    throw new UsageError('--role and --etcd-ttl go with --etcd');
+>>>>>>> main
   const w = await startWorker({
     name: v.name as string | undefined,
     transport: oneOf(v, 'transport', ['http', 'zmq'] as const, 'http'),
@@ -221,6 +294,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       v['tamper-kv'] === undefined
         ? undefined
         : oneOf(v, 'tamper-kv', ['truncate', 'corrupt', 'oversize', 'foreign'] as const, 'corrupt'),
+<<<<<<< HEAD
     logger: log,
   }).catch((e) => {
     throw inUse(e, '--host, --port, --side-channel-port or --zmq-addr');
@@ -229,6 +303,15 @@ export async function workerCommand(argv: string[]): Promise<void> {
     log.info({ engine: 'loopback' }, 'NIXL is not compiled in: the loopback engine moves KV on this host only');
   log.info({ name: w.name, address: w.address, model: w.modelId }, 'worker ready');
   console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId }));
+=======
+    etcd: etcd && {
+      ...etcd,
+      role: oneOf(v, 'role', ['prefill', 'decode', 'both', 'encode'] as const, 'both'),
+      ttlSec: positiveInt(v, 'etcd-ttl', 5, 3600),
+    },
+  });
+  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, etcd: w.fleet?.key }));
+>>>>>>> main
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));
   await untilSignal();

@@ -12,11 +12,17 @@ import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
+<<<<<<< HEAD
 import { HttpError, errorBody, hasImages, readJson } from './http';
 import { checkWorkerAddress } from './addresses';
 import { type Logger, silentLogger } from './log';
 import { ModelNotFound, modelNotFoundBody, normalizePrompt } from './openai';
 import { hasDecodeFor, modelMismatch, sameModel, servedModels, serves } from './pairing';
+=======
+import { type HttpError, errorBody, hasImages, readJson } from './http';
+import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
+import { type RoutingOptions, affinityKey } from './fleet/routing';
+>>>>>>> main
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -25,11 +31,15 @@ export interface ProxyOptions {
   /** 0: any free port. */
   port?: number;
   transport?: 'http' | 'zmq';
-  /** Worker addresses: HTTP base URLs, or ZMQ addresses (tcp://, ipc://). */
-  prefill: string[];
-  decode: string[];
+  /** Worker addresses: HTTP base URLs, or ZMQ addresses (tcp://, ipc://); with `etcd`, these may be empty. */
+  prefill?: string[];
+  decode?: string[];
   encode?: string[];
+  /** Also the workers registered in etcd, followed as they come and go (docs/fleet.md). */
+  etcd?: FleetWatchOptions;
   policy?: Policy;
+  /** The 'load' policy's weights and prefix affinity. */
+  routing?: RoutingOptions;
   /** Per stage, ms (default 60 s each). */
   timeoutMs?: Partial<Record<Stage, number>>;
   /** Health checks, ms between rounds (default 2000; 0: none). */
@@ -112,9 +122,16 @@ export class ServingProxy {
   /** Each request's span context, by our request id: its stages' spans are its children. */
   readonly #traces = new Map<string, TraceContext>();
   #health?: NodeJS.Timeout;
+<<<<<<< HEAD
   readonly #log: Logger;
   /** The last model mismatch logged (logged again only when it changes). */
   #mismatch?: string;
+=======
+  /** The workers etcd lists, when given `etcd`. */
+  fleet?: FleetDiscovery;
+  /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
+  readonly #affinity = new Map<string, string>();
+>>>>>>> main
   readonly #prom?: {
     registry: import('prom-client').Registry;
     requests: import('prom-client').Counter<string>;
@@ -125,16 +142,23 @@ export class ServingProxy {
 
   constructor(o: ProxyOptions) {
     this.#o = o;
-    if (!o.prefill?.length || !o.decode?.length) throw new RangeError('a proxy needs prefill and decode workers');
+    if (!o.etcd && (!o.prefill?.length || !o.decode?.length))
+      throw new RangeError('a proxy needs prefill and decode workers (or etcd to find them)');
     wireProfile(o.wire);
     this.#log = o.logger ?? silentLogger;
     const policy = o.policy ?? 'round-robin';
     const kind = o.transport ?? 'http';
     const checked = (role: Stage, list: string[] = []) => list.map((a) => checkWorkerAddress(a, kind, role));
     this.pools = {
+<<<<<<< HEAD
       encode: new WorkerPool('encode', checked('encode', o.encode), policy),
       prefill: new WorkerPool('prefill', checked('prefill', o.prefill), policy),
       decode: new WorkerPool('decode', checked('decode', o.decode), policy),
+=======
+      encode: new WorkerPool('encode', o.encode ?? [], policy, o.routing),
+      prefill: new WorkerPool('prefill', o.prefill ?? [], policy, o.routing),
+      decode: new WorkerPool('decode', o.decode ?? [], policy, o.routing),
+>>>>>>> main
     };
     this.#transport = kind === 'zmq' ? new ZmqTransport() : new HttpTransport();
     const requestTimeout = o.requestTimeoutMs ?? 30_000;
@@ -144,8 +168,10 @@ export class ServingProxy {
       { requestTimeout, headersTimeout: Math.min(requestTimeout, 10_000), connectionsCheckingInterval: 1000 },
       (req, res) => void this.#onRequest(req, res),
     );
-    this.#server.on('clientError', (_e, socket) => {
-      if (socket.writable) socket.end('HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n');
+    this.#server.on('clientError', (e: Error & { code?: string }, socket) => {
+      // Headers past Node's limit (16 KiB) are 431, as Node itself answers; anything else unparsable is 400.
+      const status = e.code === 'HPE_HEADER_OVERFLOW' ? '431 Request Header Fields Too Large' : '400 Bad Request';
+      if (socket.writable) socket.end(`HTTP/1.1 ${status}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n`);
       else socket.destroy();
     });
     const prom = loadProm();
@@ -179,6 +205,7 @@ export class ServingProxy {
         }),
       };
     }
+    if (o.etcd) this.fleet = new FleetDiscovery(this.pools, o.transport ?? 'http', o.etcd, this.#prom?.registry);
   }
 
   /** Listens; resolves once the proxy takes requests. */
@@ -190,6 +217,7 @@ export class ServingProxy {
       this.#server.listen(this.#o.port ?? 0, host, () => resolve());
     });
     this.url = `http://${host.includes(':') ? `[${host}]` : host}:${(this.#server.address() as AddressInfo).port}`;
+    await this.fleet?.start();
     const every = this.#o.healthIntervalMs ?? 2000;
     if (every > 0) {
       // One round first: once start() resolves, /v1/models and /health say what the workers serve.
@@ -353,6 +381,8 @@ export class ServingProxy {
       },
     });
     this.#traces.set(requestId, span.context);
+    const key = this.pools.prefill.policy === 'load' ? affinityKey(body, this.#o.routing) : undefined;
+    if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
     let failure: string | undefined;
     const t0 = performance.now();
@@ -397,6 +427,7 @@ export class ServingProxy {
       this.#inflight.delete(ac);
       this.#prom?.inflight.dec();
       this.#traces.delete(requestId);
+      this.#affinity.delete(requestId);
       span.setAttribute('http.response.status_code', status);
       span.end();
       const fields = {
@@ -560,7 +591,11 @@ export class ServingProxy {
     const tried = new Set<WorkerRef>(avoid);
     let last: StageFailure | undefined;
     for (let attempt = 0; attempt <= retries; attempt++) {
+<<<<<<< HEAD
       const w = pool.pick(tried, o.accept);
+=======
+      const w = pool.pick(tried, stage === 'prefill' ? this.#affinity.get(requestId) : undefined);
+>>>>>>> main
       if (!w || (attempt > 0 && tried.has(w))) break;
       tried.add(w);
       if (attempt > 0) this.stats.retries++;
@@ -604,7 +639,14 @@ export class ServingProxy {
         });
         observe(String(answer.status));
         span.setAttribute('http.response.status_code', answer.status);
+<<<<<<< HEAD
         if (answer.status >= 500 && answer.status !== 503) this.#eject(w, `answered ${answer.status}`);
+=======
+        // An answer, whatever its status, comes from a worker that is up: a
+        // refusal of this request (bad KV, a pull that failed, a lease run
+        // out) says nothing of the next one. Only an unreachable worker, a
+        // timeout or a failed health check takes a worker out.
+>>>>>>> main
         if (answer.status >= 400) {
           release();
           const err = answer.json?.error as { message?: string; type?: string; code?: string } | undefined;
@@ -633,6 +675,12 @@ export class ServingProxy {
       } catch (e) {
         release();
         if (e instanceof StageFailure) throw e;
+        // A prefill may have answered into the connection just cut: its hold's
+        // id never arrived, so it is released by our request id instead.
+        if (stage === 'prefill' && (clientSignal.aborted || timeout.aborted)) {
+          this.stats.holdsReleased++;
+          void this.#transport.releaseRequest(w, requestId);
+        }
         if (clientSignal.aborted) {
           span.fail(e);
           throw e;
@@ -669,6 +717,7 @@ export class ServingProxy {
   /** Stops: requests in flight are aborted, sockets closed. */
   async close(): Promise<void> {
     clearInterval(this.#health);
+    await this.fleet?.close();
     for (const ac of this.#inflight) ac.abort(new Error('proxy closing'));
     this.#server.closeAllConnections();
     await new Promise((r) => this.#server.close(r));

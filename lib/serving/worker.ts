@@ -47,6 +47,7 @@ import { type Logger, silentLogger } from './log';
 import { ModelNotFound, normalizePrompt } from './openai';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
+import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -98,6 +99,7 @@ export interface WorkerOptions {
    * (nothing read). Default: NIXL_NODE_KV_SECRET, else none (vLLM-compatible).
    */
   kvSecret?: string;
+<<<<<<< HEAD
   /**
    * Where the worker logs (pino, or anything with its `(fields, message)`
    * methods): each request at debug, failed ones at warn (5xx) or info (4xx).
@@ -110,6 +112,10 @@ export interface WorkerOptions {
 export interface RequestHints {
   /** Prefill: the max_tokens its decode will generate (a header or message field: checked here). */
   decodeMaxTokens?: unknown;
+=======
+  /** Registers in etcd under a lease, so proxies given the same etcd find it (docs/fleet.md). */
+  etcd?: FleetJoinOptions;
+>>>>>>> main
 }
 
 /** A worker's counters. */
@@ -131,6 +137,8 @@ export interface WorkerStats {
   lateReads: number;
   /** Prefill: holds released early because the proxy said the decode would not read them. */
   abortedHolds: number;
+  /** ZeroMQ: answers dropped because their reply_to is not an address a PUSH socket can connect to. */
+  repliesDropped: number;
   /** Time spent taking KV out of the model into blocks (prefill), pulling it (decode), putting it back in (decode), ms. */
   kvSaveMs: number;
   kvPullMs: number;
@@ -165,6 +173,7 @@ export class Worker {
     pullsExpired: 0,
     lateReads: 0,
     abortedHolds: 0,
+    repliesDropped: 0,
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
@@ -184,11 +193,27 @@ export class Worker {
   readonly #secret: string | undefined;
   /** Blocks held for each prefilled request until its read or lease. */
   readonly #held = new Map<string, number[]>();
+  /**
+   * By the request id the proxy sent: the holds made and the prefills still
+   * running for it (releaseRequest frees both).
+   */
+  readonly #holdsOf = new Map<string, Set<string>>();
+  readonly #prefilling = new Map<string, Set<{ released: boolean }>>();
+  /**
+   * Request ids released before any prefill of theirs arrived (the release
+   * overtook the request on another connection), with when: a prefill of one
+   * gives its blocks up. A few seconds, at most 4096.
+   */
+  readonly #releasedEarly = new Map<string, number>();
   #side?: HandshakeServer;
   #http?: http.Server;
   #zmq?: ZmqFront;
   #seq = 0;
   #closed = false;
+  /** Requests in progress (what it reports as its load). */
+  #active = 0;
+  /** Its record in etcd, when given `etcd`. */
+  fleet?: FleetRegistration;
 
   /** A worker around a loaded model (startWorker loads it from the options). */
   constructor(o: WorkerOptions, model: ServingModel = new SyntheticModel(DEFAULT_MODEL)) {
@@ -272,6 +297,28 @@ export class Worker {
     return this.#tracker.abort(remoteRequestId);
   }
 
+  /**
+   * Frees the holds a request (the proxy's request id) made here, and makes
+   * its prefills still running give theirs up: the proxy's client went away
+   * before the prefill's answer, with the hold's id, reached the proxy.
+   * Returns how many holds and prefills it found.
+   */
+  releaseRequest(requestId: unknown): number {
+    if (typeof requestId !== 'string') throw new HttpError(400, "'request_id' must be a string");
+    let n = 0;
+    for (const p of this.#prefilling.get(requestId) ?? []) {
+      p.released = true;
+      n++;
+    }
+    for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#tracker.abort(id)) n++;
+    if (n === 0) {
+      this.#releasedEarly.set(requestId, performance.now());
+      const [oldest] = this.#releasedEarly.keys();
+      if (this.#releasedEarly.size > 4096) this.#releasedEarly.delete(oldest);
+    }
+    return n;
+  }
+
   /** Why this worker cannot serve now (its model cannot), or undefined: /health answers 503 with it. */
   unhealthy(): string | undefined {
     return this.model.unhealthy?.();
@@ -319,7 +366,26 @@ export class Worker {
       this.#zmq = await ZmqFront.bind(this, this.#o.zmqAddr ?? `tcp://${host}:*`, maxBodyBytes);
       this.address = this.#zmq.address;
     }
+    if (this.#o.etcd) this.fleet = await new FleetRegistration(this.#fleetView(), this.#o.etcd).join();
     return this;
+  }
+
+  /** What its etcd record reports: load is requests in progress plus KV held for a decode. */
+  #fleetView() {
+    const w = this;
+    return {
+      name: w.name,
+      address: w.address,
+      transport: w.#o.transport ?? 'http',
+      modelId: w.modelId,
+      get freeBlocks() {
+        return w.freeBlocks;
+      },
+      totalBlocks: w.#blocks.size,
+      get load() {
+        return w.#active + w.#held.size;
+      },
+    };
   }
 
   /** Counts a failed request; the error as the front answers it. */
@@ -346,9 +412,13 @@ export class Worker {
       parent: contextFromTraceparent(traceparent),
       attributes: { 'http.route': path, 'nixl_node.worker': this.name, 'nixl_node.request_id': requestId },
     });
+<<<<<<< HEAD
     const log = this.#o.logger ?? silentLogger;
     const t0 = performance.now();
     const fields = () => ({ request_id: requestId, route: path, ms: Math.round(performance.now() - t0) });
+=======
+    this.#active++;
+>>>>>>> main
     try {
       await this.#serve(path, body, requestId, signal, sink, span, hints);
       log.debug({ ...fields(), status: 200 }, 'request');
@@ -361,6 +431,7 @@ export class Worker {
       else log.info(line, 'request refused');
       throw h;
     } finally {
+      this.#active--;
       span.end();
     }
   }
@@ -438,6 +509,7 @@ export class Worker {
     }
     // Decode: the KV comes from the prefill named in kv_transfer_params.
     span.setAttribute('nixl_node.role', 'decode');
+    this.#fitsContext(req, kvp);
     const n = known ?? remoteBlockCount(kvp, this.#o.wire);
     this.#fits(n);
     const ids = this.#take(n);
@@ -449,13 +521,21 @@ export class Worker {
     try {
       if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
       const pulled = performance.now();
-      try {
-        await this.#puller.pullFromParams(kvp, {
+      const pull = () =>
+        this.#puller.pullFromParams(kvp, {
           traceContext: span.context,
           localBlockIds: ids,
           signal,
           timeoutMs: 30_000,
           issuedAtMs: arrivedMs,
+        });
+      try {
+        await pull().catch((e: PullError) => {
+          // The prefill restarted at the address we knew (same side channel):
+          // our connection was to its dead incarnation, which the puller has
+          // dropped. Once more, from a fresh handshake with the new one.
+          if (e.kind !== 'peer-gone' || signal.aborted) throw e;
+          return pull();
         });
       } catch (e) {
         const err = e as PullError;
@@ -489,6 +569,26 @@ export class Worker {
   }
 
   async #prefill(req: GenerationRequest, requestId: string, signal: AbortSignal, sink: Sink, span: SpanLike) {
+    const early = this.#releasedEarly.get(requestId);
+    const me = { released: early !== undefined && performance.now() - early < 10_000 };
+    const running = getOrAdd(this.#prefilling, requestId);
+    running.add(me);
+    try {
+      await this.#prefillOnce(req, requestId, signal, sink, span, me);
+    } finally {
+      running.delete(me);
+      if (running.size === 0) this.#prefilling.delete(requestId);
+    }
+  }
+
+  async #prefillOnce(
+    req: GenerationRequest,
+    requestId: string,
+    signal: AbortSignal,
+    sink: Sink,
+    span: SpanLike,
+    me: { released: boolean },
+  ) {
     const kv = await this.model.prefill(req, signal);
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
@@ -500,6 +600,8 @@ export class Worker {
     if (this.#o.tamperKv)
       tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv, this.#secret);
     this.#held.set(remoteRequestId, ids);
+    const holds = getOrAdd(this.#holdsOf, requestId);
+    holds.add(remoteRequestId);
     // The hold outlives this request's span: it ends when the blocks go back.
     const hold = startSpan('kv.hold', {
       parent: span.context,
@@ -509,6 +611,8 @@ export class Worker {
       hold.setAttribute('nixl_node.release_reason', r.reason === 'expired' ? 'lease' : r.reason);
       hold.end();
       this.#held.delete(remoteRequestId);
+      holds.delete(remoteRequestId);
+      if (holds.size === 0 && this.#holdsOf.get(requestId) === holds) this.#holdsOf.delete(requestId);
       if (r.reason !== 'read' && this.#o.poisonFreed) {
         const view = this.#view(ids);
         for (let b = 0; b < ids.length; b++) for (let l = 0; l < this.model.geometry.layers; l++) view(b, l).fill(0xa5);
@@ -516,7 +620,7 @@ export class Worker {
       this.#blocks.give(ids);
     });
     if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
-    if (signal.aborted) {
+    if (signal.aborted || me.released) {
       // Nobody will get the params, so nobody will read the blocks.
       this.#tracker.abort(remoteRequestId);
       throw new HttpError(499, 'the proxy went away', 'aborted');
@@ -575,6 +679,29 @@ export class Worker {
     }
   }
 
+  /**
+   * A decode's 400 before any pull when the prompt the prefill evaluated
+   * (remote_num_tokens) and max_tokens cannot fit the model's context, as
+   * one worker answers the same request. Params that do not say (vLLM
+   * v0.13) are checked by the model once it reads the KV.
+   */
+  #fitsContext(req: GenerationRequest, kvp: Record<string, unknown>): void {
+    const ctx = this.model.contextSize;
+    if (ctx === undefined) return;
+    let prompt: number | null = null;
+    try {
+      prompt = parseKvTransferParams(kvp, this.#o.wire).remoteNumTokens;
+    } catch {
+      return; // the pull says what is wrong with them
+    }
+    if (prompt !== null && prompt + req.maxTokens > ctx)
+      throw new HttpError(
+        400,
+        `this model's context holds ${ctx} tokens; the request needs ${prompt + req.maxTokens} ` +
+          `(${prompt} in the prompt, ${req.maxTokens} to generate)`,
+      );
+  }
+
   /** 413 when a request's KV cannot fit this worker's cache even when empty. */
   #fits(n: number): void {
     if (n > this.#blocks.size)
@@ -592,6 +719,8 @@ export class Worker {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
+    // Out of the fleet first, then what is in progress (and KV held for a decode) finishes.
+    await this.fleet?.leave(() => this.#active === 0 && this.#held.size === 0);
     this.#zmq?.close();
     if (this.#http) {
       this.#http.closeAllConnections();
@@ -779,6 +908,16 @@ function asHttpError(e: unknown, signal: AbortSignal): HttpError {
 function expirySeconds(tracker: PrefillTracker, requestId: string): number | null {
   const ms = tracker.leaseExpiry(requestId);
   return ms === undefined ? null : ms / 1000;
+}
+
+/** The set under key, made when missing. */
+function getOrAdd<T>(m: Map<string, Set<T>>, key: string): Set<T> {
+  let v = m.get(key);
+  if (!v) {
+    v = new Set();
+    m.set(key, v);
+  }
+  return v;
 }
 
 function sleep(ms: number, signal: AbortSignal): Promise<void> {

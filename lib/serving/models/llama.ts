@@ -227,6 +227,8 @@ export class LlamaModel implements ServingModel {
     const t0 = performance.now();
     const { state, promptTokens, firstToken } = this.#open(view, blocks, binding);
     blocksRead?.(); // the state is a copy now
+    // Every path below (the greedy ones too) fits the context, or nothing is loaded.
+    this.#fits(promptTokens, req.maxTokens);
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
     await fs.promises.writeFile(file, state);
     const ctx = await this.#pool.acquire(signal);
@@ -359,9 +361,18 @@ export class LlamaModel implements ServingModel {
         session.dispose({ disposeSequence: false });
       }
     } else {
+<<<<<<< HEAD
       // The prompt and BOS.
       promptTokens = this.#model.tokenize(req.prompt).length + 1;
       this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
+=======
+      // What LlamaCompletion evaluates: BOS when the vocabulary prepends one,
+      // then the prompt without the tokenizer's leading space.
+      const bos = this.#model.tokens.shouldPrependBosToken && this.#model.tokens.bos !== null;
+      promptTokens =
+        this.#model.tokenize(req.prompt, false, bos ? 'trimLeadingSpace' : undefined).length + (bos ? 1 : 0);
+      this.#fits(promptTokens, s.maxTokens);
+>>>>>>> main
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
         ({
