@@ -5,12 +5,6 @@
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../demo/gguf';
-<<<<<<< HEAD
-import { oneOf, parse, positiveInt, UsageError } from '../lib/command-args';
-import { engines } from '../lib/agent';
-import { startTracing } from './otel';
-import { commandLogger, logLevel } from './log';
-=======
 import {
   applyUcxNetDevices,
   oneOf,
@@ -20,9 +14,10 @@ import {
   UCX_NET_DEVICES_OPTION,
   UsageError,
 } from '../lib/command-args';
+import { engines } from '../lib/agent';
 import { startTracing } from './otel';
+import { commandLogger, logLevel } from './log';
 import { checkEndpoints } from '../lib/serving/fleet/etcd';
->>>>>>> main
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
 
@@ -109,7 +104,6 @@ function integer(s: string, name: string): number {
   return Number(s);
 }
 
-<<<<<<< HEAD
 /** An address already taken: the error names it and the options that choose it. */
 function inUse(e: unknown, options: string): unknown {
   const err = e as Error & { code?: string; address?: string; port?: number };
@@ -120,7 +114,8 @@ function inUse(e: unknown, options: string): unknown {
   return new UsageError(
     `${what} (EADDRINUSE): another process listens there; choose another with ${options} (port 0: any free port)`,
   );
-=======
+}
+
 /** --etcd and --etcd-prefix, checked. */
 function etcdOptions(v: Record<string, unknown>): { endpoints: string[]; prefix?: string } | undefined {
   if (v.etcd === undefined) {
@@ -137,7 +132,6 @@ function etcdOptions(v: Record<string, unknown>): { endpoints: string[]; prefix?
   if (prefix !== undefined && (prefix.length === 0 || prefix.length > 256))
     throw new UsageError('--etcd-prefix must be 1 to 256 characters');
   return { endpoints, prefix };
->>>>>>> main
 }
 
 function untilSignal(): Promise<void> {
@@ -202,14 +196,10 @@ export async function proxyCommand(argv: string[]): Promise<void> {
   }).catch((e) => {
     throw inUse(e, '--host / --port');
   });
-<<<<<<< HEAD
   log.info({ url: proxy.url, transport }, 'proxy ready');
-  console.log(JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode }));
-=======
   console.log(
     JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode, etcd: etcd && proxy.fleet?.connected }),
   );
->>>>>>> main
   await untilSignal();
   await proxy.close();
   await stopTracing();
@@ -241,32 +231,23 @@ export async function workerCommand(argv: string[]): Promise<void> {
       parallel: { type: 'string' },
       'block-kib': { type: 'string' },
       'tamper-kv': { type: 'string' },
-<<<<<<< HEAD
-      'log-level': { type: 'string' },
-    },
-    WORKER_HELP,
-  );
-  const log = commandLogger('worker', logLevel(v));
-  const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
-  const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
-  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker', log);
-=======
       ...UCX_NET_DEVICES_OPTION,
       etcd: { type: 'string' },
       'etcd-prefix': { type: 'string' },
       role: { type: 'string' },
       'etcd-ttl': { type: 'string' },
+      'log-level': { type: 'string' },
     },
     WORKER_HELP,
   );
   applyUcxNetDevices(v);
+  const log = commandLogger('worker', logLevel(v));
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
-  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker');
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker', log);
   const etcd = etcdOptions(v);
   if (!etcd && (v.role !== undefined || v['etcd-ttl'] !== undefined))
     throw new UsageError('--role and --etcd-ttl go with --etcd');
->>>>>>> main
   const w = await startWorker({
     name: v.name as string | undefined,
     transport: oneOf(v, 'transport', ['http', 'zmq'] as const, 'http'),
@@ -294,7 +275,11 @@ export async function workerCommand(argv: string[]): Promise<void> {
       v['tamper-kv'] === undefined
         ? undefined
         : oneOf(v, 'tamper-kv', ['truncate', 'corrupt', 'oversize', 'foreign'] as const, 'corrupt'),
-<<<<<<< HEAD
+    etcd: etcd && {
+      ...etcd,
+      role: oneOf(v, 'role', ['prefill', 'decode', 'both', 'encode'] as const, 'both'),
+      ttlSec: positiveInt(v, 'etcd-ttl', 5, 3600),
+    },
     logger: log,
   }).catch((e) => {
     throw inUse(e, '--host, --port, --side-channel-port or --zmq-addr');
@@ -302,16 +287,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
   if (!process.env.NIXL_NODE_ENGINE && !engines.includes('nixl'))
     log.info({ engine: 'loopback' }, 'NIXL is not compiled in: the loopback engine moves KV on this host only');
   log.info({ name: w.name, address: w.address, model: w.modelId }, 'worker ready');
-  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId }));
-=======
-    etcd: etcd && {
-      ...etcd,
-      role: oneOf(v, 'role', ['prefill', 'decode', 'both', 'encode'] as const, 'both'),
-      ttlSec: positiveInt(v, 'etcd-ttl', 5, 3600),
-    },
-  });
   console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, etcd: w.fleet?.key }));
->>>>>>> main
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));
   await untilSignal();

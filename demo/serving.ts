@@ -7,10 +7,6 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
-<<<<<<< HEAD
-import { oneOf, parse, positiveInt } from '../lib/command-args';
-import { MODEL_NAME, expectedCompletion } from '../lib/serving/models/synthetic-kv';
-=======
 import {
   applyUcxNetDevices,
   oneOf,
@@ -19,8 +15,7 @@ import {
   UCX_NET_DEVICES_HELP,
   UCX_NET_DEVICES_OPTION,
 } from '../lib/command-args';
-import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
->>>>>>> main
+import { MODEL_NAME, expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { modelPath } from './gguf';
 import { type Ask, OneProcess, askBody } from './llama-reference';
 import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';

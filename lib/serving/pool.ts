@@ -19,15 +19,12 @@ export interface WorkerRef {
   failures: number;
   /** The model it serves, when its health answer said (nixl-node workers do). */
   model?: string;
-<<<<<<< HEAD
   /** Tokens of its model's context (prompt and answer), when its health answer said. */
   maxModelLen?: number;
-=======
   /** Its name in etcd, when the fleet brought it (not the command line). */
   fleet?: string;
   /** What it last reported through etcd. */
   reported?: { load: number; freeBlocks: number; totalBlocks: number };
->>>>>>> main
 }
 
 /** The workers of one stage, with the policy that picks among the healthy ones. */
@@ -64,17 +61,15 @@ export class WorkerPool {
 
   /**
    * A healthy worker not in `avoid` (falls back to `avoid` ones when nothing
-<<<<<<< HEAD
-   * else is healthy), among those `accept` takes (all by default).
+   * else is healthy), among those `accept` takes (all by default); `key`: the
+   * request's prefix affinity ('load' policy).
    */
-  pick(avoid: ReadonlySet<WorkerRef> = new Set(), accept?: (w: WorkerRef) => boolean): WorkerRef | undefined {
+  pick(
+    avoid: ReadonlySet<WorkerRef> = new Set(),
+    key?: string,
+    accept?: (w: WorkerRef) => boolean,
+  ): WorkerRef | undefined {
     const healthy = this.workers.filter((w) => w.healthy && (!accept || accept(w)));
-=======
-   * else is healthy); `key`: the request's prefix affinity ('load' policy).
-   */
-  pick(avoid: ReadonlySet<WorkerRef> = new Set(), key?: string): WorkerRef | undefined {
-    const healthy = this.workers.filter((w) => w.healthy);
->>>>>>> main
     const preferred = healthy.filter((w) => !avoid.has(w));
     const from = preferred.length > 0 ? preferred : healthy;
     if (from.length === 0) return undefined;

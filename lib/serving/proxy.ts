@@ -12,17 +12,13 @@ import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
-<<<<<<< HEAD
 import { HttpError, errorBody, hasImages, readJson } from './http';
 import { checkWorkerAddress } from './addresses';
 import { type Logger, silentLogger } from './log';
 import { ModelNotFound, modelNotFoundBody, normalizePrompt } from './openai';
 import { hasDecodeFor, modelMismatch, sameModel, servedModels, serves } from './pairing';
-=======
-import { type HttpError, errorBody, hasImages, readJson } from './http';
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 import { type RoutingOptions, affinityKey } from './fleet/routing';
->>>>>>> main
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -122,16 +118,13 @@ export class ServingProxy {
   /** Each request's span context, by our request id: its stages' spans are its children. */
   readonly #traces = new Map<string, TraceContext>();
   #health?: NodeJS.Timeout;
-<<<<<<< HEAD
   readonly #log: Logger;
   /** The last model mismatch logged (logged again only when it changes). */
   #mismatch?: string;
-=======
   /** The workers etcd lists, when given `etcd`. */
   fleet?: FleetDiscovery;
   /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
   readonly #affinity = new Map<string, string>();
->>>>>>> main
   readonly #prom?: {
     registry: import('prom-client').Registry;
     requests: import('prom-client').Counter<string>;
@@ -150,15 +143,9 @@ export class ServingProxy {
     const kind = o.transport ?? 'http';
     const checked = (role: Stage, list: string[] = []) => list.map((a) => checkWorkerAddress(a, kind, role));
     this.pools = {
-<<<<<<< HEAD
-      encode: new WorkerPool('encode', checked('encode', o.encode), policy),
-      prefill: new WorkerPool('prefill', checked('prefill', o.prefill), policy),
-      decode: new WorkerPool('decode', checked('decode', o.decode), policy),
-=======
-      encode: new WorkerPool('encode', o.encode ?? [], policy, o.routing),
-      prefill: new WorkerPool('prefill', o.prefill ?? [], policy, o.routing),
-      decode: new WorkerPool('decode', o.decode ?? [], policy, o.routing),
->>>>>>> main
+      encode: new WorkerPool('encode', checked('encode', o.encode), policy, o.routing),
+      prefill: new WorkerPool('prefill', checked('prefill', o.prefill), policy, o.routing),
+      decode: new WorkerPool('decode', checked('decode', o.decode), policy, o.routing),
     };
     this.#transport = kind === 'zmq' ? new ZmqTransport() : new HttpTransport();
     const requestTimeout = o.requestTimeoutMs ?? 30_000;
@@ -591,11 +578,7 @@ export class ServingProxy {
     const tried = new Set<WorkerRef>(avoid);
     let last: StageFailure | undefined;
     for (let attempt = 0; attempt <= retries; attempt++) {
-<<<<<<< HEAD
-      const w = pool.pick(tried, o.accept);
-=======
-      const w = pool.pick(tried, stage === 'prefill' ? this.#affinity.get(requestId) : undefined);
->>>>>>> main
+      const w = pool.pick(tried, stage === 'prefill' ? this.#affinity.get(requestId) : undefined, o.accept);
       if (!w || (attempt > 0 && tried.has(w))) break;
       tried.add(w);
       if (attempt > 0) this.stats.retries++;
@@ -639,14 +622,10 @@ export class ServingProxy {
         });
         observe(String(answer.status));
         span.setAttribute('http.response.status_code', answer.status);
-<<<<<<< HEAD
-        if (answer.status >= 500 && answer.status !== 503) this.#eject(w, `answered ${answer.status}`);
-=======
         // An answer, whatever its status, comes from a worker that is up: a
         // refusal of this request (bad KV, a pull that failed, a lease run
         // out) says nothing of the next one. Only an unreachable worker, a
         // timeout or a failed health check takes a worker out.
->>>>>>> main
         if (answer.status >= 400) {
           release();
           const err = answer.json?.error as { message?: string; type?: string; code?: string } | undefined;

@@ -99,23 +99,20 @@ export interface WorkerOptions {
    * (nothing read). Default: NIXL_NODE_KV_SECRET, else none (vLLM-compatible).
    */
   kvSecret?: string;
-<<<<<<< HEAD
   /**
    * Where the worker logs (pino, or anything with its `(fields, message)`
    * methods): each request at debug, failed ones at warn (5xx) or info (4xx).
    * Default: nothing is logged.
    */
   logger?: Logger;
+  /** Registers in etcd under a lease, so proxies given the same etcd find it (docs/fleet.md). */
+  etcd?: FleetJoinOptions;
 }
 
 /** What a request's front passes besides its body. */
 export interface RequestHints {
   /** Prefill: the max_tokens its decode will generate (a header or message field: checked here). */
   decodeMaxTokens?: unknown;
-=======
-  /** Registers in etcd under a lease, so proxies given the same etcd find it (docs/fleet.md). */
-  etcd?: FleetJoinOptions;
->>>>>>> main
 }
 
 /** A worker's counters. */
@@ -412,13 +409,10 @@ export class Worker {
       parent: contextFromTraceparent(traceparent),
       attributes: { 'http.route': path, 'nixl_node.worker': this.name, 'nixl_node.request_id': requestId },
     });
-<<<<<<< HEAD
+    this.#active++;
     const log = this.#o.logger ?? silentLogger;
     const t0 = performance.now();
     const fields = () => ({ request_id: requestId, route: path, ms: Math.round(performance.now() - t0) });
-=======
-    this.#active++;
->>>>>>> main
     try {
       await this.#serve(path, body, requestId, signal, sink, span, hints);
       log.debug({ ...fields(), status: 200 }, 'request');

@@ -361,18 +361,12 @@ export class LlamaModel implements ServingModel {
         session.dispose({ disposeSequence: false });
       }
     } else {
-<<<<<<< HEAD
-      // The prompt and BOS.
-      promptTokens = this.#model.tokenize(req.prompt).length + 1;
-      this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
-=======
       // What LlamaCompletion evaluates: BOS when the vocabulary prepends one,
       // then the prompt without the tokenizer's leading space.
       const bos = this.#model.tokens.shouldPrependBosToken && this.#model.tokens.bos !== null;
       promptTokens =
         this.#model.tokenize(req.prompt, false, bos ? 'trimLeadingSpace' : undefined).length + (bos ? 1 : 0);
-      this.#fits(promptTokens, s.maxTokens);
->>>>>>> main
+      this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
         ({

@@ -85,8 +85,6 @@ export interface ServingModel {
   /** The model's name in answers and /v1/models. */
   readonly id: string;
   readonly geometry: KvGeometry;
-  /** Tokens of its context (prompt and answer), when bounded; the health answer's max_model_len. */
-  readonly contextSize?: number;
   /** The side channel's compatibility hash: decodes refuse a prefill of another model at the handshake. */
   readonly compatibilityHash: string;
   /** Tokens a request's prompt and answer may take together, when the model has such a bound (a 400 past it). */
