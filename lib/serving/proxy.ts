@@ -224,17 +224,17 @@ export class ServingProxy {
     const all = Object.values(this.pools).flatMap((p) => p.workers.map((w) => ({ p, w })));
     await Promise.all(
       all.map(async ({ p, w }) => {
-        const was = w.healthy;
-        const failures = w.failures;
         const ok = await this.#transport.health(w, 1000);
         if (o.learnOnly && !ok) return;
+        // Read after the check: rounds may overlap, and only the one that changes the state logs it.
+        const was = w.healthy;
         const fields = { stage: w.stage, worker: w.address, model: w.model };
         if (ok) {
           p.markOk(w);
           if (!was) this.#log.info(fields, 'worker healthy again');
         } else {
           p.markFailed(w);
-          if (was || failures === 0) this.#log.warn(fields, 'worker unhealthy: its health check failed');
+          if (was) this.#log.warn(fields, 'worker unhealthy: its health check failed');
         }
         this.#prom?.healthy.set({ stage: w.stage, worker: w.address }, ok ? 1 : 0);
       }),
