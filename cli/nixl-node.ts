@@ -10,7 +10,9 @@ Usage: nixl-node <command> [options]
   bench    bandwidth and handshake benchmarks (nixl-node bench --help)
   sidechannel fetch|serve   ask a side channel for a rank's metadata, or serve synthetic metadata
   proxy    disaggregated-serving proxy: encode -> prefill -> decode workers (nixl-node proxy --help)
-  worker   a Node inference worker with a synthetic model, for the proxy (nixl-node worker --help)
+  worker   a Node inference worker for the proxy: a GGUF model through node-llama-cpp, or the
+           synthetic one (nixl-node worker --help)
+  --version  the package version
 `;
 
 function packageRoot(): string {
@@ -66,7 +68,7 @@ ${UCX_NET_DEVICES_HELP}`,
   }
   console.log(`nixl-node ${out.version} (node ${out.node})`);
   console.log(
-    `  engines:  ${engines.join(', ')}${engines.includes('nixl') ? '' : ' (NIXL not compiled in: set NIXL_PREFIX and reinstall)'}`,
+    `  engines:  ${engines.join(', ')}${engines.includes('nixl') ? '' : ' (NIXL is not compiled in: agents use the loopback engine, this host only; set NIXL_PREFIX and reinstall)'}`,
   );
   if (out.nixlPlugins) console.log(`  NIXL plugins: ${(out.nixlPlugins as string[]).join(', ')}`);
   console.log(`  addon:    ${out.addon}`);
@@ -89,6 +91,10 @@ run(cmd ?? '', async () => {
   switch (cmd) {
     case 'info':
       return info(rest);
+    case '--version':
+    case '-v':
+      console.log((require(path.join(packageRoot(), 'package.json')) as { version: string }).version);
+      return;
     case 'demo':
       return (await import('../demo/run')).runDemo(rest);
     case 'bench':

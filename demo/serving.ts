@@ -15,7 +15,7 @@ import {
   UCX_NET_DEVICES_HELP,
   UCX_NET_DEVICES_OPTION,
 } from '../lib/command-args';
-import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
+import { MODEL_NAME, expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { modelPath } from './gguf';
 import { type Ask, OneProcess, askBody } from './llama-reference';
 import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';
@@ -144,8 +144,8 @@ async function oneRequest(url: string, i: number, maxTokens: number): Promise<Ou
   const stream = i % 4 >= 2;
   const text = prompt(i);
   const body = chat
-    ? { model: 'synthetic', messages: [{ role: 'user', content: text }], max_tokens: maxTokens, stream }
-    : { model: 'synthetic', prompt: text, max_tokens: maxTokens, stream };
+    ? { model: MODEL_NAME, messages: [{ role: 'user', content: text }], max_tokens: maxTokens, stream }
+    : { model: MODEL_NAME, prompt: text, max_tokens: maxTokens, stream };
   const want = expectedCompletion(chat ? `user: ${text}` : text, maxTokens).join(' ');
   const t0 = performance.now();
   try {

@@ -253,6 +253,23 @@ describe('llama worker', () => {
     expect((await disaggregated(prefill, decode, a)).text).toBe(await reference(a));
   }, 60_000);
 
+  it("a prompt that cannot fit with the decode's max_tokens is refused by the prefill before it evaluates anything", async () => {
+    const before = { ...prefill.stats };
+    const r = await fetch(`${prefill.address}/v1/completions`, {
+      method: 'POST',
+      headers: { 'x-nixl-node-decode-max-tokens': String(prefill.model.contextSize) },
+      body: JSON.stringify({ prompt: 'hello there', max_tokens: 1, kv_transfer_params: { do_remote_decode: true } }),
+    });
+    expect(r.status).toBe(400);
+    expect(((await r.json()) as { error: { message: string } }).error.message).toMatch(
+      new RegExp(`context holds ${prefill.model.contextSize} tokens`),
+    );
+    expect(prefill.stats.prefills).toBe(before.prefills);
+    expect(prefill.freeBlocks).toBe(workerOptions.blocks);
+    const health = (await (await fetch(`${prefill.address}/health`)).json()) as { max_model_len?: number };
+    expect(health.max_model_len).toBe(prefill.model.contextSize);
+  }, 60_000);
+
   it('requests it cannot serve are 4xx naming why', async () => {
     const post = async (p: string, b: unknown) => {
       const r = await fetch(`${decode.address}${p}`, { method: 'POST', body: JSON.stringify(b) });

@@ -19,6 +19,8 @@ export interface WorkerRef {
   failures: number;
   /** The model it serves, when its health answer said (nixl-node workers do). */
   model?: string;
+  /** Tokens of its model's context (prompt and answer), when its health answer said. */
+  maxModelLen?: number;
   /** Its name in etcd, when the fleet brought it (not the command line). */
   fleet?: string;
   /** What it last reported through etcd. */
@@ -59,10 +61,15 @@ export class WorkerPool {
 
   /**
    * A healthy worker not in `avoid` (falls back to `avoid` ones when nothing
-   * else is healthy); `key`: the request's prefix affinity ('load' policy).
+   * else is healthy), among those `accept` takes (all by default); `key`: the
+   * request's prefix affinity ('load' policy).
    */
-  pick(avoid: ReadonlySet<WorkerRef> = new Set(), key?: string): WorkerRef | undefined {
-    const healthy = this.workers.filter((w) => w.healthy);
+  pick(
+    avoid: ReadonlySet<WorkerRef> = new Set(),
+    key?: string,
+    accept?: (w: WorkerRef) => boolean,
+  ): WorkerRef | undefined {
+    const healthy = this.workers.filter((w) => w.healthy && (!accept || accept(w)));
     const preferred = healthy.filter((w) => !avoid.has(w));
     const from = preferred.length > 0 ? preferred : healthy;
     if (from.length === 0) return undefined;

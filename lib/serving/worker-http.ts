@@ -6,6 +6,7 @@ import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, errorBody, readJson } from './http';
+import { ModelNotFound, modelNotFoundBody } from './openai';
 import type { Worker } from './worker';
 
 export interface HttpFrontOptions {
@@ -52,9 +53,7 @@ async function onRequest(
     return json(sick ? 503 : 200, {
       status: sick ? 'unavailable' : 'ok',
       ...(sick ? { reason: sick } : {}),
-      name: w.name,
-      model: w.modelId,
-      free_blocks: w.freeBlocks,
+      ...w.healthInfo(),
     });
   }
   if (req.method === 'GET' && path === '/v1/models')
@@ -101,9 +100,10 @@ async function onRequest(
         },
       },
       req.headers.traceparent,
+      { decodeMaxTokens: req.headers['x-nixl-node-decode-max-tokens'] },
     );
   } catch (e) {
     const h = w.failed(e);
-    json(h.status, errorBody(h.message, h.code, h.details));
+    json(h.status, h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code, h.details));
   }
 }

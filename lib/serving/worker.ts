@@ -45,6 +45,8 @@ import {
 import { type RequestError, checkCompletionRequest } from './schema';
 import { PROMPT_TOKENS } from './generate';
 import { endAnswer } from './stream-end';
+import { type Logger, silentLogger } from './log';
+import { ModelNotFound, normalizePrompt } from './openai';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
 import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
@@ -99,8 +101,20 @@ export interface WorkerOptions {
    * (nothing read). Default: NIXL_NODE_KV_SECRET, else none (vLLM-compatible).
    */
   kvSecret?: string;
+  /**
+   * Where the worker logs (pino, or anything with its `(fields, message)`
+   * methods): each request at debug, failed ones at warn (5xx) or info (4xx).
+   * Default: nothing is logged.
+   */
+  logger?: Logger;
   /** Registers in etcd under a lease, so proxies given the same etcd find it (docs/fleet.md). */
   etcd?: FleetJoinOptions;
+}
+
+/** What a request's front passes besides its body. */
+export interface RequestHints {
+  /** Prefill: the max_tokens its decode will generate (a header or message field: checked here). */
+  decodeMaxTokens?: unknown;
 }
 
 /** A worker's counters. */
@@ -262,6 +276,17 @@ export class Worker {
     return this.model.id;
   }
 
+  /** What /health (and a ZeroMQ HEALTH reply) says: the proxy pairs workers and checks max_tokens by it. */
+  healthInfo(): { name: string; model: string; max_model_len?: number; free_blocks: number } {
+    const len = this.model.contextSize;
+    return {
+      name: this.name,
+      model: this.model.id,
+      ...(len ? { max_model_len: len } : {}),
+      free_blocks: this.freeBlocks,
+    };
+  }
+
   /**
    * Frees at once the blocks a prefilled request holds, when its decode will
    * not read them (it failed, or the client went away): the proxy says so.
@@ -379,6 +404,7 @@ export class Worker {
     signal: AbortSignal,
     sink: Sink,
     traceparent?: unknown,
+    hints: RequestHints = {},
   ): Promise<void> {
     const span = startSpan('worker.request', {
       kind: 'server',
@@ -386,12 +412,19 @@ export class Worker {
       attributes: { 'http.route': path, 'nixl_node.worker': this.name, 'nixl_node.request_id': requestId },
     });
     this.#active++;
+    const log = this.#o.logger ?? silentLogger;
+    const t0 = performance.now();
+    const fields = () => ({ request_id: requestId, route: path, ms: Math.round(performance.now() - t0) });
     try {
-      await this.#serve(path, body, requestId, signal, sink, span);
+      await this.#serve(path, body, requestId, signal, sink, span, hints);
+      log.debug({ ...fields(), status: 200 }, 'request');
     } catch (e) {
       const h = asHttpError(e, signal);
       span.fail(h);
       span.setAttribute('http.response.status_code', h.status);
+      const line = { ...fields(), status: h.status, code: h.code, error: h.message };
+      if (h.status >= 500) log.warn(line, 'request failed');
+      else log.info(line, 'request refused');
       throw h;
     } finally {
       this.#active--;
@@ -406,15 +439,21 @@ export class Worker {
     signal: AbortSignal,
     sink: Sink,
     span: SpanLike,
+    hints: RequestHints,
   ) {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
     try {
+      if (path === '/v1/completions') normalizePrompt(body);
       checkCompletionRequest(path, body, { kvTransferParams: 'object' });
     } catch (e) {
       throw new HttpError((e as RequestError).status ?? 400, (e as Error).message);
     }
+    if (typeof body.model === 'string' && body.model !== this.model.id)
+      throw new ModelNotFound(body.model, [this.model.id]);
     const req = generationRequest(path, body);
+    const reserve = Number(hints.decodeMaxTokens);
+    if (Number.isSafeInteger(reserve) && reserve > 0) req.decodeMaxTokens = reserve;
     const kvp = body.kv_transfer_params as Record<string, unknown> | undefined;
     const answer = new Answer(requestId, this.model.id, req.chat, body, sink);
 
@@ -747,6 +786,8 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
 class Answer {
   #text = '';
   readonly #stream: boolean;
+  /** One creation time for every chunk of a stream, as OpenAI's. */
+  readonly #created = Math.floor(Date.now() / 1000);
 
   constructor(
     readonly id: string,
@@ -764,7 +805,7 @@ class Answer {
       this.#text += t;
       return;
     }
-    this.sink.chunk(chunkBody(this.id, this.model, this.chat, t, null));
+    this.sink.chunk(chunkBody(this.id, this.#created, this.model, this.chat, t, null));
   };
 
   finish(g: Generated, info: Record<string, unknown>): void {
@@ -776,13 +817,15 @@ class Answer {
       });
       return;
     }
-    const last: Record<string, unknown> = {
-      ...chunkBody(this.id, this.model, this.chat, '', g.finishReason),
+    this.sink.chunk({
+      ...chunkBody(this.id, this.#created, this.model, this.chat, '', g.finishReason),
       nixl_node: info,
-    };
-    if ((this.body.stream_options as { include_usage?: unknown } | null)?.include_usage === true)
-      last.usage = usageBody(usage);
-    this.sink.chunk(last);
+    });
+    // OpenAI's stream_options.include_usage: one more chunk, with no choices, that carries the usage.
+    if ((this.body.stream_options as { include_usage?: unknown } | null)?.include_usage === true) {
+      const { choices: _, ...head } = chunkBody(this.id, this.#created, this.model, this.chat, '', null);
+      this.sink.chunk({ ...head, choices: [], usage: usageBody(usage) });
+    }
     this.sink.end(200);
   }
 }
@@ -819,15 +862,16 @@ function completionBody(
       };
 }
 
-function chunkBody(id: string, model: string, chat: boolean, text: string, finish: string | null) {
+function chunkBody(id: string, created: number, model: string, chat: boolean, text: string, finish: string | null) {
   return chat
     ? {
         id,
         object: 'chat.completion.chunk',
+        created,
         model,
         choices: [{ index: 0, delta: { content: text }, finish_reason: finish }],
       }
-    : { id, object: 'text_completion', model, choices: [{ index: 0, text, finish_reason: finish }] };
+    : { id, object: 'text_completion', created, model, choices: [{ index: 0, text, finish_reason: finish }] };
 }
 
 /** The request as a model takes it (the body was checked by checkCompletionRequest). */

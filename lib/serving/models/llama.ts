@@ -371,7 +371,7 @@ export class LlamaModel implements ServingModel {
           chatHistory: [...history, { type: 'user', text: last }, { type: 'model', response: [] }],
         }).contextText;
         promptTokens = context.tokenize(this.#model.tokenizer).length;
-        this.#fits(promptTokens, s.maxTokens);
+        this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
         session.setChatHistory(history);
         ({ stopReason } = await session.promptWithMeta(last, {
           ...options,
@@ -388,7 +388,7 @@ export class LlamaModel implements ServingModel {
       promptTokens =
         (req.promptTokens ?? this.#model.tokenize(req.prompt, false, bos ? 'trimLeadingSpace' : undefined)).length +
         (bos ? 1 : 0);
-      this.#fits(promptTokens, s.maxTokens);
+      this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
         ({
