@@ -5,7 +5,6 @@ import { createHash, randomBytes } from 'node:crypto';
 import fc from 'fast-check';
 import { describe, expect, it } from 'vitest';
 import {
-  HEADER_BYTES,
   envelopeBytes,
   openEnvelope,
   stateHeader,
@@ -27,11 +26,11 @@ function seqState(tokens: number, payload: number): Buffer {
   return b;
 }
 
-function wrap(state: Buffer, tokens: number, first?: number | 'end') {
+function wrap(state: Buffer, tokens: number, next?: number, seed = 0, samplingKey = 0) {
   const n = Math.ceil(envelopeBytes(state.length) / BLOCK);
   const blocks = Array.from({ length: n + 2 }, () => Buffer.alloc(BLOCK));
   writeEnvelope(
-    stateHeader(state, { promptTokens: tokens, fingerprint: FP, firstToken: first }),
+    stateHeader(state, { stateTokens: tokens, fingerprint: FP, nextToken: next, seed, samplingKey }),
     state,
     BLOCK,
     (i) => blocks[i],
@@ -45,6 +44,7 @@ const opts = (n: number) => ({
   fingerprint: FP,
   maxTokens: 4096,
   maxStateBytes: 1 << 20,
+  vocabularySize: 32000,
 });
 
 function reason(f: () => unknown): string {
@@ -58,19 +58,28 @@ function reason(f: () => unknown): string {
 }
 
 describe('KV state envelope', () => {
-  it('round-trips the state, its token count and the first token, across block boundaries', () => {
-    for (const [tokens, payload, first] of [
-      [1, 0, undefined],
-      [5, 1000, 7],
-      [60, BLOCK * 3, 'end'],
+  it('round-trips the state and its continuation (tokens held, next token, seed, sampling key), across blocks', () => {
+    for (const [tokens, payload, next, seed, key] of [
+      [1, 0, undefined, 0, 0],
+      [5, 1000, 0, 7, 0xdeadbeef],
+      [60, BLOCK * 3, 31999, 0xffffffff, 1],
     ] as const) {
       const state = seqState(tokens, payload);
-      const { blocks, n } = wrap(state, tokens, first);
+      const { blocks, n } = wrap(state, tokens, next, seed, key);
       const got = openEnvelope((i) => blocks[i], opts(n));
       expect(got.state.equals(state)).toBe(true);
-      expect(got.promptTokens).toBe(tokens);
-      expect(got.firstToken).toBe(first);
+      expect(got.stateTokens).toBe(tokens);
+      expect(got.nextToken).toBe(next);
+      expect(got.seed).toBe(seed);
+      expect(got.samplingKey).toBe(key);
     }
+  });
+
+  it("a next token outside the decode model's vocabulary is malformed", () => {
+    const state = seqState(4, 100);
+    const { blocks, n } = wrap(state, 4, 32000);
+    expect(reason(() => openEnvelope((i) => blocks[i], opts(n)))).toBe('malformed');
+    expect(reason(() => openEnvelope((i) => blocks[i], { ...opts(n), vocabularySize: 32001 }))).toBe('accepted');
   });
 
   it.each([
@@ -120,8 +129,6 @@ describe('KV state envelope', () => {
     fc.assert(
       fc.property(fc.nat(envelopeBytes(state.length) - 1), fc.integer({ min: 1, max: 255 }), (at, x) => {
         const { blocks, n } = wrap(state, 20);
-        // Reserved header bytes (120..128) carry nothing: a change there changes nothing read.
-        if (at >= 120 && at < HEADER_BYTES) return;
         blocks[Math.floor(at / BLOCK)][at % BLOCK] ^= x;
         expect(reason(() => openEnvelope((i) => blocks[i], opts(n)))).not.toBe('accepted');
       }),

@@ -5,32 +5,70 @@
 //
 //   offset  bytes
 //   0       4   magic 'NNKV'
-//   4       2   version (1)
+//   4       2   version (2)
 //   6       2   header bytes (128)
-//   8       4   prompt tokens
-//   12      4   the prefill's greedy first token + 1 (0: none; 0xffffffff: end of generation)
-//   16      8   state bytes
-//   24      32  sha256 of the state
-//   56      32  model fingerprint (modelFingerprint in llama.ts)
-//   88      32  sha256 of bytes 0..88
-//   120     8   reserved (0)
+//   8       16  the continuation: where the decode goes on (below)
+//   24      8   state bytes
+//   32      32  sha256 of the state
+//   64      32  model fingerprint (modelFingerprint in llama.ts)
+//   96      32  sha256 of bytes 0..96
 //   128     ... the state: llama.cpp's sequence state file ('ggsq', version,
 //               token count, tokens, the sequence's KV)
+//
+// The continuation (16 bytes, CONTINUATION_BYTES):
+//   +0   4   tokens the state holds (llama.cpp's token count): the prompt,
+//            evaluated in one batch, and nothing else
+//   +4   4   the next token + 1 (0: none): the token sampled from the logits
+//            of the state's last token, never evaluated; the decode's first
+//            evaluation (llama-continue.ts)
+//   +8   4   the seed of the sampler that drew it (temperature > 0)
+//   +12  4   the sampling key: what chose it (samplingKey in llama.ts); a
+//            decode asked to sample otherwise does not use the next token
 import { createHash } from 'node:crypto';
 import { KvRejected } from './types';
 
 export const HEADER_BYTES = 128;
 const MAGIC = 0x564b4e4e; // 'NNKV' little-endian
-const VERSION = 1;
+const VERSION = 2;
+/** Bytes of the continuation block (at offset 8). */
+export const CONTINUATION_BYTES = 16;
 /** llama.cpp's LLAMA_STATE_SEQ_MAGIC ('ggsq'); its version is the build's, which the fingerprint covers. */
 const SEQ_MAGIC = 0x67677371;
 
-export interface StateInfo {
-  promptTokens: number;
-  /** The token a greedy generation takes first (the prefill sampled it), or 'end', or undefined. */
-  firstToken?: number | 'end';
+/** Where a decode goes on from a state (the continuation block). */
+export interface Continuation {
+  /** Tokens the state holds: the prompt as the prefill evaluated it. */
+  stateTokens: number;
+  /** The token sampled from the logits of the state's last token (never evaluated), if any. */
+  nextToken?: number;
+  /** The seed of the sampler that drew it (0 when greedy). */
+  seed: number;
+  /** What chose it: a 32-bit key of the sampling settings. */
+  samplingKey: number;
+}
+
+export interface StateInfo extends Continuation {
   /** 32 bytes. */
   fingerprint: Buffer;
+}
+
+/** Writes the continuation block at `at`. */
+export function writeContinuation(b: Buffer, at: number, c: Continuation): void {
+  b.writeUInt32LE(c.stateTokens, at);
+  b.writeUInt32LE(c.nextToken === undefined ? 0 : c.nextToken + 1, at + 4);
+  b.writeUInt32LE(c.seed >>> 0, at + 8);
+  b.writeUInt32LE(c.samplingKey >>> 0, at + 12);
+}
+
+/** Reads the continuation block at `at`. */
+export function readContinuation(b: Buffer, at: number): Continuation {
+  const next = b.readUInt32LE(at + 4);
+  return {
+    stateTokens: b.readUInt32LE(at),
+    ...(next === 0 ? {} : { nextToken: next - 1 }),
+    seed: b.readUInt32LE(at + 8),
+    samplingKey: b.readUInt32LE(at + 12),
+  };
 }
 
 /** Bytes the envelope of a state takes. */
@@ -45,12 +83,11 @@ export function stateHeader(state: Buffer, info: StateInfo): Buffer {
   h.writeUInt32LE(MAGIC, 0);
   h.writeUInt16LE(VERSION, 4);
   h.writeUInt16LE(HEADER_BYTES, 6);
-  h.writeUInt32LE(info.promptTokens, 8);
-  h.writeUInt32LE(info.firstToken === undefined ? 0 : info.firstToken === 'end' ? 0xffffffff : info.firstToken + 1, 12);
-  h.writeBigUInt64LE(BigInt(state.length), 16);
-  createHash('sha256').update(state).digest().copy(h, 24);
-  info.fingerprint.copy(h, 56);
-  createHash('sha256').update(h.subarray(0, 88)).digest().copy(h, 88);
+  writeContinuation(h, 8, info);
+  h.writeBigUInt64LE(BigInt(state.length), 24);
+  createHash('sha256').update(state).digest().copy(h, 32);
+  info.fingerprint.copy(h, 64);
+  createHash('sha256').update(h.subarray(0, 96)).digest().copy(h, 96);
   return h;
 }
 
@@ -84,17 +121,16 @@ export interface OpenOptions {
   maxTokens: number;
   /** Most state bytes this decode accepts. */
   maxStateBytes: number;
+  /** Tokens of this decode's vocabulary: a next token must be one of them. */
+  vocabularySize: number;
 }
 
 /**
  * Checks the envelope in blocks 0..blocks-1 of view and returns the state
- * (a copy) and the prompt token count; throws KvRejected naming what is
- * wrong. Nothing it returns was not checked.
+ * (a copy) and its continuation; throws KvRejected naming what is wrong.
+ * Nothing it returns was not checked.
  */
-export function openEnvelope(
-  view: (i: number) => Buffer,
-  o: OpenOptions,
-): { state: Buffer; promptTokens: number; firstToken?: number | 'end' } {
+export function openEnvelope(view: (i: number) => Buffer, o: OpenOptions): Continuation & { state: Buffer } {
   const room = o.blocks * o.blockBytes;
   if (o.blocks < 1 || room < HEADER_BYTES)
     throw new KvRejected(`${o.blocks} blocks of ${o.blockBytes} bytes cannot hold a state`, 'truncated');
@@ -103,16 +139,22 @@ export function openEnvelope(
     throw new KvRejected('the blocks hold no nixl-node KV state (bad magic)', 'malformed');
   if (h.readUInt16LE(4) !== VERSION || h.readUInt16LE(6) !== HEADER_BYTES)
     throw new KvRejected(`KV state version ${h.readUInt16LE(4)}: this decode reads version ${VERSION}`, 'malformed');
-  if (!createHash('sha256').update(h.subarray(0, 88)).digest().equals(h.subarray(88, 120)))
+  if (!createHash('sha256').update(h.subarray(0, 96)).digest().equals(h.subarray(96, 128)))
     throw new KvRejected('the KV state header is corrupted (checksum)', 'corrupted');
-  if (!h.subarray(56, 88).equals(o.fingerprint))
+  if (!h.subarray(64, 96).equals(o.fingerprint))
     throw new KvRejected(
-      `the KV state is from another model or llama.cpp build (fingerprint ${h.subarray(56, 62).toString('hex')}, ` +
+      `the KV state is from another model or llama.cpp build (fingerprint ${h.subarray(64, 70).toString('hex')}, ` +
         `this decode's ${o.fingerprint.subarray(0, 6).toString('hex')})`,
       'foreign-model',
     );
-  const promptTokens = h.readUInt32LE(8);
-  const stateBig = h.readBigUInt64LE(16);
+  const c = readContinuation(h, 8);
+  const promptTokens = c.stateTokens;
+  if (c.nextToken !== undefined && c.nextToken >= o.vocabularySize)
+    throw new KvRejected(
+      `the KV state's next token ${c.nextToken} is not in this model's vocabulary of ${o.vocabularySize}`,
+      'malformed',
+    );
+  const stateBig = h.readBigUInt64LE(24);
   if (stateBig > BigInt(o.maxStateBytes))
     throw new KvRejected(`a KV state of ${stateBig} bytes: this decode takes at most ${o.maxStateBytes}`, 'oversized');
   if (promptTokens > o.maxTokens)
@@ -127,7 +169,7 @@ export function openEnvelope(
       'truncated',
     );
   const state = gather(view, o.blockBytes, HEADER_BYTES, stateBytes);
-  if (!createHash('sha256').update(state).digest().equals(h.subarray(24, 56)))
+  if (!createHash('sha256').update(state).digest().equals(h.subarray(32, 64)))
     throw new KvRejected('the KV state is corrupted (checksum)', 'corrupted');
   // llama.cpp's own header: a state for exactly the tokens the header claims.
   if (stateBytes < 12 || state.readUInt32LE(0) !== SEQ_MAGIC)
@@ -135,8 +177,7 @@ export function openEnvelope(
   const n = state.readUInt32LE(8);
   if (n !== promptTokens || 12 + 4 * n > stateBytes)
     throw new KvRejected(`the KV state holds ${n} tokens, its header says ${promptTokens}`, 'malformed');
-  const first = h.readUInt32LE(12);
-  return { state, promptTokens, firstToken: first === 0 ? undefined : first === 0xffffffff ? 'end' : first - 1 };
+  return { ...c, state };
 }
 
 /** Bytes [from, from+len) of the envelope, copied out of the blocks. */
@@ -165,26 +206,26 @@ export function tamperEnvelope(
   how: Tamper,
 ): void {
   const h = view(0, 0).subarray(0, HEADER_BYTES);
-  const resealHeader = () => createHash('sha256').update(h.subarray(0, 88)).digest().copy(h, 88);
+  const resealHeader = () => createHash('sha256').update(h.subarray(0, 96)).digest().copy(h, 96);
   switch (how) {
     case 'corrupt': {
       // One bit in the middle of the state.
-      const stateBytes = Number(h.readBigUInt64LE(16));
+      const stateBytes = Number(h.readBigUInt64LE(24));
       const at = HEADER_BYTES + Math.floor(stateBytes / 2);
       view(Math.floor(at / blockBytes), 0)[at % blockBytes] ^= 0x10;
       break;
     }
     case 'truncate':
       // The state claims one block more than there are.
-      h.writeBigUInt64LE(BigInt(blocks * blockBytes), 16);
+      h.writeBigUInt64LE(BigInt(blocks * blockBytes), 24);
       resealHeader();
       break;
     case 'oversize':
-      h.writeBigUInt64LE(1n << 40n, 16);
+      h.writeBigUInt64LE(1n << 40n, 24);
       resealHeader();
       break;
     case 'foreign':
-      h.fill(0x42, 56, 88);
+      h.fill(0x42, 64, 96);
       resealHeader();
       break;
   }

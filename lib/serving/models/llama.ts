@@ -2,18 +2,19 @@
 // boundary. node-llama-cpp is an optional peer dependency, imported only
 // here, when a worker is given a GGUF.
 //
-// prefill  evaluates the prompt the way node-llama-cpp's own LlamaCompletion
-//          (or LlamaChatSession, through the model's chat wrapper) would, with
-//          one greedy token, then saves the sequence state and wraps it
-//          (kv-state.ts) into the request's blocks;
+// prefill  runs node-llama-cpp's own LlamaCompletion (or LlamaChatSession,
+//          through the model's chat template) until the sequence has sampled
+//          its first token, saves the sequence state (exactly the prompt)
+//          and wraps it with that token (kv-state.ts) into the request's
+//          blocks;
 // decode   checks the envelope (model, build, size, checksum, token count),
-//          loads the state into a fresh sequence and generates with the same
-//          class: node-llama-cpp reuses every loaded token that matches the
-//          prompt, so only the last prompt token is evaluated again.
+//          loads the state into a fresh sequence and runs the same class
+//          again on a view that continues from the first token
+//          (llama-continue.ts): every number and every rule is the class's.
 // Each request has a context of its own (a pool of `parallel` contexts, one
 // sequence each, cleared between requests), so that nothing another request
 // evaluates changes this one's numbers.
-import { createHash, randomUUID } from 'node:crypto';
+import { createHash, randomInt, randomUUID } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
@@ -21,7 +22,9 @@ import * as path from 'node:path';
 // an application without node-llama-cpp still type-checks against the package.
 import type * as Nlc from 'node-llama-cpp';
 import { NixlError } from '../../errors';
+import { FirstTokenSampled, continueFrom, firstTokenOf } from './llama-continue';
 import { loadNodeLlamaCpp } from './node-llama-cpp';
+import { stateDirectory } from './state-dir';
 import { NODE_LLAMA_CPP } from './types';
 import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
 import {
@@ -52,6 +55,12 @@ export interface LlamaModelOptions {
   poolBytes: number;
   /** node-llama-cpp's GPU backend (default false: CPU). */
   gpu?: false | 'auto';
+  /**
+   * Where states go through files on their way in and out of llama.cpp
+   * (default: NIXL_NODE_STATE_DIR, else /dev/shm where it is a writable
+   * memory file system, else the OS temp dir).
+   */
+  stateDir?: string;
 }
 
 /** At most `max` contexts, made on demand: a request waits for a free one. */
@@ -138,6 +147,7 @@ export class LlamaModel implements ServingModel {
   readonly #pool: ContextPool;
   readonly #o: LlamaModelOptions;
   readonly #tmp: string;
+  readonly #vocabularySize: number;
 
   private constructor(nlc: typeof Nlc, model: Nlc.LlamaModel, fingerprint: Buffer, o: LlamaModelOptions) {
     this.#nlc = nlc;
@@ -154,7 +164,9 @@ export class LlamaModel implements ServingModel {
     this.#pool = new ContextPool(parallel, () =>
       model.createContext({ contextSize: this.contextSize, threads: this.threads, sequences: 1 }),
     );
-    this.#tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-kv-'));
+    const vocab = model.fileInfo.metadata?.tokenizer?.ggml?.tokens?.length;
+    this.#vocabularySize = typeof vocab === 'number' ? vocab : Number.MAX_SAFE_INTEGER;
+    this.#tmp = fs.mkdtempSync(path.join(stateDirectory(o.stateDir), 'nixl-node-kv-'));
   }
 
   /** Loads node-llama-cpp and the model; NIXL_ERR_NOT_SUPPORTED without node-llama-cpp, NIXL_ERR_INVALID_PARAM for a bad file. */
@@ -190,23 +202,23 @@ export class LlamaModel implements ServingModel {
   async prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv> {
     const ctx = await this.#pool.acquire(signal);
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
+    // Unseeded sampling: one seed for the whole request, the decode's sampler goes on with it.
+    const seed = req.temperature > 0 ? (req.seed ?? randomInt(2 ** 32)) : req.seed;
     let state: Buffer;
-    let promptTokens: number;
-    let firstToken: number | 'end' | undefined;
+    let stateTokens: number;
+    let nextToken: number | undefined;
     let saveMs = 0;
     try {
       const seq = sequenceOf(ctx);
-      // One greedy token: the prompt evaluated exactly as a generation would;
-      // a greedy decode starts from that token (see #continue).
-      const r = await this.#run(
-        seq,
-        req,
-        { ...req, maxTokens: 1, temperature: 0, seed: undefined, stop: [] },
-        undefined,
-        signal,
-      );
-      firstToken = r.tokens.length > 0 ? r.tokens[0] : r.finishReason === 'stop' ? 'end' : undefined;
-      promptTokens = seq.contextTokens.length;
+      // The prompt evaluated exactly as a generation evaluates it, by the
+      // generation's own class, up to its first sampled token.
+      try {
+        await this.#run(firstTokenOf(seq), req, { ...req, seed }, undefined, signal);
+      } catch (e) {
+        if (!(e instanceof FirstTokenSampled)) throw e;
+        nextToken = e.token;
+      }
+      stateTokens = seq.contextTokens.length;
       const t0 = performance.now();
       await seq.saveStateToFile(file);
       state = await fs.promises.readFile(file);
@@ -215,11 +227,17 @@ export class LlamaModel implements ServingModel {
       await this.#pool.release(ctx);
       fs.rm(file, { force: true }, () => {});
     }
-    const header = stateHeader(state, { promptTokens, firstToken, fingerprint: this.fingerprint });
+    const header = stateHeader(state, {
+      stateTokens,
+      nextToken,
+      seed: seed ?? 0,
+      samplingKey: samplingKey(req),
+      fingerprint: this.fingerprint,
+    });
     const { blockBytes } = this.#o;
     return {
       blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
-      promptTokens,
+      promptTokens: stateTokens,
       saveMs,
       writeTo: (view) => writeEnvelope(header, state, blockBytes, (i) => view(i, 0)),
     };
@@ -234,16 +252,17 @@ export class LlamaModel implements ServingModel {
     blocksRead?: () => void,
   ): Promise<Generated> {
     const t0 = performance.now();
-    const { state, promptTokens, firstToken } = openEnvelope((i) => view(i, 0), {
+    const env = openEnvelope((i) => view(i, 0), {
       blocks,
       blockBytes: this.#o.blockBytes,
       fingerprint: this.fingerprint,
       maxTokens: this.contextSize,
       maxStateBytes: this.#o.poolBytes - HEADER_BYTES,
+      vocabularySize: this.#vocabularySize,
     });
     blocksRead?.(); // the state is a copy now
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
-    await fs.promises.writeFile(file, state);
+    await fs.promises.writeFile(file, env.state);
     const ctx = await this.#pool.acquire(signal);
     try {
       const seq = sequenceOf(ctx);
@@ -251,19 +270,21 @@ export class LlamaModel implements ServingModel {
       const loadMs = performance.now() - t0;
       const loaded = seq.contextTokens.length;
       const before = evaluated(seq);
-      const r =
-        req.temperature !== 0 || firstToken === undefined
-          ? await this.#run(seq, req, req, out, signal)
-          : req.chat
-            ? await this.#continueChat(seq, req, firstToken, out, signal)
-            : await this.#continue(seq, req, firstToken, out, signal);
+      // The prefill's next token, where this request samples as the prefill's did.
+      const go =
+        env.nextToken !== undefined && env.samplingKey === samplingKey(req)
+          ? continueFrom(seq, { next: env.nextToken as Nlc.Token, sampled: req.temperature > 0 })
+          : undefined;
+      const seed = req.temperature > 0 ? (req.seed ?? env.seed) : req.seed;
+      const r = await this.#run(go?.sequence ?? seq, req, { ...req, seed }, out, signal);
       return {
         completionTokens: r.completionTokens,
         finishReason: r.finishReason,
-        promptTokens,
+        promptTokens: env.stateTokens,
         info: {
-          kv_state_bytes: state.length,
+          kv_state_bytes: env.state.length,
           kv_tokens_loaded: loaded,
+          kv_continued: go?.used() ?? false,
           tokens_evaluated: evaluated(seq) - before,
           kv_load_ms: round(loadMs),
         },
@@ -296,9 +317,7 @@ export class LlamaModel implements ServingModel {
     s: Pick<GenerationRequest, 'maxTokens' | 'temperature' | 'topP' | 'seed' | 'stop'>,
     out: TextSink | undefined,
     signal: AbortSignal,
-    /** Chat: the answer starts with this text (the prefill's first token). */
-    responsePrefix?: string,
-  ): Promise<Omit<Generated, 'info'> & { tokens: Nlc.Token[] }> {
+  ): Promise<Omit<Generated, 'info'>> {
     const tokens: Nlc.Token[] = [];
     let promptTokens: number;
     const options = {
@@ -324,10 +343,7 @@ export class LlamaModel implements ServingModel {
         promptTokens = context.tokenize(this.#model.tokenizer).length;
         this.#fits(promptTokens, s.maxTokens);
         session.setChatHistory(history);
-        ({ stopReason } = await session.promptWithMeta(last, {
-          ...options,
-          ...(responsePrefix !== undefined ? { responsePrefix } : {}),
-        }));
+        ({ stopReason } = await session.promptWithMeta(last, options));
       } finally {
         session.dispose({ disposeSequence: false });
       }
@@ -345,96 +361,10 @@ export class LlamaModel implements ServingModel {
       }
     }
     return {
-      tokens,
       promptTokens,
       completionTokens: tokens.length,
       finishReason: stopReason === 'maxTokens' ? 'length' : 'stop',
     };
-  }
-
-  /**
-   * A greedy chat answer from a loaded state: LlamaChatSession, told that the
-   * answer starts with the prefill's first token, evaluates that token alone
-   * (as a single generation does) and goes on, instead of evaluating the
-   * prompt's last token again (see #continue). A first token whose text
-   * would not tokenize back to itself in context (whitespace, with
-   * SentencePiece vocabularies) takes the plain path.
-   */
-  async #continueChat(
-    seq: Nlc.LlamaContextSequence,
-    req: GenerationRequest,
-    first: number | 'end',
-    out: TextSink | undefined,
-    signal: AbortSignal,
-  ): Promise<{ completionTokens: number; finishReason: 'stop' | 'length' }> {
-    if (first === 'end') return { completionTokens: 0, finishReason: 'stop' };
-    const prefix = this.#model.detokenize([first as Nlc.Token], false, seq.contextTokens);
-    if (prefix.length === 0 || prefix.trim() !== prefix || req.stop.some((x) => prefix.includes(x)))
-      return this.#run(seq, req, req, out, signal);
-    if (req.maxTokens === 1) {
-      out?.(prefix);
-      return { completionTokens: 1, finishReason: 'length' };
-    }
-    const before = evaluated(seq);
-    const r = await this.#run(seq, req, { ...req, maxTokens: req.maxTokens - 1 }, out, signal, prefix);
-    // onToken also counts the prefix as the chat wrapper tokenized it: count
-    // what was evaluated instead (the first token, then every generated one
-    // but the last, which nothing evaluates when max_tokens ends the answer).
-    const n = evaluated(seq) - before + (r.finishReason === 'length' ? 1 : 0);
-    return { completionTokens: Math.min(req.maxTokens, n), finishReason: r.finishReason };
-  }
-
-  /**
-   * A greedy completion from a loaded state, starting from the first token
-   * the prefill took: the prompt's last token is not evaluated again, so
-   * every number is the one a single process computes (llama.cpp evaluates
-   * a token alone and inside a batch with results that differ in the last
-   * bits, enough to change a greedy token now and then).
-   */
-  async #continue(
-    seq: Nlc.LlamaContextSequence,
-    req: GenerationRequest,
-    first: number | 'end',
-    out: TextSink | undefined,
-    signal: AbortSignal,
-  ): Promise<{ completionTokens: number; finishReason: 'stop' | 'length' }> {
-    const text = new StopText(this.#model, req.stop, out);
-    if (first === 'end') return { completionTokens: 0, finishReason: 'stop' };
-    const t1 = first as Nlc.Token;
-    if (text.push([t1])) return { completionTokens: 1, finishReason: 'stop' };
-    // LlamaCompletion would evaluate the whole prompt again with the first
-    // token in the batch (other numbers): the sequence's own generator
-    // evaluates only that token, as a single generation does next.
-    const generated: Nlc.Token[] = [t1];
-    const nl = this.#model.tokens.nl;
-    let finishReason: 'stop' | 'length' = 'length';
-    if (req.maxTokens > 1) {
-      const it = seq.evaluate([t1], {
-        temperature: 0,
-        // As LlamaCompletion punishes repeats: the last 64 generated tokens, new lines aside.
-        repeatPenalty: {
-          punishTokens: () => generated.slice(-64).filter((t) => t !== nl),
-          maxPunishTokens: 64,
-        },
-        yieldEogToken: true,
-      });
-      for await (const t of it) {
-        if (signal.aborted) throw signal.reason;
-        if (this.#model.isEogToken(t)) {
-          finishReason = 'stop';
-          break;
-        }
-        generated.push(t);
-        if (text.push([t])) {
-          finishReason = 'stop';
-          break;
-        }
-        if (generated.length >= req.maxTokens) break;
-      }
-    }
-    const n = generated.length;
-    text.end();
-    return { completionTokens: n, finishReason };
   }
 
   /**
@@ -459,58 +389,22 @@ export class LlamaModel implements ServingModel {
   }
 }
 
-/**
- * The text of generated tokens as it grows: cut at the first stop string,
- * streamed without a partial character or the start of a stop string.
- */
-class StopText {
-  readonly #tokens: Nlc.Token[] = [];
-  #sent = 0;
-  #done = false;
-  readonly #hold: number;
-
-  constructor(
-    readonly model: Nlc.LlamaModel,
-    readonly stop: string[],
-    readonly out: TextSink | undefined,
-  ) {
-    this.#hold = Math.max(0, ...stop.map((x) => x.length - 1));
-  }
-
-  /** Adds tokens; true when a stop string ended the text. */
-  push(ts: Nlc.Token[]): boolean {
-    if (this.#done) return true;
-    this.#tokens.push(...ts);
-    const full = this.model.detokenize(this.#tokens);
-    const at = Math.min(...this.stop.map((x) => full.indexOf(x)).filter((i) => i >= 0));
-    if (Number.isFinite(at)) {
-      this.#emit(full.slice(0, at));
-      this.#done = true;
-      return true;
-    }
-    let safe = full.length - this.#hold;
-    while (safe > 0 && full[safe - 1] === '\uFFFD') safe--;
-    this.#emit(full.slice(0, Math.max(safe, this.#sent)));
-    return false;
-  }
-
-  end(): void {
-    if (!this.#done) this.#emit(this.model.detokenize(this.#tokens));
-    this.#done = true;
-  }
-
-  #emit(upTo: string): void {
-    if (upTo.length > this.#sent) this.out?.(upTo.slice(this.#sent));
-    this.#sent = Math.max(this.#sent, upTo.length);
-  }
-}
-
 function round(ms: number): number {
   return Math.round(ms * 1000) / 1000;
 }
 
 function evaluated(seq: Nlc.LlamaContextSequence): number {
   return seq.tokenMeter.usedInputTokens + seq.tokenMeter.usedOutputTokens;
+}
+
+/**
+ * What chooses a first token: a decode asked to sample otherwise than its
+ * prefill (another temperature, top_p or seed) does not take the prefill's
+ * next token. 32 bits of a sha256: a check between honest peers.
+ */
+export function samplingKey(req: Pick<GenerationRequest, 'temperature' | 'topP' | 'seed'>): number {
+  const settings = JSON.stringify([req.temperature, req.topP ?? null, req.seed ?? null]);
+  return createHash('sha256').update(settings).digest().readUInt32LE(0);
 }
 
 /** OpenAI messages as node-llama-cpp's chat history, and the last user message (what is prompted). */
