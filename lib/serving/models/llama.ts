@@ -23,8 +23,9 @@ import * as path from 'node:path';
 import type * as Nlc from 'node-llama-cpp';
 import { NixlError } from '../../errors';
 import { FirstTokenSampled, continueFrom, firstTokenOf } from './llama-continue';
+import { WholeText } from './llama-text';
 import { loadNodeLlamaCpp } from './node-llama-cpp';
-import { stateDirectory } from './state-dir';
+import { makeStateDir } from './state-dir';
 import { NODE_LLAMA_CPP } from './types';
 import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
 import {
@@ -149,7 +150,13 @@ export class LlamaModel implements ServingModel {
   readonly #tmp: string;
   readonly #vocabularySize: number;
 
-  private constructor(nlc: typeof Nlc, model: Nlc.LlamaModel, fingerprint: Buffer, o: LlamaModelOptions) {
+  private constructor(
+    nlc: typeof Nlc,
+    model: Nlc.LlamaModel,
+    fingerprint: Buffer,
+    o: LlamaModelOptions,
+    stateDir: string,
+  ) {
     this.#nlc = nlc;
     this.#model = model;
     this.#o = o;
@@ -166,7 +173,7 @@ export class LlamaModel implements ServingModel {
     );
     const vocab = model.fileInfo.metadata?.tokenizer?.ggml?.tokens?.length;
     this.#vocabularySize = typeof vocab === 'number' ? vocab : Number.MAX_SAFE_INTEGER;
-    this.#tmp = fs.mkdtempSync(path.join(stateDirectory(o.stateDir), 'nixl-node-kv-'));
+    this.#tmp = stateDir;
   }
 
   /** Loads node-llama-cpp and the model; NIXL_ERR_NOT_SUPPORTED without node-llama-cpp, NIXL_ERR_INVALID_PARAM for a bad file. */
@@ -183,16 +190,22 @@ export class LlamaModel implements ServingModel {
       throw new NixlError(`no model file ${o.modelPath}`, 'NIXL_ERR_INVALID_PARAM');
     }
     if (!st.isFile()) throw new NixlError(`${o.modelPath} is not a file`, 'NIXL_ERR_INVALID_PARAM');
-    const nlc = await loadNodeLlamaCpp();
-    const llama = await nlc.getLlama({ gpu: o.gpu ?? false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
-    let model: Nlc.LlamaModel;
+    const stateDir = makeStateDir(o.stateDir);
     try {
-      model = await llama.loadModel({ modelPath: o.modelPath });
+      const nlc = await loadNodeLlamaCpp();
+      const llama = await nlc.getLlama({ gpu: o.gpu ?? false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
+      let model: Nlc.LlamaModel;
+      try {
+        model = await llama.loadModel({ modelPath: o.modelPath });
+      } catch (e) {
+        throw new NixlError(`cannot load ${o.modelPath}: ${(e as Error).message}`, 'NIXL_ERR_INVALID_PARAM');
+      }
+      const build = JSON.stringify({ nlc: NODE_LLAMA_CPP, release: llama.llamaCppRelease, gpu: llama.gpu });
+      return new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o, stateDir);
     } catch (e) {
-      throw new NixlError(`cannot load ${o.modelPath}: ${(e as Error).message}`, 'NIXL_ERR_INVALID_PARAM');
+      fs.rmSync(stateDir, { recursive: true, force: true });
+      throw e;
     }
-    const build = JSON.stringify({ nlc: NODE_LLAMA_CPP, release: llama.llamaCppRelease, gpu: llama.gpu });
-    return new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o);
   }
 
   blocksFor(): undefined {
@@ -319,6 +332,7 @@ export class LlamaModel implements ServingModel {
     signal: AbortSignal,
   ): Promise<Omit<Generated, 'info'>> {
     const tokens: Nlc.Token[] = [];
+    const text = new WholeText(this.#model, out);
     let promptTokens: number;
     const options = {
       maxTokens: s.maxTokens,
@@ -329,10 +343,11 @@ export class LlamaModel implements ServingModel {
       signal,
       onToken: (t: Nlc.Token[]) => {
         tokens.push(...t);
+        text.add(t);
       },
-      ...(out ? { onTextChunk: out } : {}),
     };
     let stopReason: string;
+    let final: string;
     if (req.chat) {
       const { history, last } = chatHistory(req.messages, this.id);
       const session = new this.#nlc.LlamaChatSession({ contextSequence: seq, autoDisposeSequence: false });
@@ -343,7 +358,7 @@ export class LlamaModel implements ServingModel {
         promptTokens = context.tokenize(this.#model.tokenizer).length;
         this.#fits(promptTokens, s.maxTokens);
         session.setChatHistory(history);
-        ({ stopReason } = await session.promptWithMeta(last, options));
+        ({ stopReason, responseText: final } = await session.promptWithMeta(last, options));
       } finally {
         session.dispose({ disposeSequence: false });
       }
@@ -354,12 +369,14 @@ export class LlamaModel implements ServingModel {
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
         ({
+          response: final,
           metadata: { stopReason },
         } = await completion.generateCompletionWithMeta(req.prompt, options));
       } finally {
         completion.dispose({ disposeSequence: false });
       }
     }
+    text.end(final);
     return {
       promptTokens,
       completionTokens: tokens.length,

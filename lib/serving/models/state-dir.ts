@@ -4,6 +4,8 @@
 // instead of a write to and a read from disk.
 import * as fs from 'node:fs';
 import * as os from 'node:os';
+import * as path from 'node:path';
+import { NixlError } from '../../errors';
 
 /** The default memory file system (Linux). */
 export const MEMORY_FS = '/dev/shm';
@@ -22,4 +24,17 @@ export function stateDirectory(dir?: string, env: NodeJS.ProcessEnv = process.en
     // no memory file system here
   }
   return os.tmpdir();
+}
+
+/** A fresh directory of this worker's own under stateDirectory(dir); NIXL_ERR_INVALID_PARAM when it cannot be made. */
+export function makeStateDir(dir?: string): string {
+  const parent = stateDirectory(dir);
+  try {
+    return fs.mkdtempSync(path.join(parent, 'nixl-node-kv-'));
+  } catch (e) {
+    throw new NixlError(
+      `cannot make a state directory in ${parent}: ${(e as Error).message}`,
+      'NIXL_ERR_INVALID_PARAM',
+    );
+  }
 }
