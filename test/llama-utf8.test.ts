@@ -149,16 +149,23 @@ function splitsCharacter(chunks: string[]): boolean {
 }
 
 /**
- * node-llama-cpp's chunks as a stream of whole characters sends them: the
- * pieces of an unfinished character that it flushes at the end of the
- * generation (U+FFFD at the end of its last chunk) come after the rest, once
- * the worker knows nothing completes them.
+ * node-llama-cpp's chunks as a stream of whole characters sends them: a
+ * chunk never ends in U+FFFD (a character that may still complete), except
+ * the last. The U+FFFD at the end of one of its chunks (pieces it releases
+ * before a token of no text, or flushes when the generation ends) go with
+ * the next chunk, or in a chunk of their own at the end.
  */
 function wholeChunks(chunks: string[]): string[] {
-  const last = chunks.at(-1);
-  const body = last?.replace(/\uFFFD+$/, '');
-  if (last === undefined || body === last || body === '') return chunks;
-  return [...chunks.slice(0, -1), body!, last.slice(body!.length)];
+  const out: string[] = [];
+  let carry = '';
+  for (const c of chunks) {
+    const t = carry + c;
+    const body = t.replace(/\uFFFD+$/, '');
+    if (body !== '') out.push(body);
+    carry = t.slice(body.length);
+  }
+  if (carry !== '') out.push(carry);
+  return out;
 }
 
 function checkAnswer(c: Case, g: Answer, want: Generation): void {

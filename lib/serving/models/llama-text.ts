@@ -6,8 +6,9 @@
 // control token such as <unk> between two pieces) then arrives as U+FFFD in
 // two chunks, while the final text (all tokens detokenized at once) has the
 // character. This sink detokenizes everything released so far and sends
-// what is new, holding back a trailing U+FFFD (a character that may still
-// complete); the end sends the rest of the final text.
+// what is new at each release, holding back a trailing U+FFFD (a character
+// that may still complete): a chunk never ends in U+FFFD but the last. The
+// end sends the rest of the final text.
 import type * as Nlc from 'node-llama-cpp';
 import type { TextSink } from './types';
 
