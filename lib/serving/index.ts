@@ -15,6 +15,7 @@ export { HttpError } from './http';
 export * as syntheticModel from './models/synthetic-kv';
 export { SyntheticModel } from './models/synthetic';
 export { LlamaModel, type LlamaModelOptions } from './models/llama';
+export type { LlamaStateLayout } from './models/llama-state';
 export {
   NODE_LLAMA_CPP,
   KvRejected,
@@ -23,6 +24,7 @@ export {
   type GenerationRequest,
   type Generated,
   type KvGeometry,
+  type KvBinding,
   type PrefilledKv,
   type ChatMessage,
   type BlockView,

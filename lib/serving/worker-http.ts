@@ -46,8 +46,16 @@ async function onRequest(
     res.end(text);
   };
   const path = (req.url ?? '').split('?')[0];
-  if (req.method === 'GET' && path === '/health')
-    return json(200, { status: 'ok', name: w.name, model: w.modelId, free_blocks: w.freeBlocks });
+  if (req.method === 'GET' && path === '/health') {
+    const sick = w.unhealthy();
+    return json(sick ? 503 : 200, {
+      status: sick ? 'unavailable' : 'ok',
+      ...(sick ? { reason: sick } : {}),
+      name: w.name,
+      model: w.modelId,
+      free_blocks: w.freeBlocks,
+    });
+  }
   if (req.method === 'GET' && path === '/v1/models')
     return json(200, { object: 'list', data: [{ id: w.modelId, object: 'model', owned_by: 'nixl-node' }] });
   if (req.method !== 'POST') return json(405, errorBody('only POST', 'invalid_request_error'));
@@ -90,6 +98,6 @@ async function onRequest(
     );
   } catch (e) {
     const h = w.failed(e);
-    json(h.status, errorBody(h.message, h.code));
+    json(h.status, errorBody(h.message, h.code, h.details));
   }
 }

@@ -71,7 +71,12 @@ export class ZmqFront {
       const replyTo = b.reply_to;
       const reply = (tag: ReplyTag, r: ZmqReply) => this.#reply(replyTo, tag, r);
       if (msg.tag === 'HEALTH') {
-        void reply('HEALTH', { msg_id: b.msg_id, ok: true, name: this.#w.name, model: this.#w.modelId });
+        void reply('HEALTH', {
+          msg_id: b.msg_id,
+          ok: !this.#w.unhealthy(),
+          name: this.#w.name,
+          model: this.#w.modelId,
+        });
         continue;
       }
       if (msg.tag !== 'ENCODE' && msg.tag !== 'GENERATION') continue;
@@ -95,7 +100,11 @@ export class ZmqFront {
           );
         } catch (e) {
           const h = this.#w.failed(e);
-          void reply('FAILURE', { msg_id: b.msg_id, status: h.status, error: { message: h.message, code: h.code } });
+          void reply('FAILURE', {
+            msg_id: b.msg_id,
+            status: h.status,
+            error: { message: h.message, code: h.code, ...h.details },
+          });
         } finally {
           this.#aborts.delete(b.msg_id);
         }

@@ -37,6 +37,7 @@ import {
   type ChatMessage,
   type Generated,
   type GenerationRequest,
+  type KvBinding,
   KvRejected,
   ModelRequestError,
   type ServingModel,
@@ -251,6 +252,11 @@ export class Worker {
     return this.#tracker.abort(remoteRequestId);
   }
 
+  /** Why this worker cannot serve now (its model cannot), or undefined: /health answers 503 with it. */
+  unhealthy(): string | undefined {
+    return this.model.unhealthy?.();
+  }
+
   /** KV blocks free right now. */
   get freeBlocks(): number {
     return this.#blocks.available;
@@ -381,7 +387,7 @@ export class Worker {
           `request '${p.remoteRequestId}' holds no such blocks here (expired, or not prefilled here)`,
         );
       try {
-        const g = await this.#decode(req, held, answer, signal, () => {});
+        const g = await this.#decode(req, held, answer, signal, () => {}, bindingOf(p));
         this.stats.decodes++;
         answer.finish(g, { worker: this.name, kv_blocks: held.length, kv_moved: false, ...g.info });
       } finally {
@@ -431,7 +437,8 @@ export class Worker {
       }
       const pullMs = performance.now() - pulled;
       this.stats.kvPullMs += pullMs;
-      const g = await this.#decode(req, ids, answer, signal, give);
+      // The pull parsed (and, with a secret, verified) these params already.
+      const g = await this.#decode(req, ids, answer, signal, give, bindingOf(parseKvTransferParams(kvp, this.#o.wire)));
       this.stats.decodes++;
       const { layers, blockBytes } = this.model.geometry;
       answer.finish(g, {
@@ -451,12 +458,13 @@ export class Worker {
     const kv = await this.model.prefill(req, signal);
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
-    const t0 = performance.now();
-    kv.writeTo(this.#view(ids));
-    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t0;
-    if (this.#o.tamperKv) tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv);
     // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
     const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
+    const t0 = performance.now();
+    kv.writeTo(this.#view(ids), { engineId: this.name, requestId: remoteRequestId, blockIds: ids });
+    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t0;
+    if (this.#o.tamperKv)
+      tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv, this.#secret);
     this.#held.set(remoteRequestId, ids);
     // The hold outlives this request's span: it ends when the blocks go back.
     const hold = startSpan('kv.hold', {
@@ -503,16 +511,21 @@ export class Worker {
     });
   }
 
-  /** Generates from the KV in blocks ids; a KV the model rejects is a typed 502, nothing loaded. */
+  /**
+   * Generates from the KV in blocks ids, made for the request `binding` names;
+   * a KV the model rejects is a typed 502 (its reason and NixlError code in
+   * the error), nothing loaded.
+   */
   async #decode(
     req: GenerationRequest,
     ids: readonly number[],
     answer: Answer,
     signal: AbortSignal,
     blocksRead: () => void,
+    binding: KvBinding,
   ) {
     try {
-      const g = await this.model.decode(req, this.#view(ids), ids.length, answer.text, signal, blocksRead);
+      const g = await this.model.decode(req, this.#view(ids), ids.length, answer.text, signal, blocksRead, binding);
       this.stats.verifiedBytes += Number(g.info.verified_bytes ?? 0);
       this.stats.kvLoadMs += Number(g.info.kv_load_ms ?? 0);
       return g;
@@ -521,7 +534,10 @@ export class Worker {
       this.stats.rejectedKv++;
       this.stats.badBytes += e.badBytes;
       if (e.reason === 'mismatch') throw new HttpError(500, e.message, 'kv_mismatch');
-      throw new HttpError(502, `KV state rejected (${e.reason}): ${e.message}`, 'kv_rejected');
+      throw new HttpError(502, `KV state rejected (${e.reason}): ${e.message}`, 'kv_rejected', {
+        reason: e.reason,
+        nixl_code: e.code,
+      });
     }
   }
 
@@ -555,6 +571,11 @@ export class Worker {
   }
 }
 
+/** The request kv_transfer_params name: a state made for another is refused. */
+function bindingOf(p: ReturnType<typeof parseKvTransferParams>): KvBinding {
+  return { engineId: p.remoteEngineId, requestId: p.remoteRequestId, blockIds: p.remoteBlockIds[0] ?? [] };
+}
+
 /** Loads the model the options name, then starts the worker. */
 export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   wireProfile(o.wire); // a bad profile fails before anything starts
@@ -569,6 +590,7 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
           parallel: o.parallel,
           blockBytes,
           poolBytes: blocks * blockBytes,
+          kvSecret: o.kvSecret ?? process.env.NIXL_NODE_KV_SECRET ?? undefined,
           stateDir: o.stateDir,
         })
       : new SyntheticModel(o.model ?? DEFAULT_MODEL);

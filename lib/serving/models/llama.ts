@@ -7,10 +7,13 @@
 //          its first token, saves the sequence state (exactly the prompt)
 //          and wraps it with that token (kv-state.ts) into the request's
 //          blocks;
-// decode   checks the envelope (model, build, size, checksum, token count),
-//          loads the state into a fresh sequence and runs the same class
-//          again on a view that continues from the first token
-//          (llama-continue.ts): every number and every rule is the class's.
+// decode   checks the envelope (model, build, size, checksum or HMAC, the
+//          request it was made for) and parses the state for this model and
+//          context (llama-state.ts) before llama.cpp sees a byte, loads it
+//          into a fresh sequence (a context a failed load touched is thrown
+//          away, never reused) and runs the same class again on a view that
+//          continues from the first token (llama-continue.ts): every number
+//          and every rule is the class's.
 // Each request has a context of its own (a pool of `parallel` contexts, one
 // sequence each, cleared between requests), so that nothing another request
 // evaluates changes this one's numbers.
@@ -28,8 +31,12 @@ import { loadNodeLlamaCpp } from './node-llama-cpp';
 import { makeStateDir } from './state-dir';
 import { NODE_LLAMA_CPP } from './types';
 import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
+import { ContextPool, sequenceOf } from './llama-contexts';
+import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState } from './llama-state';
 import {
   type BlockView,
+  type KvBinding,
+  KvRejected,
   type ChatMessage,
   type Generated,
   type GenerationRequest,
@@ -56,79 +63,14 @@ export interface LlamaModelOptions {
   poolBytes: number;
   /** node-llama-cpp's GPU backend (default false: CPU). */
   gpu?: false | 'auto';
+  /** The deployment's KV secret: states are sealed and checked with an HMAC keyed by it (else a checksum). */
+  kvSecret?: string;
   /**
    * Where states go through files on their way in and out of llama.cpp
    * (default: NIXL_NODE_STATE_DIR, else /dev/shm where it is a writable
    * memory file system, else the OS temp dir).
    */
   stateDir?: string;
-}
-
-/** At most `max` contexts, made on demand: a request waits for a free one. */
-class ContextPool {
-  readonly #free: Nlc.LlamaContext[] = [];
-  readonly #waiters: Array<(c: Nlc.LlamaContext) => void> = [];
-  #created = 0;
-  readonly all: Nlc.LlamaContext[] = [];
-
-  constructor(
-    readonly max: number,
-    readonly create: () => Promise<Nlc.LlamaContext>,
-  ) {}
-
-  async acquire(signal: AbortSignal): Promise<Nlc.LlamaContext> {
-    const c = this.#free.pop();
-    if (c) return c;
-    if (this.#created < this.max) {
-      this.#created++;
-      try {
-        const ctx = await this.create();
-        this.all.push(ctx);
-        return ctx;
-      } catch (e) {
-        this.#created--;
-        throw e;
-      }
-    }
-    return new Promise((resolve, reject) => {
-      const w = (ctx: Nlc.LlamaContext) => {
-        signal.removeEventListener('abort', onAbort);
-        resolve(ctx);
-      };
-      const onAbort = () => {
-        this.#waiters.splice(this.#waiters.indexOf(w), 1);
-        reject(new ModelRequestError(499, 'aborted while waiting for a context'));
-      };
-      signal.addEventListener('abort', onAbort, { once: true });
-      this.#waiters.push(w);
-    });
-  }
-
-  async release(ctx: Nlc.LlamaContext): Promise<void> {
-    try {
-      // A fresh start for the next request: nothing of this one is reused.
-      await sequenceOf(ctx).clearHistory();
-    } catch {
-      this.#created--;
-      this.all.splice(this.all.indexOf(ctx), 1);
-      void ctx.dispose();
-      return;
-    }
-    const w = this.#waiters.shift();
-    if (w) w(ctx);
-    else this.#free.push(ctx);
-  }
-}
-
-const sequences = new WeakMap<Nlc.LlamaContext, Nlc.LlamaContextSequence>();
-
-function sequenceOf(ctx: Nlc.LlamaContext): Nlc.LlamaContextSequence {
-  let s = sequences.get(ctx);
-  if (!s) {
-    s = ctx.getSequence();
-    sequences.set(ctx, s);
-  }
-  return s;
 }
 
 /**
@@ -148,7 +90,8 @@ export class LlamaModel implements ServingModel {
   readonly #pool: ContextPool;
   readonly #o: LlamaModelOptions;
   readonly #tmp: string;
-  readonly #vocabularySize: number;
+  /** What states of this model look like, or why they cannot be checked (then a decode refuses them all). */
+  #layout: LlamaStateLayout | string = 'not probed yet';
 
   private constructor(
     nlc: typeof Nlc,
@@ -171,8 +114,6 @@ export class LlamaModel implements ServingModel {
     this.#pool = new ContextPool(parallel, () =>
       model.createContext({ contextSize: this.contextSize, threads: this.threads, sequences: 1 }),
     );
-    const vocab = model.fileInfo.metadata?.tokenizer?.ggml?.tokens?.length;
-    this.#vocabularySize = typeof vocab === 'number' ? vocab : Number.MAX_SAFE_INTEGER;
     this.#tmp = stateDir;
   }
 
@@ -201,11 +142,56 @@ export class LlamaModel implements ServingModel {
         throw new NixlError(`cannot load ${o.modelPath}: ${(e as Error).message}`, 'NIXL_ERR_INVALID_PARAM');
       }
       const build = JSON.stringify({ nlc: NODE_LLAMA_CPP, release: llama.llamaCppRelease, gpu: llama.gpu });
-      return new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o, stateDir);
+      const m = new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o, stateDir);
+      await m.#probeLayout();
+      return m;
     } catch (e) {
       fs.rmSync(stateDir, { recursive: true, force: true });
       throw e;
     }
+  }
+
+  /**
+   * Learns what this model's states look like: its metadata (layers, K / V
+   * widths, vocabulary) and a state its own llama.cpp saves (cache types, V
+   * transposition) must agree, or no state can be checked and none is loaded.
+   */
+  async #probeLayout(): Promise<void> {
+    const geometry = kvGeometry(this.#model.fileInfo.metadata);
+    const nVocab = (this.#model.fileInfo.metadata as { tokenizer?: { ggml?: { tokens?: readonly unknown[] } } })
+      ?.tokenizer?.ggml?.tokens?.length;
+    if (!geometry || !nVocab) {
+      this.#layout = "the GGUF's metadata does not give its KV geometry and vocabulary";
+      return;
+    }
+    const ctx = await this.#pool.acquire(new AbortController().signal);
+    const file = path.join(this.#tmp, 'probe.state');
+    try {
+      const seq = sequenceOf(ctx);
+      await seq.evaluateWithoutGeneratingNewTokens(this.#model.tokenize('probe', false).slice(0, 3));
+      await seq.saveStateToFile(file);
+      this.#layout = learnLayout(fs.readFileSync(file), geometry, nVocab, ctx.contextSize);
+    } catch (e) {
+      this.#layout = `its states are not in a layout nixl-node can check (${(e as Error).message})`;
+    } finally {
+      fs.rmSync(file, { force: true });
+      await this.#pool.release(ctx);
+    }
+  }
+
+  /** What this model's states must look like (a decode parses each against it), or why none can be checked. */
+  get stateLayout(): LlamaStateLayout | string {
+    return this.#layout;
+  }
+
+  /** Why this model cannot serve now (no context can be made), or undefined. */
+  unhealthy(): string | undefined {
+    return this.#pool.broken;
+  }
+
+  /** Contexts thrown away because a request may have left them unusable. */
+  get discardedContexts(): number {
+    return this.#pool.discarded;
   }
 
   blocksFor(): undefined {
@@ -218,7 +204,7 @@ export class LlamaModel implements ServingModel {
     // Unseeded sampling: one seed for the whole request, the decode's sampler goes on with it.
     const seed = req.temperature > 0 ? (req.seed ?? randomInt(2 ** 32)) : req.seed;
     let state: Buffer;
-    let stateTokens: number;
+    let promptTokens: number;
     let nextToken: number | undefined;
     let saveMs = 0;
     try {
@@ -231,7 +217,7 @@ export class LlamaModel implements ServingModel {
         if (!(e instanceof FirstTokenSampled)) throw e;
         nextToken = e.token;
       }
-      stateTokens = seq.contextTokens.length;
+      promptTokens = seq.contextTokens.length;
       const t0 = performance.now();
       await seq.saveStateToFile(file);
       state = await fs.promises.readFile(file);
@@ -240,19 +226,20 @@ export class LlamaModel implements ServingModel {
       await this.#pool.release(ctx);
       fs.rm(file, { force: true }, () => {});
     }
-    const header = stateHeader(state, {
-      stateTokens,
+    const { blockBytes, kvSecret } = this.#o;
+    const info = {
+      promptTokens,
       nextToken,
       seed: seed ?? 0,
       samplingKey: samplingKey(req),
       fingerprint: this.fingerprint,
-    });
-    const { blockBytes } = this.#o;
+    };
     return {
       blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
-      promptTokens: stateTokens,
+      promptTokens,
       saveMs,
-      writeTo: (view) => writeEnvelope(header, state, blockBytes, (i) => view(i, 0)),
+      writeTo: (view, binding) =>
+        writeEnvelope(stateHeader(state, { ...info, binding }, kvSecret), state, blockBytes, (i) => view(i, 0)),
     };
   }
 
@@ -263,23 +250,24 @@ export class LlamaModel implements ServingModel {
     out: TextSink,
     signal: AbortSignal,
     blocksRead?: () => void,
+    binding?: KvBinding,
   ): Promise<Generated> {
     const t0 = performance.now();
-    const env = openEnvelope((i) => view(i, 0), {
-      blocks,
-      blockBytes: this.#o.blockBytes,
-      fingerprint: this.fingerprint,
-      maxTokens: this.contextSize,
-      maxStateBytes: this.#o.poolBytes - HEADER_BYTES,
-      vocabularySize: this.#vocabularySize,
-    });
+    const env = this.#open(view, blocks, binding);
+    const { state, promptTokens } = env;
     blocksRead?.(); // the state is a copy now
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
-    await fs.promises.writeFile(file, env.state);
+    await fs.promises.writeFile(file, state);
     const ctx = await this.#pool.acquire(signal);
+    // Whatever goes wrong once llama.cpp has the state, this context is not reused.
+    let clean = false;
     try {
       const seq = sequenceOf(ctx);
-      await seq.loadStateFromFile(file, { acceptRisk: true });
+      try {
+        await seq.loadStateFromFile(file, { acceptRisk: true });
+      } catch (e) {
+        throw new KvRejected(`llama.cpp refused the KV state: ${(e as Error).message}`, 'refused');
+      }
       const loadMs = performance.now() - t0;
       const loaded = seq.contextTokens.length;
       const before = evaluated(seq);
@@ -290,22 +278,58 @@ export class LlamaModel implements ServingModel {
           : undefined;
       const seed = req.temperature > 0 ? (req.seed ?? env.seed) : req.seed;
       const r = await this.#run(go?.sequence ?? seq, req, { ...req, seed }, out, signal);
+      clean = true;
       return {
         completionTokens: r.completionTokens,
         finishReason: r.finishReason,
-        promptTokens: env.stateTokens,
+        promptTokens,
         info: {
-          kv_state_bytes: env.state.length,
+          kv_state_bytes: state.length,
           kv_tokens_loaded: loaded,
           kv_continued: go?.used() ?? false,
           tokens_evaluated: evaluated(seq) - before,
           kv_load_ms: round(loadMs),
         },
       };
+    } catch (e) {
+      // A request's own 4xx (or its client gone) leaves a state llama.cpp made: clearing it is enough.
+      if (e instanceof ModelRequestError || signal.aborted) clean = true;
+      throw e;
     } finally {
-      await this.#pool.release(ctx);
+      await (clean ? this.#pool.release(ctx) : this.#pool.discard(ctx));
       fs.rm(file, { force: true }, () => {});
     }
+  }
+
+  /**
+   * The state in the blocks, checked: the envelope (model, size, MAC, the
+   * request it is for), then every byte of the state for this model and
+   * context. Throws KvRejected; llama.cpp has seen nothing.
+   */
+  #open(view: BlockView, blocks: number, binding: KvBinding | undefined) {
+    if (!binding) throw new KvRejected('no request to check the KV state against', 'wrong-request');
+    if (typeof this.#layout === 'string')
+      throw new KvRejected(`this decode cannot check KV states of ${this.id}: ${this.#layout}`, 'unsupported');
+    const layout = this.#layout;
+    const opened = openEnvelope((i) => view(i, 0), {
+      blocks,
+      blockBytes: this.#o.blockBytes,
+      fingerprint: this.fingerprint,
+      binding,
+      secret: this.#o.kvSecret,
+      maxTokens: this.contextSize,
+      maxStateBytes: this.#o.poolBytes - HEADER_BYTES,
+    });
+    const parsed = parseSeqState(opened.state, layout);
+    if (parsed.tokens.length !== opened.promptTokens)
+      throw new KvRejected(
+        `the KV state holds ${parsed.tokens.length} tokens, its envelope says ${opened.promptTokens}`,
+        'malformed',
+      );
+    const f = opened.nextToken;
+    if (f !== undefined && f >= layout.nVocab)
+      throw new KvRejected(`the next token ${f} is outside the vocabulary of ${layout.nVocab}`, 'malformed');
+    return opened;
   }
 
   async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {

@@ -3,6 +3,7 @@
 // (llama.ts). The worker owns the registered KV pool, the blocks, the pulls
 // and the holds; a model only evaluates, puts its KV into blocks it is given,
 // and generates from blocks it is given.
+import { NixlError, type NixlErrorCode } from '../../errors';
 
 /** The node-llama-cpp release GGUF workers are tested with (an optional peer dependency). */
 export const NODE_LLAMA_CPP = 'node-llama-cpp@3.21.1';
@@ -41,14 +42,25 @@ export interface KvGeometry {
   tokensPerBlock: number;
 }
 
+/**
+ * The request a KV state is made for, as kv_transfer_params name it: the
+ * prefill's engine, its request id, the block ids (of the prefill's pool). A
+ * prefill binds its state to it; a decode refuses a state bound to another.
+ */
+export interface KvBinding {
+  engineId: string;
+  requestId: string;
+  blockIds: readonly number[];
+}
+
 /** A prompt's KV, evaluated, ready to go into blocks. */
 export interface PrefilledKv {
   readonly blocks: number;
   readonly promptTokens: number;
   /** Time taken to take the KV out of the model (llama: save the sequence state), ms. */
   readonly saveMs?: number;
-  /** Writes it into the request's blocks. */
-  writeTo(view: BlockView): void;
+  /** Writes it into the request's blocks, bound to the request (kv_transfer_params) that names them. */
+  writeTo(view: BlockView, binding: KvBinding): void;
 }
 
 /** What a generation produced, besides its text. */
@@ -79,7 +91,8 @@ export interface ServingModel {
    * prefill, or held here). Throws KvRejected, and loads nothing, when the
    * blocks do not hold this prompt's KV for this model. Calls `blocksRead`
    * once it no longer reads the blocks (the worker can reuse them while the
-   * model generates).
+   * model generates). `binding`: the request the kv_transfer_params named
+   * (a model that binds its states refuses a state made for another, or none).
    */
   decode(
     req: GenerationRequest,
@@ -88,23 +101,50 @@ export interface ServingModel {
     out: TextSink,
     signal: AbortSignal,
     blocksRead?: () => void,
+    binding?: KvBinding,
   ): Promise<Generated>;
+  /** Why the model cannot serve right now (a worker's /health says so), or undefined. */
+  unhealthy?(): string | undefined;
   /** Evaluates and generates here (an aggregated worker). */
   generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated>;
   /** Frees the model. */
   close(): Promise<void>;
 }
 
-/** The KV a decode was given is not what it must be: nothing was loaded from it. */
-export class KvRejected extends Error {
+/** The NixlError code of each KvRejected reason. */
+const REJECTED_CODES: Record<string, NixlErrorCode> = {
+  truncated: 'NIXL_ERR_INVALID_PARAM',
+  malformed: 'NIXL_ERR_INVALID_PARAM',
+  oversized: 'NIXL_ERR_INVALID_PARAM',
+  corrupted: 'NIXL_ERR_MISMATCH',
+  'foreign-model': 'NIXL_ERR_MISMATCH',
+  'wrong-request': 'NIXL_ERR_MISMATCH',
+  mismatch: 'NIXL_ERR_MISMATCH',
+  unauthenticated: 'NIXL_ERR_NOT_ALLOWED',
+  version: 'NIXL_ERR_NOT_SUPPORTED',
+  unsupported: 'NIXL_ERR_NOT_SUPPORTED',
+  refused: 'NIXL_ERR_BACKEND',
+};
+
+/**
+ * The KV a decode was given is not what it must be: nothing was loaded from
+ * it (or, reason 'refused', llama.cpp refused it and the context it touched
+ * was thrown away). A NixlError whose `code` follows the reason.
+ */
+export class KvRejected extends NixlError {
   constructor(
     message: string,
-    /** truncated | corrupted | foreign-model | oversized | malformed | mismatch */
+    /**
+     * truncated | malformed | oversized (what the bytes say does not fit) ·
+     * corrupted | foreign-model | wrong-request | mismatch (not this model's,
+     * this request's or this prompt's KV) · unauthenticated (no HMAC, or a
+     * wrong one, with a KV secret) · version | unsupported · refused (llama.cpp)
+     */
     readonly reason: string,
     /** Synthetic model: how many bytes differ. */
     readonly badBytes = 0,
   ) {
-    super(message);
+    super(message, REJECTED_CODES[reason] ?? 'NIXL_ERR_INVALID_PARAM');
     this.name = 'KvRejected';
   }
 }
