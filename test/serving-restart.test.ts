@@ -79,3 +79,60 @@ describe.each(['http', 'zmq'] as const)('restarts over %s', (transport) => {
       .toBe(64);
   }, 60_000);
 });
+
+describe.each(['http', 'zmq'] as const)('the first request after a prefill restart (%s)', (transport) => {
+  it('is served from the new incarnation (no 502 peer-gone, the decode stays in the pool), and so is every later one', async () => {
+    const port = await freePort();
+    // A fixed side channel, as deployments have: the decode's cached
+    // connection to the old incarnation has the new one's address.
+    const side = await freePort();
+    const args = ['worker', '--name', `pf1-${transport}`, '--blocks', '64', '--transport', transport];
+    args.push('--side-channel-port', String(side));
+    const addr = transport === 'http' ? ['--port', String(port)] : ['--zmq-addr', `tcp://127.0.0.1:${port}`];
+    const first = await start([...args, ...addr], (p) => procs.push(p));
+    const decode = await startWorker({ transport, blocks: 256, name: `dc1-${transport}` });
+    const proxy = await startProxy({
+      transport,
+      prefill: [String(first.ready.address)],
+      decode: [decode.address],
+      healthIntervalMs: 0,
+      timeoutMs: { prefill: 2000, decode: 5000 },
+    });
+    closers.push(
+      () => decode.close(),
+      () => proxy.close(),
+    );
+    for (let i = 0; i < 3; i++) expect((await ask(proxy.url, i)).ok).toBe(true);
+    first.p.kill('SIGKILL');
+    await new Promise((r) => first.p.once('exit', r));
+    const second = await start([...args, ...addr], (p) => procs.push(p));
+    // The proxy sees the prefill up again (over ZeroMQ its socket reconnects
+    // first); the decode's puller still holds the dead incarnation's agent.
+    await expect
+      .poll(
+        async () => {
+          await proxy.checkHealth();
+          return proxy.pools.prefill.workers[0].healthy;
+        },
+        { timeout: 5000, interval: 50 },
+      )
+      .toBe(true);
+    const outcomes: string[] = [];
+    for (let i = 3; i < 9; i++) {
+      const a = await ask(proxy.url, i);
+      outcomes.push(a.ok ? 'ok' : `${a.status} ${a.body}`);
+    }
+    expect(outcomes).toEqual(Array(6).fill('ok'));
+    expect(proxy.pools.decode.workers.every((w) => w.healthy)).toBe(true);
+    // Nothing was prefilled twice: the first answer came from the first prefill.
+    await expect
+      .poll(
+        () => {
+          second.p.kill('SIGUSR2');
+          return (second.lines.filter((l) => l.stats).at(-1)?.stats as { prefills?: number } | undefined)?.prefills;
+        },
+        { timeout: 3000, interval: 100 },
+      )
+      .toBe(6);
+  }, 60_000);
+});

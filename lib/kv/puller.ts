@@ -442,7 +442,9 @@ export class KvPuller {
    * Engines we hold for `engineId` whose agents are not among the new
    * metadata are an older incarnation of that prefill (it restarted, maybe on
    * another port): no new pull uses them, and once their pulls end their
-   * agents are unloaded. Resolves then.
+   * agents are unloaded. Resolves then when the new agents may take an old
+   * one's name (a restart under the same name); at once otherwise, so pulls
+   * to another prefill never wait behind a stalled one's.
    */
   async #replaceOlder(engineId: string, metas: NixlAgentMetadata[]): Promise<void> {
     const olds = [...this.#live].filter(
@@ -450,12 +452,19 @@ export class KvPuller {
         e.engineId === engineId &&
         [...e.ranks.values()].some((r) => !metas.some((m) => m.agentMetadata.equals(r.meta.agentMetadata))),
     );
+    // Both engines write the agent's name into its metadata as it is.
+    const named = (old: RemoteEngine) =>
+      [...old.ranks.values()].some((r) => metas.some((m) => m.agentMetadata.includes(Buffer.from(r.agentName))));
     await Promise.all(
       olds.map((old) => {
         const p = this.#engines.get(old.key);
         if (p) void p.then((e) => e === old && this.#engines.get(old.key) === p && this.#engines.delete(old.key));
         if (old.pulls === 0) {
           this.#forget(old, undefined);
+          return undefined;
+        }
+        if (!named(old)) {
+          old.retired = () => this.#forget(old, undefined);
           return undefined;
         }
         return new Promise<void>((resolve) => {

@@ -5,6 +5,7 @@
 //   proxy -> worker  ENCODE | GENERATION  {msg_id, request_id, path, reply_to, payload, traceparent?}
 //                    ABORT                {msg_id}
 //                    RELEASE              {msg_id, remote_request_id}   (a prefill frees that hold now)
+//                                         {msg_id, request_id}          (... every hold and prefill of that request)
 //                    HEALTH               {msg_id, reply_to}
 //   worker -> proxy  ENCODE               {msg_id, status, payload}
 //                    GENERATION           {msg_id, status, payload, done: true}      (not streamed)

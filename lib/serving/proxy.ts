@@ -127,8 +127,10 @@ export class ServingProxy {
       { requestTimeout, headersTimeout: Math.min(requestTimeout, 10_000), connectionsCheckingInterval: 1000 },
       (req, res) => void this.#onRequest(req, res),
     );
-    this.#server.on('clientError', (_e, socket) => {
-      if (socket.writable) socket.end('HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n');
+    this.#server.on('clientError', (e: Error & { code?: string }, socket) => {
+      // Headers past Node's limit (16 KiB) are 431, as Node itself answers; anything else unparsable is 400.
+      const status = e.code === 'HPE_HEADER_OVERFLOW' ? '431 Request Header Fields Too Large' : '400 Bad Request';
+      if (socket.writable) socket.end(`HTTP/1.1 ${status}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n`);
       else socket.destroy();
     });
     const prom = loadProm();
@@ -487,7 +489,10 @@ export class ServingProxy {
         });
         observe(String(answer.status));
         span.setAttribute('http.response.status_code', answer.status);
-        if (answer.status >= 500 && answer.status !== 503) pool.markFailed(w);
+        // An answer, whatever its status, comes from a worker that is up: a
+        // refusal of this request (bad KV, a pull that failed, a lease run
+        // out) says nothing of the next one. Only an unreachable worker, a
+        // timeout or a failed health check takes a worker out.
         if (answer.status >= 400) {
           release();
           const err = answer.json?.error as { message?: string; type?: string; code?: string } | undefined;
@@ -516,6 +521,12 @@ export class ServingProxy {
       } catch (e) {
         release();
         if (e instanceof StageFailure) throw e;
+        // A prefill may have answered into the connection just cut: its hold's
+        // id never arrived, so it is released by our request id instead.
+        if (stage === 'prefill' && (clientSignal.aborted || timeout.aborted)) {
+          this.stats.holdsReleased++;
+          void this.#transport.releaseRequest(w, requestId);
+        }
         if (clientSignal.aborted) {
           span.fail(e);
           throw e;

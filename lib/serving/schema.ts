@@ -58,6 +58,8 @@ export function checkCompletionRequest(path: string, b: Record<string, unknown>,
     (b.messages as unknown[]).forEach(checkMessage);
   } else if (typeof b.prompt !== 'string') bad("'prompt' must be a string");
   for (const k of ['max_tokens', 'max_completion_tokens']) optional(b, k, posInt(1 << 20), 'a positive integer');
+  // One choice per request: n > 1 is not served, and silently answering one choice would lie.
+  optional(b, 'n', (v) => v === null || v === 1, '1 (one choice per request is served)');
   optional(b, 'stream', (v) => typeof v === 'boolean', 'a boolean');
   optional(b, 'stream_options', (v) => v === null || isObject(v), 'an object');
   optional(b, 'temperature', (v) => typeof v === 'number' && v >= 0 && v <= 2, 'a number from 0 to 2');

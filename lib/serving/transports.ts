@@ -53,6 +53,13 @@ export interface WorkerTransport {
    * them anyway.
    */
   release(w: WorkerRef, remoteRequestId: string): Promise<void>;
+  /**
+   * Tells a prefill worker to free whatever it holds or is prefilling for
+   * the proxy's request id (the client went away, or the stage timed out,
+   * before its answer arrived: the proxy never learned the hold's id).
+   * nixl-node workers only; best effort.
+   */
+  releaseRequest(w: WorkerRef, requestId: string): Promise<void>;
   /** Closes the transport's sockets. */
   close(): Promise<void>;
 }
@@ -127,11 +134,19 @@ export class HttpTransport implements WorkerTransport {
   }
 
   async release(w: WorkerRef, remoteRequestId: string): Promise<void> {
+    await this.#release(w, { remote_request_id: remoteRequestId });
+  }
+
+  async releaseRequest(w: WorkerRef, requestId: string): Promise<void> {
+    await this.#release(w, { request_id: requestId });
+  }
+
+  async #release(w: WorkerRef, body: Record<string, string>): Promise<void> {
     try {
       const r = await fetch(`${w.address}/v1/kv/release`, {
         method: 'POST',
         headers: { 'content-type': 'application/json' },
-        body: JSON.stringify({ remote_request_id: remoteRequestId }),
+        body: JSON.stringify(body),
         signal: AbortSignal.timeout(2000),
       });
       await r.arrayBuffer();
@@ -324,6 +339,12 @@ export class ZmqTransport implements WorkerTransport {
       msg_id: `release/${randomUUID()}`,
       remote_request_id: remoteRequestId,
     }).catch(() => {});
+  }
+
+  async releaseRequest(w: WorkerRef, requestId: string): Promise<void> {
+    await this.#send(w.address, 'RELEASE', { msg_id: `release/${randomUUID()}`, request_id: requestId }).catch(
+      () => {},
+    );
   }
 
   /** Closes the sockets; calls in flight fail. */

@@ -62,6 +62,8 @@ async function onRequest(
   if (path === '/v1/kv/release') {
     try {
       const b = await readJson(req, 4096);
+      if (b.remote_request_id === undefined && b.request_id !== undefined)
+        return json(200, { released: w.releaseRequest(b.request_id) > 0 });
       return json(200, { released: w.releaseHold(b.remote_request_id) });
     } catch (e) {
       const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);

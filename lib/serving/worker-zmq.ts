@@ -2,21 +2,28 @@
 // proxy's requests, a PUSH socket per proxy for the answers.
 import * as zmq from 'zeromq';
 import { HttpError } from './http';
-import { SerialSender, decodeMessage, encodeMessage, type ZmqReply } from './protocol';
+import { decodeMessage, encodeMessage, type ZmqReply } from './protocol';
 import type { Worker } from './worker';
+import { ReplySockets } from './zmq-replies';
 
 type ReplyTag = 'ENCODE' | 'GENERATION' | 'FAILURE' | 'HEALTH';
 
 export class ZmqFront {
   readonly #w: Worker;
   readonly #pull: zmq.Pull;
-  readonly #push = new Map<string, SerialSender>();
+  readonly #replies: ReplySockets;
   readonly #aborts = new Map<string, AbortController>();
   #closed = false;
 
   private constructor(w: Worker, pull: zmq.Pull) {
     this.#w = w;
     this.#pull = pull;
+    this.#replies = new ReplySockets(64, () => w.stats.repliesDropped++);
+  }
+
+  /** Reply sockets open now (one per proxy answered lately, at most 64). */
+  get replySockets(): number {
+    return this.#replies.size;
   }
 
   /** Binds addr (tcp://host:port, tcp://host:* for any port, ipc://path) and serves. */
@@ -61,7 +68,8 @@ export class ZmqFront {
       }
       if (msg.tag === 'RELEASE') {
         try {
-          this.#w.releaseHold(b.remote_request_id);
+          if (b.remote_request_id === undefined) this.#w.releaseRequest(b.request_id);
+          else this.#w.releaseHold(b.remote_request_id);
         } catch {
           /* not a string: nothing to release */
         }
@@ -112,20 +120,9 @@ export class ZmqFront {
     }
   }
 
-  async #reply(to: string, tag: ReplyTag, r: ZmqReply): Promise<void> {
-    if (this.#closed) return;
-    let s = this.#push.get(to);
-    if (!s) {
-      const sock = new zmq.Push({ linger: 0, sendTimeout: 5000 });
-      sock.connect(to);
-      s = new SerialSender(sock);
-      this.#push.set(to, s);
-    }
-    try {
-      await s.send(encodeMessage(tag, r));
-    } catch {
-      /* the proxy is gone; it times the request out */
-    }
+  #reply(to: string, tag: ReplyTag, r: ZmqReply): Promise<void> {
+    if (this.#closed) return Promise.resolve();
+    return this.#replies.send(to, encodeMessage(tag, r));
   }
 
   close(): void {
@@ -133,6 +130,6 @@ export class ZmqFront {
     this.#closed = true;
     for (const a of this.#aborts.values()) a.abort();
     this.#pull.close();
-    for (const s of this.#push.values()) s.socket.close();
+    this.#replies.close();
   }
 }

@@ -122,6 +122,8 @@ export interface WorkerStats {
   lateReads: number;
   /** Prefill: holds released early because the proxy said the decode would not read them. */
   abortedHolds: number;
+  /** ZeroMQ: answers dropped because their reply_to is not an address a PUSH socket can connect to. */
+  repliesDropped: number;
   /** Time spent taking KV out of the model into blocks (prefill), pulling it (decode), putting it back in (decode), ms. */
   kvSaveMs: number;
   kvPullMs: number;
@@ -156,6 +158,7 @@ export class Worker {
     pullsExpired: 0,
     lateReads: 0,
     abortedHolds: 0,
+    repliesDropped: 0,
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
@@ -175,6 +178,18 @@ export class Worker {
   readonly #secret: string | undefined;
   /** Blocks held for each prefilled request until its read or lease. */
   readonly #held = new Map<string, number[]>();
+  /**
+   * By the request id the proxy sent: the holds made and the prefills still
+   * running for it (releaseRequest frees both).
+   */
+  readonly #holdsOf = new Map<string, Set<string>>();
+  readonly #prefilling = new Map<string, Set<{ released: boolean }>>();
+  /**
+   * Request ids released before any prefill of theirs arrived (the release
+   * overtook the request on another connection), with when: a prefill of one
+   * gives its blocks up. A few seconds, at most 4096.
+   */
+  readonly #releasedEarly = new Map<string, number>();
   #side?: HandshakeServer;
   #http?: http.Server;
   #zmq?: ZmqFront;
@@ -250,6 +265,28 @@ export class Worker {
   releaseHold(remoteRequestId: unknown): boolean {
     if (typeof remoteRequestId !== 'string') throw new HttpError(400, "'remote_request_id' must be a string");
     return this.#tracker.abort(remoteRequestId);
+  }
+
+  /**
+   * Frees the holds a request (the proxy's request id) made here, and makes
+   * its prefills still running give theirs up: the proxy's client went away
+   * before the prefill's answer, with the hold's id, reached the proxy.
+   * Returns how many holds and prefills it found.
+   */
+  releaseRequest(requestId: unknown): number {
+    if (typeof requestId !== 'string') throw new HttpError(400, "'request_id' must be a string");
+    let n = 0;
+    for (const p of this.#prefilling.get(requestId) ?? []) {
+      p.released = true;
+      n++;
+    }
+    for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#tracker.abort(id)) n++;
+    if (n === 0) {
+      this.#releasedEarly.set(requestId, performance.now());
+      const [oldest] = this.#releasedEarly.keys();
+      if (this.#releasedEarly.size > 4096) this.#releasedEarly.delete(oldest);
+    }
+    return n;
   }
 
   /** Why this worker cannot serve now (its model cannot), or undefined: /health answers 503 with it. */
@@ -404,6 +441,7 @@ export class Worker {
     }
     // Decode: the KV comes from the prefill named in kv_transfer_params.
     span.setAttribute('nixl_node.role', 'decode');
+    this.#fitsContext(req, kvp);
     const n = known ?? remoteBlockCount(kvp, this.#o.wire);
     this.#fits(n);
     const ids = this.#take(n);
@@ -415,13 +453,21 @@ export class Worker {
     try {
       if (this.#o.stallDecodeMs) await sleep(this.#o.stallDecodeMs, signal);
       const pulled = performance.now();
-      try {
-        await this.#puller.pullFromParams(kvp, {
+      const pull = () =>
+        this.#puller.pullFromParams(kvp, {
           traceContext: span.context,
           localBlockIds: ids,
           signal,
           timeoutMs: 30_000,
           issuedAtMs: arrivedMs,
+        });
+      try {
+        await pull().catch((e: PullError) => {
+          // The prefill restarted at the address we knew (same side channel):
+          // our connection was to its dead incarnation, which the puller has
+          // dropped. Once more, from a fresh handshake with the new one.
+          if (e.kind !== 'peer-gone' || signal.aborted) throw e;
+          return pull();
         });
       } catch (e) {
         const err = e as PullError;
@@ -455,6 +501,26 @@ export class Worker {
   }
 
   async #prefill(req: GenerationRequest, requestId: string, signal: AbortSignal, sink: Sink, span: SpanLike) {
+    const early = this.#releasedEarly.get(requestId);
+    const me = { released: early !== undefined && performance.now() - early < 10_000 };
+    const running = getOrAdd(this.#prefilling, requestId);
+    running.add(me);
+    try {
+      await this.#prefillOnce(req, requestId, signal, sink, span, me);
+    } finally {
+      running.delete(me);
+      if (running.size === 0) this.#prefilling.delete(requestId);
+    }
+  }
+
+  async #prefillOnce(
+    req: GenerationRequest,
+    requestId: string,
+    signal: AbortSignal,
+    sink: Sink,
+    span: SpanLike,
+    me: { released: boolean },
+  ) {
     const kv = await this.model.prefill(req, signal);
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
@@ -466,6 +532,8 @@ export class Worker {
     if (this.#o.tamperKv)
       tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv, this.#secret);
     this.#held.set(remoteRequestId, ids);
+    const holds = getOrAdd(this.#holdsOf, requestId);
+    holds.add(remoteRequestId);
     // The hold outlives this request's span: it ends when the blocks go back.
     const hold = startSpan('kv.hold', {
       parent: span.context,
@@ -475,6 +543,8 @@ export class Worker {
       hold.setAttribute('nixl_node.release_reason', r.reason === 'expired' ? 'lease' : r.reason);
       hold.end();
       this.#held.delete(remoteRequestId);
+      holds.delete(remoteRequestId);
+      if (holds.size === 0 && this.#holdsOf.get(requestId) === holds) this.#holdsOf.delete(requestId);
       if (r.reason !== 'read' && this.#o.poisonFreed) {
         const view = this.#view(ids);
         for (let b = 0; b < ids.length; b++) for (let l = 0; l < this.model.geometry.layers; l++) view(b, l).fill(0xa5);
@@ -482,7 +552,7 @@ export class Worker {
       this.#blocks.give(ids);
     });
     if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
-    if (signal.aborted) {
+    if (signal.aborted || me.released) {
       // Nobody will get the params, so nobody will read the blocks.
       this.#tracker.abort(remoteRequestId);
       throw new HttpError(499, 'the proxy went away', 'aborted');
@@ -539,6 +609,29 @@ export class Worker {
         nixl_code: e.code,
       });
     }
+  }
+
+  /**
+   * A decode's 400 before any pull when the prompt the prefill evaluated
+   * (remote_num_tokens) and max_tokens cannot fit the model's context, as
+   * one worker answers the same request. Params that do not say (vLLM
+   * v0.13) are checked by the model once it reads the KV.
+   */
+  #fitsContext(req: GenerationRequest, kvp: Record<string, unknown>): void {
+    const ctx = this.model.contextSize;
+    if (ctx === undefined) return;
+    let prompt: number | null = null;
+    try {
+      prompt = parseKvTransferParams(kvp, this.#o.wire).remoteNumTokens;
+    } catch {
+      return; // the pull says what is wrong with them
+    }
+    if (prompt !== null && prompt + req.maxTokens > ctx)
+      throw new HttpError(
+        400,
+        `this model's context holds ${ctx} tokens; the request needs ${prompt + req.maxTokens} ` +
+          `(${prompt} in the prompt, ${req.maxTokens} to generate)`,
+      );
   }
 
   /** 413 when a request's KV cannot fit this worker's cache even when empty. */
@@ -741,6 +834,16 @@ function asHttpError(e: unknown, signal: AbortSignal): HttpError {
 function expirySeconds(tracker: PrefillTracker, requestId: string): number | null {
   const ms = tracker.leaseExpiry(requestId);
   return ms === undefined ? null : ms / 1000;
+}
+
+/** The set under key, made when missing. */
+function getOrAdd<T>(m: Map<string, Set<T>>, key: string): Set<T> {
+  let v = m.get(key);
+  if (!v) {
+    v = new Set();
+    m.set(key, v);
+  }
+  return v;
 }
 
 function sleep(ms: number, signal: AbortSignal): Promise<void> {

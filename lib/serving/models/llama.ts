@@ -256,6 +256,8 @@ export class LlamaModel implements ServingModel {
     const env = this.#open(view, blocks, binding);
     const { state, promptTokens } = env;
     blocksRead?.(); // the state is a copy now
+    // Every path below (the greedy ones too) fits the context, or nothing is loaded.
+    this.#fits(promptTokens, req.maxTokens);
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
     await fs.promises.writeFile(file, state);
     const ctx = await this.#pool.acquire(signal);
@@ -387,8 +389,11 @@ export class LlamaModel implements ServingModel {
         session.dispose({ disposeSequence: false });
       }
     } else {
-      // The prompt and BOS.
-      promptTokens = this.#model.tokenize(req.prompt).length + 1;
+      // What LlamaCompletion evaluates: BOS when the vocabulary prepends one,
+      // then the prompt without the tokenizer's leading space.
+      const bos = this.#model.tokens.shouldPrependBosToken && this.#model.tokens.bos !== null;
+      promptTokens =
+        this.#model.tokenize(req.prompt, false, bos ? 'trimLeadingSpace' : undefined).length + (bos ? 1 : 0);
       this.#fits(promptTokens, s.maxTokens);
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {

@@ -82,6 +82,8 @@ export interface ServingModel {
   readonly geometry: KvGeometry;
   /** The side channel's compatibility hash: decodes refuse a prefill of another model at the handshake. */
   readonly compatibilityHash: string;
+  /** Tokens a request's prompt and answer may take together, when the model has such a bound (a 400 past it). */
+  readonly contextSize?: number;
   /** Blocks a prompt's KV takes when the model knows before evaluating it (a 413 before any work), else undefined. */
   blocksFor(req: GenerationRequest): number | undefined;
   /** Evaluates the prompt. */

@@ -1,0 +1,79 @@
+// The PUSH sockets a ZeroMQ worker answers on, one per reply_to address a
+// request named. reply_to comes from whoever can reach the worker's PULL
+// socket, so an address ZeroMQ refuses (garbage, udp://) drops that answer
+// and nothing else, and the sockets are bounded: the least recently used one
+// is closed when a new address would pass the cap (a deployment has a few
+// proxies; a flood of addresses cannot exhaust the worker's descriptors).
+import * as zmq from 'zeromq';
+import { SerialSender } from './protocol';
+
+/** The transports a reply may go out on (what the proxy binds its PULL socket to). */
+const REPLY_TO = /^(tcp:\/\/[^\s/]+:\d{1,5}|ipc:\/\/[^\s]+)$/;
+
+export class ReplySockets {
+  /** Insertion order is recency: the first entry is the least recently used. */
+  readonly #open = new Map<string, SerialSender>();
+  #closed = false;
+
+  constructor(
+    /** Most sockets open at once. */
+    readonly cap = 64,
+    /** Called with each answer dropped because its address cannot be used. */
+    private readonly dropped: (to: string, why: string) => void = () => {},
+  ) {}
+
+  /** Sockets open now. */
+  get size(): number {
+    return this.#open.size;
+  }
+
+  /** Sends an answer to `to`; never throws (a proxy that is gone times the request out). */
+  async send(to: string, frames: Buffer[]): Promise<void> {
+    if (this.#closed) return;
+    const s = this.#socket(to);
+    if (!s) return;
+    try {
+      await s.send(frames);
+    } catch {
+      /* the proxy is gone, or the socket was closed meanwhile */
+    }
+  }
+
+  #socket(to: string): SerialSender | undefined {
+    let s = this.#open.get(to);
+    if (s) {
+      this.#open.delete(to);
+      this.#open.set(to, s);
+      return s;
+    }
+    if (to.length > 512 || !REPLY_TO.test(to)) {
+      this.dropped(to, 'not a tcp:// or ipc:// address');
+      return undefined;
+    }
+    let sock: zmq.Push | undefined;
+    try {
+      sock = new zmq.Push({ linger: 0, sendTimeout: 5000 });
+      sock.connect(to);
+    } catch (e) {
+      // EINVAL, ENOCOMPATPROTO, or ZeroMQ out of sockets (EMFILE).
+      sock?.close();
+      this.dropped(to, (e as Error).message);
+      return undefined;
+    }
+    s = new SerialSender(sock);
+    this.#open.set(to, s);
+    while (this.#open.size > this.cap) {
+      const [oldest, o] = this.#open.entries().next().value as [string, SerialSender];
+      this.#open.delete(oldest);
+      o.socket.close();
+    }
+    return s;
+  }
+
+  /** Closes every socket; later sends are dropped. */
+  close(): void {
+    this.#closed = true;
+    for (const s of this.#open.values()) s.socket.close();
+    this.#open.clear();
+  }
+}
