@@ -15,7 +15,9 @@
         "native/loopback/notifier.cpp",
         "native/loopback/shm.cpp"
       ],
-      "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
+      # The status table: generated from the installed NIXL's nixl_types.h, or
+      # the checked-in fallback (native/generated) without NIXL.
+      "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")", "<!(node scripts/gen-status-table.js)"],
       "defines": ["NAPI_VERSION=8", "NAPI_CPP_EXCEPTIONS", "NODE_ADDON_API_DISABLE_DEPRECATED"],
       "cflags!": ["-fno-exceptions", "-fno-rtti"],
       "cflags_cc!": ["-fno-exceptions", "-fno-rtti", "-std=gnu++17", "-std=gnu++1y"],

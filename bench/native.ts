@@ -4,13 +4,12 @@
 // contiguous block ids (NIXL merges them into few descriptors) and with
 // every other remote block (nothing merges: one descriptor per block). The
 // two alternate round by round, so both see the machine in the same state.
-import { execFileSync, fork, spawn } from 'node:child_process';
+import { fork, spawn } from 'node:child_process';
 import { once } from 'node:events';
-import * as fs from 'node:fs';
-import * as os from 'node:os';
 import * as path from 'node:path';
 import { createInterface } from 'node:readline';
-import { DescList, engines } from '../lib';
+import { DescList } from '../lib';
+import { nativeProgram } from '../lib/native-program';
 import { benchAgent } from './agents';
 import { median, nowNs } from './stats';
 
@@ -32,41 +31,6 @@ export interface NativeRow {
   nativePostUsPerDesc: number;
   /** The binding's transfer() call, us (it only queues). */
   bindingPostUs: number;
-}
-
-const ROOT = path.join(__dirname, '..', '..');
-
-/** The native program, built once per source change; or why it cannot be. */
-export function nativeProgram(): { path: string } | { skip: string } {
-  if (!engines.includes('nixl')) return { skip: 'NIXL is not compiled in (build with NIXL_PREFIX=<nixl install>)' };
-  const find = (what: string) =>
-    execFileSync(process.execPath, [path.join(ROOT, 'scripts', 'find-nixl.js'), what], { encoding: 'utf8' });
-  if (find('found') !== '1') return { skip: 'no installed NIXL found (NIXL_PREFIX, /opt/nvidia/nvda_nixl)' };
-  const src = path.join(ROOT, 'bench', 'native', 'nixl_read.cpp');
-  const dir = path.join(os.tmpdir(), 'nixl-node-bench');
-  const out = path.join(dir, `nixl_read-${fs.statSync(src).mtimeMs.toFixed(0)}`);
-  if (!fs.existsSync(out)) {
-    fs.mkdirSync(dir, { recursive: true });
-    const libdir = find('libdir');
-    execFileSync(
-      'g++',
-      [
-        '-O2',
-        '-std=c++20',
-        `-I${find('include')}`,
-        src,
-        `-L${libdir}`,
-        `-Wl,-rpath,${libdir}`,
-        '-lnixl',
-        '-lnixl_build',
-        '-lserdes',
-        '-o',
-        out,
-      ],
-      { stdio: ['ignore', 'ignore', 'inherit'] },
-    );
-  }
-  return { path: out };
 }
 
 interface NativeJob {
@@ -94,6 +58,11 @@ async function startNative(bin: string, pool: number) {
   };
   await next(); // {"ready":true}
   return {
+    /** One job line, its JSON answer. */
+    async ask(line: string): Promise<Record<string, unknown>> {
+      child.stdin.write(`${line}\n`);
+      return next();
+    },
     async run(block: number, count: number, reps: number, scatter: boolean): Promise<NativeJob> {
       child.stdin.write(`${block} ${count} ${reps} ${scatter ? 1 : 0} 0\n`);
       return next();
@@ -197,4 +166,31 @@ export async function benchNative(rounds: number, reps: number): Promise<NativeR
     await native.close();
   }
   return rows;
+}
+
+type Dist = { avg: number; p99: number };
+export type NativeGridCell = { gbps: number; prepUs: Dist; postUs: Dist; xferUs: Dist };
+
+/**
+ * The native program serving grid cells (bench/grid.ts), one process pair
+ * holding `pool` bytes; or why it cannot run.
+ */
+export async function nativeGrid(pool: number): Promise<
+  | {
+      run(op: 'READ' | 'WRITE', block: number, batch: number, iters: number, warmup: number): Promise<NativeGridCell>;
+      close(): Promise<void>;
+    }
+  | { skip: string }
+> {
+  const prog = nativeProgram();
+  if ('skip' in prog) return prog;
+  process.env.UCX_TLS ??= 'sm,self'; // as benchAgent sets it for the binding's agents
+  const native = await startNative(prog.path, pool);
+  return {
+    async run(op, block, batch, iters, warmup) {
+      const j = await native.ask(`grid ${op} ${block} ${batch} ${iters} ${warmup}`);
+      return { gbps: j.gbps as number, prepUs: j.prepUs as Dist, postUs: j.postUs as Dist, xferUs: j.xferUs as Dist };
+    },
+    close: () => native.close(),
+  };
 }

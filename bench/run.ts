@@ -1,4 +1,4 @@
-// nixl-node bench / npm run bench [-- --json out.json] [--svg out.svg] [--quick] [--only bandwidth,coalesce,handshake]
+// nixl-node bench / npm run bench [-- --json out.json] [--svg out.svg] [--quick] [--only bandwidth,coalesce,handshake,grid]
 // Every figure is a ratio against a baseline measured in the same run:
 // memcpy for copies, the raw ZMQ / HTTP round trip for handshakes.
 import * as fs from 'node:fs';
@@ -6,15 +6,25 @@ import * as os from 'node:os';
 import { makeCerts } from './certs';
 import { benchCoalesce } from './coalesce';
 import { benchHandshake } from './handshake';
-import { benchNative } from './native';
+import { benchGrid, gridCells, NIXLBENCH_DEFAULTS, QUICK, type GridCold, type GridOptions, type GridRow } from './grid';
+import { benchNative, nativeGrid } from './native';
 import { benchServing } from './serving';
+import { benchFleet } from './fleet';
 import { benchTracing } from './tracing';
 import { engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { fmtBytes } from './stats';
 import { barChart, type Panel } from './svg';
-import { parse, run, UsageError } from '../lib/command-args';
+import {
+  applyUcxNetDevices,
+  parse,
+  positiveInt,
+  run,
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+  UsageError,
+} from '../lib/command-args';
 
 const HELP = `nixl-node bench: bandwidth, native NIXL baseline, coalescing and handshake latency, as ratios to baselines of the same run
 
@@ -22,11 +32,44 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --json FILE      write the results as JSON
   --svg FILE       write a bar chart
   --quick          fewer repetitions
-  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving (default all;
-                   native: against a C++ program on the installed NIXL, when NIXL is compiled in;
-                   serving: a generated llama GGUF through node-llama-cpp, when it is installed)
-`;
-const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving'];
+  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving,fleet,grid (default
+                   all but grid; native: against a C++ program on the installed NIXL, when NIXL is compiled in;
+                   serving: a generated llama GGUF through node-llama-cpp, when it is installed;
+                   fleet: the proxy's 'load' policy against round-robin on synthetic workers;
+                   grid: nixlbench's shape, READ and WRITE over block x batch sizes, minutes: ask for it)
+  grid, with nixlbench's option names and defaults (--quick: steps of 4, 100 iterations, 10 warm-up):
+  --start-block-size N  (4096)      --max-block-size N  (67108864)
+  --start-batch-size N  (1)         --max-batch-size N  (64; nixlbench's default is 1)
+  --num-iter N          (1000; blocks over 1 MiB run 1/16)   --warmup-iter N  (100)
+${UCX_NET_DEVICES_HELP}`;
+const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'fleet', 'grid'];
+const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid');
+const GRID_ARGS = {
+  'start-block-size': { type: 'string' },
+  'max-block-size': { type: 'string' },
+  'start-batch-size': { type: 'string' },
+  'max-batch-size': { type: 'string' },
+  'num-iter': { type: 'string' },
+  'warmup-iter': { type: 'string' },
+} as const;
+
+function gridOptions(v: Record<string, unknown>, quick: boolean): GridOptions {
+  const d = quick ? QUICK : NIXLBENCH_DEFAULTS;
+  const o: GridOptions = {
+    ...d,
+    startBlock: positiveInt(v, 'start-block-size', d.startBlock, 1 << 30),
+    maxBlock: positiveInt(v, 'max-block-size', d.maxBlock, 1 << 30),
+    startBatch: positiveInt(v, 'start-batch-size', d.startBatch, 1 << 16),
+    maxBatch: positiveInt(v, 'max-batch-size', d.maxBatch, 1 << 16),
+    numIter: positiveInt(v, 'num-iter', d.numIter, 1e7),
+    warmupIter: v['warmup-iter'] === '0' ? 0 : positiveInt(v, 'warmup-iter', d.warmupIter, 1e7),
+  };
+  o.maxRequestBytes = Math.max(d.maxRequestBytes, o.startBlock * o.startBatch);
+  if (o.startBlock > o.maxBlock) throw new UsageError('--start-block-size must not exceed --max-block-size');
+  if (o.startBatch > o.maxBatch) throw new UsageError('--start-batch-size must not exceed --max-batch-size');
+  if (o.startBlock * o.startBatch > 1 << 30) throw new UsageError("the grid's first request would exceed 1 GiB");
+  return o;
+}
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -40,11 +83,20 @@ function table(head: string[], rows: Array<Array<string | number>>): void {
 export async function runBench(argv: string[]): Promise<void> {
   const v = parse(
     argv,
-    { json: { type: 'string' }, svg: { type: 'string' }, quick: { type: 'boolean' }, only: { type: 'string' } },
+    {
+      json: { type: 'string' },
+      svg: { type: 'string' },
+      quick: { type: 'boolean' },
+      only: { type: 'string' },
+      ...GRID_ARGS,
+      ...UCX_NET_DEVICES_OPTION,
+    },
     HELP,
   );
+  applyUcxNetDevices(v);
   const quick = v.quick === true;
-  const only = String(v.only ?? SECTIONS.join(',')).split(',');
+  const only = String(v.only ?? DEFAULT_SECTIONS.join(',')).split(',');
+  const grid = only.includes('grid') ? gridOptions(v, quick) : undefined;
   const unknown = only.filter((x) => !SECTIONS.includes(x));
   if (unknown.length)
     throw new UsageError(`--only: unknown section(s) ${unknown.join(', ')} (expected ${SECTIONS.join(', ')})`);
@@ -252,6 +304,39 @@ export async function runBench(argv: string[]): Promise<void> {
     }
   }
 
+  if (grid) {
+    const g = await runGrid(runEngines, grid);
+    result.grid = g.rows;
+    result.gridCold = g.cold;
+    result.gridOptions = grid;
+  }
+
+  if (only.includes('fleet')) {
+    const n = quick ? 12 : 60;
+    const rounds = quick ? 2 : 7;
+    console.log(
+      `\n# Fleet routing, synthetic model, 3 prefills (one 20x slower) + 1 decode: prefix hit rate (${n} requests from 12 shared prefixes, one at a time, each prefill caching its last 4); time of a round of ${n} requests 6 at a time (${rounds} rounds); ratio = policy / round-robin`,
+    );
+    const fl = await benchFleet(n, rounds);
+    table(
+      ['policy', 'prefix hits', 'round ms', 'min', 'max', 'ratio'],
+      fl.rows.map((r) => [
+        r.policy,
+        `${(r.prefixHitRate * 100).toFixed(0)}%`,
+        r.roundMs,
+        r.roundMin,
+        r.roundMax,
+        r.ratio,
+      ]),
+    );
+    result.fleet = fl;
+    panels.push({
+      title: 'Fleet routing: round time, load / round-robin',
+      reference: 1,
+      bars: fl.rows.filter((r) => r.policy === 'load').map((r) => ({ label: 'one slow prefill', value: r.ratio })),
+    });
+  }
+
   const json = v.json as string | undefined;
   if (json) {
     fs.writeFileSync(
@@ -268,3 +353,74 @@ export async function runBench(argv: string[]): Promise<void> {
 }
 
 if (require.main === module) run('bench', () => runBench(process.argv.slice(2)));
+
+const fmtDist = (d: { avg: number; p99: number }) => `${d.avg.toFixed(1)}/${d.p99.toFixed(1)}`;
+
+async function runGrid(runEngines: Engine[], o: GridOptions): Promise<{ rows: GridRow[]; cold: GridCold[] }> {
+  const cells = gridCells(o);
+  console.log(
+    `\n# Grid (nixlbench's shape): READ and WRITE between two processes, ${cells.length} block x batch cells per op, ${o.numIter} iterations (${o.warmupIter} warm-up; blocks over 1 MiB: 1/${o.largeBlockIterFactor}); latencies avg/p99 in us: prep = making the request, post = the post call, transfer = post to completion`,
+  );
+  const rows: GridRow[] = [];
+  const cold: GridCold[] = [];
+  for (const e of runEngines) {
+    let native: Awaited<ReturnType<typeof nativeGrid>> | undefined;
+    if (e === 'nixl') {
+      native = await nativeGrid(Math.max(...cells.map((c) => c.blockBytes * c.batch)));
+      if ('skip' in native) console.log(`(native program skipped: ${native.skip})`);
+    }
+    const runNative = native && !('skip' in native) ? native : undefined;
+    try {
+      const g = await benchGrid(
+        e,
+        o,
+        runNative && ((op, cell) => runNative.run(op, cell.blockBytes, cell.batch, cell.iterations, o.warmupIter)),
+      );
+      rows.push(...g.rows);
+      cold.push(...g.cold);
+    } finally {
+      await runNative?.close();
+    }
+  }
+  const withNative = rows.some((r) => r.native);
+  table(
+    [
+      'engine',
+      'op',
+      'block',
+      'batch',
+      'GB/s',
+      'prep us',
+      'post us',
+      'transfer us',
+      ...(withNative ? ['native GB/s', 'native transfer us', 'ratio'] : []),
+    ],
+    rows.map((r) => [
+      r.engine,
+      r.op,
+      fmtBytes(r.blockBytes),
+      r.batch,
+      r.gbps,
+      fmtDist(r.prepUs),
+      fmtDist(r.postUs),
+      fmtDist(r.xferUs),
+      ...(withNative ? (r.native ? [r.native.gbps, fmtDist(r.native.xferUs), r.ratio ?? 0] : ['-', '-', '-']) : []),
+    ]),
+  );
+  console.log('\n# The first transfer of a fresh agent pair (cold), against the same cell warm');
+  table(
+    ['engine', 'op', 'block', 'batch', 'connect us', 'prep us', 'post us', 'transfer us', 'warm transfer us'],
+    cold.map((c) => [
+      c.engine,
+      c.op,
+      fmtBytes(c.blockBytes),
+      c.batch,
+      c.connectUs,
+      c.prepUs,
+      c.postUs,
+      c.xferUs,
+      c.warmXferUs,
+    ]),
+  );
+  return { rows, cold };
+}

@@ -4,12 +4,22 @@
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../demo/gguf';
-import { oneOf, parse, positiveInt, UsageError } from '../lib/command-args';
+import {
+  applyUcxNetDevices,
+  oneOf,
+  parse,
+  positiveInt,
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+  UsageError,
+} from '../lib/command-args';
 import { startTracing } from './otel';
+import { checkEndpoints } from '../lib/serving/fleet/etcd';
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
 
 Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
+       nixl-node proxy --etcd URL[,URL...] [options]
   --host H             interface to bind (default 127.0.0.1)
   --port P             port (default 8000; 0: any free port)
   --transport T        http (workers are OpenAI servers: URLs) | zmq (workers' PULL addresses)
@@ -18,7 +28,11 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --encode LIST        encoder workers (requests with images go there first)
   --pd-addrs LIST      zmq: workers that do both prefill and decode (vLLM's name)
   --encode-addrs LIST  zmq: encoder workers (vLLM's name)
-  --policy P           round-robin | least-outstanding (default round-robin)
+  --etcd LIST          etcd endpoints: also route to the workers registered there, as they come and go
+  --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
+  --policy P           round-robin | least-outstanding | load (reported load, free blocks, prefix
+                       affinity; the default with --etcd, else round-robin)
+  --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)
   --timeout-ms N       per stage (default 60000)
   --health-ms N        between health checks (default 2000)
   --retries N          other prefill workers to try when one fails (default 1)
@@ -49,11 +63,15 @@ Usage: nixl-node worker [options]
   --stall-prefill-ms N test hook: answer prefills this much later
   --stall-decode-ms N  test hook: start decode pulls this much later
   --kv-secret S        sign / require signed kv_transfer_params (default NIXL_NODE_KV_SECRET)
+  --etcd LIST          register in etcd (endpoints, comma-separated) under a lease; needs etcd3
+  --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
+  --role R             prefill | decode | both | encode: the proxies' pools it joins (default both)
+  --etcd-ttl N         lease seconds: how long it stays listed after dying (default 5)
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
   --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
   --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
-`;
+${UCX_NET_DEVICES_HELP}`;
 
 function list(v: Record<string, unknown>, name: string): string[] {
   const s = v[name];
@@ -80,6 +98,24 @@ function integer(s: string, name: string): number {
   return Number(s);
 }
 
+/** --etcd and --etcd-prefix, checked. */
+function etcdOptions(v: Record<string, unknown>): { endpoints: string[]; prefix?: string } | undefined {
+  if (v.etcd === undefined) {
+    if (v['etcd-prefix'] !== undefined) throw new UsageError('--etcd-prefix goes with --etcd');
+    return undefined;
+  }
+  const endpoints = list(v, 'etcd');
+  try {
+    checkEndpoints(endpoints);
+  } catch (e) {
+    throw new UsageError(`--etcd: ${(e as Error).message}`);
+  }
+  const prefix = v['etcd-prefix'] as string | undefined;
+  if (prefix !== undefined && (prefix.length === 0 || prefix.length > 256))
+    throw new UsageError('--etcd-prefix must be 1 to 256 characters');
+  return { endpoints, prefix };
+}
+
 function untilSignal(): Promise<void> {
   return new Promise((resolve) => {
     for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
@@ -99,6 +135,9 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       'pd-addrs': { type: 'string' },
       'encode-addrs': { type: 'string' },
       policy: { type: 'string' },
+      etcd: { type: 'string' },
+      'etcd-prefix': { type: 'string' },
+      'affinity-chars': { type: 'string' },
       'timeout-ms': { type: 'string' },
       'health-ms': { type: 'string' },
       retries: { type: 'string' },
@@ -113,8 +152,10 @@ export async function proxyCommand(argv: string[]): Promise<void> {
   const pd = list(v, 'pd-addrs');
   const prefill = [...list(v, 'prefill'), ...pd];
   const decode = [...list(v, 'decode'), ...pd];
-  if (prefill.length === 0 || decode.length === 0)
-    throw new UsageError('give prefill and decode workers (--prefill and --decode, or --pd-addrs)');
+  const etcd = etcdOptions(v);
+  if (!etcd && (prefill.length === 0 || decode.length === 0))
+    throw new UsageError('give prefill and decode workers (--prefill and --decode, or --pd-addrs), or --etcd');
+  const affinity = v['affinity-chars'] === '0' ? 0 : positiveInt(v, 'affinity-chars', 512, 1 << 20);
   const timeout = positiveInt(v, 'timeout-ms', 60_000, 3_600_000);
   const proxy = await startProxy({
     host: v.host as string | undefined,
@@ -123,14 +164,18 @@ export async function proxyCommand(argv: string[]): Promise<void> {
     prefill,
     decode,
     encode: [...list(v, 'encode'), ...list(v, 'encode-addrs')],
-    policy: oneOf(v, 'policy', ['round-robin', 'least-outstanding'] as const, 'round-robin'),
+    etcd,
+    policy: oneOf(v, 'policy', ['round-robin', 'least-outstanding', 'load'] as const, etcd ? 'load' : 'round-robin'),
+    routing: { prefixChars: affinity },
     timeoutMs: { encode: timeout, prefill: timeout, decode: timeout },
     healthIntervalMs: positiveInt(v, 'health-ms', 2000, 3_600_000),
     prefillRetries: v.retries === '0' ? 0 : positiveInt(v, 'retries', 1, 64),
     bearerToken: v.token as string | undefined,
     wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
   });
-  console.log(JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode }));
+  console.log(
+    JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode, etcd: etcd && proxy.fleet?.connected }),
+  );
   await untilSignal();
   await proxy.close();
   await stopTracing();
@@ -163,12 +208,21 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'block-kib': { type: 'string' },
       'state-dir': { type: 'string' },
       'tamper-kv': { type: 'string' },
+      ...UCX_NET_DEVICES_OPTION,
+      etcd: { type: 'string' },
+      'etcd-prefix': { type: 'string' },
+      role: { type: 'string' },
+      'etcd-ttl': { type: 'string' },
     },
     WORKER_HELP,
   );
+  applyUcxNetDevices(v);
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
   const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker');
+  const etcd = etcdOptions(v);
+  if (!etcd && (v.role !== undefined || v['etcd-ttl'] !== undefined))
+    throw new UsageError('--role and --etcd-ttl go with --etcd');
   const w = await startWorker({
     name: v.name as string | undefined,
     transport: oneOf(v, 'transport', ['http', 'zmq'] as const, 'http'),
@@ -197,8 +251,13 @@ export async function workerCommand(argv: string[]): Promise<void> {
       v['tamper-kv'] === undefined
         ? undefined
         : oneOf(v, 'tamper-kv', ['truncate', 'corrupt', 'oversize', 'foreign'] as const, 'corrupt'),
+    etcd: etcd && {
+      ...etcd,
+      role: oneOf(v, 'role', ['prefill', 'decode', 'both', 'encode'] as const, 'both'),
+      ttlSec: positiveInt(v, 'etcd-ttl', 5, 3600),
+    },
   });
-  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId }));
+  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, etcd: w.fleet?.key }));
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));
   await untilSignal();

@@ -1,8 +1,15 @@
-// Demo decode rank: handshake with the prefill ranks it reads from, pull its
-// requests a few at a time, check every byte of its slice, report progress.
+// Demo decode rank: handshake with the prefill ranks it reads from, then one
+// round of pulls per 'go' (a few at a time), every byte of its slice checked
+// after each round, and where the time went reported per round.
 import { DescList, KvPuller, NixlAgent, allocate } from '../lib';
 import type { HandshakeMethod } from '../lib/handshake';
 import { rankBytes, rankLayout, verifyRank, type KvSpec } from './kvpattern';
+
+export interface DemoRequest {
+  requestId: string;
+  local: number[];
+  remote: number[];
+}
 
 export interface DecodeConfig {
   spec: KvSpec;
@@ -12,8 +19,26 @@ export interface DecodeConfig {
   engine?: 'loopback' | 'nixl';
   progressThread?: boolean;
   compatibilityHash: string;
-  requests: Array<{ requestId: string; local: number[]; remote: number[] }>;
+  /** Requests per round: round 0 reads the prefill's pages for the first time, later rounds read them again. */
+  rounds: DemoRequest[][];
   inFlight: number;
+}
+
+/** One round of one decode rank: its wall time, and per request where the time went (ms). */
+export interface RoundReport {
+  type: 'round';
+  round: number;
+  start: number;
+  end: number;
+  bytes: number;
+  descriptors: number;
+  /** Per request: from pullBlocks() to its result, the post (make + post every READ), post to completion. */
+  requestMs: number[];
+  postMs: number[];
+  transferMs: number[];
+  /** Checking every byte of the round, after its pulls (not in start..end). */
+  verifyMs: number;
+  bad: number;
 }
 
 async function main(): Promise<void> {
@@ -23,7 +48,6 @@ async function main(): Promise<void> {
     progressThread: cfg.progressThread,
   });
   const mem = allocate(rankBytes(cfg.spec));
-  mem.fill(0); // a KV cache in service has its pages in place; fault them in before timing
   agent.registerMemory(mem);
   const layout = rankLayout(cfg.spec, 'demo-decode', DescList.from(mem).addr(0));
   const puller = new KvPuller({
@@ -35,34 +59,67 @@ async function main(): Promise<void> {
   });
   const remote = { host: '127.0.0.1', port: cfg.port, tpSize: cfg.prefillTp };
   const handshakeMs = await puller.handshakeMs(remote);
-  // All decode ranks start pulling together, so the wall time measures the pulls.
-  process.send!({ type: 'ready' });
-  await new Promise<void>((resolve) => process.once('message', () => resolve()));
-  const start = performance.timeOrigin + performance.now();
-  let bad = 0;
-  let bytes = 0;
-  let descriptors = 0;
+  for (const [round, requests] of cfg.rounds.entries()) {
+    // A KV cache in service has its pages in place: fault them in (and clear
+    // what the last round wrote, so this round's check sees only its own bytes).
+    mem.fill(0);
+    // All decode ranks start a round together, so its wall time measures the pulls.
+    process.send!({ type: 'ready', round, handshakeMs });
+    await new Promise<void>((resolve) => process.once('message', () => resolve()));
+    process.send!(await pullRound(puller, remote, requests, round, mem, cfg.spec));
+  }
+  const stats = puller.stats.snapshot();
+  await puller.close();
+  agent.close();
+  process.send!({ type: 'done', handshakeMs, stats });
+}
+
+async function pullRound(
+  puller: KvPuller,
+  remote: { host: string; port: number; tpSize: number },
+  requests: DemoRequest[],
+  round: number,
+  mem: Buffer,
+  spec: KvSpec,
+): Promise<RoundReport> {
+  const now = () => performance.timeOrigin + performance.now();
+  const r: RoundReport = {
+    type: 'round',
+    round,
+    start: now(),
+    end: 0,
+    bytes: 0,
+    descriptors: 0,
+    requestMs: [],
+    postMs: [],
+    transferMs: [],
+    verifyMs: 0,
+    bad: 0,
+  };
   await Promise.all(
-    cfg.requests.map(async (q) => {
-      const r = await puller.pullBlocks({
+    requests.map(async (q) => {
+      const t0 = performance.now();
+      const res = await puller.pullBlocks({
         remote,
         localBlockIds: q.local,
         remoteBlockIds: q.remote,
         requestId: q.requestId,
         timeoutMs: 60_000,
       });
-      bytes += r.bytes;
-      descriptors += r.descriptors;
-      process.send!({ type: 'progress', bytes: r.bytes });
+      r.requestMs.push(performance.now() - t0);
+      r.postMs.push(res.postMs);
+      r.transferMs.push(res.transferMs);
+      r.bytes += res.bytes;
+      r.descriptors += res.descriptors;
+      process.send!({ type: 'progress', bytes: res.bytes });
     }),
   );
-  const end = performance.timeOrigin + performance.now();
+  r.end = now();
   // Verify after all pulls: every byte of every block this rank received.
-  for (const q of cfg.requests) bad += verifyRank(mem, cfg.spec, q.local, q.remote);
-  const stats = puller.stats.snapshot();
-  await puller.close();
-  agent.close();
-  process.send!({ type: 'done', handshakeMs, start, end, bytes, descriptors, bad, stats, remoteRanks: [] });
+  const v0 = performance.now();
+  for (const q of requests) r.bad += verifyRank(mem, spec, q.local, q.remote);
+  r.verifyMs = performance.now() - v0;
+  return r;
 }
 
 main().catch((e) => {

@@ -6,13 +6,23 @@ import { constants as bufferConstants } from 'node:buffer';
 import { fork } from 'node:child_process';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { parse, positiveInt, oneOf, run, UsageError } from '../lib/command-args';
+import {
+  applyUcxNetDevices,
+  parse,
+  positiveInt,
+  oneOf,
+  run,
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+  UsageError,
+} from '../lib/command-args';
 import { engines } from '../lib';
 import { computeCompatibilityHash } from '../lib/handshake';
 import { execFileSync } from 'node:child_process';
 import { targetRemoteRanks } from '../lib/kv';
-import { nativeProgram } from '../bench/native';
-import type { DecodeConfig } from './decode-worker';
+import { nativeProgram } from '../lib/native-program';
+import type { DecodeConfig, DemoRequest, RoundReport } from './decode-worker';
+import { printBreakdown } from './report';
 import type { PrefillConfig } from './prefill-worker';
 import { rankBytes, rankDims, type KvSpec } from './kvpattern';
 
@@ -25,6 +35,7 @@ interface Options {
   heads: number;
   requests: number;
   inFlight: number;
+  rounds: number;
   method: 'zmq' | 'http';
   engine: 'loopback' | 'nixl';
   /** NIXL's own progress thread on every agent (nixl engine). */
@@ -44,13 +55,15 @@ Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works to
   --heads N        KV heads (default 8)
   --requests N     requests the blocks are split into (default 16)
   --in-flight N    pulls in flight per decode rank (default 4)
+  --rounds N       rounds of requests over the same prefill blocks (default 3): the first reads
+                   the prefill's pages for the first time, the later ones as a cache in service
   --method M       handshake: zmq | http (default zmq, or NIXL_HANDSHAKE_METHOD)
   --engine E       loopback | nixl (default: nixl if compiled in)
   --no-progress-thread
                    nixl: agents without NIXL's progress thread (the engine's poller
                    progresses them); faster on one host, see the README
   --mla            MLA: one latent cache per layer, replicated on every rank
-  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
+${UCX_NET_DEVICES_HELP}  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
 `;
 
 const ARGS = {
@@ -62,14 +75,17 @@ const ARGS = {
   heads: { type: 'string' },
   requests: { type: 'string' },
   'in-flight': { type: 'string' },
+  rounds: { type: 'string' },
   method: { type: 'string' },
   engine: { type: 'string' },
   'no-progress-thread': { type: 'boolean' },
   mla: { type: 'boolean' },
+  ...UCX_NET_DEVICES_OPTION,
 } as const;
 
 export function parseDemoArgs(argv: string[]): Options {
   const v = parse(argv, ARGS, HELP);
+  applyUcxNetDevices(v); // the workers inherit it
   const envMethod = process.env.NIXL_HANDSHAKE_METHOD;
   const o: Options = {
     prefillTp: positiveInt(v, 'prefill-tp', 2, 64),
@@ -80,6 +96,7 @@ export function parseDemoArgs(argv: string[]): Options {
     heads: positiveInt(v, 'heads', 8, 4096),
     requests: positiveInt(v, 'requests', 16),
     inFlight: positiveInt(v, 'in-flight', 4, 1024),
+    rounds: positiveInt(v, 'rounds', 3, 100),
     method: oneOf(v, 'method', ['zmq', 'http'] as const, envMethod === 'http' ? 'http' : 'zmq'),
     engine: oneOf(
       v,
@@ -178,14 +195,18 @@ export async function runDemo(argv: string[]): Promise<void> {
   );
 
   // Requests: the prefill allocated each prompt's blocks in a run; decode
-  // allocates wherever it has free blocks.
+  // allocates wherever it has free blocks. Each round reuses the prefill's
+  // blocks (freed by the last round's reads) for new requests.
   const per = Math.floor(o.blocks / o.requests);
-  const localOrder = shuffled(o.blocks, 7);
-  const requests = Array.from({ length: o.requests }, (_, q) => ({
-    requestId: `demo-req-${q}`,
-    remote: Array.from({ length: per }, (_, i) => q * per + i),
-    local: localOrder.slice(q * per, (q + 1) * per),
-  }));
+  const rounds: DemoRequest[][] = Array.from({ length: o.rounds }, (_, k) => {
+    const localOrder = shuffled(o.blocks, 7 + k);
+    return Array.from({ length: o.requests }, (_, q) => ({
+      requestId: k === 0 ? `demo-req-${q}` : `demo-req-${q}-r${k}`,
+      remote: Array.from({ length: per }, (_, i) => q * per + i),
+      local: localOrder.slice(q * per, (q + 1) * per),
+    }));
+  });
+  const requests = rounds.flat();
 
   const prefill = worker('prefill-worker.js', {
     spec: pSpec,
@@ -212,7 +233,9 @@ export async function runDemo(argv: string[]): Promise<void> {
       if (released === requests.length) resolve();
     });
   });
-  for (const q of requests) prefill.send({ type: 'expect', requestId: q.requestId, blockIds: q.remote });
+  const expectRound = (k: number) => {
+    for (const q of rounds[k]) prefill.send({ type: 'expect', requestId: q.requestId, blockIds: q.remote });
+  };
 
   const totalBytes = o.decodeTp * requests.length * per * regions * dBlock;
   let moved = 0;
@@ -238,13 +261,15 @@ export async function runDemo(argv: string[]): Promise<void> {
     prefill.once('exit', (c, sig) => reject(new Error(`prefill worker exited (${sig ?? c})`))),
   );
   prefillGone.catch(() => {}); // it exits at the end, too
-  const reports = await Promise.race([
+  const roundReports: RoundReport[][] = Array.from({ length: o.decodeTp }, () => []);
+  const handshakeMs: number[] = [];
+  await Promise.race([
     prefillGone,
     Promise.all(
       Array.from(
         { length: o.decodeTp },
         (_, r) =>
-          new Promise<Record<string, number>>((resolve, reject) => {
+          new Promise<void>((resolve, reject) => {
             const w = worker('decode-worker.js', {
               spec: dSpec(r),
               prefillTp: o.prefillTp,
@@ -253,18 +278,23 @@ export async function runDemo(argv: string[]): Promise<void> {
               engine: o.engine,
               progressThread: o.progressThread,
               compatibilityHash: hash,
-              requests,
+              rounds,
               inFlight: o.inFlight,
             } satisfies DecodeConfig);
             decoders.push(w);
-            w.on('message', (m: { type: string; bytes?: number; message?: string }) => {
+            w.on('message', (m: { type: string; round?: number; bytes?: number; message?: string }) => {
               if (m.type === 'ready') {
-                // every rank has handshaken: start them together
-                if (++handshaken === o.decodeTp) for (const d of decoders) d.send({ type: 'go' });
+                // every rank is ready for the round: its requests are expected, start them together
+                if (++handshaken === o.decodeTp * (m.round! + 1)) {
+                  expectRound(m.round!);
+                  for (const d of decoders) d.send({ type: 'go' });
+                }
+                if (m.round === 0) handshakeMs[r] = (m as unknown as { handshakeMs: number }).handshakeMs;
               } else if (m.type === 'progress') {
                 moved += m.bytes!;
                 show();
-              } else if (m.type === 'done') resolve(m as unknown as Record<string, number>);
+              } else if (m.type === 'round') roundReports[r].push(m as unknown as RoundReport);
+              else if (m.type === 'done') resolve();
               else if (m.type === 'error') reject(new Error(`decode rank ${r}: ${m.message}`));
             });
             w.once('exit', (c, sig) => c !== 0 && reject(new Error(`decode rank ${r} exited (${sig ?? c})`)));
@@ -280,22 +310,24 @@ export async function runDemo(argv: string[]): Promise<void> {
   ]);
   prefill.send({ type: 'exit' });
 
-  const start = Math.min(...reports.map((r) => r.start));
-  const end = Math.max(...reports.map((r) => r.end));
-  const bytes = reports.reduce((a, r) => a + r.bytes, 0);
-  const bad = reports.reduce((a, r) => a + r.bad, 0);
-  const hs = reports.map((r) => r.handshakeMs);
+  const all = roundReports.flat();
+  const bytes = all.reduce((a, r) => a + r.bytes, 0);
+  const bad = all.reduce((a, r) => a + r.bad, 0);
   const transport = o.engine === 'nixl' ? 'NIXL (UCX)' : 'loopback engine, shared-memory mapping (one host)';
   const rows: Array<[string, string]> = [
     ['engine / transport', transport],
-    ['handshake', `${o.method}: ${Math.min(...hs).toFixed(1)}-${Math.max(...hs).toFixed(1)} ms per decode rank`],
-    ['requests', `${requests.length} x ${per} blocks, ${o.decodeTp} decode ranks`],
+    [
+      'handshake',
+      `${o.method}: ${Math.min(...handshakeMs).toFixed(1)}-${Math.max(...handshakeMs).toFixed(1)} ms per decode rank`,
+    ],
+    [
+      'requests',
+      `${o.rounds} round(s) x ${o.requests} x ${per} blocks, ${o.decodeTp} decode ranks, the same prefill blocks each round`,
+    ],
     ['blocks moved', `${o.decodeTp * requests.length * per * regions} block slices of ${dBlock / 1024} KiB`],
     ['bytes moved', fmt(bytes)],
-    ['descriptors', String(reports.reduce((a, r) => a + r.descriptors, 0))],
-    ['wall time', `${(end - start).toFixed(0)} ms (all ranks pulling at once)`],
-    ['throughput', `${(bytes / ((end - start) / 1000) / 1e9).toFixed(2)} GB/s (all decode ranks together)`],
-    ['verified', bad === 0 ? `every byte (${fmt(bytes)})` : `${bad} head rows WRONG`],
+    ['descriptors', String(all.reduce((a, r) => a + r.descriptors, 0))],
+    ['verified', bad === 0 ? `every byte (${fmt(bytes)}), after each round` : `${bad} head rows WRONG`],
     [
       'prefill freed',
       releasedInTime
@@ -307,13 +339,28 @@ export async function runDemo(argv: string[]): Promise<void> {
   console.log('');
   const w = Math.max(...rows.map((r) => r[0].length));
   for (const [k, v] of rows) console.log(`  ${k.padEnd(w)}  ${v}`);
-  for (const [i, r] of reports.entries()) {
-    console.log(
-      `    decode rank ${i}: reads prefill rank(s) ${targetRemoteRanks(o.decodeTp, i, o.prefillTp).join(',')}, ${fmt(r.bytes)} in ${(r.end - r.start).toFixed(0)} ms, handshake ${r.handshakeMs.toFixed(1)} ms`,
-    );
-  }
+  printBreakdown(roundReports, {
+    handshakeMs,
+    remoteRanks: (i) => targetRemoteRanks(o.decodeTp, i, o.prefillTp),
+    memcpyGbps: memcpyGbps(),
+  });
   if (bad || !releasedInTime || expired) failures.push('verification or release failed');
   if (failures.length) throw new Error(`demo FAILED: ${failures.join('; ')}`);
+}
+
+/** memcpy (one thread, 64 MiB, median of 5) in this run: what the demo's GB/s are held against. */
+function memcpyGbps(): number {
+  const n = 64 << 20;
+  const a = Buffer.alloc(n, 1);
+  const b = Buffer.alloc(n, 2);
+  a.copy(b); // fault both in
+  const xs: number[] = [];
+  for (let i = 0; i < 5; i++) {
+    const t = process.hrtime.bigint();
+    a.copy(b);
+    xs.push(n / Number(process.hrtime.bigint() - t));
+  }
+  return xs.sort((x, y) => x - y)[2];
 }
 
 /**

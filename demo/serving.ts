@@ -7,7 +7,14 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
-import { oneOf, parse, positiveInt } from '../lib/command-args';
+import {
+  applyUcxNetDevices,
+  oneOf,
+  parse,
+  positiveInt,
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+} from '../lib/command-args';
 import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { modelPath } from './gguf';
 import { type Ask, OneProcess, askBody } from './llama-reference';
@@ -25,7 +32,7 @@ Usage: nixl-node demo --serving [options]   (or npm run demo -- --serving [optio
                     answers checked against node-llama-cpp alone in this process
   --threads N       --model: CPU threads of each worker context and of the reference (default 1)
   --json            the last line is a JSON summary
-`;
+${UCX_NET_DEVICES_HELP}`;
 
 /** Worker context size with --model (the reference uses the same). */
 const CONTEXT_SIZE = 2048;
@@ -204,9 +211,11 @@ export async function runServingDemo(argv: string[]): Promise<void> {
       model: { type: 'string' },
       threads: { type: 'string' },
       json: { type: 'boolean' },
+      ...UCX_NET_DEVICES_OPTION,
     },
     HELP,
   );
+  applyUcxNetDevices(v); // the workers inherit it
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   // Without node-llama-cpp: one line naming it, before any worker starts.
   if (gguf) await loadNodeLlamaCpp();

@@ -49,6 +49,12 @@ export interface XferOptions extends WaitOptions {
   remoteMemType?: MemType;
 }
 
+/** A backend's parameters (name -> value) and the memory types it handles. */
+export interface BackendParams {
+  params: Record<string, string>;
+  memTypes: string[];
+}
+
 /** A notification received from a peer agent. */
 export interface Notif {
   agent: string;
@@ -177,6 +183,15 @@ export class NixlAgent {
   /** The backends this agent has created. */
   getBackends(): string[] {
     return this.#native.getBackends();
+  }
+
+  /**
+   * A created backend's parameters as it runs, defaults included, and the
+   * memory types it handles (NIXL get_backend_params / getBackendParams).
+   * NIXL_ERR_NOT_FOUND for a backend this agent did not create.
+   */
+  getBackendParams(backend: string): BackendParams {
+    return this.#native.getBackendParams(backend);
   }
 
   // ---- memory ---------------------------------------------------------------
@@ -374,6 +389,11 @@ export class NixlAgent {
   /** The error of a transfer in state ERR, else undefined. */
   getXferError(handle: XferHandle): NixlError | undefined {
     return errorOf(this.#native.getXferStatus(handle.id));
+  }
+
+  /** The backend that serves a transfer request, by name (NIXL query_xfer_backend / queryXferBackend). */
+  queryXferBackend(handle: XferHandle): string {
+    return this.#native.queryXferBackend(handle.id);
   }
 
   /** Releases a transfer request; a wait on it rejects with NIXL_ERR_CANCELED. */

@@ -4,6 +4,8 @@
 // exit code 2, never a stack trace.
 import { parseArgs, type ParseArgsConfig } from 'node:util';
 
+import { setUcxNetDevices } from './ucx';
+
 export class UsageError extends Error {}
 
 export type Options = NonNullable<ParseArgsConfig['options']>;
@@ -61,4 +63,19 @@ export function run(what: string, main: () => Promise<void>): void {
     process.stderr.write(`nixl-node ${what} failed: ${e?.code ? `${e.code}: ` : ''}${e?.message ?? e}\n`);
     process.exit(1);
   });
+}
+
+/** The --ucx-net-devices option of a command that starts agents: sets UCX_NET_DEVICES (lib/ucx.ts). */
+export const UCX_NET_DEVICES_OPTION = { 'ucx-net-devices': { type: 'string' } } as const;
+export const UCX_NET_DEVICES_HELP =
+  '  --ucx-net-devices LIST  UCX_NET_DEVICES for NIXL agents, e.g. mlx5_0:1 (pin the NIC; see docs/nixl.md)\n';
+
+export function applyUcxNetDevices(values: Record<string, unknown>): void {
+  const v = values['ucx-net-devices'];
+  if (v === undefined) return;
+  try {
+    setUcxNetDevices(String(v));
+  } catch (e) {
+    throw new UsageError((e as Error).message);
+  }
 }

@@ -1,5 +1,15 @@
 export { NixlAgent, RegisteredMemory, DlistHandle, XferHandle, engines } from './agent';
-export type { AgentOptions, EngineKind, Notif, NotifMsg, WaitOptions, XferOp, XferOptions, XferState } from './agent';
+export type {
+  AgentOptions,
+  BackendParams,
+  EngineKind,
+  Notif,
+  NotifMsg,
+  WaitOptions,
+  XferOp,
+  XferOptions,
+  XferState,
+} from './agent';
 export { DescList, allocate } from './descriptors';
 export type { MemType, MemoryLike, RawDesc } from './descriptors';
 export { NixlError, Status } from './errors';

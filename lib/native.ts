@@ -3,6 +3,7 @@
 // and the errors load without the addon.
 import * as path from 'node:path';
 import { NixlError } from './errors';
+import { useStatusTable } from './status-table';
 
 export interface NativeAgentOptions {
   engine: 'loopback' | 'nixl';
@@ -28,6 +29,8 @@ export declare class NativeAgent {
   readonly engine: string;
   getPluginList(): string[];
   getPluginParams(plugin: string): { params: Record<string, string>; memTypes: string[] };
+  getBackendParams(backend: string): { params: Record<string, string>; memTypes: string[] };
+  queryXferBackend(h: number): string;
   createBackend(plugin: string, params?: Record<string, string>): void;
   getBackends(): string[];
   registerMem(descs: BigUint64Array, memType: number, backends: string[] | undefined, keep: unknown[]): number;
@@ -83,6 +86,10 @@ export interface Binding {
   /** The addon makes every error through this (status names live in lib/errors.ts only). */
   setErrorFactory(make: (message: string, status: number) => Error): void;
   engines: string[];
+  /** NIXL's status codes as the nixl_types.h the addon was built against names them. */
+  statusCodes: Record<string, number>;
+  /** Where statusCodes came from: the installed header, or the checked-in fallback. */
+  statusSource: string;
 }
 
 // lib/ and dist/lib/ both resolve the package root two or one levels up.
@@ -97,4 +104,5 @@ export const binding: Binding = process.env.NIXL_NODE_ADDON
   ? require(path.resolve(process.env.NIXL_NODE_ADDON))
   : require('node-gyp-build')(packageRoot());
 
+if (binding.statusCodes) useStatusTable(binding.statusCodes, binding.statusSource);
 binding.setErrorFactory((message, status) => NixlError.fromStatus(status, message));

@@ -30,3 +30,22 @@ export function ucxBackendParams(env: NodeJS.ProcessEnv = process.env): Record<s
   if (tls === undefined || tls === '' || HANDLES_PEER_FAILURE.test(tls)) return undefined;
   return { ucx_error_handling_mode: 'none' };
 }
+
+// UCX device names: mlx5_0:1, eth0, bond0.100, ib0; 'all' is UCX's default.
+const NET_DEVICE = /^[A-Za-z0-9_.:-]+$/;
+
+/**
+ * Sets UCX_NET_DEVICES (which NICs UCX may use) for NIXL agents this process
+ * starts later: UCX reads it once, when NIXL first loads it. A comma-separated
+ * list such as `mlx5_0:1` or `eth0`; undefined leaves the environment as it is.
+ * Throws RangeError on a malformed list.
+ */
+export function setUcxNetDevices(list: string | undefined, env: NodeJS.ProcessEnv = process.env): void {
+  if (list === undefined) return;
+  const devices = list.split(',').map((d) => d.trim());
+  if (devices.some((d) => !NET_DEVICE.test(d)))
+    throw new RangeError(
+      `--ucx-net-devices '${list}': expected a comma-separated list of UCX devices (e.g. mlx5_0:1,eth0)`,
+    );
+  env.UCX_NET_DEVICES = devices.join(',');
+}

@@ -83,6 +83,9 @@ class Engine {
   virtual PluginInfo getPluginParams(const std::string& plugin) = 0;
   virtual void createBackend(const std::string& plugin, const Params& params) = 0;
   virtual std::vector<std::string> getBackends() = 0;
+  // A created backend's parameters as it runs, defaults included, and its
+  // memory types (NIXL getBackendParams); ERR_NOT_FOUND for one not created.
+  virtual PluginInfo getBackendParams(const std::string& backend) = 0;
 
   // A registration is a list of descriptors registered (and later
   // deregistered) together.
@@ -124,6 +127,8 @@ class Engine {
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
   virtual void releaseXferReq(Handle req) = 0;
   virtual Telemetry getXferTelemetry(Handle req) = 0;
+  // The name of the backend NIXL chose for a request (NIXL queryXferBackend).
+  virtual std::string queryXferBackend(Handle req) = 0;
   struct Cost {
     uint64_t durationUs, errMarginUs;
     int method;  // nixl_cost_t

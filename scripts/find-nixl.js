@@ -27,8 +27,11 @@ function find() {
   return undefined;
 }
 
-const what = process.argv[2] || 'found';
-const nixl = find();
-if (what === 'found') process.stdout.write(nixl ? '1' : '0');
-else if (!nixl) process.stdout.write('');
-else process.stdout.write(nixl[what] ?? '');
+if (require.main === module) {
+  const what = process.argv[2] || 'found';
+  const nixl = find();
+  if (what === 'found') process.stdout.write(nixl ? '1' : '0');
+  else if (!nixl) process.stdout.write('');
+  else process.stdout.write(nixl[what] ?? '');
+}
+module.exports = { find };

@@ -109,6 +109,8 @@ describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) 
       'nixl_node.remote_ranks': '0',
     });
     expect(pull.attributes['nixl_node.bytes']).toBeGreaterThan(0);
+    // The backend that served it, as NIXL's queryXferBackend names it.
+    expect(pull.attributes['nixl_node.backend']).toBe(engine === 'nixl' ? 'UCX' : 'LOOPBACK');
     for (const name of ['kv.handshake', 'kv.post', 'kv.transfer', 'kv.confirm', 'kv.notify'])
       expect(parentOf(one(name))).toBe(idOf(pull));
     expect(one('kv.handshake').attributes['nixl_node.cached']).toBe(false);

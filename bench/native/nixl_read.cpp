@@ -3,7 +3,8 @@
 // libnixl. Built by bench/native.ts only when an installed NIXL is found.
 //
 //   nixl_read --block BYTES --count N --reps R [--scatter] [--skip-merge] [--no-progress-thread]
-//   nixl_read --serve POOL_BYTES    then lines "BLOCK COUNT REPS SCATTER MERGEOFF"
+//   nixl_read --serve POOL_BYTES    then lines "BLOCK COUNT REPS SCATTER MERGEOFF", or
+//                                   "grid OP BLOCK BATCH ITERS WARMUP" (OP: READ | WRITE)
 //
 // --scatter reads every other remote block, so no two descriptors are
 // contiguous and NIXL cannot merge them; --skip-merge sets skipDescMerge.
@@ -11,6 +12,10 @@
 // call. --serve keeps one process pair and its registered memory for many
 // jobs, so the bench can alternate it with the binding second by second (the
 // same memory, the same moment) instead of comparing runs minutes apart.
+// A grid job is one cell of the bench's nixlbench-shaped grid (bench/grid.ts),
+// measured the same way: prep (createXferReq) sampled ITERS times, then one
+// request posted WARMUP + ITERS times; avg and p99 of prep, post and transfer
+// (post return to completion) in us, and GB/s over the timed posts.
 #include <nixl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -216,6 +221,70 @@ bool runJob(Pair& p, const Job& job) {
   return true;
 }
 
+struct Dist {
+  double avg, p99;
+};
+
+Dist dist(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  double sum = 0;
+  for (double x : v) sum += x;
+  size_t i = std::min(v.size() - 1, static_cast<size_t>(0.99 * static_cast<double>(v.size())));
+  return Dist{sum / static_cast<double>(v.size()), v[i]};
+}
+
+double usBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+
+bool runGridJob(Pair& p, nixl_xfer_op_t op, size_t block, size_t batch, int iters, int warmup) {
+  if (block == 0 || batch == 0 || iters < 1 || warmup < 0 || block * batch > p.mem.size() ||
+      block * batch > p.remoteBytes) {
+    std::printf("{\"error\":\"the grid job does not fit the registered memory\"}\n");
+    std::fflush(stdout);
+    return false;
+  }
+  nixl_xfer_dlist_t local(DRAM_SEG), remote(DRAM_SEG);
+  for (size_t j = 0; j < batch; j++) {
+    local.addDesc(nixlBasicDesc(reinterpret_cast<uintptr_t>(p.mem.data()) + j * block, block, 0));
+    remote.addDesc(nixlBasicDesc(p.remoteBase + j * block, block, 0));
+  }
+  std::vector<double> prep, post, xfer;
+  for (int i = 0; i < iters; i++) {
+    nixlXferReqH* r = nullptr;
+    auto t0 = Clock::now();
+    ok(p.agent->createXferReq(op, local, remote, p.target, r), "createXferReq");
+    prep.push_back(usBetween(t0, Clock::now()));
+    ok(p.agent->releaseXferReq(r), "releaseXferReq");
+  }
+  nixlXferReqH* req = nullptr;
+  ok(p.agent->createXferReq(op, local, remote, p.target, req), "createXferReq");
+  double totalUs = 0;
+  for (int i = -warmup; i < iters; i++) {
+    auto t0 = Clock::now();
+    nixl_status_t s = p.agent->postXferReq(req);
+    auto t1 = Clock::now();
+    ok(s, "postXferReq");
+    while (s == NIXL_IN_PROG) s = p.agent->getXferStatus(req);
+    ok(s, "getXferStatus");
+    auto t2 = Clock::now();
+    if (i < 0) continue;
+    post.push_back(usBetween(t0, t1));
+    xfer.push_back(usBetween(t1, t2));
+    totalUs += usBetween(t0, t2);
+  }
+  ok(p.agent->releaseXferReq(req), "releaseXferReq");
+  Dist a = dist(prep), b = dist(post), c = dist(xfer);
+  std::printf(
+      "{\"grid\":true,\"op\":\"%s\",\"block\":%zu,\"batch\":%zu,\"gbps\":%.4f,"
+      "\"prepUs\":{\"avg\":%.2f,\"p99\":%.2f},\"postUs\":{\"avg\":%.2f,\"p99\":%.2f},"
+      "\"xferUs\":{\"avg\":%.2f,\"p99\":%.2f}}\n",
+      op == NIXL_READ ? "READ" : "WRITE", block, batch,
+      static_cast<double>(block * batch) * iters / (totalUs * 1000.0), a.avg, a.p99, b.avg, b.p99, c.avg, c.p99);
+  std::fflush(stdout);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,6 +324,17 @@ int main(int argc, char** argv) {
     while (std::fgets(line, sizeof line, stdin)) {
       unsigned long long b = 0, c = 0;
       int r = 0, s = 0, m = 0;
+      char op[8] = {0};
+      if (std::strncmp(line, "grid ", 5) == 0) {
+        if (std::sscanf(line + 5, "%7s %llu %llu %d %d", op, &b, &c, &r, &s) != 5 ||
+            (std::strcmp(op, "READ") != 0 && std::strcmp(op, "WRITE") != 0)) {
+          std::printf("{\"error\":\"expected: grid READ|WRITE BLOCK BATCH ITERS WARMUP\"}\n");
+          std::fflush(stdout);
+          continue;
+        }
+        runGridJob(p, std::strcmp(op, "READ") == 0 ? NIXL_READ : NIXL_WRITE, b, c, r, s);
+        continue;
+      }
       if (std::sscanf(line, "%llu %llu %d %d %d", &b, &c, &r, &s, &m) != 5) {
         std::printf("{\"error\":\"expected: BLOCK COUNT REPS SCATTER(0|1) SKIPMERGE(0|1)\"}\n");
         std::fflush(stdout);

@@ -740,6 +740,10 @@ export class KvPuller {
         this.#agent.transfer(h);
       }
       for (const p of engine.reads) if (p.read.notifyOnly) this.#notify(p.rank.agentName, notif);
+      span.setAttribute(
+        'nixl_node.backend',
+        [...new Set(handles.map((h) => this.#agent.queryXferBackend(h)))].join(','),
+      );
       const postMs = performance.now() - t0;
       post.setAttribute('nixl_node.descriptors', descriptors);
       post.end();

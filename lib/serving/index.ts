@@ -30,3 +30,8 @@ export {
   type BlockView,
   type TextSink,
 } from './models/types';
+export { FleetRegistration, joinFleet, type FleetJoinOptions, type FleetMember } from './fleet/registry';
+export { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
+export { type RoutingOptions, affinityKey, pickByLoad } from './fleet/routing';
+export { type WorkerRecord, type FleetRole, parseRecord } from './fleet/record';
+export { type EtcdOptions, ETCD3 } from './fleet/etcd';

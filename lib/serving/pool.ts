@@ -1,8 +1,10 @@
 // The workers of one stage (encode, prefill or decode): which one takes the
 // next request (round-robin or least-outstanding, healthy ones only), and
 // health checks that take a worker out and bring it back.
-/** How a pool picks a worker. */
-export type Policy = 'round-robin' | 'least-outstanding';
+import { type RoutingOptions, pickByLoad } from './fleet/routing';
+
+/** How a pool picks a worker ('load': reported load and free blocks, prefix affinity; fleet/routing.ts). */
+export type Policy = 'round-robin' | 'least-outstanding' | 'load';
 /** A stage of a disaggregated request. */
 export type Stage = 'encode' | 'prefill' | 'decode';
 
@@ -17,6 +19,10 @@ export interface WorkerRef {
   failures: number;
   /** The model it serves, when its health answer said (nixl-node workers do). */
   model?: string;
+  /** Its name in etcd, when the fleet brought it (not the command line). */
+  fleet?: string;
+  /** What it last reported through etcd. */
+  reported?: { load: number; freeBlocks: number; totalBlocks: number };
 }
 
 /** The workers of one stage, with the policy that picks among the healthy ones. */
@@ -28,20 +34,39 @@ export class WorkerPool {
     readonly stage: Stage,
     addresses: string[],
     readonly policy: Policy = 'round-robin',
+    readonly routing: RoutingOptions = {},
   ) {
     this.workers = addresses.map((address) => ({ address, stage, healthy: true, outstanding: 0, failures: 0 }));
+  }
+
+  /** Adds a worker (healthy until a check or a request says otherwise). */
+  add(address: string): WorkerRef {
+    const w: WorkerRef = { address, stage: this.stage, healthy: true, outstanding: 0, failures: 0 };
+    this.workers.push(w);
+    return w;
+  }
+
+  /** Takes a worker out: no new requests; those in flight finish on it. */
+  remove(w: WorkerRef): boolean {
+    const i = this.workers.indexOf(w);
+    if (i >= 0) this.workers.splice(i, 1);
+    return i >= 0;
   }
 
   get size(): number {
     return this.workers.length;
   }
 
-  /** A healthy worker not in `avoid` (falls back to `avoid` ones when nothing else is healthy). */
-  pick(avoid: ReadonlySet<WorkerRef> = new Set()): WorkerRef | undefined {
+  /**
+   * A healthy worker not in `avoid` (falls back to `avoid` ones when nothing
+   * else is healthy); `key`: the request's prefix affinity ('load' policy).
+   */
+  pick(avoid: ReadonlySet<WorkerRef> = new Set(), key?: string): WorkerRef | undefined {
     const healthy = this.workers.filter((w) => w.healthy);
     const preferred = healthy.filter((w) => !avoid.has(w));
     const from = preferred.length > 0 ? preferred : healthy;
     if (from.length === 0) return undefined;
+    if (this.policy === 'load') return pickByLoad(from, this.#next++, key, this.routing);
     if (this.policy === 'least-outstanding') {
       // Ties go round-robin, so equal workers share the load.
       const min = Math.min(...from.map((w) => w.outstanding));

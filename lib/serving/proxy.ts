@@ -13,6 +13,8 @@ import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransp
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
 import { type HttpError, errorBody, hasImages, readJson } from './http';
+import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
+import { type RoutingOptions, affinityKey } from './fleet/routing';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -21,11 +23,15 @@ export interface ProxyOptions {
   /** 0: any free port. */
   port?: number;
   transport?: 'http' | 'zmq';
-  /** Worker addresses: HTTP base URLs, or ZMQ addresses (tcp://, ipc://). */
-  prefill: string[];
-  decode: string[];
+  /** Worker addresses: HTTP base URLs, or ZMQ addresses (tcp://, ipc://); with `etcd`, these may be empty. */
+  prefill?: string[];
+  decode?: string[];
   encode?: string[];
+  /** Also the workers registered in etcd, followed as they come and go (docs/fleet.md). */
+  etcd?: FleetWatchOptions;
   policy?: Policy;
+  /** The 'load' policy's weights and prefix affinity. */
+  routing?: RoutingOptions;
   /** Per stage, ms (default 60 s each). */
   timeoutMs?: Partial<Record<Stage, number>>;
   /** Health checks, ms between rounds (default 2000; 0: none). */
@@ -101,6 +107,10 @@ export class ServingProxy {
   /** Each request's span context, by our request id: its stages' spans are its children. */
   readonly #traces = new Map<string, TraceContext>();
   #health?: NodeJS.Timeout;
+  /** The workers etcd lists, when given `etcd`. */
+  fleet?: FleetDiscovery;
+  /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
+  readonly #affinity = new Map<string, string>();
   readonly #prom?: {
     registry: import('prom-client').Registry;
     requests: import('prom-client').Counter<string>;
@@ -111,13 +121,14 @@ export class ServingProxy {
 
   constructor(o: ProxyOptions) {
     this.#o = o;
-    if (!o.prefill?.length || !o.decode?.length) throw new RangeError('a proxy needs prefill and decode workers');
+    if (!o.etcd && (!o.prefill?.length || !o.decode?.length))
+      throw new RangeError('a proxy needs prefill and decode workers (or etcd to find them)');
     wireProfile(o.wire);
     const policy = o.policy ?? 'round-robin';
     this.pools = {
-      encode: new WorkerPool('encode', o.encode ?? [], policy),
-      prefill: new WorkerPool('prefill', o.prefill, policy),
-      decode: new WorkerPool('decode', o.decode, policy),
+      encode: new WorkerPool('encode', o.encode ?? [], policy, o.routing),
+      prefill: new WorkerPool('prefill', o.prefill ?? [], policy, o.routing),
+      decode: new WorkerPool('decode', o.decode ?? [], policy, o.routing),
     };
     this.#transport = (o.transport ?? 'http') === 'zmq' ? new ZmqTransport() : new HttpTransport();
     const requestTimeout = o.requestTimeoutMs ?? 30_000;
@@ -164,6 +175,7 @@ export class ServingProxy {
         }),
       };
     }
+    if (o.etcd) this.fleet = new FleetDiscovery(this.pools, o.transport ?? 'http', o.etcd, this.#prom?.registry);
   }
 
   /** Listens; resolves once the proxy takes requests. */
@@ -175,6 +187,7 @@ export class ServingProxy {
       this.#server.listen(this.#o.port ?? 0, host, () => resolve());
     });
     this.url = `http://${host.includes(':') ? `[${host}]` : host}:${(this.#server.address() as AddressInfo).port}`;
+    await this.fleet?.start();
     const every = this.#o.healthIntervalMs ?? 2000;
     if (every > 0) {
       this.#health = setInterval(() => void this.checkHealth(), every);
@@ -276,6 +289,8 @@ export class ServingProxy {
       },
     });
     this.#traces.set(requestId, span.context);
+    const key = this.pools.prefill.policy === 'load' ? affinityKey(body, this.#o.routing) : undefined;
+    if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
     const sendTraced = (s: number, b: unknown, h: Record<string, string> = {}) => {
       status = s;
@@ -317,6 +332,7 @@ export class ServingProxy {
       this.#inflight.delete(ac);
       this.#prom?.inflight.dec();
       this.#traces.delete(requestId);
+      this.#affinity.delete(requestId);
       span.setAttribute('http.response.status_code', status);
       span.end();
     }
@@ -446,7 +462,7 @@ export class ServingProxy {
     const tried = new Set<WorkerRef>(avoid);
     let last: StageFailure | undefined;
     for (let attempt = 0; attempt <= retries; attempt++) {
-      const w = pool.pick(tried);
+      const w = pool.pick(tried, stage === 'prefill' ? this.#affinity.get(requestId) : undefined);
       if (!w || (attempt > 0 && tried.has(w))) break;
       tried.add(w);
       if (attempt > 0) this.stats.retries++;
@@ -563,6 +579,7 @@ export class ServingProxy {
   /** Stops: requests in flight are aborted, sockets closed. */
   async close(): Promise<void> {
     clearInterval(this.#health);
+    await this.fleet?.close();
     for (const ac of this.#inflight) ac.abort(new Error('proxy closing'));
     this.#server.closeAllConnections();
     await new Promise((r) => this.#server.close(r));

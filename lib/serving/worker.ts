@@ -45,6 +45,7 @@ import {
 import { type RequestError, checkCompletionRequest } from './schema';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
+import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -101,6 +102,8 @@ export interface WorkerOptions {
    * (nothing read). Default: NIXL_NODE_KV_SECRET, else none (vLLM-compatible).
    */
   kvSecret?: string;
+  /** Registers in etcd under a lease, so proxies given the same etcd find it (docs/fleet.md). */
+  etcd?: FleetJoinOptions;
 }
 
 /** A worker's counters. */
@@ -195,6 +198,10 @@ export class Worker {
   #zmq?: ZmqFront;
   #seq = 0;
   #closed = false;
+  /** Requests in progress (what it reports as its load). */
+  #active = 0;
+  /** Its record in etcd, when given `etcd`. */
+  fleet?: FleetRegistration;
 
   /** A worker around a loaded model (startWorker loads it from the options). */
   constructor(o: WorkerOptions, model: ServingModel = new SyntheticModel(DEFAULT_MODEL)) {
@@ -336,7 +343,26 @@ export class Worker {
       this.#zmq = await ZmqFront.bind(this, this.#o.zmqAddr ?? `tcp://${host}:*`, maxBodyBytes);
       this.address = this.#zmq.address;
     }
+    if (this.#o.etcd) this.fleet = await new FleetRegistration(this.#fleetView(), this.#o.etcd).join();
     return this;
+  }
+
+  /** What its etcd record reports: load is requests in progress plus KV held for a decode. */
+  #fleetView() {
+    const w = this;
+    return {
+      name: w.name,
+      address: w.address,
+      transport: w.#o.transport ?? 'http',
+      modelId: w.modelId,
+      get freeBlocks() {
+        return w.freeBlocks;
+      },
+      totalBlocks: w.#blocks.size,
+      get load() {
+        return w.#active + w.#held.size;
+      },
+    };
   }
 
   /** Counts a failed request; the error as the front answers it. */
@@ -362,6 +388,7 @@ export class Worker {
       parent: contextFromTraceparent(traceparent),
       attributes: { 'http.route': path, 'nixl_node.worker': this.name, 'nixl_node.request_id': requestId },
     });
+    this.#active++;
     try {
       await this.#serve(path, body, requestId, signal, sink, span);
     } catch (e) {
@@ -370,6 +397,7 @@ export class Worker {
       span.setAttribute('http.response.status_code', h.status);
       throw h;
     } finally {
+      this.#active--;
       span.end();
     }
   }
@@ -651,6 +679,8 @@ export class Worker {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
+    // Out of the fleet first, then what is in progress (and KV held for a decode) finishes.
+    await this.fleet?.leave(() => this.#active === 0 && this.#held.size === 0);
     this.#zmq?.close();
     if (this.#http) {
       this.#http.closeAllConnections();

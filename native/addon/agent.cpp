@@ -57,6 +57,8 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
                            InstanceAccessor<&NativeAgent::EngineKind>("engine"),
                            Method<&NativeAgent::GetPluginList>("getPluginList"),
                            Method<&NativeAgent::GetPluginParams>("getPluginParams"),
+                           Method<&NativeAgent::GetBackendParams>("getBackendParams"),
+                           Method<&NativeAgent::QueryXferBackend>("queryXferBackend"),
                            Method<&NativeAgent::CreateBackend>("createBackend"),
                            Method<&NativeAgent::GetBackends>("getBackends"),
                            Method<&NativeAgent::RegisterMem>("registerMem"),
@@ -206,7 +208,20 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
 
   Napi::Value GetPluginParams(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    PluginInfo p = E(env).getPluginParams(args::string(env, info[0], "plugin"));
+    return pluginInfo(env, E(env).getPluginParams(args::string(env, info[0], "plugin")));
+  }
+
+  Napi::Value GetBackendParams(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return pluginInfo(env, E(env).getBackendParams(args::string(env, info[0], "backend")));
+  }
+
+  Napi::Value QueryXferBackend(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    return Napi::String::New(env, E(env).queryXferBackend(args::handle(env, info[0], "transfer handle")));
+  }
+
+  static Napi::Object pluginInfo(Napi::Env env, const PluginInfo& p) {
     auto params = Napi::Object::New(env);
     for (auto& [k, v] : p.params) params.Set(k, v);
     auto mems = Napi::Array::New(env, p.memTypes.size());

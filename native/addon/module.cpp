@@ -2,6 +2,8 @@
 // receives the JS error factory. Every function goes through guarded<>.
 #include <napi.h>
 
+#include <nixl_node_status_table.h>
+
 #include <string>
 
 #include "../loopback/shm.h"
@@ -64,6 +66,14 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   engines.Set(1u, "nixl");
 #endif
   exports.Set("engines", engines);
+  // NIXL's status codes as the header this addon was built against names them
+  // (scripts/gen-status-table.js), and where that table came from.
+  auto codes = Napi::Object::New(env);
+#define NIXL_NODE_STATUS_ENTRY(name, value) codes.Set(#name, Napi::Number::New(env, value));
+  NIXL_NODE_STATUS_TABLE(NIXL_NODE_STATUS_ENTRY)
+#undef NIXL_NODE_STATUS_ENTRY
+  exports.Set("statusCodes", codes);
+  exports.Set("statusSource", NIXL_NODE_STATUS_SOURCE);
   return exports;
 }
 

@@ -36,6 +36,7 @@
 #include "notif_socket.h"
 #include "notifier.h"
 #include "shm.h"
+#include "stream_copy.h"
 #include "types.h"
 
 namespace nixlnode {
@@ -60,6 +61,15 @@ typename Map::mapped_type& remoteAgent(Map& m, const std::string& agent, const c
     throw EngineError(ERR_NOT_FOUND,
                       std::string(call) + ": unknown remote agent '" + agent + "' (addRemoteAgent first)");
   return it->second;
+}
+
+// Copies of at least this many bytes use streaming stores (stream_copy.h).
+std::string streamCopyMinBytes() {
+#ifdef NIXL_NODE_STREAM_COPY
+  return std::to_string(kStreamMin);
+#else
+  return "off";
+#endif
 }
 
 uint64_t nowEpochUs() {
@@ -112,6 +122,24 @@ class LoopbackEngine final : public Engine {
   std::vector<std::string> getBackends() override {
     if (backendCreated_) return {kPlugin};
     return {};
+  }
+
+  // What this backend runs with: nothing here is configurable, so these are
+  // the fixed facts of its data path, as NIXL reports a backend's defaults.
+  PluginInfo getBackendParams(const std::string& backend) override {
+    checkOpen();
+    checkPlugin(backend);
+    if (!backendCreated_)
+      throw EngineError(ERR_NOT_FOUND, "getBackendParams: backend '" + backend + "' was not created");
+    Params p{
+        {"paths", "same-process memcpy, peer memfd mapping (allocate()), process_vm_readv/writev"},
+        {"worker_threads", "1"},
+        {"max_notif_bytes", std::to_string(NotifSocket::kMaxMsg)},
+        {"stream_copy_min_bytes", streamCopyMinBytes()},
+        {"capture_telemetry", cfg_.captureTelemetry ? "true" : "false"},
+        {"hosts", "this host only"},
+    };
+    return PluginInfo{std::move(p), {MemType::DRAM}};
   }
 
   Handle registerMem(const std::vector<Desc>& descs, MemType type, const std::vector<std::string>& backends) override {
@@ -409,6 +437,12 @@ class LoopbackEngine final : public Engine {
     if (req.status.load(std::memory_order_acquire) == ERR_NOT_POSTED)
       throw EngineError(ERR_NO_TELEMETRY, "transfer was never posted");
     return req.tel;
+  }
+
+  std::string queryXferBackend(Handle h) override {
+    checkOpen();
+    lookup(requests_, h, "queryXferBackend", "transfer handle");
+    return kPlugin;  // the only backend a loopback agent has
   }
 
   void genNotif(const std::string& agent, const std::string& msg) override {

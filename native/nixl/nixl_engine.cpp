@@ -21,6 +21,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <nixl_node_status_table.h>
+
 #include "../engine.h"
 #include "reg_index.h"
 
@@ -40,6 +42,33 @@ nixl_xfer_dlist_t xferList(const std::vector<Desc>& descs, MemType t) {
   nixl_xfer_dlist_t dl(memType(t));
   for (const auto& d : descs) dl.addDesc(nixlBasicDesc(static_cast<uintptr_t>(d.addr), d.len, d.devId));
   return dl;
+}
+
+// Our status numbers are NIXL's (native/status.h); the build's table is read
+// from the very header compiled here (scripts/gen-status-table.js).
+constexpr bool sameCode(int ours, int nixl) { return ours == nixl; }
+static_assert(sameCode(ERR_NOT_POSTED, NIXL_ERR_NOT_POSTED), "native/status.h: ERR_NOT_POSTED must be NIXL's number");
+static_assert(sameCode(ERR_INVALID_PARAM, NIXL_ERR_INVALID_PARAM), "native/status.h: ERR_INVALID_PARAM must be NIXL's number");
+static_assert(sameCode(ERR_BACKEND, NIXL_ERR_BACKEND), "native/status.h: ERR_BACKEND must be NIXL's number");
+static_assert(sameCode(ERR_NOT_FOUND, NIXL_ERR_NOT_FOUND), "native/status.h: ERR_NOT_FOUND must be NIXL's number");
+static_assert(sameCode(ERR_MISMATCH, NIXL_ERR_MISMATCH), "native/status.h: ERR_MISMATCH must be NIXL's number");
+static_assert(sameCode(ERR_NOT_ALLOWED, NIXL_ERR_NOT_ALLOWED), "native/status.h: ERR_NOT_ALLOWED must be NIXL's number");
+static_assert(sameCode(ERR_REPOST_ACTIVE, NIXL_ERR_REPOST_ACTIVE), "native/status.h: ERR_REPOST_ACTIVE must be NIXL's number");
+static_assert(sameCode(ERR_UNKNOWN, NIXL_ERR_UNKNOWN), "native/status.h: ERR_UNKNOWN must be NIXL's number");
+static_assert(sameCode(ERR_NOT_SUPPORTED, NIXL_ERR_NOT_SUPPORTED), "native/status.h: ERR_NOT_SUPPORTED must be NIXL's number");
+static_assert(sameCode(ERR_REMOTE_DISCONNECT, NIXL_ERR_REMOTE_DISCONNECT), "native/status.h: ERR_REMOTE_DISCONNECT must be NIXL's number");
+static_assert(sameCode(ERR_CANCELED, NIXL_ERR_CANCELED), "native/status.h: ERR_CANCELED must be NIXL's number");
+static_assert(sameCode(ERR_NO_TELEMETRY, NIXL_ERR_NO_TELEMETRY), "native/status.h: ERR_NO_TELEMETRY must be NIXL's number");
+
+std::string failureText(nixl_status_t s) {
+#ifdef NIXL_NODE_HAS_NIXL_ERR_XFER_STALLED
+  // NIXL gave up waiting (nixlAgentConfig xferStallTimeout) but did not abort:
+  // the transfer may still complete, so its memory stays in use until it is released.
+  if (s == NIXL_ERR_XFER_STALLED)
+    return "transfer stalled past NIXL's xferStallTimeout (not aborted: it may still complete; release the handle "
+           "before reusing its memory)";
+#endif
+  return std::string("transfer failed: ") + nixlEnumStrings::statusStr(s);
 }
 
 struct Request {
@@ -124,6 +153,20 @@ class NixlEngine final : public Engine {
     std::vector<std::string> out;
     for (auto& [n, h] : backends_) out.push_back(n);
     return out;
+  }
+
+  PluginInfo getBackendParams(const std::string& backend) override {
+    checkOpen();
+    auto it = backends_.find(backend);
+    if (it == backends_.end())
+      throw EngineError(ERR_NOT_FOUND, "getBackendParams: backend '" + backend + "' was not created");
+    nixl_mem_list_t mems;
+    nixl_b_params_t params;
+    check(agent_.getBackendParams(it->second, mems, params), "getBackendParams");
+    PluginInfo info;
+    for (auto& [k, v] : params) info.params[k] = v;
+    for (auto m : mems) info.memTypes.push_back(static_cast<MemType>(static_cast<int>(m)));
+    return info;
   }
 
   Handle registerMem(const std::vector<Desc>& descs, MemType type, const std::vector<std::string>& backends) override {
@@ -414,6 +457,17 @@ class NixlEngine final : public Engine {
                      static_cast<uint64_t>(t.xferDuration.count()), t.totalBytes, t.descCount};
   }
 
+  std::string queryXferBackend(Handle h) override {
+    checkOpen();
+    RequestP req = find(h);
+    nixlBackendH* b = nullptr;
+    check(agent_.queryXferBackend(req->h, b), "queryXferBackend");
+    // NIXL answers with a handle; its name is the one createBackend gave it.
+    for (auto& [n, bh] : backends_)
+      if (bh == b) return n;
+    throw EngineError(ERR_NOT_FOUND, "queryXferBackend: NIXL chose a backend this agent did not create");
+  }
+
   void genNotif(const std::string& agent, const std::string& msg) override {
     checkOpen();
     check(agent_.genNotif(agent, msg), "genNotif");
@@ -615,7 +669,7 @@ class NixlEngine final : public Engine {
             ++it;
             continue;
           }
-          if (s != NIXL_SUCCESS) (*it)->err = std::string("transfer failed: ") + nixlEnumStrings::statusStr(s);
+          if (s != NIXL_SUCCESS) (*it)->err = failureText(s);
           (*it)->status.store(static_cast<int>(s), std::memory_order_release);
           done.push_back(*it);
           it = inflight_.erase(it);
