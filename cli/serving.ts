@@ -50,11 +50,12 @@ const WORKER_HELP = `nixl-node worker: a Node inference worker: a GGUF model (ll
 
 Usage: nixl-node worker [options]
   --model M            a GGUF file (needs node-llama-cpp: npm i -E node-llama-cpp@3.21.1), or
-                       tiny | small (generated test models); default: the synthetic model
+                       tiny | small | tiny-utf8 | tiny-unbiased (generated test models); default: the synthetic model
   --threads N          GGUF: CPU threads of each context (default: the cores shared among --parallel)
   --context-size N     GGUF: tokens of each context (default 4096)
   --parallel N         GGUF: requests evaluated at once, one context each (default 2)
   --block-kib N        GGUF: KiB of one KV block (default 64)
+  --state-dir D        GGUF: where states go through files (default NIXL_NODE_STATE_DIR, else /dev/shm, else $TMPDIR)
   --name N             agent and engine name (default worker-<pid>-<random>)
   --transport T        http | zmq (default http)
   --host H             interface (default 127.0.0.1)
@@ -230,6 +231,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'context-size': { type: 'string' },
       parallel: { type: 'string' },
       'block-kib': { type: 'string' },
+      'state-dir': { type: 'string' },
       'tamper-kv': { type: 'string' },
       ...UCX_NET_DEVICES_OPTION,
       etcd: { type: 'string' },
@@ -271,6 +273,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
     contextSize: optional('context-size', 1 << 20),
     parallel: optional('parallel', 256),
     blockBytes: v['block-kib'] === undefined ? undefined : positiveInt(v, 'block-kib', 64, 1 << 20) * 1024,
+    stateDir: v['state-dir'] as string | undefined,
     tamperKv:
       v['tamper-kv'] === undefined
         ? undefined

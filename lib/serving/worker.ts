@@ -78,6 +78,11 @@ export interface WorkerOptions {
   parallel?: number;
   /** GGUF: bytes of one KV block (default 64 KiB); a request's state takes as many as it needs. */
   blockBytes?: number;
+  /**
+   * GGUF: where states go through files on their way in and out of llama.cpp
+   * (default: NIXL_NODE_STATE_DIR, else /dev/shm where writable, else the OS temp dir).
+   */
+  stateDir?: string;
   wire?: WireName;
   /** How long a prefill holds KV nobody read (default: the profile's lease, 30 s for v12). */
   leaseMs?: number;
@@ -763,6 +768,7 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
           blockBytes,
           poolBytes: blocks * blockBytes,
           kvSecret: o.kvSecret ?? process.env.NIXL_NODE_KV_SECRET ?? undefined,
+          stateDir: o.stateDir,
         })
       : new SyntheticModel(o.model ?? DEFAULT_MODEL);
   let w: Worker;
