@@ -22,7 +22,7 @@ Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works to
   --engine E       loopback | nixl (default: nixl if compiled in)
   --no-progress-thread
                    nixl: agents without NIXL's progress thread (the engine's poller
-                   progresses them); faster on one host, see the README
+                   progresses them); faster on one host, see docs/benchmarks.md#the-nixl-engine-against-a-native-program-on-the-same-nixl
   --mla            MLA: one latent cache per layer, replicated on every rank
 ${UCX_NET_DEVICES_HELP}  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
 `;

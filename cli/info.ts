@@ -52,7 +52,7 @@ ${UCX_NET_DEVICES_HELP}`,
   }
   console.log(`nixl-node ${out.version} (node ${out.node})`);
   console.log(
-    `  engines:  ${engines.join(', ')}${engines.includes('nixl') ? '' : ' (NIXL not compiled in: set NIXL_PREFIX and reinstall)'}`,
+    `  engines:  ${engines.join(', ')}${engines.includes('nixl') ? '' : ' (NIXL is not compiled in: agents use the loopback engine, this host only; set NIXL_PREFIX and reinstall)'}`,
   );
   if (out.nixlPlugins) console.log(`  NIXL plugins: ${(out.nixlPlugins as string[]).join(', ')}`);
   console.log(`  addon:    ${out.addon}`);

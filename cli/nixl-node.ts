@@ -1,4 +1,5 @@
 // The nixl-node command: info, demo, bench, sidechannel, proxy, worker.
+import * as path from 'node:path';
 import { run, UsageError } from './args';
 
 const HELP = `nixl-node: NVIDIA NIXL for Node.js
@@ -11,8 +12,9 @@ Usage: nixl-node <command> [options]   (nixl-node <command> --help for its optio
            as ratios to baselines of the same run
   sidechannel fetch|serve   ask a side channel for a rank's metadata, or serve synthetic metadata
   proxy    disaggregated-serving proxy: encode -> prefill -> decode workers over HTTP or ZeroMQ
-  worker   a Node inference worker for the proxy: a GGUF, a generated test model (tiny, small)
-           or the synthetic model
+  worker   a Node inference worker for the proxy: a GGUF through node-llama-cpp, a generated test
+           model (tiny, small, ...) or the synthetic model
+  --version  the package version
 `;
 
 const [cmd, ...rest] = process.argv.slice(2);
@@ -20,6 +22,10 @@ run(cmd ?? '', async () => {
   switch (cmd) {
     case 'info':
       return (await import('./info')).infoCommand(rest);
+    case '--version':
+    case '-v':
+      console.log((require(path.join(__dirname, '..', '..', 'package.json')) as { version: string }).version);
+      return;
     case 'demo':
       return (await import('./demo')).demoCommand(rest);
     case 'bench':

@@ -1,13 +1,16 @@
 // Tracing for the nixl-node command: with --otlp-endpoint URL (or the standard
 // OTEL_EXPORTER_OTLP_ENDPOINT), spans go to <URL>/v1/traces as OTLP over HTTP
 // with JSON bodies, under service.name nixl-node-proxy / nixl-node-worker. The
-// library depends on @opentelemetry/api only; the SDK and the exporter are
-// optional, loaded here and only then. Batches are flushed before exit.
+// library depends on @opentelemetry/api only; the SDK and the exporter are the
+// package's optional dependencies, loaded here and only then. Batches are
+// flushed before exit. An endpoint from the environment never stops a
+// process: when it cannot be used, one warning line and no tracing.
 import type * as Api from '@opentelemetry/api';
 import type * as Exporter from '@opentelemetry/exporter-trace-otlp-http';
 import type * as Resources from '@opentelemetry/resources';
 import type * as Sdk from '@opentelemetry/sdk-trace-base';
 import { UsageError } from './args';
+import type { Logger } from '../lib/serving/log';
 
 const PACKAGES = [
   '@opentelemetry/api',
@@ -17,14 +20,20 @@ const PACKAGES = [
 ];
 
 /** Starts exporting when an endpoint is given; returns what flushes and stops it. */
-export function startTracing(endpoint: string | undefined, serviceName: string): () => Promise<void> {
+export function startTracing(endpoint: string | undefined, serviceName: string, log: Logger): () => Promise<void> {
   const base = endpoint ?? process.env.OTEL_EXPORTER_OTLP_ENDPOINT;
   if (!base) return async () => {};
+  // --otlp-endpoint was asked for: a usage error. The environment's: a warning.
+  const refuse = (why: string): (() => Promise<void>) => {
+    if (endpoint !== undefined) throw new UsageError(why);
+    log.warn({ OTEL_EXPORTER_OTLP_ENDPOINT: base }, `tracing off: ${why}`);
+    return async () => {};
+  };
   let url: URL;
   try {
     url = new URL(`${base.replace(/\/+$/, '')}/v1/traces`);
   } catch {
-    throw new UsageError(`--otlp-endpoint must be a URL, got '${base}'`);
+    return refuse(`the OTLP endpoint must be a URL, got '${base}'`);
   }
   let api: typeof Api;
   let sdk: typeof Sdk;
@@ -36,7 +45,9 @@ export function startTracing(endpoint: string | undefined, serviceName: string):
     exporter = require('@opentelemetry/exporter-trace-otlp-http');
     resources = require('@opentelemetry/resources');
   } catch {
-    throw new UsageError(`tracing to ${base} needs the OpenTelemetry SDK: npm install ${PACKAGES.join(' ')}`);
+    return refuse(
+      `tracing to ${base} needs the OpenTelemetry SDK, an optional dependency left out of this install: npm install ${PACKAGES.join(' ')}`,
+    );
   }
   const provider = new sdk.BasicTracerProvider({
     resource: resources.resourceFromAttributes({ 'service.name': serviceName }),

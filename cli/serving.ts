@@ -1,6 +1,7 @@
 // nixl-node proxy | worker: the disaggregated-serving proxy and the Node
 // workers (a GGUF through node-llama-cpp, or the synthetic model) it fronts, as commands that run until killed.
-// Each prints one JSON line when ready, so scripts can wait for it.
+// Each prints one JSON line on stdout when ready, so scripts can wait for it,
+// and logs JSON lines (pino) on stderr.
 import type { WireName } from '../lib/handshake/model';
 import { startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
@@ -13,7 +14,9 @@ import {
   UCX_NET_DEVICES_OPTION,
   UsageError,
 } from './args';
+import { engines } from '../lib/agent';
 import { startTracing } from './otel';
+import { commandLogger, logLevel } from './log';
 import { checkEndpoints } from '../lib/serving/fleet/etcd';
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
@@ -39,17 +42,20 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --token T            require Authorization: Bearer T
   --wire W             v12 | v0.13: the kv_transfer_params the prefills return (default NIXL_WIRE, else v12)
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
+  --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
+                       JSON lines on stderr: each request, workers unhealthy, ejected, back, models that differ
 `;
 
 const WORKER_HELP = `nixl-node worker: a Node inference worker: a GGUF model (llama.cpp) or the synthetic one
 
 Usage: nixl-node worker [options]
   --model M            a GGUF file (needs node-llama-cpp: npm i -E node-llama-cpp@3.21.1), or
-                       tiny | small (generated test models); default: the synthetic model
+                       tiny | small | tiny-utf8 | tiny-unbiased (generated test models); default: the synthetic model
   --threads N          GGUF: CPU threads of each context (default: the cores shared among --parallel)
   --context-size N     GGUF: tokens of each context (default 4096)
   --parallel N         GGUF: requests evaluated at once, one context each (default 2)
   --block-kib N        GGUF: KiB of one KV block (default 64)
+  --state-dir D        GGUF: where states go through files (default NIXL_NODE_STATE_DIR, else /dev/shm, else $TMPDIR)
   --name N             agent and engine name (default worker-<pid>-<random>)
   --transport T        http | zmq (default http)
   --host H             interface (default 127.0.0.1)
@@ -67,6 +73,8 @@ Usage: nixl-node worker [options]
   --role R             prefill | decode | both | encode: the proxies' pools it joins (default both)
   --etcd-ttl N         lease seconds: how long it stays listed after dying (default 5)
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
+  --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
+                       JSON lines on stderr; each request at debug, failed ones at info / warn
   --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
   --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
@@ -95,6 +103,18 @@ function portNumber(s: string, name: string): number {
 function integer(s: string, name: string): number {
   if (!/^-?\d{1,10}$/.test(s)) throw new UsageError(`--${name} must be an integer, got '${s}'`);
   return Number(s);
+}
+
+/** An address already taken: the error names it and the options that choose it. */
+function inUse(e: unknown, options: string): unknown {
+  const err = e as Error & { code?: string; address?: string; port?: number };
+  if (err?.code !== 'EADDRINUSE' && !/address already in use/i.test(err?.message ?? '')) return e;
+  const what = err.address
+    ? `${err.address}${err.port ? `:${err.port}` : ''} is already in use`
+    : err.message.replace(/^listen EADDRINUSE: /, '');
+  return new UsageError(
+    `${what} (EADDRINUSE): another process listens there; choose another with ${options} (port 0: any free port)`,
+  );
 }
 
 /** --etcd and --etcd-prefix, checked. */
@@ -143,10 +163,12 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       token: { type: 'string' },
       wire: { type: 'string' },
       'otlp-endpoint': { type: 'string' },
+      'log-level': { type: 'string' },
     },
     PROXY_HELP,
   );
-  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-proxy');
+  const log = commandLogger('proxy', logLevel(v));
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-proxy', log);
   const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
   const pd = list(v, 'pd-addrs');
   const prefill = [...list(v, 'prefill'), ...pd];
@@ -171,7 +193,11 @@ export async function proxyCommand(argv: string[]): Promise<void> {
     prefillRetries: v.retries === '0' ? 0 : positiveInt(v, 'retries', 1, 64),
     bearerToken: v.token as string | undefined,
     wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
+    logger: log,
+  }).catch((e) => {
+    throw inUse(e, '--host / --port');
   });
+  log.info({ url: proxy.url, transport }, 'proxy ready');
   console.log(
     JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode, etcd: etcd && proxy.fleet?.connected }),
   );
@@ -205,19 +231,22 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'context-size': { type: 'string' },
       parallel: { type: 'string' },
       'block-kib': { type: 'string' },
+      'state-dir': { type: 'string' },
       'tamper-kv': { type: 'string' },
       ...UCX_NET_DEVICES_OPTION,
       etcd: { type: 'string' },
       'etcd-prefix': { type: 'string' },
       role: { type: 'string' },
       'etcd-ttl': { type: 'string' },
+      'log-level': { type: 'string' },
     },
     WORKER_HELP,
   );
   applyUcxNetDevices(v);
+  const log = commandLogger('worker', logLevel(v));
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
-  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker');
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker', log);
   const etcd = etcdOptions(v);
   if (!etcd && (v.role !== undefined || v['etcd-ttl'] !== undefined))
     throw new UsageError('--role and --etcd-ttl go with --etcd');
@@ -244,6 +273,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
     contextSize: optional('context-size', 1 << 20),
     parallel: optional('parallel', 256),
     blockBytes: v['block-kib'] === undefined ? undefined : positiveInt(v, 'block-kib', 64, 1 << 20) * 1024,
+    stateDir: v['state-dir'] as string | undefined,
     tamperKv:
       v['tamper-kv'] === undefined
         ? undefined
@@ -253,7 +283,13 @@ export async function workerCommand(argv: string[]): Promise<void> {
       role: oneOf(v, 'role', ['prefill', 'decode', 'both', 'encode'] as const, 'both'),
       ttlSec: positiveInt(v, 'etcd-ttl', 5, 3600),
     },
+    logger: log,
+  }).catch((e) => {
+    throw inUse(e, '--host, --port, --side-channel-port or --zmq-addr');
   });
+  if (!process.env.NIXL_NODE_ENGINE && !engines.includes('nixl'))
+    log.info({ engine: 'loopback' }, 'NIXL is not compiled in: the loopback engine moves KV on this host only');
+  log.info({ name: w.name, address: w.address, model: w.modelId }, 'worker ready');
   console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, etcd: w.fleet?.key }));
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));

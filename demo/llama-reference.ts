@@ -17,6 +17,22 @@ export interface Ask {
   stop?: string[];
 }
 
+/** What node-llama-cpp generated alone. */
+export interface Generation {
+  text: string;
+  /** What onTextChunk gave, in order (a stream's chunks). */
+  chunks: string[];
+  /** Tokens onToken gave (released; a held-back piece left unfinished is not). */
+  tokens: number;
+  /** Tokens of the prompt as evaluated (with BOS, or the chat template). */
+  promptTokens: number;
+  /** Tokens evaluated in all: the prompt, then every generated token but the last. */
+  evaluatedTokens: number;
+  finishReason: 'stop' | 'length';
+  ttftMs: number;
+  totalMs: number;
+}
+
 export class OneProcess {
   private constructor(
     readonly nlc: typeof Nlc,
@@ -30,12 +46,17 @@ export class OneProcess {
     return new OneProcess(nlc, await llama.loadModel({ modelPath }), context);
   }
 
-  /** The text node-llama-cpp generates, and how long it took to the first token and in all (ms). */
-  async generate(a: Ask): Promise<{ text: string; ttftMs: number; totalMs: number; tokens: number }> {
+  /**
+   * The text node-llama-cpp generates, the chunks its onTextChunk gave, the
+   * tokens it evaluated (the prompt in its first batch, then all), why it
+   * stopped, and how long it took to the first token and in all (ms).
+   */
+  async generate(a: Ask): Promise<Generation> {
     const ctx = await this.model.createContext({ ...this.context, sequences: 1 });
     const t0 = performance.now();
     let first = 0;
     let tokens = 0;
+    const chunks: string[] = [];
     const o = {
       maxTokens: a.maxTokens,
       temperature: a.temperature ?? 0,
@@ -45,10 +66,14 @@ export class OneProcess {
         if (tokens === 0) first = performance.now() - t0;
         tokens += t.length;
       },
+      onTextChunk: (c: string) => {
+        if (c !== '') chunks.push(c);
+      },
     };
     try {
       const seq = ctx.getSequence();
       let text: string;
+      let stopReason: string;
       if (a.chat) {
         const session = new this.nlc.LlamaChatSession({ contextSequence: seq });
         session.setChatHistory(
@@ -59,9 +84,26 @@ export class OneProcess {
                 : { type: m.role === 'user' ? 'user' : 'system', text: m.content },
           ),
         );
-        text = await session.prompt(a.text, o);
-      } else text = await new this.nlc.LlamaCompletion({ contextSequence: seq }).generateCompletion(a.text, o);
-      return { text, ttftMs: first, totalMs: performance.now() - t0, tokens };
+        ({ responseText: text, stopReason } = await session.promptWithMeta(a.text, o));
+      } else {
+        const c = new this.nlc.LlamaCompletion({ contextSequence: seq });
+        ({
+          response: text,
+          metadata: { stopReason },
+        } = await c.generateCompletionWithMeta(a.text, o));
+      }
+      return {
+        text,
+        chunks,
+        tokens,
+        // The first batch is the prompt: all its tokens but the last are
+        // input only; every later token was evaluated for its logits.
+        promptTokens: seq.tokenMeter.usedInputTokens + 1,
+        evaluatedTokens: seq.contextTokens.length,
+        finishReason: stopReason === 'maxTokens' ? 'length' : 'stop',
+        ttftMs: first,
+        totalMs: performance.now() - t0,
+      };
     } finally {
       await ctx.dispose();
     }

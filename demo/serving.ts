@@ -7,7 +7,7 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
-import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
+import { MODEL_NAME, expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { modelPath } from '../lib/serving/models/test-models';
 import { type Ask, OneProcess, askBody } from './llama-reference';
 import { loadNodeLlamaCpp } from '../lib/serving/models/node-llama-cpp';
@@ -140,8 +140,8 @@ async function oneRequest(url: string, i: number, maxTokens: number): Promise<Ou
   const stream = i % 4 >= 2;
   const text = prompt(i);
   const body = chat
-    ? { model: 'synthetic', messages: [{ role: 'user', content: text }], max_tokens: maxTokens, stream }
-    : { model: 'synthetic', prompt: text, max_tokens: maxTokens, stream };
+    ? { model: MODEL_NAME, messages: [{ role: 'user', content: text }], max_tokens: maxTokens, stream }
+    : { model: MODEL_NAME, prompt: text, max_tokens: maxTokens, stream };
   const want = expectedCompletion(chat ? `user: ${text}` : text, maxTokens).join(' ');
   const t0 = performance.now();
   try {

@@ -91,8 +91,6 @@ interface Waiter {
   reject(e: Error): void;
 }
 
-let warnedLoopback = false;
-
 /** The engines compiled into this build of the addon: 'loopback', and 'nixl' when NIXL was found at build time. */
 export const engines: readonly string[] = binding.engines;
 
@@ -100,12 +98,9 @@ function defaultEngine(): EngineKind {
   const env = process.env.NIXL_NODE_ENGINE;
   if (env === 'nixl' || env === 'loopback') return env;
   if (env) throw invalidParam(`NIXL_NODE_ENGINE='${env}': expected 'nixl' or 'loopback'`);
-  if (binding.engines.includes('nixl')) return 'nixl';
-  if (!warnedLoopback) {
-    warnedLoopback = true;
-    process.stderr.write('nixl-node: NIXL is not compiled in; using the loopback engine (agents on this host only)\n');
-  }
-  return 'loopback';
+  // Without NIXL the loopback engine is the default, silently: a library
+  // writes nothing on its own (`nixl-node info` says which engines there are).
+  return binding.engines.includes('nixl') ? 'nixl' : 'loopback';
 }
 
 function stateOf(status: number | [number, string]): XferState {

@@ -17,7 +17,9 @@ function buildFromSource(why) {
   const cmd = gyp ? [process.execPath, [gyp, 'rebuild']] : ['node-gyp', ['rebuild']];
   const r = spawnSync(cmd[0], cmd[1], { cwd: root, stdio: 'inherit' });
   if (r.status !== 0) {
-    console.error('nixl-node: the source build failed; it needs g++ (C++20), make and python3 (node-gyp), see README');
+    console.error(
+      'nixl-node: the source build failed; it needs a C++20 compiler (g++ 10+), make and python3 (node-gyp): see README.md#install',
+    );
     process.exit(r.status ?? 1);
   }
 }
@@ -43,5 +45,5 @@ if (nixl === '1') {
       `nixl-node: using the prebuilt addon ${path.relative(root, loaded)} (loopback engine; set NIXL_PREFIX and reinstall for NIXL)`,
     );
 }
-// The line the README tells users to look for, on every path (as npm run build prints it).
+// The line docs/nixl.md tells users to look for, on every path (as npm run build prints it).
 require('./engines.js').reportEngines(root);

@@ -67,3 +67,31 @@ it('every relative link and every path a page names exists', () => {
 it('the README is a newcomer’s page: about 200 lines at most', () => {
   expect(fs.readFileSync(path.join(ROOT, 'README.md'), 'utf8').split('\n').length).toBeLessThanOrEqual(200);
 });
+
+it('what the install script and the commands print points at pages and sections that exist', () => {
+  const sources = [
+    'scripts/install.js',
+    ...['cli', 'demo', 'bench', 'lib/serving', 'lib/serving/models'].flatMap((d) =>
+      fs
+        .readdirSync(path.join(ROOT, d))
+        .filter((f) => /\.(ts|js)$/.test(f))
+        .map((f) => `${d}/${f}`),
+    ),
+  ];
+  const broken: string[] = [];
+  let refs = 0;
+  for (const src of sources) {
+    const text = fs.readFileSync(path.join(ROOT, src), 'utf8');
+    // "see the README" with no page or section to go to.
+    for (const m of text.matchAll(/see (the )?README(?!\.md)/g)) broken.push(`${src}: '${m[0]}' names no section`);
+    for (const m of text.matchAll(/\b(README\.md|docs\/[\w-]+\.md)(#[\w-]+)?/g)) {
+      refs++;
+      const file = path.join(ROOT, m[1]);
+      if (!fs.existsSync(file)) broken.push(`${src}: ${m[0]}: no such page`);
+      else if (m[2] && !anchors(fs.readFileSync(file, 'utf8')).has(m[2].slice(1)))
+        broken.push(`${src}: ${m[0]}: no such section`);
+    }
+  }
+  expect(refs).toBeGreaterThan(3);
+  expect(broken).toEqual([]);
+});

@@ -31,11 +31,15 @@ function seqState(tokens: number, payload: number): Buffer {
   return b;
 }
 
-function wrap(state: Buffer, tokens: number, first?: number | 'end', secret?: string) {
+function wrap(state: Buffer, tokens: number, next?: number, secret?: string, seed = 0, samplingKey = 0) {
   const n = Math.ceil(envelopeBytes(state.length) / BLOCK);
   const blocks = Array.from({ length: n + 2 }, () => Buffer.alloc(BLOCK));
   writeEnvelope(
-    stateHeader(state, { promptTokens: tokens, fingerprint: FP, firstToken: first, binding: BIND }, secret),
+    stateHeader(
+      state,
+      { promptTokens: tokens, fingerprint: FP, nextToken: next, seed, samplingKey, binding: BIND },
+      secret,
+    ),
     state,
     BLOCK,
     (i) => blocks[i],
@@ -64,18 +68,20 @@ function reason(f: () => unknown): string {
 }
 
 describe('KV state envelope', () => {
-  it('round-trips the state, its token count and the first token, across block boundaries', () => {
-    for (const [tokens, payload, first] of [
-      [1, 0, undefined],
-      [5, 1000, 7],
-      [60, BLOCK * 3, 'end'],
+  it('round-trips the state and its continuation (tokens held, next token, seed, sampling key), across blocks', () => {
+    for (const [tokens, payload, next, seed, key] of [
+      [1, 0, undefined, 0, 0],
+      [5, 1000, 0, 7, 0xdeadbeef],
+      [60, BLOCK * 3, 31999, 0xffffffff, 1],
     ] as const) {
       const state = seqState(tokens, payload);
-      const { blocks, n } = wrap(state, tokens, first);
+      const { blocks, n } = wrap(state, tokens, next, undefined, seed, key);
       const got = openEnvelope((i) => blocks[i], opts(n));
       expect(got.state.equals(state)).toBe(true);
       expect(got.promptTokens).toBe(tokens);
-      expect(got.firstToken).toBe(first);
+      expect(got.nextToken).toBe(next);
+      expect(got.seed).toBe(seed);
+      expect(got.samplingKey).toBe(key);
     }
   });
 
@@ -144,11 +150,13 @@ describe('KV state envelope', () => {
     }
   });
 
-  it('the first token and the prompt token count are fields of the header', () => {
+  it('the continuation is fields of the header', () => {
     const state = seqState(4, 10);
-    const { blocks } = wrap(state, 4, 99);
+    const { blocks } = wrap(state, 4, 99, undefined, 5, 6);
     expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.promptTokens)).toBe(4);
-    expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.firstToken)).toBe(100);
+    expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.nextToken)).toBe(100);
+    expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.seed)).toBe(5);
+    expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.samplingKey)).toBe(6);
   });
 
   it('random bytes, and any one byte of a good envelope changed: KvRejected, never the wrong state', () => {

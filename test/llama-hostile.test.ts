@@ -68,7 +68,7 @@ describe('a GGUF decode refuses KV states it cannot vouch for (no KV secret)', (
   it('an out-of-vocabulary first token (greedy completion)', async () => {
     await refused(
       'completion',
-      (env) => env.writeUInt32LE(100_000 + 1, ENVELOPE_FIELDS.firstToken),
+      (env) => env.writeUInt32LE(100_000 + 1, ENVELOPE_FIELDS.nextToken),
       'malformed',
       'NIXL_ERR_INVALID_PARAM',
     );

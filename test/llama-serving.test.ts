@@ -218,6 +218,25 @@ describe('llama worker', () => {
     }
   }, 120_000);
 
+  it("a decode asked to sample otherwise than its prefill does not take the prefill's first token", async () => {
+    const a: Ask = { chat: false, text: 'the first token was greedy', maxTokens: 8 };
+    const pre = await fetch(`${prefill.address}/v1/completions`, {
+      method: 'POST',
+      body: JSON.stringify({ ...body(a), max_tokens: 1, kv_transfer_params: { do_remote_decode: true } }),
+    });
+    const { kv_transfer_params } = (await pre.json()) as { kv_transfer_params: unknown };
+    const res = await fetch(`${decode.address}/v1/completions`, {
+      method: 'POST',
+      body: JSON.stringify({ ...body({ ...a, temperature: 0.9, seed: 5 }), kv_transfer_params }),
+    });
+    const g = await readAnswer(res, a);
+    expect(g.status, JSON.stringify(g.error)).toBe(200);
+    // The state's prompt is used, its last token evaluated again to sample from.
+    expect(g.info?.kv_continued).toBe(false);
+    expect(Number(g.info?.tokens_evaluated)).toBeGreaterThanOrEqual(1);
+    expect(g.usage?.completion_tokens).toBeGreaterThan(0);
+  }, 60_000);
+
   it.each(['truncate', 'corrupt', 'oversize', 'foreign'] as const)(
     'a %s state is refused before llama.cpp loads it; the decode stays up and serves the next request',
     async (how) => {
@@ -253,6 +272,23 @@ describe('llama worker', () => {
     expect((await disaggregated(prefill, decode, a)).text).toBe(await reference(a));
   }, 60_000);
 
+  it("a prompt that cannot fit with the decode's max_tokens is refused by the prefill before it evaluates anything", async () => {
+    const before = { ...prefill.stats };
+    const r = await fetch(`${prefill.address}/v1/completions`, {
+      method: 'POST',
+      headers: { 'x-nixl-node-decode-max-tokens': String(prefill.model.contextSize) },
+      body: JSON.stringify({ prompt: 'hello there', max_tokens: 1, kv_transfer_params: { do_remote_decode: true } }),
+    });
+    expect(r.status).toBe(400);
+    expect(((await r.json()) as { error: { message: string } }).error.message).toMatch(
+      new RegExp(`context holds ${prefill.model.contextSize} tokens`),
+    );
+    expect(prefill.stats.prefills).toBe(before.prefills);
+    expect(prefill.freeBlocks).toBe(workerOptions.blocks);
+    const health = (await (await fetch(`${prefill.address}/health`)).json()) as { max_model_len?: number };
+    expect(health.max_model_len).toBe(prefill.model.contextSize);
+  }, 60_000);
+
   it('requests it cannot serve are 4xx naming why', async () => {
     const post = async (p: string, b: unknown) => {
       const r = await fetch(`${decode.address}${p}`, { method: 'POST', body: JSON.stringify(b) });
@@ -276,7 +312,7 @@ describe('llama worker', () => {
 });
 
 it('the built-in models are llama GGUFs node-llama-cpp loads; the small one has MiBs of KV for a long prompt', async () => {
-  expect(Object.keys(BUILTIN)).toEqual(['tiny', 'small']);
+  expect(Object.keys(BUILTIN)).toEqual(['tiny', 'small', 'tiny-utf8', 'tiny-unbiased']);
   const llama = await nlc.getLlama({ gpu: false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
   const small = await llama.loadModel({ modelPath: modelPath('small', dir) });
   try {

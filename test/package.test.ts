@@ -2,7 +2,9 @@
 // empty user npmrc, check that nothing was compiled (the prebuild loads), and
 // import it by name from CommonJS, ESM and strict TypeScript (nodenext),
 // each running a READ with every byte verified.
-import { execFileSync, spawnSync } from 'node:child_process';
+import { type ChildProcess, execFileSync, spawn, spawnSync } from 'node:child_process';
+import * as http from 'node:http';
+import type { AddressInfo } from 'node:net';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
@@ -119,6 +121,48 @@ it('the nixl-node command runs from the app (bin): info names the prebuild, the 
   expect(fs.existsSync(path.join(app, 'node_modules', 'nixl-node', 'docs', 'side-channel-http.schema.json'))).toBe(
     true,
   );
+}, 60_000);
+
+it('traces and /metrics from a plain install: the optional dependencies came with it', async () => {
+  const bin = path.join(app, 'node_modules', '.bin', 'nixl-node');
+  for (const name of [
+    'prom-client',
+    '@opentelemetry/sdk-trace-base',
+    '@opentelemetry/exporter-trace-otlp-http',
+    'pino',
+  ])
+    expect(fs.existsSync(path.join(app, 'node_modules', name, 'package.json')), name).toBe(true);
+  // An OTLP collector that takes anything: --otlp-endpoint starts, no package to install by hand.
+  const collector = http.createServer((req, res) => req.resume().on('end', () => res.end('{}')));
+  await new Promise<void>((r) => collector.listen(0, '127.0.0.1', () => r()));
+  const otlp = `http://127.0.0.1:${(collector.address() as AddressInfo).port}`;
+  const procs: ChildProcess[] = [];
+  const ready = (args: string[]) =>
+    new Promise<Record<string, unknown>>((resolve, reject) => {
+      const p = spawn(bin, args, { cwd: app, stdio: ['ignore', 'pipe', 'pipe'] });
+      procs.push(p);
+      let err = '';
+      p.stderr!.on('data', (d) => (err += d));
+      p.stdout!.on('data', (d) => {
+        const line = String(d)
+          .split('\n')
+          .find((l) => l.includes('"ready":true'));
+        if (line) resolve(JSON.parse(line));
+      });
+      p.once('exit', (c) => reject(new Error(`${args[0]} exited ${c}: ${err}`)));
+    });
+  try {
+    const w = await ready(['worker', '--otlp-endpoint', otlp]);
+    const proxy = await ready(['proxy', '--port', '0', '--pd-addrs', String(w.address), '--otlp-endpoint', otlp]);
+    const r = await fetch(`${proxy.url}/v1/completions`, { method: 'POST', body: '{"prompt":"x","max_tokens":2}' });
+    expect(r.status).toBe(200);
+    const m = await fetch(`${proxy.url}/metrics`);
+    expect(m.status).toBe(200);
+    expect(await m.text()).toMatch(/nixl_node_proxy_requests_total\{route="\/v1\/completions",status="200"\} 1/);
+  } finally {
+    for (const p of procs) p.kill('SIGTERM');
+    await new Promise((r) => collector.close(r));
+  }
 }, 60_000);
 
 it('a GGUF without node-llama-cpp installed: one line naming the package to install, exit code 2', () => {

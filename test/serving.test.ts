@@ -13,7 +13,7 @@ import * as zmq from 'zeromq';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../lib/serving';
 import { WorkerPool } from '../lib/serving/pool';
 import { encodeMessage } from '../lib/serving/protocol';
-import { expectedCompletion } from '../lib/serving/models/synthetic-kv';
+import { MODEL_NAME, expectedCompletion } from '../lib/serving/models/synthetic-kv';
 import { ROOT } from './helpers';
 
 const cleanup: Array<() => Promise<unknown> | unknown> = [];
@@ -48,8 +48,13 @@ async function complete(
   const text = `prompt number ${i}: ${'lorem ipsum '.repeat(i % 9)}`;
   const maxTokens = o.maxTokens ?? 6;
   const body = o.chat
-    ? { model: 'm', messages: [{ role: 'user', content: text }], max_tokens: maxTokens, stream: o.stream ?? false }
-    : { model: 'm', prompt: text, max_tokens: maxTokens, stream: o.stream ?? false };
+    ? {
+        model: MODEL_NAME,
+        messages: [{ role: 'user', content: text }],
+        max_tokens: maxTokens,
+        stream: o.stream ?? false,
+      }
+    : { model: MODEL_NAME, prompt: text, max_tokens: maxTokens, stream: o.stream ?? false };
   const r = await fetch(`${proxy.url}${o.chat ? '/v1/chat/completions' : '/v1/completions'}`, {
     method: 'POST',
     headers: { 'x-request-id': `req-${i}` },

@@ -10,12 +10,13 @@ import {
   type ReadableSpan,
   SimpleSpanProcessor,
 } from '@opentelemetry/sdk-trace-base';
-import { type ChildProcess, spawnSync } from 'node:child_process';
+import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { start } from '../dist/demo/serving';
 import { NixlAgent } from '../lib';
+import { MODEL_NAME } from '../lib/serving/models/synthetic-kv';
 import { contextFromTraceparent, startSpan } from '../lib/tracing';
 import { ROOT, serveTrio } from './helpers';
 
@@ -68,7 +69,7 @@ describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) 
         traceparent: `00-${CLIENT_TRACE}-${CLIENT_SPAN}-01`,
         'x-request-id': 'client-7',
       },
-      body: JSON.stringify({ model: 'm', prompt: 'trace me please', max_tokens: 3 }),
+      body: JSON.stringify({ model: MODEL_NAME, prompt: 'trace me please', max_tokens: 3 }),
     });
     expect(r.status).toBe(200);
     await r.json();
@@ -80,7 +81,7 @@ describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) 
     expect(root.attributes).toMatchObject({
       'http.route': '/v1/completions',
       'http.response.status_code': 200,
-      'gen_ai.request.model': 'm',
+      'gen_ai.request.model': MODEL_NAME,
       'nixl_node.request_id': 'client-7',
     });
     const pre = one('proxy.prefill');
@@ -237,9 +238,35 @@ describe('the nixl-node command exports its spans (OTLP/HTTP, JSON)', () => {
     expect(r.status, r.stderr).toBe(2);
     expect(r.stderr.trim().split('\n')).toHaveLength(1);
     expect(r.stderr).toMatch(
-      /needs the OpenTelemetry SDK: npm install @opentelemetry\/api @opentelemetry\/sdk-trace-base/,
+      /needs the OpenTelemetry SDK, an optional dependency left out of this install: npm install @opentelemetry\/api @opentelemetry\/sdk-trace-base/,
     );
   });
+
+  it('OTEL_EXPORTER_OTLP_ENDPOINT in the environment never stops a worker: one warning line instead', async () => {
+    for (const [env, why] of [
+      ['http://127.0.0.1:9', /tracing off: tracing to http:\/\/127\.0\.0\.1:9 needs the OpenTelemetry SDK/],
+      ['not a url', /tracing off: the OTLP endpoint must be a URL/],
+    ] as const) {
+      const p = spawn(process.execPath, ['-e', NO_SDK.replace("'--otlp-endpoint', 'http://127.0.0.1:9'", ''), ROOT], {
+        env: { ...process.env, OTEL_EXPORTER_OTLP_ENDPOINT: env },
+        stdio: ['ignore', 'pipe', 'pipe'],
+      });
+      let out = '';
+      let err = '';
+      p.stdout!.on('data', (d) => (out += d));
+      p.stderr!.on('data', (d) => (err += d));
+      await expect.poll(() => out.includes('"ready":true'), { timeout: 15_000 }).toBe(true);
+      p.kill('SIGTERM');
+      expect(await new Promise((r) => p.once('exit', r))).toBe(0);
+      const warnings = err
+        .trim()
+        .split('\n')
+        .map((l) => JSON.parse(l) as { level: number; msg: string })
+        .filter((l) => l.level >= 40);
+      expect(warnings).toHaveLength(1);
+      expect(warnings[0].msg).toMatch(why);
+    }
+  }, 40_000);
 });
 
 // Runs `nixl-node worker --otlp-endpoint ...` with the SDK packages hidden from require.

@@ -12,6 +12,12 @@ export type Sink = {
   end(status: number, body?: Record<string, unknown>): void;
 };
 
+/** What a request's front passes besides its body. */
+export interface RequestHints {
+  /** Prefill: the max_tokens its decode will generate (a header or message field: checked here). */
+  decodeMaxTokens?: unknown;
+}
+
 /** The worker as its fronts (HTTP, ZeroMQ) see it. */
 export interface FrontHandler {
   readonly name: string;
@@ -21,6 +27,8 @@ export interface FrontHandler {
   readonly model: Pick<ServingModel, 'tokenizer'>;
   /** KV blocks free right now. */
   readonly freeBlocks: number;
+  /** What its health answers carry besides the status: name, model, context size, free blocks. */
+  healthInfo(): { name: string; model: string; max_model_len?: number; free_blocks: number };
   /** Why the worker cannot serve right now (its model cannot make a context), or undefined. */
   unhealthy(): string | undefined;
   /** Counters the fronts add to. */
@@ -37,6 +45,7 @@ export interface FrontHandler {
     signal: AbortSignal,
     sink: Sink,
     traceparent?: unknown,
+    hints?: RequestHints,
   ): Promise<void>;
   /** Counts a failed request; the error as the front answers it. */
   failed(e: unknown): HttpError;

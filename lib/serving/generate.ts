@@ -10,7 +10,7 @@ import { randomUUID } from 'node:crypto';
 import { HttpError } from './http';
 import type { ModelTokenizer } from './models/types';
 import { RequestError } from './schema';
-import type { FrontHandler as Worker, Sink } from './front';
+import type { FrontHandler as Worker, RequestHints, Sink } from './front';
 
 export const GENERATE_PATH = '/inference/v1/generate';
 
@@ -167,6 +167,7 @@ export async function handleGenerate(
   signal: AbortSignal,
   sink: Sink,
   traceparent?: unknown,
+  hints: RequestHints = {},
 ): Promise<void> {
   try {
     checkGenerateRequest(body, { kvTransferParams: 'object' });
@@ -207,7 +208,7 @@ export async function handleGenerate(
         ? body.request_id
         : randomUUID();
   const id = `generate-tokens-${base}`;
-  await w.handle('/v1/completions', completion as Obj, id, signal, generateSink(sink, id, tok), traceparent);
+  await w.handle('/v1/completions', completion as Obj, id, signal, generateSink(sink, id, tok), traceparent, hints);
 }
 
 /** Turns a worker's completion answer (whole or chunks) into generate's shape. */
@@ -251,7 +252,8 @@ export function serveRoute(
   signal: AbortSignal,
   sink: Sink,
   traceparent?: unknown,
+  hints: RequestHints = {},
 ): Promise<void> {
-  if (path === GENERATE_PATH) return handleGenerate(w, body, requestId, signal, sink, traceparent);
-  return w.handle(path, body, requestId, signal, sink, traceparent);
+  if (path === GENERATE_PATH) return handleGenerate(w, body, requestId, signal, sink, traceparent, hints);
+  return w.handle(path, body, requestId, signal, sink, traceparent, hints);
 }

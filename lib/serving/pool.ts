@@ -42,10 +42,15 @@ export class WorkerPool {
 
   /**
    * A healthy worker not in `avoid` (falls back to `avoid` ones when nothing
-   * else is healthy); `key`: the request's prefix affinity ('load' policy).
+   * else is healthy), among those `accept` takes (all by default); `key`: the
+   * request's prefix affinity ('load' policy).
    */
-  pick(avoid: ReadonlySet<WorkerRef> = new Set(), key?: string): WorkerRef | undefined {
-    const healthy = this.workers.filter((w) => w.healthy);
+  pick(
+    avoid: ReadonlySet<WorkerRef> = new Set(),
+    key?: string,
+    accept?: (w: WorkerRef) => boolean,
+  ): WorkerRef | undefined {
+    const healthy = this.workers.filter((w) => w.healthy && (!accept || accept(w)));
     const preferred = healthy.filter((w) => !avoid.has(w));
     const from = preferred.length > 0 ? preferred : healthy;
     if (from.length === 0) return undefined;

@@ -2,7 +2,7 @@
 // in vLLM's ZeroMQ encode/prefill/decode proxy: PUSH sockets from the proxy
 // to each worker, one PULL socket for every worker's replies. Each message is
 // two frames: an ASCII tag and a msgpack map.
-//   proxy -> worker  ENCODE | GENERATION  {msg_id, request_id, path, reply_to, payload, traceparent?}
+//   proxy -> worker  ENCODE | GENERATION  {msg_id, request_id, path, reply_to, payload, traceparent?, decode_max_tokens?}
 //                    ABORT                {msg_id}
 //                    RELEASE              {msg_id, remote_request_id}   (a prefill frees that hold now)
 //                                         {msg_id, request_id}          (... every hold and prefill of that request)
@@ -11,7 +11,7 @@
 //                    GENERATION           {msg_id, status, payload, done: true}      (not streamed)
 //                                         {msg_id, chunk, done: false} ... {msg_id, done: true}  (streamed)
 //                    FAILURE              {msg_id, status, error: {message, code}}
-//                    HEALTH               {msg_id, ok, name, model?}
+//                    HEALTH               {msg_id, ok, name, model?, max_model_len?, free_blocks?}
 import { Packr } from 'msgpackr';
 
 /** The message tags of the ZeroMQ worker protocol. */
@@ -29,6 +29,8 @@ export interface ZmqRequest {
   path?: string;
   reply_to?: string;
   payload?: Record<string, unknown>;
+  /** GENERATION to a prefill: the max_tokens its decode will generate (checked against the context first). */
+  decode_max_tokens?: number;
 }
 
 /** A message from a worker to the proxy. */
@@ -43,6 +45,10 @@ export interface ZmqReply {
   name?: string;
   /** HEALTH: the model the worker serves (its /v1/models id). */
   model?: string;
+  /** HEALTH: tokens of the model's context, when bounded. */
+  max_model_len?: number;
+  /** HEALTH: KV blocks free. */
+  free_blocks?: number;
 }
 
 // Plain maps and arrays only (no msgpackr records or extensions), so any msgpack peer reads them.

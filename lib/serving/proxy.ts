@@ -13,9 +13,12 @@ import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransp
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
 import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
-import { type HttpError, hasImages, readJson } from './http';
-import { errorBody, modelList } from './openai';
+import { HttpError, hasImages, readJson } from './http';
+import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt } from './openai';
 import { NixlError } from '../errors';
+import { checkWorkerAddress } from './addresses';
+import { type Logger, silentLogger } from './log';
+import { hasDecodeFor, modelMismatch, sameModel, servedModels, serves } from './pairing';
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 import { type RoutingOptions, affinityKey } from './fleet/routing';
 
@@ -51,6 +54,13 @@ export interface ProxyOptions {
   zmqReplyAddr?: string;
   /** A request whose headers and body have not all arrived by then is cut (default 30 s). */
   requestTimeoutMs?: number;
+  /**
+   * Where the proxy logs (pino, or anything with its `(fields, message)`
+   * methods): a line per request, and one when a worker goes unhealthy, is
+   * ejected after a failed request, comes back, or the pools' models do not
+   * pair. Default: nothing is logged.
+   */
+  logger?: Logger;
 }
 
 const ROUTES = new Set(['/v1/completions', '/v1/chat/completions', GENERATE_PATH]);
@@ -110,6 +120,9 @@ export class ServingProxy {
   /** Each request's span context, by our request id: its stages' spans are its children. */
   readonly #traces = new Map<string, TraceContext>();
   #health?: NodeJS.Timeout;
+  readonly #log: Logger;
+  /** The last model mismatch logged (logged again only when it changes). */
+  #mismatch?: string;
   /** The workers etcd lists, when given `etcd`. */
   fleet?: FleetDiscovery;
   /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
@@ -127,13 +140,16 @@ export class ServingProxy {
     if (!o.etcd && (!o.prefill?.length || !o.decode?.length))
       throw new NixlError('a proxy needs prefill and decode workers (or etcd to find them)', 'NIXL_ERR_INVALID_PARAM');
     wireProfile(o.wire);
+    this.#log = o.logger ?? silentLogger;
     const policy = o.policy ?? 'round-robin';
+    const kind = o.transport ?? 'http';
+    const checked = (role: Stage, list: string[] = []) => list.map((a) => checkWorkerAddress(a, kind, role));
     this.pools = {
-      encode: new WorkerPool('encode', o.encode ?? [], policy, o.routing),
-      prefill: new WorkerPool('prefill', o.prefill ?? [], policy, o.routing),
-      decode: new WorkerPool('decode', o.decode ?? [], policy, o.routing),
+      encode: new WorkerPool('encode', checked('encode', o.encode), policy, o.routing),
+      prefill: new WorkerPool('prefill', checked('prefill', o.prefill), policy, o.routing),
+      decode: new WorkerPool('decode', checked('decode', o.decode), policy, o.routing),
     };
-    this.#transport = (o.transport ?? 'http') === 'zmq' ? new ZmqTransport() : new HttpTransport();
+    this.#transport = kind === 'zmq' ? new ZmqTransport() : new HttpTransport();
     const requestTimeout = o.requestTimeoutMs ?? 30_000;
     this.#server = http.createServer(
       // A body that trickles in is cut after requestTimeout (checked every
@@ -193,23 +209,69 @@ export class ServingProxy {
     await this.fleet?.start();
     const every = this.#o.healthIntervalMs ?? 2000;
     if (every > 0) {
+      // One round first: once start() resolves, /v1/models and /health say what the workers serve.
+      await this.checkHealth({ learnOnly: true });
       this.#health = setInterval(() => void this.checkHealth(), every);
       this.#health.unref();
     }
     return this;
   }
 
-  /** One round of health checks over every worker. */
-  async checkHealth(): Promise<void> {
+  /**
+   * One round of health checks over every worker. `learnOnly`: only learn
+   * what the workers serve; one slow to answer its first check (a process
+   * just started, a ZeroMQ peer still connecting) is not taken out for it.
+   */
+  async checkHealth(o: { learnOnly?: boolean } = {}): Promise<void> {
     const all = Object.values(this.pools).flatMap((p) => p.workers.map((w) => ({ p, w })));
     await Promise.all(
       all.map(async ({ p, w }) => {
         const ok = await this.#transport.health(w, 1000);
-        if (ok) p.markOk(w);
-        else p.markFailed(w);
+        if (o.learnOnly && !ok) return;
+        // Read after the check: rounds may overlap, and only the one that changes the state logs it.
+        const was = w.healthy;
+        const fields = { stage: w.stage, worker: w.address, model: w.model };
+        if (ok) {
+          p.markOk(w);
+          if (!was) this.#log.info(fields, 'worker healthy again');
+        } else {
+          p.markFailed(w);
+          if (was) this.#log.warn(fields, 'worker unhealthy: its health check failed');
+        }
         this.#prom?.healthy.set({ stage: w.stage, worker: w.address }, ok ? 1 : 0);
       }),
     );
+    const mismatch = modelMismatch(this.pools.prefill, this.pools.decode);
+    if (mismatch && mismatch !== this.#mismatch) this.#log.error({ reason: 'model_mismatch' }, mismatch);
+    else if (!mismatch && this.#mismatch) this.#log.info({}, 'prefill and decode workers serve one model again');
+    this.#mismatch = mismatch;
+  }
+
+  /** Takes a worker out after a failed request, until a health check passes. */
+  #eject(w: WorkerRef, why: string): void {
+    if (w.healthy) this.#log.warn({ stage: w.stage, worker: w.address, reason: why }, 'worker ejected');
+    this.pools[w.stage].markFailed(w);
+  }
+
+  /**
+   * Before any work: a 404 for a model no healthy decode worker serves (as
+   * vLLM answers), and a 400 for a max_tokens that leaves no room for a
+   * prompt in the context of every worker that serves the model.
+   */
+  #checkModel(body: Record<string, unknown>): void {
+    const model = typeof body.model === 'string' ? body.model : undefined;
+    const all = this.pools.decode.workers;
+    if (model !== undefined && !all.some((w) => serves(w, model)))
+      throw new ModelNotFound(model, [...new Set(all.filter((w) => w.model).map((w) => w.model!))]);
+    const decodes = all.filter((w) => w.healthy && serves(w, model));
+    const max = body.max_tokens ?? body.max_completion_tokens;
+    if (typeof max !== 'number' || decodes.length === 0 || decodes.some((w) => !w.maxModelLen)) return;
+    const len = Math.max(...decodes.map((w) => w.maxModelLen!));
+    if (max >= len)
+      throw new HttpError(
+        400,
+        `max_tokens ${max} does not fit: the model's context holds ${len} tokens, the prompt included (max_model_len)`,
+      );
   }
 
   // ---- the front ----------------------------------------------------------
@@ -236,22 +298,35 @@ export class ServingProxy {
     };
     if (req.method === 'GET' && path === '/health') {
       const healthy = (s: Stage) => this.pools[s].workers.filter((w) => w.healthy).length;
+      const mismatch = modelMismatch(this.pools.prefill, this.pools.decode);
       const ok =
-        healthy('prefill') > 0 && healthy('decode') > 0 && (this.pools.encode.size === 0 || healthy('encode') > 0);
+        healthy('prefill') > 0 &&
+        healthy('decode') > 0 &&
+        (this.pools.encode.size === 0 || healthy('encode') > 0) &&
+        mismatch === undefined;
       return send(ok ? 200 : 503, {
         status: ok ? 'ok' : 'degraded',
+        ...(mismatch ? { error: mismatch } : {}),
         workers: Object.fromEntries(
           Object.entries(this.pools).map(([s, p]) => [
             s,
-            p.workers.map((w) => ({ address: w.address, healthy: w.healthy, outstanding: w.outstanding })),
+            p.workers.map((w) => ({
+              address: w.address,
+              healthy: w.healthy,
+              outstanding: w.outstanding,
+              ...(w.model ? { model: w.model } : {}),
+            })),
           ]),
         ),
       });
     }
     if (req.method === 'GET' && path === '/v1/models') {
       // What the healthy decode workers serve, as their health answers said.
-      const ids = [...new Set(this.pools.decode.workers.filter((w) => w.healthy && w.model).map((w) => w.model!))];
-      return send(200, modelList(ids));
+      const data = servedModels(this.pools.decode).map((id) => {
+        const len = this.pools.decode.workers.find((w) => w.model === id && w.maxModelLen)?.maxModelLen;
+        return { id, object: 'model', owned_by: 'nixl-node', ...(len ? { max_model_len: len } : {}) };
+      });
+      return send(200, { object: 'list', data });
     }
     if (req.method === 'GET' && path === '/metrics') {
       if (!this.#prom) return send(501, errorBody('install prom-client for /metrics', 'not_implemented'));
@@ -270,8 +345,13 @@ export class ServingProxy {
     try {
       body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
       if (path === GENERATE_PATH) checkGenerateRequest(body, { kvTransferParams: 'refuse' });
-      else checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
+      else {
+        if (path === '/v1/completions') normalizePrompt(body);
+        checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
+      }
+      this.#checkModel(body);
     } catch (e) {
+      if (e instanceof ModelNotFound) return send(404, modelNotFoundBody(e));
       const h = e as HttpError;
       return send(
         h.status ?? 400,
@@ -296,6 +376,8 @@ export class ServingProxy {
     const key = this.pools.prefill.policy === 'load' ? affinityKey(body, this.#o.routing) : undefined;
     if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
+    let failure: string | undefined;
+    const t0 = performance.now();
     const sendTraced = (s: number, b: unknown, h: Record<string, string> = {}) => {
       status = s;
       send(s, b, h);
@@ -322,6 +404,7 @@ export class ServingProxy {
           e instanceof StageFailure
             ? e
             : new StageFailure(502, 'decode', undefined, (e as Error)?.message ?? String(e));
+        failure = f.message;
         sendTraced(
           f.status,
           errorBody(f.message, 'stage_failed', {
@@ -339,6 +422,18 @@ export class ServingProxy {
       this.#affinity.delete(requestId);
       span.setAttribute('http.response.status_code', status);
       span.end();
+      const fields = {
+        req_id: label,
+        request_id: requestId,
+        route: path,
+        model: body.model,
+        stream: body.stream === true,
+        status: ac.signal.aborted ? 499 : status,
+        ms: Math.round(performance.now() - t0),
+        ...(failure ? { error: failure } : {}),
+      };
+      if (failure) this.#log.warn(fields, 'request failed');
+      else this.#log.info(fields, ac.signal.aborted ? 'request aborted' : 'request');
     }
   }
 
@@ -420,7 +515,29 @@ export class ServingProxy {
     if (!this.pools.prefill.anyHealthy) throw new StageFailure(503, 'prefill', undefined, 'no healthy prefill worker');
     if (!this.pools.decode.anyHealthy)
       throw new StageFailure(503, 'decode', undefined, 'no healthy decode worker (nothing was prefilled)');
-    const pre = await this.#stage('prefill', path, prefillBody, requestId, signal, false, this.#o.prefillRetries ?? 1);
+    const model = typeof body.model === 'string' ? body.model : undefined;
+    const mismatch = modelMismatch(this.pools.prefill, this.pools.decode, model);
+    if (mismatch)
+      throw new StageFailure(503, 'prefill', undefined, `${mismatch} (nothing was prefilled)`, 'model_mismatch');
+    const max =
+      body.max_tokens ??
+      body.max_completion_tokens ??
+      (body.sampling_params as Record<string, unknown> | undefined)?.max_tokens;
+    const pre = await this.#stage(
+      'prefill',
+      path,
+      prefillBody,
+      requestId,
+      signal,
+      false,
+      this.#o.prefillRetries ?? 1,
+      new Set(),
+      {
+        // Only a prefill whose KV a healthy decode can load.
+        accept: (w) => serves(w, model) && hasDecodeFor(w, this.pools.decode, model),
+        decodeMaxTokens: typeof max === 'number' ? max : undefined,
+      },
+    );
     const kv = pre.answer.json?.kv_transfer_params as Record<string, unknown> | undefined;
     let remoteRequestId: string;
     try {
@@ -437,7 +554,9 @@ export class ServingProxy {
     const decodeBody = path === GENERATE_PATH ? generateDecodeBody(body, kv!) : { ...body, kv_transfer_params: kv };
     const avoid = new Set([pre.worker, ...avoidDecode]);
     try {
-      const dec = await this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, avoid);
+      const dec = await this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, avoid, {
+        accept: (w) => serves(w, model) && sameModel(w.model, pre.worker.model),
+      });
       return dec;
     } catch (e) {
       // The decode will not read it (failed, or the client went away): the
@@ -464,12 +583,13 @@ export class ServingProxy {
     stream: boolean,
     retries = 0,
     avoid: ReadonlySet<WorkerRef> = new Set(),
+    o: { accept?: (w: WorkerRef) => boolean; decodeMaxTokens?: number } = {},
   ): Promise<{ answer: StageAnswer; worker: WorkerRef; release(): void }> {
     const pool = this.pools[stage];
     const tried = new Set<WorkerRef>(avoid);
     let last: StageFailure | undefined;
     for (let attempt = 0; attempt <= retries; attempt++) {
-      const w = pool.pick(tried, stage === 'prefill' ? this.#affinity.get(requestId) : undefined);
+      const w = pool.pick(tried, stage === 'prefill' ? this.#affinity.get(requestId) : undefined, o.accept);
       if (!w || (attempt > 0 && tried.has(w))) break;
       tried.add(w);
       if (attempt > 0) this.stats.retries++;
@@ -509,6 +629,7 @@ export class ServingProxy {
           signal,
           stream,
           traceparent: span.traceparent(),
+          decodeMaxTokens: o.decodeMaxTokens,
         });
         observe(String(answer.status));
         span.setAttribute('http.response.status_code', answer.status);
@@ -557,7 +678,7 @@ export class ServingProxy {
         if (timeout.aborted) {
           observe('timeout');
           // Nothing came back yet, so another worker may take it (a ZeroMQ peer that died says nothing).
-          pool.markFailed(w);
+          this.#eject(w, `no answer within ${timeoutMs} ms`);
           last = new StageFailure(
             504,
             stage,
@@ -568,7 +689,7 @@ export class ServingProxy {
           continue;
         }
         observe('unreachable');
-        pool.markFailed(w);
+        this.#eject(w, `unreachable: ${(e as Error).message}`);
         last = new StageFailure(
           502,
           stage,

@@ -19,6 +19,12 @@ export interface StageCall {
   stream: boolean;
   /** W3C trace context of the stage's span: the worker's spans are its children. */
   traceparent?: string;
+  /**
+   * Prefill: the max_tokens its decode will generate, so that a nixl-node
+   * worker refuses a prompt that cannot fit with them before evaluating it
+   * (HTTP header x-nixl-node-decode-max-tokens; ZeroMQ field decode_max_tokens).
+   */
+  decodeMaxTokens?: number;
 }
 
 /** A worker's answer to a stage: a whole body, or a stream of chunks. */
@@ -98,6 +104,7 @@ export class HttpTransport implements WorkerTransport {
           'content-type': 'application/json',
           'x-request-id': c.requestId,
           ...(c.traceparent ? { traceparent: c.traceparent } : {}),
+          ...(c.decodeMaxTokens ? { 'x-nixl-node-decode-max-tokens': String(c.decodeMaxTokens) } : {}),
         },
         body: JSON.stringify(c.body),
         signal: c.signal,
@@ -126,7 +133,7 @@ export class HttpTransport implements WorkerTransport {
     try {
       const r = await fetch(`${w.address}/health`, { signal: AbortSignal.timeout(timeoutMs) });
       const text = await r.text();
-      if (r.ok) w.model = modelOf(text) ?? w.model;
+      if (r.ok) healthFields(w, parseObject(text));
       return r.ok;
     } catch {
       return false;
@@ -215,16 +222,26 @@ export class ZmqTransport implements WorkerTransport {
       // for seconds and a restarted worker was readmitted late.
       const sock = new zmq.Push({ linger: 0, sendTimeout: 0, immediate: true });
       // A new socket connects in the background: its first sends wait for
-      // that (up to a second), later ones never wait.
+      // that (up to a second), later ones never wait. The observer is set
+      // before connect(), or it may miss the handshake.
+      let timer: NodeJS.Timeout | undefined;
       const connected = new Promise<boolean>((resolve) => {
-        const t = setTimeout(() => resolve(false), 1000);
+        timer = setTimeout(() => resolve(false), 1000);
         // 'handshake': the ZMTP handshake is done, so an immediate socket has a pipe to send on.
         sock.events.on('handshake', () => {
-          clearTimeout(t);
+          clearTimeout(timer);
           resolve(true);
         });
       });
-      sock.connect(address);
+      try {
+        // Throws on an address ZeroMQ cannot take (http://, a bad port):
+        // nothing keeps the socket then, so it is closed here.
+        sock.connect(address);
+      } catch (e) {
+        clearTimeout(timer);
+        sock.close();
+        throw e;
+      }
       s = { sender: new SerialSender(sock), connected };
       this.#push.set(address, s);
     }
@@ -284,6 +301,7 @@ export class ZmqTransport implements WorkerTransport {
         reply_to: this.replyAddress,
         payload: c.body,
         ...(c.traceparent ? { traceparent: c.traceparent } : {}),
+        ...(c.decodeMaxTokens ? { decode_max_tokens: c.decodeMaxTokens } : {}),
       });
       const first = await next();
       const answer = (m: { tag: Tag; body: Record<string, unknown> }): StageAnswer =>
@@ -325,7 +343,7 @@ export class ZmqTransport implements WorkerTransport {
       };
       this.#pending.set(msgId, {
         push: (tag, body) => {
-          if (tag === 'HEALTH' && typeof body.model === 'string' && body.model.length <= 256) w.model = body.model;
+          if (tag === 'HEALTH') healthFields(w, body);
           finish(tag === 'HEALTH' && body.ok === true);
         },
         fail: () => finish(false),
@@ -357,12 +375,19 @@ export class ZmqTransport implements WorkerTransport {
   }
 }
 
-/** The model a nixl-node worker's /health names (vLLM's answers an empty body: none). */
-function modelOf(body: string): string | undefined {
+/** A JSON object, or undefined (vLLM's /health answers an empty body). */
+function parseObject(text: string): Record<string, unknown> | undefined {
   try {
-    const m = (JSON.parse(body) as { model?: unknown }).model;
-    return typeof m === 'string' && m.length <= 256 ? m : undefined;
+    const v = JSON.parse(text) as unknown;
+    return typeof v === 'object' && v !== null && !Array.isArray(v) ? (v as Record<string, unknown>) : undefined;
   } catch {
     return undefined;
   }
+}
+
+/** What a nixl-node worker's health answer says of its model: its name and context size. */
+function healthFields(w: WorkerRef, h: Record<string, unknown> | undefined): void {
+  if (typeof h?.model === 'string' && h.model.length <= 256) w.model = h.model;
+  const len = h?.max_model_len;
+  if (Number.isSafeInteger(len) && (len as number) > 0) w.maxModelLen = len as number;
 }

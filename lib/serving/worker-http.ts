@@ -7,7 +7,7 @@ import type { AddressInfo } from 'node:net';
 import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
-import { errorBody, modelList } from './openai';
+import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
 
 export interface HttpFrontOptions {
   host: string;
@@ -53,9 +53,7 @@ async function onRequest(
     return json(sick ? 503 : 200, {
       status: sick ? 'unavailable' : 'ok',
       ...(sick ? { reason: sick } : {}),
-      name: w.name,
-      model: w.modelId,
-      free_blocks: w.freeBlocks,
+      ...w.healthInfo(),
     });
   }
   if (req.method === 'GET' && path === '/v1/models') return json(200, modelList([w.modelId]));
@@ -101,9 +99,10 @@ async function onRequest(
         },
       },
       req.headers.traceparent,
+      { decodeMaxTokens: req.headers['x-nixl-node-decode-max-tokens'] },
     );
   } catch (e) {
     const h = w.failed(e);
-    json(h.status, errorBody(h.message, h.code, h.details));
+    json(h.status, h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code, h.details));
   }
 }

@@ -62,6 +62,7 @@ export class ZmqFront {
         payload?: unknown;
         traceparent?: unknown;
         remote_request_id?: unknown;
+        decode_max_tokens?: unknown;
       };
       if (msg.tag === 'ABORT') {
         this.#aborts.get(b.msg_id)?.abort();
@@ -80,12 +81,7 @@ export class ZmqFront {
       const replyTo = b.reply_to;
       const reply = (tag: ReplyTag, r: ZmqReply) => this.#reply(replyTo, tag, r);
       if (msg.tag === 'HEALTH') {
-        void reply('HEALTH', {
-          msg_id: b.msg_id,
-          ok: !this.#w.unhealthy(),
-          name: this.#w.name,
-          model: this.#w.modelId,
-        });
+        void reply('HEALTH', { msg_id: b.msg_id, ok: !this.#w.unhealthy(), ...this.#w.healthInfo() });
         continue;
       }
       if (msg.tag !== 'ENCODE' && msg.tag !== 'GENERATION') continue;
@@ -107,6 +103,7 @@ export class ZmqFront {
               end: (status, body) => void reply(tag, { msg_id: b.msg_id, status, payload: body, done: true }),
             },
             b.traceparent,
+            { decodeMaxTokens: b.decode_max_tokens },
           );
         } catch (e) {
           const h = this.#w.failed(e);

@@ -27,7 +27,7 @@ import type { KvLayout } from '../kv/layout';
 import { signKvTransferParams, verifyKvTransferParams } from '../kv/params-auth';
 import { type SpanLike, contextFromTraceparent, startSpan } from '../tracing';
 import { BlockPool } from './blocks';
-import type { FrontHandler, Sink } from './front';
+import type { FrontHandler, RequestHints, Sink } from './front';
 import { HttpError, countImages } from './http';
 import { tamperEnvelope, type Tamper } from './models/kv-state';
 import { LlamaModel } from './models/llama';
@@ -47,6 +47,8 @@ import { chunkBody, completionBody, usageBody } from './openai';
 import { type RequestError, checkCompletionRequest } from './schema';
 import { PROMPT_TOKENS } from './generate';
 import { endAnswer } from './stream-end';
+import { type Logger, silentLogger } from './log';
+import { ModelNotFound, normalizePrompt } from './openai';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
 import { NixlError } from '../errors';
@@ -79,6 +81,11 @@ export interface WorkerOptions {
   parallel?: number;
   /** GGUF: bytes of one KV block (default 64 KiB); a request's state takes as many as it needs. */
   blockBytes?: number;
+  /**
+   * GGUF: where states go through files on their way in and out of llama.cpp
+   * (default: NIXL_NODE_STATE_DIR, else /dev/shm where writable, else the OS temp dir).
+   */
+  stateDir?: string;
   wire?: WireName;
   /** How long a prefill holds KV nobody read (default: the profile's lease, 30 s for v12). */
   leaseMs?: number;
@@ -102,6 +109,12 @@ export interface WorkerOptions {
    * (nothing read). Default: NIXL_NODE_KV_SECRET, else none (vLLM-compatible).
    */
   kvSecret?: string;
+  /**
+   * Where the worker logs (pino, or anything with its `(fields, message)`
+   * methods): each request at debug, failed ones at warn (5xx) or info (4xx).
+   * Default: nothing is logged.
+   */
+  logger?: Logger;
   /** Registers in etcd under a lease, so proxies given the same etcd find it (docs/fleet.md). */
   etcd?: FleetJoinOptions;
 }
@@ -133,7 +146,7 @@ export interface WorkerStats {
   kvLoadMs: number;
 }
 
-export type { Sink } from './front';
+export type { RequestHints, Sink } from './front';
 
 /**
  * A Node inference worker: encoder, prefill, decode or aggregated, with the
@@ -259,6 +272,17 @@ export class Worker implements FrontHandler {
     return this.model.id;
   }
 
+  /** What /health (and a ZeroMQ HEALTH reply) says: the proxy pairs workers and checks max_tokens by it. */
+  healthInfo(): { name: string; model: string; max_model_len?: number; free_blocks: number } {
+    const len = this.model.contextSize;
+    return {
+      name: this.name,
+      model: this.model.id,
+      ...(len ? { max_model_len: len } : {}),
+      free_blocks: this.freeBlocks,
+    };
+  }
+
   /**
    * Frees at once the blocks a prefilled request holds, when its decode will
    * not read them (it failed, or the client went away): the proxy says so.
@@ -377,6 +401,7 @@ export class Worker implements FrontHandler {
     signal: AbortSignal,
     sink: Sink,
     traceparent?: unknown,
+    hints: RequestHints = {},
   ): Promise<void> {
     const span = startSpan('worker.request', {
       kind: 'server',
@@ -384,12 +409,19 @@ export class Worker implements FrontHandler {
       attributes: { 'http.route': path, 'nixl_node.worker': this.name, 'nixl_node.request_id': requestId },
     });
     this.#active++;
+    const log = this.#o.logger ?? silentLogger;
+    const t0 = performance.now();
+    const fields = () => ({ request_id: requestId, route: path, ms: Math.round(performance.now() - t0) });
     try {
-      await this.#serve(path, body, requestId, signal, sink, span);
+      await this.#serve(path, body, requestId, signal, sink, span, hints);
+      log.debug({ ...fields(), status: 200 }, 'request');
     } catch (e) {
       const h = asHttpError(e, signal);
       span.fail(h);
       span.setAttribute('http.response.status_code', h.status);
+      const line = { ...fields(), status: h.status, code: h.code, error: h.message };
+      if (h.status >= 500) log.warn(line, 'request failed');
+      else log.info(line, 'request refused');
       throw h;
     } finally {
       this.#active--;
@@ -404,15 +436,21 @@ export class Worker implements FrontHandler {
     signal: AbortSignal,
     sink: Sink,
     span: SpanLike,
+    hints: RequestHints,
   ) {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
     try {
+      if (path === '/v1/completions') normalizePrompt(body);
       checkCompletionRequest(path, body, { kvTransferParams: 'object' });
     } catch (e) {
       throw new HttpError((e as RequestError).status ?? 400, (e as Error).message);
     }
+    if (typeof body.model === 'string' && body.model !== this.model.id)
+      throw new ModelNotFound(body.model, [this.model.id]);
     const req = generationRequest(path, body);
+    const reserve = Number(hints.decodeMaxTokens);
+    if (Number.isSafeInteger(reserve) && reserve > 0) req.decodeMaxTokens = reserve;
     const kvp = body.kv_transfer_params as Record<string, unknown> | undefined;
     const answer = new Answer(requestId, this.model.id, req.chat, body, sink);
 
@@ -722,6 +760,7 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
           blockBytes,
           poolBytes: blocks * blockBytes,
           kvSecret: o.kvSecret ?? process.env.NIXL_NODE_KV_SECRET ?? undefined,
+          stateDir: o.stateDir,
         })
       : new SyntheticModel(o.model ?? DEFAULT_MODEL);
   let w: Worker;
@@ -745,6 +784,8 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
 class Answer {
   #text = '';
   readonly #stream: boolean;
+  /** One creation time for every chunk of a stream, as OpenAI's. */
+  readonly #created = Math.floor(Date.now() / 1000);
 
   constructor(
     readonly id: string,
@@ -762,7 +803,7 @@ class Answer {
       this.#text += t;
       return;
     }
-    this.sink.chunk(chunkBody(this.id, this.model, this.chat, t, null));
+    this.sink.chunk(chunkBody(this.id, this.#created, this.model, this.chat, t, null));
   };
 
   finish(g: Generated, info: Record<string, unknown>): void {
@@ -774,13 +815,15 @@ class Answer {
       });
       return;
     }
-    const last: Record<string, unknown> = {
-      ...chunkBody(this.id, this.model, this.chat, '', g.finishReason),
+    this.sink.chunk({
+      ...chunkBody(this.id, this.#created, this.model, this.chat, '', g.finishReason),
       nixl_node: info,
-    };
-    if ((this.body.stream_options as { include_usage?: unknown } | null)?.include_usage === true)
-      last.usage = usageBody(usage);
-    this.sink.chunk(last);
+    });
+    // OpenAI's stream_options.include_usage: one more chunk, with no choices, that carries the usage.
+    if ((this.body.stream_options as { include_usage?: unknown } | null)?.include_usage === true) {
+      const { choices: _, ...head } = chunkBody(this.id, this.#created, this.model, this.chat, '', null);
+      this.sink.chunk({ ...head, choices: [], usage: usageBody(usage) });
+    }
     this.sink.end(200);
   }
 }

@@ -1,7 +1,6 @@
 // Module init: the NativeAgent class, allocate/addressOf, and the hook that
 // receives the JS error factory. Every function goes through guarded<>.
 #include <napi.h>
-
 #include <nixl_node_status_table.h>
 
 #include <string>

@@ -2,20 +2,20 @@
 // NIXL status codes (nixl_status_t) as X(name, value); the addon hands them to JS.
 #pragma once
 #define NIXL_NODE_STATUS_SOURCE "NIXL 1.4.0 (main 8770b655a) src/api/cpp/nixl_types.h"
-#define NIXL_NODE_STATUS_TABLE(X) \
-  X(NIXL_IN_PROG, 1) \
-  X(NIXL_SUCCESS, 0) \
-  X(NIXL_ERR_NOT_POSTED, -1) \
-  X(NIXL_ERR_INVALID_PARAM, -2) \
-  X(NIXL_ERR_BACKEND, -3) \
-  X(NIXL_ERR_NOT_FOUND, -4) \
-  X(NIXL_ERR_MISMATCH, -5) \
-  X(NIXL_ERR_NOT_ALLOWED, -6) \
-  X(NIXL_ERR_REPOST_ACTIVE, -7) \
-  X(NIXL_ERR_UNKNOWN, -8) \
-  X(NIXL_ERR_NOT_SUPPORTED, -9) \
+#define NIXL_NODE_STATUS_TABLE(X)    \
+  X(NIXL_IN_PROG, 1)                 \
+  X(NIXL_SUCCESS, 0)                 \
+  X(NIXL_ERR_NOT_POSTED, -1)         \
+  X(NIXL_ERR_INVALID_PARAM, -2)      \
+  X(NIXL_ERR_BACKEND, -3)            \
+  X(NIXL_ERR_NOT_FOUND, -4)          \
+  X(NIXL_ERR_MISMATCH, -5)           \
+  X(NIXL_ERR_NOT_ALLOWED, -6)        \
+  X(NIXL_ERR_REPOST_ACTIVE, -7)      \
+  X(NIXL_ERR_UNKNOWN, -8)            \
+  X(NIXL_ERR_NOT_SUPPORTED, -9)      \
   X(NIXL_ERR_REMOTE_DISCONNECT, -10) \
-  X(NIXL_ERR_CANCELED, -11) \
+  X(NIXL_ERR_CANCELED, -11)          \
   X(NIXL_ERR_NO_TELEMETRY, -12)
 // Which codes this NIXL has (C++ cannot test an enumerator with #ifdef).
 #define NIXL_NODE_HAS_NIXL_IN_PROG 1

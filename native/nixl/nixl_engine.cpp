@@ -12,6 +12,7 @@
 // may call it concurrently.
 #include <dlfcn.h>
 #include <nixl.h>
+#include <nixl_node_status_table.h>
 
 #include <atomic>
 #include <chrono>
@@ -20,8 +21,6 @@
 #include <thread>
 #include <unordered_map>
 #include <vector>
-
-#include <nixl_node_status_table.h>
 
 #include "../engine.h"
 #include "reg_index.h"
@@ -48,17 +47,23 @@ nixl_xfer_dlist_t xferList(const std::vector<Desc>& descs, MemType t) {
 // from the very header compiled here (scripts/gen-status-table.js).
 constexpr bool sameCode(int ours, int nixl) { return ours == nixl; }
 static_assert(sameCode(ERR_NOT_POSTED, NIXL_ERR_NOT_POSTED), "native/status.h: ERR_NOT_POSTED must be NIXL's number");
-static_assert(sameCode(ERR_INVALID_PARAM, NIXL_ERR_INVALID_PARAM), "native/status.h: ERR_INVALID_PARAM must be NIXL's number");
+static_assert(sameCode(ERR_INVALID_PARAM, NIXL_ERR_INVALID_PARAM),
+              "native/status.h: ERR_INVALID_PARAM must be NIXL's number");
 static_assert(sameCode(ERR_BACKEND, NIXL_ERR_BACKEND), "native/status.h: ERR_BACKEND must be NIXL's number");
 static_assert(sameCode(ERR_NOT_FOUND, NIXL_ERR_NOT_FOUND), "native/status.h: ERR_NOT_FOUND must be NIXL's number");
 static_assert(sameCode(ERR_MISMATCH, NIXL_ERR_MISMATCH), "native/status.h: ERR_MISMATCH must be NIXL's number");
-static_assert(sameCode(ERR_NOT_ALLOWED, NIXL_ERR_NOT_ALLOWED), "native/status.h: ERR_NOT_ALLOWED must be NIXL's number");
-static_assert(sameCode(ERR_REPOST_ACTIVE, NIXL_ERR_REPOST_ACTIVE), "native/status.h: ERR_REPOST_ACTIVE must be NIXL's number");
+static_assert(sameCode(ERR_NOT_ALLOWED, NIXL_ERR_NOT_ALLOWED),
+              "native/status.h: ERR_NOT_ALLOWED must be NIXL's number");
+static_assert(sameCode(ERR_REPOST_ACTIVE, NIXL_ERR_REPOST_ACTIVE),
+              "native/status.h: ERR_REPOST_ACTIVE must be NIXL's number");
 static_assert(sameCode(ERR_UNKNOWN, NIXL_ERR_UNKNOWN), "native/status.h: ERR_UNKNOWN must be NIXL's number");
-static_assert(sameCode(ERR_NOT_SUPPORTED, NIXL_ERR_NOT_SUPPORTED), "native/status.h: ERR_NOT_SUPPORTED must be NIXL's number");
-static_assert(sameCode(ERR_REMOTE_DISCONNECT, NIXL_ERR_REMOTE_DISCONNECT), "native/status.h: ERR_REMOTE_DISCONNECT must be NIXL's number");
+static_assert(sameCode(ERR_NOT_SUPPORTED, NIXL_ERR_NOT_SUPPORTED),
+              "native/status.h: ERR_NOT_SUPPORTED must be NIXL's number");
+static_assert(sameCode(ERR_REMOTE_DISCONNECT, NIXL_ERR_REMOTE_DISCONNECT),
+              "native/status.h: ERR_REMOTE_DISCONNECT must be NIXL's number");
 static_assert(sameCode(ERR_CANCELED, NIXL_ERR_CANCELED), "native/status.h: ERR_CANCELED must be NIXL's number");
-static_assert(sameCode(ERR_NO_TELEMETRY, NIXL_ERR_NO_TELEMETRY), "native/status.h: ERR_NO_TELEMETRY must be NIXL's number");
+static_assert(sameCode(ERR_NO_TELEMETRY, NIXL_ERR_NO_TELEMETRY),
+              "native/status.h: ERR_NO_TELEMETRY must be NIXL's number");
 
 std::string failureText(nixl_status_t s) {
 #ifdef NIXL_NODE_HAS_NIXL_ERR_XFER_STALLED

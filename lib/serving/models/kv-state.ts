@@ -19,7 +19,16 @@
 //   256     ...  the state: llama.cpp's sequence state file
 //
 // Fields that say what the state holds go in ENVELOPE_FIELDS (offsets inside 88..224)
-// and StateInfo, read and written by writeFields / readFields only.
+// and StateInfo, read and written by writeFields / readFields only. Now the
+// continuation, where the decode goes on (llama-continue.ts):
+//
+//   88   4   tokens the state holds (llama.cpp's token count): the prompt,
+//            evaluated in one batch, and nothing else
+//   92   4   the next token + 1 (0: none): the token sampled from the logits
+//            of the state's last token, never evaluated
+//   96   4   the seed of the sampler that drew it (temperature > 0)
+//   100  4   the sampling key: what chose it (samplingKey in llama.ts); a
+//            decode asked to sample otherwise does not use the next token
 import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
 import { NixlError } from '../../errors';
 import { KvRejected, type KvBinding } from './types';
@@ -31,15 +40,26 @@ const FLAG_HMAC = 1;
 const AT = { flags: 8, reserved: 12, stateBytes: 16, fingerprint: 24, binding: 56, fields: 88, mac: 224 } as const;
 /** The fields, offsets from the start of the header. */
 export const ENVELOPE_FIELDS = {
-  promptTokens: 88, // u32
-  firstToken: 92, // u32: the prefill's greedy first token + 1 (0: none; 0xffffffff: end of generation)
+  promptTokens: 88, // u32: tokens the state holds
+  nextToken: 92, // u32: the next token + 1 (0: none)
+  seed: 96, // u32
+  samplingKey: 100, // u32
 } as const;
-const FIELDS_USED = 96; // first byte after the last field
+const FIELDS_USED = 104; // first byte after the last field
 
-export interface StateInfo {
+/** Where a decode goes on from a state (the continuation fields). */
+export interface Continuation {
+  /** Tokens the state holds: the prompt as the prefill evaluated it. */
   promptTokens: number;
-  /** The token a greedy generation takes first (the prefill sampled it), or 'end', or undefined. */
-  firstToken?: number | 'end';
+  /** The token sampled from the logits of the state's last token (never evaluated), if any. */
+  nextToken?: number;
+  /** The seed of the sampler that drew it (0 when greedy). */
+  seed: number;
+  /** What chose it: a 32-bit key of the sampling settings. */
+  samplingKey: number;
+}
+
+export interface StateInfo extends Continuation {
   /** 32 bytes. */
   fingerprint: Buffer;
   /** The request the state is for (bound into the envelope, checked by the decode). */
@@ -59,17 +79,20 @@ export function bindingDigest(b: KvBinding): Buffer {
     .digest();
 }
 
-function writeFields(h: Buffer, info: StateInfo): void {
+function writeFields(h: Buffer, info: Continuation): void {
   h.writeUInt32LE(info.promptTokens, ENVELOPE_FIELDS.promptTokens);
-  const f = info.firstToken;
-  h.writeUInt32LE(f === undefined ? 0 : f === 'end' ? 0xffffffff : f + 1, ENVELOPE_FIELDS.firstToken);
+  h.writeUInt32LE(info.nextToken === undefined ? 0 : info.nextToken + 1, ENVELOPE_FIELDS.nextToken);
+  h.writeUInt32LE(info.seed >>> 0, ENVELOPE_FIELDS.seed);
+  h.writeUInt32LE(info.samplingKey >>> 0, ENVELOPE_FIELDS.samplingKey);
 }
 
-function readFields(h: Buffer): Pick<StateInfo, 'promptTokens' | 'firstToken'> {
-  const first = h.readUInt32LE(ENVELOPE_FIELDS.firstToken);
+function readFields(h: Buffer): Continuation {
+  const next = h.readUInt32LE(ENVELOPE_FIELDS.nextToken);
   return {
     promptTokens: h.readUInt32LE(ENVELOPE_FIELDS.promptTokens),
-    firstToken: first === 0 ? undefined : first === 0xffffffff ? 'end' : first - 1,
+    ...(next === 0 ? {} : { nextToken: next - 1 }),
+    seed: h.readUInt32LE(ENVELOPE_FIELDS.seed),
+    samplingKey: h.readUInt32LE(ENVELOPE_FIELDS.samplingKey),
   };
 }
 
@@ -137,10 +160,7 @@ export interface OpenOptions {
  * (a copy) and what its fields say; throws KvRejected naming what is wrong.
  * Nothing it returns was not checked (the state's own bytes: llama-state.ts).
  */
-export function openEnvelope(
-  view: (i: number) => Buffer,
-  o: OpenOptions,
-): { state: Buffer; promptTokens: number; firstToken?: number | 'end' } {
+export function openEnvelope(view: (i: number) => Buffer, o: OpenOptions): Continuation & { state: Buffer } {
   const room = o.blocks * o.blockBytes;
   if (o.blocks < 1 || room < HEADER_BYTES)
     throw new KvRejected(`${o.blocks} blocks of ${o.blockBytes} bytes cannot hold a state`, 'truncated');

@@ -2,21 +2,22 @@
 // boundary. node-llama-cpp is an optional peer dependency, imported only
 // here, when a worker is given a GGUF.
 //
-// prefill  evaluates the prompt the way node-llama-cpp's own LlamaCompletion
-//          (or LlamaChatSession, through the model's chat wrapper) would, with
-//          one greedy token, then saves the sequence state and wraps it
-//          (kv-state.ts) into the request's blocks;
+// prefill  runs node-llama-cpp's own LlamaCompletion (or LlamaChatSession,
+//          through the model's chat template) until the sequence has sampled
+//          its first token, saves the sequence state (exactly the prompt)
+//          and wraps it with that token (kv-state.ts) into the request's
+//          blocks;
 // decode   checks the envelope (model, build, size, checksum or HMAC, the
 //          request it was made for) and parses the state for this model and
 //          context (llama-state.ts) before llama.cpp sees a byte, loads it
 //          into a fresh sequence (a context a failed load touched is thrown
-//          away, never reused) and generates with the same
-//          class: node-llama-cpp reuses every loaded token that matches the
-//          prompt, so only the last prompt token is evaluated again.
+//          away, never reused) and runs the same class again on a view that
+//          continues from the first token (llama-continue.ts): every number
+//          and every rule is the class's.
 // Each request has a context of its own (a pool of `parallel` contexts, one
 // sequence each, cleared between requests), so that nothing another request
 // evaluates changes this one's numbers.
-import { createHash, randomUUID } from 'node:crypto';
+import { createHash, randomInt, randomUUID } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
@@ -24,7 +25,10 @@ import * as path from 'node:path';
 // an application without node-llama-cpp still type-checks against the package.
 import type * as Nlc from 'node-llama-cpp';
 import { NixlError } from '../../errors';
+import { FirstTokenSampled, continueFrom, firstTokenOf } from './llama-continue';
+import { WholeText } from './llama-text';
 import { loadNodeLlamaCpp } from './node-llama-cpp';
+import { makeStateDir } from './state-dir';
 import { NODE_LLAMA_CPP } from './types';
 import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
 import { ContextPool, sequenceOf } from './llama-contexts';
@@ -62,6 +66,12 @@ export interface LlamaModelOptions {
   gpu?: false | 'auto';
   /** The deployment's KV secret: states are sealed and checked with an HMAC keyed by it (else a checksum). */
   kvSecret?: string;
+  /**
+   * Where states go through files on their way in and out of llama.cpp
+   * (default: NIXL_NODE_STATE_DIR, else /dev/shm where it is a writable
+   * memory file system, else the OS temp dir).
+   */
+  stateDir?: string;
 }
 
 /**
@@ -103,7 +113,13 @@ export class LlamaModel implements ServingModel {
     return this.#tokenizer;
   }
 
-  private constructor(nlc: typeof Nlc, model: Nlc.LlamaModel, fingerprint: Buffer, o: LlamaModelOptions) {
+  private constructor(
+    nlc: typeof Nlc,
+    model: Nlc.LlamaModel,
+    fingerprint: Buffer,
+    o: LlamaModelOptions,
+    stateDir: string,
+  ) {
     this.#nlc = nlc;
     this.#model = model;
     this.#o = o;
@@ -118,7 +134,7 @@ export class LlamaModel implements ServingModel {
     this.#pool = new ContextPool(parallel, () =>
       model.createContext({ contextSize: this.contextSize, threads: this.threads, sequences: 1 }),
     );
-    this.#tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-node-kv-'));
+    this.#tmp = stateDir;
   }
 
   /** Loads node-llama-cpp and the model; NIXL_ERR_NOT_SUPPORTED without node-llama-cpp, NIXL_ERR_INVALID_PARAM for a bad file. */
@@ -135,18 +151,24 @@ export class LlamaModel implements ServingModel {
       throw new NixlError(`no model file ${o.modelPath}`, 'NIXL_ERR_INVALID_PARAM');
     }
     if (!st.isFile()) throw new NixlError(`${o.modelPath} is not a file`, 'NIXL_ERR_INVALID_PARAM');
-    const nlc = await loadNodeLlamaCpp();
-    const llama = await nlc.getLlama({ gpu: o.gpu ?? false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
-    let model: Nlc.LlamaModel;
+    const stateDir = makeStateDir(o.stateDir);
     try {
-      model = await llama.loadModel({ modelPath: o.modelPath });
+      const nlc = await loadNodeLlamaCpp();
+      const llama = await nlc.getLlama({ gpu: o.gpu ?? false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
+      let model: Nlc.LlamaModel;
+      try {
+        model = await llama.loadModel({ modelPath: o.modelPath });
+      } catch (e) {
+        throw new NixlError(`cannot load ${o.modelPath}: ${(e as Error).message}`, 'NIXL_ERR_INVALID_PARAM');
+      }
+      const build = JSON.stringify({ nlc: NODE_LLAMA_CPP, release: llama.llamaCppRelease, gpu: llama.gpu });
+      const m = new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o, stateDir);
+      await m.#probeLayout();
+      return m;
     } catch (e) {
-      throw new NixlError(`cannot load ${o.modelPath}: ${(e as Error).message}`, 'NIXL_ERR_INVALID_PARAM');
+      fs.rmSync(stateDir, { recursive: true, force: true });
+      throw e;
     }
-    const build = JSON.stringify({ nlc: NODE_LLAMA_CPP, release: llama.llamaCppRelease, gpu: llama.gpu });
-    const m = new LlamaModel(nlc, model, modelFingerprint(o.modelPath, st.size, build), o);
-    await m.#probeLayout();
-    return m;
   }
 
   /**
@@ -199,22 +221,22 @@ export class LlamaModel implements ServingModel {
   async prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv> {
     const ctx = await this.#pool.acquire(signal);
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
+    // Unseeded sampling: one seed for the whole request, the decode's sampler goes on with it.
+    const seed = req.temperature > 0 ? (req.seed ?? randomInt(2 ** 32)) : req.seed;
     let state: Buffer;
     let promptTokens: number;
-    let firstToken: number | 'end' | undefined;
+    let nextToken: number | undefined;
     let saveMs = 0;
     try {
       const seq = sequenceOf(ctx);
-      // One greedy token: the prompt evaluated exactly as a generation would;
-      // a greedy decode starts from that token (see #continue).
-      const r = await this.#run(
-        seq,
-        req,
-        { ...req, maxTokens: 1, temperature: 0, seed: undefined, stop: [] },
-        undefined,
-        signal,
-      );
-      firstToken = r.tokens.length > 0 ? r.tokens[0] : r.finishReason === 'stop' ? 'end' : undefined;
+      // The prompt evaluated exactly as a generation evaluates it, by the
+      // generation's own class, up to its first sampled token.
+      try {
+        await this.#run(firstTokenOf(seq), req, { ...req, seed }, undefined, signal);
+      } catch (e) {
+        if (!(e instanceof FirstTokenSampled)) throw e;
+        nextToken = e.token;
+      }
       promptTokens = seq.contextTokens.length;
       const t0 = performance.now();
       await seq.saveStateToFile(file);
@@ -225,7 +247,13 @@ export class LlamaModel implements ServingModel {
       fs.rm(file, { force: true }, () => {});
     }
     const { blockBytes, kvSecret } = this.#o;
-    const info = { promptTokens, firstToken, fingerprint: this.fingerprint };
+    const info = {
+      promptTokens,
+      nextToken,
+      seed: seed ?? 0,
+      samplingKey: samplingKey(req),
+      fingerprint: this.fingerprint,
+    };
     return {
       blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
       promptTokens,
@@ -245,7 +273,8 @@ export class LlamaModel implements ServingModel {
     binding?: KvBinding,
   ): Promise<Generated> {
     const t0 = performance.now();
-    const { state, promptTokens, firstToken } = this.#open(view, blocks, binding);
+    const env = this.#open(view, blocks, binding);
+    const { state, promptTokens } = env;
     blocksRead?.(); // the state is a copy now
     // Every path below (the greedy ones too) fits the context, or nothing is loaded.
     this.#fits(promptTokens, req.maxTokens);
@@ -264,12 +293,13 @@ export class LlamaModel implements ServingModel {
       const loadMs = performance.now() - t0;
       const loaded = seq.contextTokens.length;
       const before = evaluated(seq);
-      const r =
-        req.temperature !== 0 || firstToken === undefined
-          ? await this.#run(seq, req, req, out, signal)
-          : req.chat
-            ? await this.#continueChat(seq, req, firstToken, out, signal)
-            : await this.#continue(seq, req, firstToken, out, signal);
+      // The prefill's next token, where this request samples as the prefill's did.
+      const go =
+        env.nextToken !== undefined && env.samplingKey === samplingKey(req)
+          ? continueFrom(seq, { next: env.nextToken as Nlc.Token, sampled: req.temperature > 0 })
+          : undefined;
+      const seed = req.temperature > 0 ? (req.seed ?? env.seed) : req.seed;
+      const r = await this.#run(go?.sequence ?? seq, req, { ...req, seed }, out, signal);
       clean = true;
       return {
         completionTokens: r.completionTokens,
@@ -278,6 +308,7 @@ export class LlamaModel implements ServingModel {
         info: {
           kv_state_bytes: state.length,
           kv_tokens_loaded: loaded,
+          kv_continued: go?.used() ?? false,
           tokens_evaluated: evaluated(seq) - before,
           kv_load_ms: round(loadMs),
         },
@@ -317,9 +348,9 @@ export class LlamaModel implements ServingModel {
         `the KV state holds ${parsed.tokens.length} tokens, its envelope says ${opened.promptTokens}`,
         'malformed',
       );
-    const f = opened.firstToken;
-    if (typeof f === 'number' && f >= layout.nVocab)
-      throw new KvRejected(`the first token ${f} is outside the vocabulary of ${layout.nVocab}`, 'malformed');
+    const f = opened.nextToken;
+    if (f !== undefined && f >= layout.nVocab)
+      throw new KvRejected(`the next token ${f} is outside the vocabulary of ${layout.nVocab}`, 'malformed');
     return opened;
   }
 
@@ -345,10 +376,9 @@ export class LlamaModel implements ServingModel {
     s: Pick<GenerationRequest, 'maxTokens' | 'temperature' | 'topP' | 'seed' | 'stop'>,
     out: TextSink | undefined,
     signal: AbortSignal,
-    /** Chat: the answer starts with this text (the prefill's first token). */
-    responsePrefix?: string,
-  ): Promise<Omit<Generated, 'info'> & { tokens: Nlc.Token[] }> {
+  ): Promise<Omit<Generated, 'info'>> {
     const tokens: Nlc.Token[] = [];
+    const text = new WholeText(this.#model, out);
     let promptTokens: number;
     const options = {
       maxTokens: s.maxTokens,
@@ -359,10 +389,11 @@ export class LlamaModel implements ServingModel {
       signal,
       onToken: (t: Nlc.Token[]) => {
         tokens.push(...t);
+        text.add(t);
       },
-      ...(out ? { onTextChunk: out } : {}),
     };
     let stopReason: string;
+    let final: string;
     if (req.chat) {
       const { history, last } = chatHistory(req.messages, this.id);
       const session = new this.#nlc.LlamaChatSession({ contextSequence: seq, autoDisposeSequence: false });
@@ -371,12 +402,9 @@ export class LlamaModel implements ServingModel {
           chatHistory: [...history, { type: 'user', text: last }, { type: 'model', response: [] }],
         }).contextText;
         promptTokens = context.tokenize(this.#model.tokenizer).length;
-        this.#fits(promptTokens, s.maxTokens);
+        this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
         session.setChatHistory(history);
-        ({ stopReason } = await session.promptWithMeta(last, {
-          ...options,
-          ...(responsePrefix !== undefined ? { responsePrefix } : {}),
-        }));
+        ({ stopReason, responseText: final } = await session.promptWithMeta(last, options));
       } finally {
         session.dispose({ disposeSequence: false });
       }
@@ -388,107 +416,23 @@ export class LlamaModel implements ServingModel {
       promptTokens =
         (req.promptTokens ?? this.#model.tokenize(req.prompt, false, bos ? 'trimLeadingSpace' : undefined)).length +
         (bos ? 1 : 0);
-      this.#fits(promptTokens, s.maxTokens);
+      this.#fits(promptTokens, Math.max(s.maxTokens, req.decodeMaxTokens ?? 0));
       const completion = new this.#nlc.LlamaCompletion({ contextSequence: seq });
       try {
         ({
+          response: final,
           metadata: { stopReason },
         } = await completion.generateCompletionWithMeta(input, options));
       } finally {
         completion.dispose({ disposeSequence: false });
       }
     }
+    text.end(final);
     return {
-      tokens,
       promptTokens,
       completionTokens: tokens.length,
       finishReason: stopReason === 'maxTokens' ? 'length' : 'stop',
     };
-  }
-
-  /**
-   * A greedy chat answer from a loaded state: LlamaChatSession, told that the
-   * answer starts with the prefill's first token, evaluates that token alone
-   * (as a single generation does) and goes on, instead of evaluating the
-   * prompt's last token again (see #continue). A first token whose text
-   * would not tokenize back to itself in context (whitespace, with
-   * SentencePiece vocabularies) takes the plain path.
-   */
-  async #continueChat(
-    seq: Nlc.LlamaContextSequence,
-    req: GenerationRequest,
-    first: number | 'end',
-    out: TextSink | undefined,
-    signal: AbortSignal,
-  ): Promise<{ completionTokens: number; finishReason: 'stop' | 'length' }> {
-    if (first === 'end') return { completionTokens: 0, finishReason: 'stop' };
-    const prefix = this.#model.detokenize([first as Nlc.Token], false, seq.contextTokens);
-    if (prefix.length === 0 || prefix.trim() !== prefix || req.stop.some((x) => prefix.includes(x)))
-      return this.#run(seq, req, req, out, signal);
-    if (req.maxTokens === 1) {
-      out?.(prefix);
-      return { completionTokens: 1, finishReason: 'length' };
-    }
-    const before = evaluated(seq);
-    const r = await this.#run(seq, req, { ...req, maxTokens: req.maxTokens - 1 }, out, signal, prefix);
-    // onToken also counts the prefix as the chat wrapper tokenized it: count
-    // what was evaluated instead (the first token, then every generated one
-    // but the last, which nothing evaluates when max_tokens ends the answer).
-    const n = evaluated(seq) - before + (r.finishReason === 'length' ? 1 : 0);
-    return { completionTokens: Math.min(req.maxTokens, n), finishReason: r.finishReason };
-  }
-
-  /**
-   * A greedy completion from a loaded state, starting from the first token
-   * the prefill took: the prompt's last token is not evaluated again, so
-   * every number is the one a single process computes (llama.cpp evaluates
-   * a token alone and inside a batch with results that differ in the last
-   * bits, enough to change a greedy token now and then).
-   */
-  async #continue(
-    seq: Nlc.LlamaContextSequence,
-    req: GenerationRequest,
-    first: number | 'end',
-    out: TextSink | undefined,
-    signal: AbortSignal,
-  ): Promise<{ completionTokens: number; finishReason: 'stop' | 'length' }> {
-    const text = new StopText(this.#model, req.stop, out);
-    if (first === 'end') return { completionTokens: 0, finishReason: 'stop' };
-    const t1 = first as Nlc.Token;
-    if (text.push([t1])) return { completionTokens: 1, finishReason: 'stop' };
-    // LlamaCompletion would evaluate the whole prompt again with the first
-    // token in the batch (other numbers): the sequence's own generator
-    // evaluates only that token, as a single generation does next.
-    const generated: Nlc.Token[] = [t1];
-    const nl = this.#model.tokens.nl;
-    let finishReason: 'stop' | 'length' = 'length';
-    if (req.maxTokens > 1) {
-      const it = seq.evaluate([t1], {
-        temperature: 0,
-        // As LlamaCompletion punishes repeats: the last 64 generated tokens, new lines aside.
-        repeatPenalty: {
-          punishTokens: () => generated.slice(-64).filter((t) => t !== nl),
-          maxPunishTokens: 64,
-        },
-        yieldEogToken: true,
-      });
-      for await (const t of it) {
-        if (signal.aborted) throw signal.reason;
-        if (this.#model.isEogToken(t)) {
-          finishReason = 'stop';
-          break;
-        }
-        generated.push(t);
-        if (text.push([t])) {
-          finishReason = 'stop';
-          break;
-        }
-        if (generated.length >= req.maxTokens) break;
-      }
-    }
-    const n = generated.length;
-    text.end();
-    return { completionTokens: n, finishReason };
   }
 
   /**
@@ -513,58 +457,22 @@ export class LlamaModel implements ServingModel {
   }
 }
 
-/**
- * The text of generated tokens as it grows: cut at the first stop string,
- * streamed without a partial character or the start of a stop string.
- */
-class StopText {
-  readonly #tokens: Nlc.Token[] = [];
-  #sent = 0;
-  #done = false;
-  readonly #hold: number;
-
-  constructor(
-    readonly model: Nlc.LlamaModel,
-    readonly stop: string[],
-    readonly out: TextSink | undefined,
-  ) {
-    this.#hold = Math.max(0, ...stop.map((x) => x.length - 1));
-  }
-
-  /** Adds tokens; true when a stop string ended the text. */
-  push(ts: Nlc.Token[]): boolean {
-    if (this.#done) return true;
-    this.#tokens.push(...ts);
-    const full = this.model.detokenize(this.#tokens);
-    const at = Math.min(...this.stop.map((x) => full.indexOf(x)).filter((i) => i >= 0));
-    if (Number.isFinite(at)) {
-      this.#emit(full.slice(0, at));
-      this.#done = true;
-      return true;
-    }
-    let safe = full.length - this.#hold;
-    while (safe > 0 && full[safe - 1] === '\uFFFD') safe--;
-    this.#emit(full.slice(0, Math.max(safe, this.#sent)));
-    return false;
-  }
-
-  end(): void {
-    if (!this.#done) this.#emit(this.model.detokenize(this.#tokens));
-    this.#done = true;
-  }
-
-  #emit(upTo: string): void {
-    if (upTo.length > this.#sent) this.out?.(upTo.slice(this.#sent));
-    this.#sent = Math.max(this.#sent, upTo.length);
-  }
-}
-
 function round(ms: number): number {
   return Math.round(ms * 1000) / 1000;
 }
 
 function evaluated(seq: Nlc.LlamaContextSequence): number {
   return seq.tokenMeter.usedInputTokens + seq.tokenMeter.usedOutputTokens;
+}
+
+/**
+ * What chooses a first token: a decode asked to sample otherwise than its
+ * prefill (another temperature, top_p or seed) does not take the prefill's
+ * next token. 32 bits of a sha256: a check between honest peers.
+ */
+export function samplingKey(req: Pick<GenerationRequest, 'temperature' | 'topP' | 'seed'>): number {
+  const settings = JSON.stringify([req.temperature, req.topP ?? null, req.seed ?? null]);
+  return createHash('sha256').update(settings).digest().readUInt32LE(0);
 }
 
 /** OpenAI messages as node-llama-cpp's chat history, and the last user message (what is prompted). */

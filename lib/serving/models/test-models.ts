@@ -24,6 +24,32 @@ export interface GgufSpec {
   contextLength: number;
   /** Seed of the weights. */
   seed: number;
+  /** What the output layer favours (default 'text'; see OutputBias). */
+  output?: OutputBias;
+}
+
+/**
+ * What a generated model's output layer lets it write. The other tokens get
+ * zero rows (logit 0), so the model writes only these:
+ * - 'text': lower-case letters, space, '.', ',' (readable, ASCII only);
+ * - 'high-bytes': bytes 0x80-0xFF (128 pieces of multi-byte UTF-8
+ *   characters, as byte-fallback vocabularies of real models write for
+ *   Chinese, Russian or emoji) and the 29 text tokens: mostly pieces, with
+ *   some text between them;
+ * - 'unbiased': every token, control tokens and end of text included.
+ */
+export type OutputBias = 'text' | 'high-bytes' | 'unbiased';
+
+/** The scale of output row `token` (0: a zero row) for a bias, relative to the random init. */
+export function outputRowScale(bias: OutputBias, token: number): number {
+  switch (bias) {
+    case 'text':
+      return TEXT_TOKENS.has(token) ? 4 : 0;
+    case 'high-bytes':
+      return token >= 3 + 0x80 || TEXT_TOKENS.has(token) ? 4 : 0;
+    case 'unbiased':
+      return 1;
+  }
 }
 
 /** For tests: a few hundred KiB, 256 bytes of KV per token. */
@@ -50,7 +76,18 @@ export const SMALL: GgufSpec = {
   seed: 2,
 };
 
-export const BUILTIN: Record<string, GgufSpec> = { tiny: TINY, small: SMALL };
+/** TINY's shape, writing mostly pieces of multi-byte characters (tests of held-back pieces). */
+export const TINY_UTF8: GgufSpec = { ...TINY, name: 'nixl-node-tiny-utf8', seed: 3, output: 'high-bytes' };
+
+/** TINY's shape with an unbiased output layer: any token, end of text and control bytes included. */
+export const TINY_UNBIASED: GgufSpec = { ...TINY, name: 'nixl-node-tiny-unbiased', seed: 4, output: 'unbiased' };
+
+export const BUILTIN: Record<string, GgufSpec> = {
+  tiny: TINY,
+  small: SMALL,
+  'tiny-utf8': TINY_UTF8,
+  'tiny-unbiased': TINY_UNBIASED,
+};
 
 /** KV bytes per token of a model with this spec, with llama.cpp's default F16 cache. */
 export function kvBytesPerToken(s: GgufSpec): number {
@@ -155,10 +192,10 @@ interface Tensor {
   dims: number[];
   /**
    * 'one': a norm's weights (all 1); 'random': uniform in +-1/sqrt(dims[0]);
-   * 'text': random rows for the tokens of lower-case letters, space and
-   * punctuation, zero rows for the rest, so that the model writes text.
+   * 'output': row t scaled by outputRowScale(spec.output, t), so that the
+   * model writes what the spec's output bias favours.
    */
-  init: 'one' | 'random' | 'text';
+  init: 'one' | 'random' | 'output';
 }
 
 function tensors(s: GgufSpec): Tensor[] {
@@ -168,7 +205,7 @@ function tensors(s: GgufSpec): Tensor[] {
   const out: Tensor[] = [
     { name: 'token_embd.weight', dims: [e, VOCAB.length], init: 'random' },
     { name: 'output_norm.weight', dims: [e], init: 'one' },
-    { name: 'output.weight', dims: [e, VOCAB.length], init: 'text' },
+    { name: 'output.weight', dims: [e, VOCAB.length], init: 'output' },
   ];
   for (let i = 0; i < s.layers; i++) {
     const b = `blk.${i}.`;
@@ -194,6 +231,8 @@ function checkSpec(s: GgufSpec): void {
   if (s.embedding % s.heads !== 0)
     throw new NixlError('embedding must be a multiple of heads', 'NIXL_ERR_INVALID_PARAM');
   if (s.heads % s.kvHeads !== 0) throw new NixlError('heads must be a multiple of kvHeads', 'NIXL_ERR_INVALID_PARAM');
+  if (s.output !== undefined && !['text', 'high-bytes', 'unbiased'].includes(s.output))
+    throw new NixlError("output must be 'text', 'high-bytes' or 'unbiased'", 'NIXL_ERR_INVALID_PARAM');
 }
 
 /** The GGUF file of a spec, as bytes. */
@@ -238,15 +277,16 @@ export function buildGguf(s: GgufSpec): Buffer {
   }
   w.pad(32);
   const rand = xorshift(s.seed);
+  const bias = s.output ?? 'text';
   for (const t of ts) {
     const n = count(t);
     const data = new Float32Array(align(n * 4, 32) / 4);
-    const scale = (Math.sqrt(3) * (t.init === 'text' ? 4 : 1)) / Math.sqrt(t.dims[0]);
     for (let i = 0; i < n; i++) {
-      const r = (rand() * 2 - 1) * scale;
+      const k = t.init === 'output' ? outputRowScale(bias, Math.floor(i / t.dims[0])) : 1;
+      const r = (rand() * 2 - 1) * ((Math.sqrt(3) * k) / Math.sqrt(t.dims[0]));
       if (t.init === 'one') data[i] = 1;
-      else if (t.init === 'random') data[i] = r;
-      else data[i] = TEXT_TOKENS.has(Math.floor(i / t.dims[0])) ? r : 0;
+      else if (k === 0) data[i] = 0;
+      else data[i] = r;
     }
     w.push(Buffer.from(data.buffer));
   }

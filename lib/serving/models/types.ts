@@ -31,6 +31,11 @@ export interface GenerationRequest {
   seed?: number;
   /** Generation ends before any of these strings. */
   stop: string[];
+  /**
+   * Prefill: the tokens its decode will generate (the client's max_tokens),
+   * so that a prompt that cannot fit with them is refused before evaluating.
+   */
+  decodeMaxTokens?: number;
 }
 
 /** Block `block` (logical, 0-based within a request) of layer `layer`, in the worker's registered pool. */
