@@ -3,7 +3,8 @@
 // synthetic model, GGUF through node-llama-cpp).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy';
 export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker';
-export type { FrontHandler } from './front';
+export type { FrontHandler, RequestHints } from './front';
+export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';
 export { WorkerPool, type Policy, type Stage, type WorkerRef } from './pool';
 export {

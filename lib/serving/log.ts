@@ -6,9 +6,13 @@
 
 /** A structured logger: pino's, or anything with its `(fields, message)` methods. */
 export interface Logger {
+  /** Detail for diagnosis: a worker's line per served request. */
   debug(fields: object, msg?: string): void;
+  /** What an operator follows: the proxy's line per request, refusals, a worker that comes back. */
   info(fields: object, msg?: string): void;
+  /** Something degraded: a failed request, a worker unhealthy or ejected. */
   warn(fields: object, msg?: string): void;
+  /** A fleet that cannot serve as configured: prefill and decode of different models. */
   error(fields: object, msg?: string): void;
 }
 

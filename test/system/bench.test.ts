@@ -1,0 +1,121 @@
+// `npm run bench` as a user runs it: every section, under both wire profiles
+// (the handshake section once failed under v12, the default, because its
+// payload lacked a field only v12 requires).
+import { execFile } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { promisify } from 'node:util';
+import { expect, it } from 'vitest';
+import { ROOT } from '../helpers';
+
+const run = promisify(execFile);
+
+for (const wire of ['v12', 'v0.13'] as const) {
+  it(`nixl-node bench --quick runs every section under NIXL_WIRE=${wire}`, async () => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-bench-'));
+    const json = path.join(dir, 'out.json');
+    const { stdout } = await run(
+      process.execPath,
+      [
+        path.join(ROOT, 'dist/cli/nixl-node.js'),
+        'bench',
+        '--quick',
+        '--json',
+        json,
+        '--svg',
+        path.join(dir, 'out.svg'),
+      ],
+      { env: { ...process.env, NIXL_WIRE: wire }, timeout: 120_000 },
+    );
+    const r = JSON.parse(fs.readFileSync(json, 'utf8'));
+    expect(r.bandwidth.length).toBeGreaterThan(0);
+    expect(r.coalesce.length).toBeGreaterThan(0);
+    // zmq, http and https, each with its raw-transport baseline of the same run.
+    expect(r.handshake.map((h: { method: string }) => h.method)).toEqual(
+      expect.arrayContaining([
+        expect.stringMatching(/^zmq/),
+        expect.stringMatching(/^http /),
+        expect.stringMatching(/^https/),
+      ]),
+    );
+    for (const h of r.handshake) expect(h.ratio).toBeGreaterThan(0);
+    // The proxy with tracing off, on with the no-op tracer, and exporting (the SDK is a dev dependency).
+    expect(r.tracing.map((t: { mode: string }) => t.mode)).toEqual(['off', 'no-op tracer', 'exporting']);
+    for (const t of r.tracing) expect(t.requestsPerSecond).toBeGreaterThan(0);
+    // A real model both ways: the same answers, the KV's share of time to first token, its size per token.
+    expect(r.serving.rows.map((x: { config: string }) => x.config)).toEqual(['co-located', 'disaggregated']);
+    expect(r.serving.identical).toBe(r.serving.requests);
+    expect(r.serving.kvBytesPerToken).toBeGreaterThan(0);
+    // Fleet routing: 'load' against round-robin on the same workers.
+    expect(r.fleet.rows.map((x: { policy: string }) => x.policy)).toEqual(['round-robin', 'load']);
+    for (const f of r.fleet.rows) expect(f.roundMs).toBeGreaterThan(0);
+    expect(stdout).toMatch(/# Handshake latency/);
+    expect(fs.statSync(path.join(dir, 'out.svg')).size).toBeGreaterThan(0);
+    fs.rmSync(dir, { recursive: true, force: true });
+  }, 150_000);
+}
+
+it('nixl-node bench --only grid: nixlbench-shaped rows per engine, op, block and batch, and the cold first transfer apart', async () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-grid-'));
+  const json = path.join(dir, 'grid.json');
+  // A small grid: 4 and 16 KiB blocks x batches 1 and 4 (--quick steps by 4).
+  const { stdout } = await run(
+    process.execPath,
+    [
+      path.join(ROOT, 'dist/cli/nixl-node.js'),
+      'bench',
+      '--only',
+      'grid',
+      '--quick',
+      '--max-block-size',
+      String(16 << 10),
+      '--max-batch-size',
+      '4',
+      '--num-iter',
+      '20',
+      '--warmup-iter',
+      '2',
+      '--json',
+      json,
+    ],
+    { timeout: 60_000 },
+  );
+  const r = JSON.parse(fs.readFileSync(json, 'utf8'));
+  const engines = r.engine.split(' + ');
+  const dist = { avg: expect.any(Number), p99: expect.any(Number) };
+  expect(r.grid).toHaveLength(engines.length * 2 * 4);
+  for (const row of r.grid) {
+    expect(row).toMatchObject({ gbps: expect.any(Number), prepUs: dist, postUs: dist, xferUs: dist, iterations: 20 });
+    expect(row.gbps).toBeGreaterThan(0);
+    for (const k of ['prepUs', 'postUs', 'xferUs']) expect(row[k].p99).toBeGreaterThanOrEqual(0);
+    if (row.engine === 'nixl' && row.native) expect(row.ratio).toBeGreaterThan(0);
+  }
+  const cells = (e: string, op: string) =>
+    r.grid
+      .filter((x: { engine: string; op: string }) => x.engine === e && x.op === op)
+      .map((x: { blockBytes: number; batch: number }) => [x.blockBytes, x.batch]);
+  for (const e of engines)
+    for (const op of ['READ', 'WRITE'])
+      expect(cells(e, op)).toEqual([
+        [4096, 1],
+        [4096, 4],
+        [16384, 1],
+        [16384, 4],
+      ]);
+  // One first transfer per engine and op, apart from the rows, beside the warm figure of its cell.
+  expect(r.gridCold).toHaveLength(engines.length * 2);
+  for (const c of r.gridCold)
+    expect(c).toMatchObject({
+      blockBytes: 4096,
+      batch: 1,
+      connectUs: expect.any(Number),
+      prepUs: expect.any(Number),
+      postUs: expect.any(Number),
+      xferUs: expect.any(Number),
+      warmXferUs: expect.any(Number),
+    });
+  expect(stdout).toMatch(/# Grid \(nixlbench's shape\)/);
+  expect(stdout).toMatch(/first transfer of a fresh agent pair/);
+  fs.rmSync(dir, { recursive: true, force: true });
+}, 90_000);
