@@ -33,9 +33,9 @@ run(cmd ?? '', async () => {
     case 'sidechannel':
       return (await import('./sidechannel')).sidechannel(rest);
     case 'proxy':
-      return (await import('./serving')).proxyCommand(rest);
+      return (await import('./proxy')).proxyCommand(rest);
     case 'worker':
-      return (await import('./serving')).workerCommand(rest);
+      return (await import('./worker')).workerCommand(rest);
     case undefined:
     case '--help':
     case '-h':

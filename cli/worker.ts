@@ -1,9 +1,9 @@
-// nixl-node proxy | worker: the disaggregated-serving proxy and the Node
-// workers (a GGUF through node-llama-cpp, or the synthetic model) it fronts, as commands that run until killed.
-// Each prints one JSON line on stdout when ready, so scripts can wait for it,
-// and logs JSON lines (pino) on stderr.
+// nixl-node worker: a Node inference worker (a GGUF through node-llama-cpp, a
+// generated test model, or the synthetic model) as a command that runs until
+// killed. It prints one JSON line on stdout when ready, so scripts can wait for
+// it, and logs JSON lines (pino) on stderr.
 import type { WireName } from '../lib/handshake/model';
-import { startProxy, startWorker } from '../lib/serving';
+import { startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
 import {
   applyUcxNetDevices,
@@ -17,34 +17,8 @@ import {
 import { engines } from '../lib/agent';
 import { startTracing } from './otel';
 import { commandLogger, logLevel } from './log';
-import { checkEndpoints } from '../lib/serving/fleet/etcd';
 
-const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
-
-Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
-       nixl-node proxy --etcd URL[,URL...] [options]
-  --host H             interface to bind (default 127.0.0.1)
-  --port P             port (default 8000; 0: any free port)
-  --transport T        http (workers are OpenAI servers: URLs) | zmq (workers' PULL addresses)
-  --prefill LIST       prefill workers, comma-separated
-  --decode LIST        decode workers
-  --encode LIST        encoder workers (requests with images go there first)
-  --pd-addrs LIST      zmq: workers that do both prefill and decode (vLLM's name)
-  --encode-addrs LIST  zmq: encoder workers (vLLM's name)
-  --etcd LIST          etcd endpoints: also route to the workers registered there, as they come and go
-  --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
-  --policy P           round-robin | least-outstanding | load (reported load, free blocks, prefix
-                       affinity; the default with --etcd, else round-robin)
-  --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)
-  --timeout-ms N       per stage (default 60000)
-  --health-ms N        between health checks (default 2000)
-  --retries N          other prefill workers to try when one fails (default 1)
-  --token T            require Authorization: Bearer T
-  --wire W             v12 | v0.13: the kv_transfer_params the prefills return (default NIXL_WIRE, else v12)
-  --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
-  --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
-                       JSON lines on stderr: each request, workers unhealthy, ejected, back, models that differ
-`;
+import { etcdOptions, inUse, integer, port, portNumber, untilSignal } from './serving-args';
 
 const WORKER_HELP = `nixl-node worker: a Node inference worker: a GGUF model (llama.cpp) or the synthetic one
 
@@ -79,133 +53,6 @@ Usage: nixl-node worker [options]
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
   --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
 ${UCX_NET_DEVICES_HELP}`;
-
-function list(v: Record<string, unknown>, name: string): string[] {
-  const s = v[name];
-  if (s === undefined) return [];
-  const out = String(s)
-    .split(',')
-    .map((x) => x.trim())
-    .filter(Boolean);
-  if (out.length === 0) throw new UsageError(`--${name} is empty`);
-  return out;
-}
-
-function port(v: Record<string, unknown>, def: number): number {
-  return v.port === undefined ? def : portNumber(String(v.port), 'port');
-}
-
-function portNumber(s: string, name: string): number {
-  if (!/^\d+$/.test(s) || Number(s) > 65535) throw new UsageError(`--${name} must be a port number, got '${s}'`);
-  return Number(s);
-}
-
-function integer(s: string, name: string): number {
-  if (!/^-?\d{1,10}$/.test(s)) throw new UsageError(`--${name} must be an integer, got '${s}'`);
-  return Number(s);
-}
-
-/** An address already taken: the error names it and the options that choose it. */
-function inUse(e: unknown, options: string): unknown {
-  const err = e as Error & { code?: string; address?: string; port?: number };
-  if (err?.code !== 'EADDRINUSE' && !/address already in use/i.test(err?.message ?? '')) return e;
-  const what = err.address
-    ? `${err.address}${err.port ? `:${err.port}` : ''} is already in use`
-    : err.message.replace(/^listen EADDRINUSE: /, '');
-  return new UsageError(
-    `${what} (EADDRINUSE): another process listens there; choose another with ${options} (port 0: any free port)`,
-  );
-}
-
-/** --etcd and --etcd-prefix, checked. */
-function etcdOptions(v: Record<string, unknown>): { endpoints: string[]; prefix?: string } | undefined {
-  if (v.etcd === undefined) {
-    if (v['etcd-prefix'] !== undefined) throw new UsageError('--etcd-prefix goes with --etcd');
-    return undefined;
-  }
-  const endpoints = list(v, 'etcd');
-  try {
-    checkEndpoints(endpoints);
-  } catch (e) {
-    throw new UsageError(`--etcd: ${(e as Error).message}`);
-  }
-  const prefix = v['etcd-prefix'] as string | undefined;
-  if (prefix !== undefined && (prefix.length === 0 || prefix.length > 256))
-    throw new UsageError('--etcd-prefix must be 1 to 256 characters');
-  return { endpoints, prefix };
-}
-
-function untilSignal(): Promise<void> {
-  return new Promise((resolve) => {
-    for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
-  });
-}
-
-export async function proxyCommand(argv: string[]): Promise<void> {
-  const v = parse(
-    argv,
-    {
-      host: { type: 'string' },
-      port: { type: 'string' },
-      transport: { type: 'string' },
-      prefill: { type: 'string' },
-      decode: { type: 'string' },
-      encode: { type: 'string' },
-      'pd-addrs': { type: 'string' },
-      'encode-addrs': { type: 'string' },
-      policy: { type: 'string' },
-      etcd: { type: 'string' },
-      'etcd-prefix': { type: 'string' },
-      'affinity-chars': { type: 'string' },
-      'timeout-ms': { type: 'string' },
-      'health-ms': { type: 'string' },
-      retries: { type: 'string' },
-      token: { type: 'string' },
-      wire: { type: 'string' },
-      'otlp-endpoint': { type: 'string' },
-      'log-level': { type: 'string' },
-    },
-    PROXY_HELP,
-  );
-  const log = commandLogger('proxy', logLevel(v));
-  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-proxy', log);
-  const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
-  const pd = list(v, 'pd-addrs');
-  const prefill = [...list(v, 'prefill'), ...pd];
-  const decode = [...list(v, 'decode'), ...pd];
-  const etcd = etcdOptions(v);
-  if (!etcd && (prefill.length === 0 || decode.length === 0))
-    throw new UsageError('give prefill and decode workers (--prefill and --decode, or --pd-addrs), or --etcd');
-  const affinity = v['affinity-chars'] === '0' ? 0 : positiveInt(v, 'affinity-chars', 512, 1 << 20);
-  const timeout = positiveInt(v, 'timeout-ms', 60_000, 3_600_000);
-  const proxy = await startProxy({
-    host: v.host as string | undefined,
-    port: port(v, 8000),
-    transport,
-    prefill,
-    decode,
-    encode: [...list(v, 'encode'), ...list(v, 'encode-addrs')],
-    etcd,
-    policy: oneOf(v, 'policy', ['round-robin', 'least-outstanding', 'load'] as const, etcd ? 'load' : 'round-robin'),
-    routing: { prefixChars: affinity },
-    timeoutMs: { encode: timeout, prefill: timeout, decode: timeout },
-    healthIntervalMs: positiveInt(v, 'health-ms', 2000, 3_600_000),
-    prefillRetries: v.retries === '0' ? 0 : positiveInt(v, 'retries', 1, 64),
-    bearerToken: v.token as string | undefined,
-    wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
-    logger: log,
-  }).catch((e) => {
-    throw inUse(e, '--host / --port');
-  });
-  log.info({ url: proxy.url, transport }, 'proxy ready');
-  console.log(
-    JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode, etcd: etcd && proxy.fleet?.connected }),
-  );
-  await untilSignal();
-  await proxy.close();
-  await stopTracing();
-  console.log(JSON.stringify({ stopped: true, ...proxy.stats }));
-}
 
 export async function workerCommand(argv: string[]): Promise<void> {
   const v = parse(

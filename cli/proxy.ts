@@ -1,0 +1,102 @@
+// nixl-node proxy: the disaggregated-serving proxy as a command that runs until
+// killed. It prints one JSON line on stdout when ready, so scripts can wait for
+// it, and logs JSON lines (pino) on stderr.
+import type { WireName } from '../lib/handshake/model';
+import { startProxy } from '../lib/serving';
+import { oneOf, parse, positiveInt, UsageError } from './args';
+import { startTracing } from './otel';
+import { commandLogger, logLevel } from './log';
+import { etcdOptions, inUse, list, port, untilSignal } from './serving-args';
+
+const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
+
+Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
+       nixl-node proxy --etcd URL[,URL...] [options]
+  --host H             interface to bind (default 127.0.0.1)
+  --port P             port (default 8000; 0: any free port)
+  --transport T        http (workers are OpenAI servers: URLs) | zmq (workers' PULL addresses)
+  --prefill LIST       prefill workers, comma-separated
+  --decode LIST        decode workers
+  --encode LIST        encoder workers (requests with images go there first)
+  --pd-addrs LIST      zmq: workers that do both prefill and decode (vLLM's name)
+  --encode-addrs LIST  zmq: encoder workers (vLLM's name)
+  --etcd LIST          etcd endpoints: also route to the workers registered there, as they come and go
+  --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
+  --policy P           round-robin | least-outstanding | load (reported load, free blocks, prefix
+                       affinity; the default with --etcd, else round-robin)
+  --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)
+  --timeout-ms N       per stage (default 60000)
+  --health-ms N        between health checks (default 2000)
+  --retries N          other prefill workers to try when one fails (default 1)
+  --token T            require Authorization: Bearer T
+  --wire W             v12 | v0.13: the kv_transfer_params the prefills return (default NIXL_WIRE, else v12)
+  --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
+  --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
+                       JSON lines on stderr: each request, workers unhealthy, ejected, back, models that differ
+`;
+
+export async function proxyCommand(argv: string[]): Promise<void> {
+  const v = parse(
+    argv,
+    {
+      host: { type: 'string' },
+      port: { type: 'string' },
+      transport: { type: 'string' },
+      prefill: { type: 'string' },
+      decode: { type: 'string' },
+      encode: { type: 'string' },
+      'pd-addrs': { type: 'string' },
+      'encode-addrs': { type: 'string' },
+      policy: { type: 'string' },
+      etcd: { type: 'string' },
+      'etcd-prefix': { type: 'string' },
+      'affinity-chars': { type: 'string' },
+      'timeout-ms': { type: 'string' },
+      'health-ms': { type: 'string' },
+      retries: { type: 'string' },
+      token: { type: 'string' },
+      wire: { type: 'string' },
+      'otlp-endpoint': { type: 'string' },
+      'log-level': { type: 'string' },
+    },
+    PROXY_HELP,
+  );
+  const log = commandLogger('proxy', logLevel(v));
+  const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-proxy', log);
+  const transport = oneOf(v, 'transport', ['http', 'zmq'] as const, 'http');
+  const pd = list(v, 'pd-addrs');
+  const prefill = [...list(v, 'prefill'), ...pd];
+  const decode = [...list(v, 'decode'), ...pd];
+  const etcd = etcdOptions(v);
+  if (!etcd && (prefill.length === 0 || decode.length === 0))
+    throw new UsageError('give prefill and decode workers (--prefill and --decode, or --pd-addrs), or --etcd');
+  const affinity = v['affinity-chars'] === '0' ? 0 : positiveInt(v, 'affinity-chars', 512, 1 << 20);
+  const timeout = positiveInt(v, 'timeout-ms', 60_000, 3_600_000);
+  const proxy = await startProxy({
+    host: v.host as string | undefined,
+    port: port(v, 8000),
+    transport,
+    prefill,
+    decode,
+    encode: [...list(v, 'encode'), ...list(v, 'encode-addrs')],
+    etcd,
+    policy: oneOf(v, 'policy', ['round-robin', 'least-outstanding', 'load'] as const, etcd ? 'load' : 'round-robin'),
+    routing: { prefixChars: affinity },
+    timeoutMs: { encode: timeout, prefill: timeout, decode: timeout },
+    healthIntervalMs: positiveInt(v, 'health-ms', 2000, 3_600_000),
+    prefillRetries: v.retries === '0' ? 0 : positiveInt(v, 'retries', 1, 64),
+    bearerToken: v.token as string | undefined,
+    wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
+    logger: log,
+  }).catch((e) => {
+    throw inUse(e, '--host / --port');
+  });
+  log.info({ url: proxy.url, transport }, 'proxy ready');
+  console.log(
+    JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode, etcd: etcd && proxy.fleet?.connected }),
+  );
+  await untilSignal();
+  await proxy.close();
+  await stopTracing();
+  console.log(JSON.stringify({ stopped: true, ...proxy.stats }));
+}
