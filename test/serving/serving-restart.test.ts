@@ -30,30 +30,47 @@ async function ask(url: string, i: number): Promise<{ status: number; ok: boolea
   return { status: r.status, ok, body: text.slice(0, 300) };
 }
 
+/**
+ * A prefill worker process, a decode and a proxy that served 3 requests; then
+ * the prefill is SIGKILLed and started again on the same address and name.
+ */
+async function restartedPrefill(
+  transport: 'http' | 'zmq',
+  names: { prefill: string; decode: string },
+  o: { healthIntervalMs: number; sideChannelPort?: number },
+) {
+  const port = await freePort();
+  const args = ['worker', '--name', names.prefill, '--blocks', '64', '--transport', transport];
+  if (o.sideChannelPort !== undefined) args.push('--side-channel-port', String(o.sideChannelPort));
+  const addr = transport === 'http' ? ['--port', String(port)] : ['--zmq-addr', `tcp://127.0.0.1:${port}`];
+  const first = await start([...args, ...addr], (p) => procs.push(p));
+  const decode = await startWorker({ transport, blocks: 256, name: names.decode });
+  const proxy = await startProxy({
+    transport,
+    prefill: [String(first.ready.address)],
+    decode: [decode.address],
+    healthIntervalMs: o.healthIntervalMs,
+    timeoutMs: { prefill: 2000, decode: 5000 },
+  });
+  closers.push(
+    () => decode.close(),
+    () => proxy.close(),
+  );
+  for (let i = 0; i < 3; i++) expect((await ask(proxy.url, i)).ok).toBe(true);
+  first.p.kill('SIGKILL');
+  await new Promise((r) => first.p.once('exit', r));
+  const second = await start([...args, ...addr], (p) => procs.push(p));
+  return { proxy, second };
+}
+
 describe.each(['http', 'zmq'] as const)('restarts over %s', (transport) => {
   it('prefill SIGKILLed and restarted on the same address with the same name: right answers again within 2 health intervals', async () => {
-    const port = await freePort();
-    const args = ['worker', '--name', `pf-${transport}`, '--blocks', '64', '--transport', transport];
-    const addr = transport === 'http' ? ['--port', String(port)] : ['--zmq-addr', `tcp://127.0.0.1:${port}`];
-    const first = await start([...args, ...addr], (p) => procs.push(p));
-    const decode = await startWorker({ transport, blocks: 256, name: `dc-${transport}` });
     const healthMs = 300;
-    const proxy = await startProxy({
+    const { proxy, second } = await restartedPrefill(
       transport,
-      prefill: [String(first.ready.address)],
-      decode: [decode.address],
-      healthIntervalMs: healthMs,
-      timeoutMs: { prefill: 2000, decode: 5000 },
-    });
-    closers.push(
-      () => decode.close(),
-      () => proxy.close(),
+      { prefill: `pf-${transport}`, decode: `dc-${transport}` },
+      { healthIntervalMs: healthMs },
     );
-    for (let i = 0; i < 3; i++) expect((await ask(proxy.url, i)).ok).toBe(true);
-
-    first.p.kill('SIGKILL');
-    await new Promise((r) => first.p.once('exit', r));
-    const second = await start([...args, ...addr], (p) => procs.push(p));
     const back = performance.now();
     let firstRight = Number.POSITIVE_INFINITY;
     const outcomes: string[] = [];
@@ -82,30 +99,13 @@ describe.each(['http', 'zmq'] as const)('restarts over %s', (transport) => {
 
 describe.each(['http', 'zmq'] as const)('the first request after a prefill restart (%s)', (transport) => {
   it('is served from the new incarnation (no 502 peer-gone, the decode stays in the pool), and so is every later one', async () => {
-    const port = await freePort();
     // A fixed side channel, as deployments have: the decode's cached
     // connection to the old incarnation has the new one's address.
-    const side = await freePort();
-    const args = ['worker', '--name', `pf1-${transport}`, '--blocks', '64', '--transport', transport];
-    args.push('--side-channel-port', String(side));
-    const addr = transport === 'http' ? ['--port', String(port)] : ['--zmq-addr', `tcp://127.0.0.1:${port}`];
-    const first = await start([...args, ...addr], (p) => procs.push(p));
-    const decode = await startWorker({ transport, blocks: 256, name: `dc1-${transport}` });
-    const proxy = await startProxy({
+    const { proxy, second } = await restartedPrefill(
       transport,
-      prefill: [String(first.ready.address)],
-      decode: [decode.address],
-      healthIntervalMs: 0,
-      timeoutMs: { prefill: 2000, decode: 5000 },
-    });
-    closers.push(
-      () => decode.close(),
-      () => proxy.close(),
+      { prefill: `pf1-${transport}`, decode: `dc1-${transport}` },
+      { healthIntervalMs: 0, sideChannelPort: await freePort() },
     );
-    for (let i = 0; i < 3; i++) expect((await ask(proxy.url, i)).ok).toBe(true);
-    first.p.kill('SIGKILL');
-    await new Promise((r) => first.p.once('exit', r));
-    const second = await start([...args, ...addr], (p) => procs.push(p));
     // The proxy sees the prefill up again (over ZeroMQ its socket reconnects
     // first); the decode's puller still holds the dead incarnation's agent.
     await expect
