@@ -56,6 +56,8 @@ export interface KvPushReceiverOptions {
 
 interface Waiting {
   requestId: string;
+  /** The prefill agents registered with: only their notifications count. */
+  agents: ReadonlySet<string>;
   expected: number;
   prefillTp: number;
   count: number;
@@ -156,7 +158,8 @@ export class KvPushReceiver {
     try {
       const engine = await this.#withDeadline(this.#engines.get(ep), deadline, opts.signal);
       const expected = expectedWrites(p.ppSize, p.tpSize, this.#o.layout.tpSize);
-      const waiting = this.#wait(opts.requestId, expected, p.tpSize, deadline, opts.signal);
+      const agents = new Set(engine.agentNames());
+      const waiting = this.#wait(opts.requestId, agents, expected, p.tpSize, deadline, opts.signal);
       registered = true;
       this.#register(engine, opts.requestId, logical, p, deadline);
       const w = await waiting;
@@ -256,6 +259,7 @@ export class KvPushReceiver {
   /** Waits for `expected` WRITE notifications of `requestId` (one posting: this call's). */
   #wait(
     requestId: string,
+    agents: ReadonlySet<string>,
     expected: number,
     prefillTp: number,
     deadline: number,
@@ -265,6 +269,7 @@ export class KvPushReceiver {
     return new Promise<Waiting>((resolve, reject) => {
       const w: Waiting = {
         requestId,
+        agents,
         expected,
         prefillTp,
         count: 0,
@@ -318,6 +323,11 @@ export class KvPushReceiver {
       this.lateWrites++;
       const now = performance.now();
       for (const [k, until] of this.#gaveUp) if (until <= now) this.#gaveUp.delete(k);
+      return;
+    }
+    if (!w.agents.has(n.agent)) {
+      // Not a prefill rank we registered with: it proves nothing.
+      this.unrecognized++;
       return;
     }
     if (Number(suffix) !== w.prefillTp) {
