@@ -15,7 +15,7 @@ import {
 } from '../../lib';
 import { packMsgpack } from '../../lib/handshake/codec';
 import { PUSH_REG_PREFIX, encodePushReg, type PushRegistration } from '../../lib/kv';
-import { PUSH_HASH, PushPair, rankLayout } from './push-helpers';
+import { PushPair, rankLayout } from './push-helpers';
 
 const pairs: PushPair[] = [];
 const start = async (o?: Parameters<typeof PushPair.start>[0]) => {
