@@ -66,6 +66,8 @@ interface Waiting {
 }
 
 const WRITE_NOTIF = /^(.+):(\d+)$/s;
+/** What the deadline a nixl-node prefill is told falls short of ours, ms (covers the registration's transit). */
+const DEADLINE_SLACK_MS = 50;
 
 /** The decode side of push mode: registers blocks with a prefill and proves every WRITE arrived. */
 export class KvPushReceiver {
@@ -244,7 +246,8 @@ export class KvPushReceiver {
         remoteTpSize: p.tpSize,
         remotePpSize: p.ppSize,
         confirm: true,
-        deadlineMs: Math.max(0, Math.floor(deadline - performance.now())),
+        // Less a slack for the notification's transit: the prefill counts from receipt.
+        deadlineMs: Math.max(0, Math.floor(deadline - performance.now() - DEADLINE_SLACK_MS)),
       },
       this.#o.secret,
     );

@@ -124,8 +124,8 @@ describe('push faults', () => {
       .catch((e: unknown) => e);
     expect(err).toMatchObject({ kind: 'timeout' });
     // The registration reached the prefill before its request finished (case A); its deadline has passed: dropped.
-    const sent = t.sender.offer('late', [7]);
     expect(t.sender.pending.registrations).toBe(0);
+    const sent = t.sender.offer('late', [7]);
     expect(t.sender.abort('late')).toBe(true);
     expect((await sent).reason).toBe('aborted');
     expect(t.untouched()).toBe(true);
