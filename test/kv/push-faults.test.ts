@@ -360,3 +360,33 @@ describe('pull and push peers', () => {
     ).toThrow(/push mode is not part of the v0.13/);
   });
 });
+
+describe('push params at a pull decode', () => {
+  it("KvPuller.pullFromParams refuses a push prefill's params with a TransferModeError", async () => {
+    const t = await start();
+    const puller = new KvPuller({ agent: t.dAgent, layout: rankLayout('D', t.dmem) });
+    try {
+      const err = await puller
+        .pullFromParams(
+          {
+            do_remote_prefill: true,
+            remote_block_ids: [[1]],
+            remote_engine_id: 'P',
+            remote_request_id: 'x',
+            remote_host: '127.0.0.1',
+            remote_port: t.pServer.basePort,
+            tp_size: 1,
+            pp_size: 1,
+            transfer_mode: 'push',
+          },
+          { localBlockIds: [1] },
+        )
+        .catch((e: unknown) => e);
+      expect(err).toMatchObject({ kind: 'setup', code: 'NIXL_ERR_MISMATCH' });
+      expect((err as PullError).cause).toBeInstanceOf(TransferModeError);
+      expect((err as Error).message).toMatch(/moves KV by pull and the peer by push/);
+    } finally {
+      await puller.close();
+    }
+  });
+});
