@@ -193,8 +193,10 @@ export class KvPushReceiver {
         `request id ${JSON.stringify(requestId.slice(0, 80))} cannot be used in a notification`,
         'NIXL_ERR_INVALID_PARAM',
       );
+    const now = performance.now();
+    for (const [k, until] of this.#gaveUp) if (until <= now) this.#gaveUp.delete(k);
     const gone = this.#gaveUp.get(requestId);
-    if (this.#waiting.has(requestId) || (gone !== undefined && gone > performance.now()))
+    if (this.#waiting.has(requestId) || gone !== undefined)
       throw new NixlError(
         `request '${requestId}' is already receiving, or failed and its WRITEs may still come: use a new id`,
         'NIXL_ERR_NOT_ALLOWED',
