@@ -46,6 +46,12 @@ export interface TurnStats {
   turnsRecomputed: number;
 }
 
+/** A turn a decode holds: the params naming it, and for how long (ms from now). */
+export interface HeldTurn {
+  params: Record<string, unknown>;
+  holdMs: number;
+}
+
 /** What a prefill took of a previous turn. */
 export interface Reuse {
   tokens: number;
@@ -73,7 +79,7 @@ export class TurnKv {
    * name it (signed with the secret), or undefined when the model keeps no
    * such KV or the cache has no room (the next turn then recomputes).
    */
-  keep(req: GenerationRequest, text: string): Record<string, unknown> | undefined {
+  keep(req: GenerationRequest, text: string): HeldTurn | undefined {
     const kv = this.d.model.turnKv?.(req, text);
     if (!kv || kv.tokens.length === 0) return undefined;
     const ids = this.d.take(kv.blocks);
@@ -103,7 +109,10 @@ export class TurnKv {
       this.d.wire,
     );
     const params = turnParams(base, kv.tokens);
-    return this.d.secret === undefined ? params : signKvTransferParams(params, this.d.secret);
+    return {
+      params: this.d.secret === undefined ? params : signKvTransferParams(params, this.d.secret),
+      holdMs: this.d.ttlMs,
+    };
   }
 
   /**

@@ -54,7 +54,7 @@ import { ZmqFront } from './worker-zmq';
 import { NixlError } from '../errors';
 import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
-import { type Reuse, TurnKv } from './turns';
+import { type HeldTurn, type Reuse, TurnKv } from './turns';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -864,10 +864,11 @@ class Answer {
     this.sink.chunk(chunkBody(this.id, this.#created, this.model, this.chat, t, null));
   };
 
-  /** The end; `kvp`: the params of the turn's KV this decode holds (bidirectional KV), on the last chunk when streamed. */
-  finish(g: Generated, info: Record<string, unknown>, kvp?: Record<string, unknown>): void {
+  /** The end; `turn`: the turn's KV this decode holds (bidirectional KV): its params, on the last chunk when streamed. */
+  finish(g: Generated, info: Record<string, unknown>, turn?: HeldTurn): void {
     const usage = { prompt: g.promptTokens, completion: g.completionTokens };
-    const next = kvp ? { kv_transfer_params: kvp } : {};
+    const next = turn ? { kv_transfer_params: turn.params } : {};
+    if (turn) info = { ...info, kv_hold_ms: turn.holdMs };
     if (!this.#stream) {
       this.sink.end(200, {
         ...completionBody(this.id, this.model, this.chat, this.#text, g.finishReason, usage),

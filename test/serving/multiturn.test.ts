@@ -6,7 +6,7 @@
 import { afterEach, describe, expect, it } from 'vitest';
 import { type Worker, startWorker } from '../../lib/serving';
 import { expectedCompletion } from '../../lib/serving/models/synthetic-kv';
-import { signKvTransferParams } from '../../lib/kv/params-auth';
+import { serveTrio } from '../helpers';
 
 const closers: Array<() => unknown> = [];
 afterEach(async () => {
@@ -123,5 +123,161 @@ describe('bidirectional KV: a decode holds its turn, the next prefill reads it',
       '/v1/chat/completions',
     );
     expect(dec2.status, JSON.stringify(dec2.json)).toBe(200);
+  });
+});
+
+describe('bidirectional KV: whatever is not provably the prompt prefix is recomputed, never read', () => {
+  it('an edited history is recomputed; the hold stays for its own conversation', async () => {
+    const { p, d } = await pair({ secret: 'k' });
+    const t1 = await turn(p, d, HISTORY, 12);
+    const held = HISTORY + t1.dec.choices[0].text;
+    const edited = `${held.replace('alphabet', 'alphabat')}\nuser: go on\n`;
+    const t2 = await turn(p, d, edited, 5, t1.dec.kv_transfer_params);
+    expect(t2.pre.nixl_node).toMatchObject({ kv_reused_tokens: 0, kv_reuse_skipped: 'mismatch' });
+    // Nothing was read, nobody was told to free it: the hold is there for the real next turn.
+    expect(d.stats.freedByRead).toBe(0);
+    const t3 = await turn(p, d, `${held}\nuser: go on\n`, 5, t1.dec.kv_transfer_params);
+    expect(t3.pre.nixl_node.kv_reused_tokens).toBeGreaterThan(0);
+  });
+
+  it('another conversation replayed, forged block ids, wrong or huge token counts: nothing of it is read', async () => {
+    const { p, d } = await pair({ secret: 'k' });
+    const a = await turn(p, d, HISTORY, 12);
+    const b = await turn(p, d, `user: a different conversation about numbers, ${'one two three '.repeat(6)}\n`, 12);
+    const pa = a.dec.kv_transfer_params;
+    const pb = b.dec.kv_transfer_params;
+    const promptA = `${HISTORY}${a.dec.choices[0].text}\nuser: next\n`;
+    const cases: Array<[string, Json, string]> = [
+      ["B's params with A's history", pb, 'mismatch'],
+      ["A's params naming B's blocks", { ...pa, remote_block_ids: pb.remote_block_ids }, 'unauthenticated'],
+      ["A's params naming B's request", { ...pa, remote_request_id: pb.remote_request_id }, 'unauthenticated'],
+      ['a wrong token count', { ...pa, nixl_node_prefix_tokens: pa.nixl_node_prefix_tokens - 16 }, 'unauthenticated'],
+      ['a huge remote_num_tokens', { ...pa, remote_num_tokens: 1e9 }, 'unauthenticated'],
+      ['no signature', (({ nixl_node_signature: _, ...u }) => u)(pa), 'unauthenticated'],
+      ["B's digest on A's params", { ...pa, nixl_node_prefix_sha256: pb.nixl_node_prefix_sha256 }, 'unauthenticated'],
+    ];
+    for (const [what, params, why] of cases) {
+      const t = await turn(p, d, promptA, 4, params);
+      expect(t.pre.nixl_node, what).toMatchObject({ kv_reused_tokens: 0, kv_reuse_skipped: why });
+    }
+    // Neither hold was read nor freed by any of it.
+    expect(d.stats.freedByRead).toBe(0);
+    expect(d.turns!.held).toBe(2 + cases.length);
+  });
+
+  it('unsigned deployments: counts and digests that do not add up are recomputed', async () => {
+    const { p, d } = await pair();
+    const a = await turn(p, d, HISTORY, 12);
+    const pa = a.dec.kv_transfer_params;
+    const promptA = `${HISTORY}${a.dec.choices[0].text}\nuser: next\n`;
+    const cases: Array<[string, Json, string]> = [
+      ['a huge remote_num_tokens', { ...pa, remote_num_tokens: 1e9 }, 'mismatch'],
+      ['a huge prefix count', { ...pa, remote_num_tokens: 1e9, nixl_node_prefix_tokens: 1e9 }, 'mismatch'],
+      ['a smaller count, same digest', { ...pa, nixl_node_prefix_tokens: 64, remote_num_tokens: 64 }, 'mismatch'],
+      ['fewer blocks than tokens', { ...pa, remote_block_ids: [pa.remote_block_ids[0].slice(0, 2)] }, 'mismatch'],
+      ['no digest (as a vLLM decode sends)', { ...pa, nixl_node_prefix_sha256: undefined }, 'unproven'],
+      ['a malformed id list', { ...pa, remote_block_ids: [['x']] }, 'malformed'],
+    ];
+    for (const [what, params, why] of cases) {
+      const t = await turn(p, d, promptA, 4, params);
+      expect(t.pre.nixl_node, what).toMatchObject({ kv_reused_tokens: 0, kv_reuse_skipped: why });
+    }
+    expect(d.stats.freedByRead).toBe(0);
+  });
+
+  it('an expired hold, a decode gone, a prefill without bidirectional KV: recomputed, never an error', async () => {
+    const { p, d } = await pair({ ttlMs: 300 });
+    const a = await turn(p, d, HISTORY, 12);
+    const promptA = `${HISTORY}${a.dec.choices[0].text}\nuser: next\n`;
+    await expect.poll(() => d.turns!.held, { timeout: 5000 }).toBe(0);
+    const late = await turn(p, d, promptA, 4, a.dec.kv_transfer_params);
+    expect(late.pre.nixl_node.kv_reused_tokens).toBe(0);
+    expect(late.pre.nixl_node.kv_reuse_skipped).toMatch(/^pull-failed:expired/);
+
+    const plain = await startWorker({ name: 'MPlain' });
+    closers.push(() => plain.close());
+    const b = await turn(p, d, HISTORY, 12);
+    const off = await turn(plain, d, `${HISTORY}${b.dec.choices[0].text}\nuser: next\n`, 4, b.dec.kv_transfer_params);
+    expect(off.pre.nixl_node).toMatchObject({ kv_reused_tokens: 0, kv_reuse_skipped: 'bidirectional-off' });
+
+    const d2 = await startWorker({ name: 'MD2', bidirectionalKv: true });
+    closers.push(() => d2.close());
+    const c = await turn(p, d2, HISTORY, 12);
+    await d2.close();
+    // Its side channel is closed: the handshake's attempts time out (shortened here), then the prefill recomputes.
+    process.env.NIXL_HANDSHAKE_TIMEOUT = '0.3';
+    closers.push(() => delete process.env.NIXL_HANDSHAKE_TIMEOUT);
+    const gone = await turn(p, d, `${HISTORY}${c.dec.choices[0].text}\nuser: next\n`, 4, c.dec.kv_transfer_params);
+    expect(gone.pre.nixl_node.kv_reused_tokens).toBe(0);
+    expect(gone.pre.nixl_node.kv_reuse_skipped).toMatch(/^pull-failed:/);
+  });
+
+  it('under the recompute threshold: nothing read, the decode told to free its hold at once', async () => {
+    const { p, d } = await pair({ threshold: 1000 });
+    const a = await turn(p, d, HISTORY, 12);
+    const t = await turn(p, d, `${HISTORY}${a.dec.choices[0].text}\nuser: next\n`, 4, a.dec.kv_transfer_params);
+    expect(t.pre.nixl_node).toMatchObject({ kv_reused_tokens: 0, kv_reuse_skipped: 'below-threshold' });
+    await expect.poll(() => d.stats.freedByRead).toBe(1);
+  });
+});
+
+describe('the proxy carries the conversation', () => {
+  async function ask(url: string, body: object, path = '/v1/completions') {
+    const r = await fetch(`${url}${path}`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify(body),
+    });
+    const raw = await r.text();
+    if (!(r.headers.get('content-type') ?? '').includes('text/event-stream'))
+      return { status: r.status, json: JSON.parse(raw) as Json, text: '' };
+    const chunks = raw
+      .split('\n\n')
+      .filter((l) => l.startsWith('data: {'))
+      .map((l) => JSON.parse(l.slice(6)) as Json);
+    return { status: r.status, json: chunks.at(-1)!, text: chunks.map((c) => c.choices?.[0]?.text ?? '').join('') };
+  }
+
+  for (const transport of ['http', 'zmq'] as const)
+    for (const streamed of [false, true])
+      it(`turn 2 through the proxy reuses turn 1's KV (${transport}${streamed ? ', streamed' : ''})`, async () => {
+        const both = { bidirectionalKv: true, kvSecret: 'k' };
+        const { proxy, decode } = await serveTrio(closers, { transport, prefill: both, decode: both });
+        let prompt = HISTORY;
+        let reusedBefore = 0;
+        for (let t = 0; t < 3; t++) {
+          const r = await ask(proxy.url, { prompt, max_tokens: 10, conversation_id: 'c1', stream: streamed });
+          expect(r.status, JSON.stringify(r.json)).toBe(200);
+          const text = streamed ? r.text : r.json.choices[0].text;
+          expect(text).toBe(expectedCompletion(prompt, 10).join(' '));
+          const reused = r.json.nixl_node.kv_reused_tokens;
+          if (t === 0) expect(reused).toBe(0);
+          else expect(reused).toBeGreaterThan(reusedBefore);
+          reusedBefore = reused;
+          prompt = `${prompt}${text}\nuser: and then? tell me about turn ${t + 2}\n`;
+        }
+        expect(proxy.conversations.hits).toBe(2);
+        // The last turn's hold is kept for a turn 4; turn 1's and 2's were read and freed.
+        expect(proxy.conversations.size).toBe(1);
+        await expect.poll(() => decode.turns!.held).toBe(1);
+        // Another conversation, or none, never gets it.
+        const other = await ask(proxy.url, { prompt, max_tokens: 3, conversation_id: 'c2' });
+        expect(other.json.nixl_node.kv_reused_tokens).toBe(0);
+        const none = await ask(proxy.url, { prompt, max_tokens: 3 });
+        expect(none.json.nixl_node.kv_reused_tokens).toBeUndefined();
+      });
+
+  it("a client's conversation_id must be a short string; its kv_transfer_params are refused", async () => {
+    const { proxy } = await serveTrio(closers, {
+      prefill: { bidirectionalKv: true },
+      decode: { bidirectionalKv: true },
+    });
+    for (const bad of [7, '', 'x'.repeat(300), { a: 1 }]) {
+      const r = await ask(proxy.url, { prompt: 'hi', max_tokens: 2, conversation_id: bad });
+      expect(r.status).toBe(400);
+      expect(r.json.error.message).toMatch(/conversation_id/);
+    }
+    const r = await ask(proxy.url, { prompt: 'hi', max_tokens: 2, kv_transfer_params: { remote_block_ids: [[1]] } });
+    expect(r.status).toBe(400);
   });
 });

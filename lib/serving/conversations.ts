@@ -1,0 +1,122 @@
+// The proxy's side of bidirectional KV (as vLLM's disagg_proxy_multiturn):
+// a request's top-level `conversation_id` keys the kv_transfer_params its
+// decode returned, which the conversation's next turn gives its prefill. The
+// params stay on the proxy (clients never send kv_transfer_params); an entry
+// is used once, expires with the decode's hold, and the oldest go first when
+// there are too many.
+import { HttpError } from './http';
+
+/** Where the conversation's key travels in a request (popped: the workers never see it). */
+export const CONVERSATION_KEY = 'conversation_id';
+/** vLLM's example proxy keeps an entry 450 s (below the decode's 480 s hold) when the decode does not say. */
+export const DEFAULT_CONVERSATION_TTL_MS = 450_000;
+
+/** Options of the conversation cache. */
+export interface ConversationOptions {
+  /** Entries kept at most; the least recently stored go first (default 10000). */
+  max?: number;
+  /** How long an entry lives when the decode does not say how long it holds the KV (default 450 s). */
+  ttlMs?: number;
+  /** Taken off what the decode says, so the next prefill reads before the hold ends (default 5 s, vLLM's margin). */
+  marginMs?: number;
+  /** Monotonic clock, ms (tests). */
+  now?: () => number;
+}
+
+interface Entry {
+  params: Record<string, unknown>;
+  until: number;
+}
+
+/** conversation_id -> the params of its last turn's held KV. */
+export class Conversations {
+  readonly #m = new Map<string, Entry>();
+  readonly #max: number;
+  readonly #ttl: number;
+  readonly #margin: number;
+  readonly #now: () => number;
+  hits = 0;
+  misses = 0;
+
+  constructor(o: ConversationOptions = {}) {
+    this.#max = o.max ?? 10_000;
+    this.#ttl = o.ttlMs ?? DEFAULT_CONVERSATION_TTL_MS;
+    this.#margin = o.marginMs ?? 5000;
+    this.#now = o.now ?? (() => performance.now());
+  }
+
+  get size(): number {
+    return this.#m.size;
+  }
+
+  /**
+   * The previous turn's params (the entry is used up), with what a prefill
+   * needs to read from them, or undefined: a miss (or an expired entry).
+   */
+  take(id: string): Record<string, unknown> | undefined {
+    const e = this.#m.get(id);
+    this.#m.delete(id);
+    if (!e || e.until <= this.#now()) {
+      this.misses++;
+      return undefined;
+    }
+    this.hits++;
+    return { ...e.params, do_remote_decode: true, do_remote_prefill: false };
+  }
+
+  /** Keeps a turn's params; `holdMs`: how long the decode said it holds the KV (else the default TTL). */
+  put(id: string, params: Record<string, unknown>, holdMs?: unknown): void {
+    const hold = typeof holdMs === 'number' && Number.isFinite(holdMs) && holdMs > 0 ? holdMs - this.#margin : this.#ttl;
+    this.#m.delete(id);
+    if (hold <= 0) return;
+    this.#m.set(id, { params, until: this.#now() + Math.min(hold, this.#ttl) });
+    const now = this.#now();
+    for (const [k, e] of this.#m) {
+      if (this.#m.size <= this.#max && e.until > now) break;
+      this.#m.delete(k);
+    }
+  }
+}
+
+/** The request's conversation id, taken out of the body; a 400 unless a string of 1 to 256 characters. */
+export function takeConversationId(body: Record<string, unknown>): string | undefined {
+  const v = body[CONVERSATION_KEY];
+  if (v === undefined || v === null) return undefined;
+  delete body[CONVERSATION_KEY];
+  if (typeof v !== 'string' || v.length === 0 || v.length > 256)
+    throw new HttpError(400, `'${CONVERSATION_KEY}' must be a string of 1 to 256 characters`);
+  return v;
+}
+
+type Answer = { status: number; json?: Record<string, unknown>; chunks?: AsyncIterable<Record<string, unknown>> };
+
+/**
+ * The decode's answer on its way to the client: the params of the KV it
+ * holds for the next turn (top level, or the last chunk's) are kept for the
+ * conversation, and nixl_node says how many tokens the prefill reused.
+ */
+export function carryTurn<A extends Answer>(
+  a: A,
+  o: { conversation?: string; conversations: Conversations; reusedTokens?: number },
+): A {
+  const see = (body: Record<string, unknown>) => {
+    const info = body.nixl_node as Record<string, unknown> | undefined;
+    const kvp = body.kv_transfer_params;
+    if (o.conversation !== undefined && kvp && typeof kvp === 'object' && !Array.isArray(kvp))
+      o.conversations.put(o.conversation, kvp as Record<string, unknown>, info?.kv_hold_ms);
+    if (o.reusedTokens !== undefined && (info || kvp !== undefined || body.usage !== undefined))
+      body.nixl_node = { ...info, kv_reused_tokens: o.reusedTokens };
+  };
+  if (a.json && a.status < 400) see(a.json);
+  const chunks = a.chunks;
+  if (!chunks) return a;
+  return {
+    ...a,
+    chunks: (async function* () {
+      for await (const c of chunks) {
+        if (c.nixl_node !== undefined || c.kv_transfer_params !== undefined) see(c);
+        yield c;
+      }
+    })(),
+  };
+}
