@@ -66,7 +66,8 @@ export class Conversations {
 
   /** Keeps a turn's params; `holdMs`: how long the decode said it holds the KV (else the default TTL). */
   put(id: string, params: Record<string, unknown>, holdMs?: unknown): void {
-    const hold = typeof holdMs === 'number' && Number.isFinite(holdMs) && holdMs > 0 ? holdMs - this.#margin : this.#ttl;
+    const hold =
+      typeof holdMs === 'number' && Number.isFinite(holdMs) && holdMs > 0 ? holdMs - this.#margin : this.#ttl;
     this.#m.delete(id);
     if (hold <= 0) return;
     this.#m.set(id, { params, until: this.#now() + Math.min(hold, this.#ttl) });

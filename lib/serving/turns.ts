@@ -170,8 +170,7 @@ export class TurnKv {
     if (!held || held.join() !== p.remoteBlockIds[0]?.join()) throw { kind: 'expired' };
     const from = this.d.view(held);
     const to = this.d.view(ids);
-    for (let b = 0; b < blocks; b++)
-      for (let l = 0; l < this.d.model.geometry.layers; l++) from(b, l).copy(to(b, l));
+    for (let b = 0; b < blocks; b++) for (let l = 0; l < this.d.model.geometry.layers; l++) from(b, l).copy(to(b, l));
     this.d.tracker.release(p.remoteRequestId);
   }
 }

@@ -165,6 +165,22 @@ describe('bidirectional KV: whatever is not provably the prompt prefix is recomp
     expect(d.turns!.held).toBe(2 + cases.length);
   });
 
+  it("a prefill's signed params with another remote_num_tokens are refused by the decode, nothing read", async () => {
+    const { p, d } = await pair({ secret: 'k' });
+    const pre = await post(p, { prompt: HISTORY, max_tokens: 1, kv_transfer_params: ASK });
+    const kv = pre.json.kv_transfer_params;
+    for (const n of [kv.remote_num_tokens + 1000, 1e9]) {
+      const dec = await post(d, {
+        prompt: HISTORY,
+        max_tokens: 3,
+        kv_transfer_params: { ...kv, remote_num_tokens: n },
+      });
+      expect(dec.status, JSON.stringify(dec.json)).toBe(400);
+      expect(dec.json.error.message).toMatch(/signature/);
+    }
+    expect(p.stats.freedByRead).toBe(0);
+  });
+
   it('unsigned deployments: counts and digests that do not add up are recomputed', async () => {
     const { p, d } = await pair();
     const a = await turn(p, d, HISTORY, 12);
