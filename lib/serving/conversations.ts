@@ -5,6 +5,7 @@
 // is used once, expires with the decode's hold, and the oldest go first when
 // there are too many.
 import { HttpError } from './http';
+import type { StageAnswer } from './transports';
 
 /** Where the conversation's key travels in a request (popped: the workers never see it). */
 export const CONVERSATION_KEY = 'conversation_id';
@@ -89,17 +90,16 @@ export function takeConversationId(body: Record<string, unknown>): string | unde
   return v;
 }
 
-type Answer = { status: number; json?: Record<string, unknown>; chunks?: AsyncIterable<Record<string, unknown>> };
 
 /**
  * The decode's answer on its way to the client: the params of the KV it
  * holds for the next turn (top level, or the last chunk's) are kept for the
  * conversation, and nixl_node says how many tokens the prefill reused.
  */
-export function carryTurn<A extends Answer>(
-  a: A,
+export function carryTurn(
+  a: StageAnswer,
   o: { conversation?: string; conversations: Conversations; reusedTokens?: number },
-): A {
+): StageAnswer {
   const see = (body: Record<string, unknown>) => {
     const info = body.nixl_node as Record<string, unknown> | undefined;
     const kvp = body.kv_transfer_params;

@@ -17,6 +17,14 @@ export {
 } from './transports';
 export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './protocol';
 export { HttpError } from './http';
+export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn } from './turns';
+export {
+  CONVERSATION_KEY,
+  Conversations,
+  type ConversationOptions,
+  carryTurn,
+  takeConversationId,
+} from './conversations';
 export { SyntheticModel } from './models/synthetic';
 export type { SyntheticModelSpec } from './models/synthetic-kv';
 export { LlamaModel, type LlamaModelOptions } from './models/llama';
@@ -31,6 +39,7 @@ export {
   type KvGeometry,
   type KvBinding,
   type PrefilledKv,
+  type TurnKvState,
   type ChatMessage,
   type BlockView,
   type TextSink,

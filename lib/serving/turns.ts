@@ -25,10 +25,13 @@ export interface TurnDeps {
   model: ServingModel;
   tracker: PrefillTracker;
   puller: KvPuller;
+  /** Its side channel (where the params say a prefill handshakes). */
   side(): HandshakeServer;
   /** Free blocks, or undefined when there are not that many. */
   take(n: number): number[] | undefined;
+  /** Gives blocks back. */
   give(ids: number[]): void;
+  /** The blocks `ids` of its pool, as a model reads and writes them. */
   view(ids: readonly number[]): BlockView;
   /** How long a finished turn is held, ms. */
   ttlMs: number;

@@ -78,6 +78,7 @@ export interface TurnKvState {
   /** The token ids it is the KV of: what the next turn's prompt starts with. */
   readonly tokens: readonly number[];
   readonly blocks: number;
+  /** Writes it into the blocks the decode holds it in. */
   writeTo(view: BlockView): void;
 }
 
