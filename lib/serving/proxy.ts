@@ -9,6 +9,7 @@ import type { AddressInfo } from 'node:net';
 import type { WireName } from '../handshake/model';
 import { parseKvTransferParams, prefillRequestParams, wireProfile } from '../handshake/wire';
 import { type ConversationOptions, Conversations, carryTurn, takeConversationId } from './conversations';
+import { namesPreviousTurn } from '../kv/turn-params';
 import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
@@ -577,7 +578,14 @@ export class ServingProxy {
       dec.answer = carryTurn(dec.answer, {
         conversation,
         conversations: this.conversations,
-        reusedTokens: typeof reused === 'number' ? reused : conversation !== undefined ? 0 : undefined,
+        // A miss reused nothing; a prefill that read the previous turn and does not say (vLLM's): not known.
+        reusedTokens:
+          typeof reused === 'number'
+            ? reused
+            : conversation !== undefined &&
+                !namesPreviousTurn(prefillBody.kv_transfer_params as Record<string, unknown>)
+              ? 0
+              : undefined,
       });
       return dec;
     } catch (e) {

@@ -3,13 +3,17 @@
 // the next turn's prefill reads what is provably its prompt's prefix, and the
 // decode of that turn checks every byte of the whole prompt's KV. Anything
 // that does not prove to be the prompt's prefix is recomputed, never read.
+import type { ChildProcess } from 'node:child_process';
 import { afterEach, describe, expect, it } from 'vitest';
-import { type Worker, startWorker } from '../../lib/serving';
+import { start } from '../../dist/demo/serving';
+import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { expectedCompletion } from '../../lib/serving/models/synthetic-kv';
 import { serveTrio } from '../helpers';
 
 const closers: Array<() => unknown> = [];
+const procs: ChildProcess[] = [];
 afterEach(async () => {
+  for (const p of procs.splice(0)) if (p.exitCode === null && p.signalCode === null) p.kill('SIGKILL');
   for (const c of closers.splice(0).reverse()) await c();
 });
 
@@ -295,5 +299,59 @@ describe('the proxy carries the conversation', () => {
     }
     const r = await ask(proxy.url, { prompt: 'hi', max_tokens: 2, kv_transfer_params: { remote_block_ids: [[1]] } });
     expect(r.status).toBe(400);
+  });
+});
+
+describe('the command', () => {
+  it('nixl-node worker --bidirectional-kv (processes) behind nixl-node proxy: turn 2 reuses turn 1', async () => {
+    const flags = ['--bidirectional-kv', '--decoder-kv-ttl', '60', '--kv-recompute-threshold', '32', '--blocks', '64'];
+    const pre = await start(['worker', '--name', 'cli-mp', ...flags], (p) => procs.push(p));
+    const dec = await start(['worker', '--name', 'cli-md', ...flags], (p) => procs.push(p));
+    const proxy = await startProxy({
+      prefill: [String(pre.ready.address)],
+      decode: [String(dec.ready.address)],
+      healthIntervalMs: 0,
+    });
+    closers.push(() => proxy.close());
+    const q = async (prompt: string) => {
+      const r = await fetch(`${proxy.url}/v1/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ prompt, max_tokens: 8, conversation_id: 'cli' }),
+      });
+      const j = (await r.json()) as Json;
+      expect(r.status, JSON.stringify(j)).toBe(200);
+      expect(j.choices[0].text).toBe(expectedCompletion(prompt, 8).join(' '));
+      // The decode says how long it holds the turn: the proxy keeps the entry that long, less 5 s.
+      expect(j.nixl_node.kv_hold_ms).toBe(60_000);
+      return j;
+    };
+    const t1 = await q(HISTORY);
+    const t2 = await q(`${HISTORY}${t1.choices[0].text}\nuser: more\n`);
+    expect(t2.nixl_node.kv_reused_tokens).toBe(Math.floor(Buffer.byteLength(HISTORY + t1.choices[0].text) / 16) * 16);
+  });
+});
+
+describe('generate endpoint (token ids)', () => {
+  it('turn 2 of a token-id conversation through the proxy reuses turn 1', async () => {
+    const both = { bidirectionalKv: true };
+    const { proxy } = await serveTrio(closers, { prefill: both, decode: both });
+    const gen = async (ids: number[]) => {
+      const r = await fetch(`${proxy.url}/inference/v1/generate`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ token_ids: ids, sampling_params: { max_tokens: 6 }, conversation_id: 'g' }),
+      });
+      const j = (await r.json()) as Json;
+      expect(r.status, JSON.stringify(j)).toBe(200);
+      const out = j.choices[0].token_ids as number[];
+      expect(Buffer.from(out).toString()).toBe(expectedCompletion(Buffer.from(ids).toString(), 6).join(' '));
+      return { out, j };
+    };
+    const t1ids = Array.from(Buffer.from(HISTORY));
+    const t1 = await gen(t1ids);
+    expect(t1.j.kv_transfer_params.nixl_node_prefix_tokens).toBe(t1ids.length + t1.out.length);
+    const t2 = await gen([...t1ids, ...t1.out, ...Buffer.from(' and then?')]);
+    expect(t2.j.nixl_node.kv_reused_tokens).toBe(Math.floor((t1ids.length + t1.out.length) / 16) * 16);
   });
 });
