@@ -35,6 +35,11 @@ export interface TurnDeps {
   view(ids: readonly number[]): BlockView;
   /** How long a finished turn is held, ms. */
   ttlMs: number;
+  /**
+   * Blocks held turns may take together: past it a turn is not held (its
+   * next turn recomputes), so held turns never starve new requests.
+   */
+  maxHeldBlocks: number;
   recomputeThreshold?: number;
 }
 
@@ -68,6 +73,7 @@ export class TurnKv {
   readonly stats: TurnStats = { turnsHeld: 0, turnsReused: 0, reusedTokens: 0, turnsRecomputed: 0 };
   /** Turns held here, by the id their params carry. */
   readonly #held = new Map<string, number[]>();
+  #heldBlocks = 0;
   #seq = 0;
 
   constructor(private readonly d: TurnDeps) {}
@@ -75,6 +81,11 @@ export class TurnKv {
   /** Turns held right now. */
   get held(): number {
     return this.#held.size;
+  }
+
+  /** Blocks they take. */
+  get heldBlocks(): number {
+    return this.#heldBlocks;
   }
 
   /**
@@ -85,13 +96,16 @@ export class TurnKv {
   keep(req: GenerationRequest, text: string): HeldTurn | undefined {
     const kv = this.d.model.turnKv?.(req, text);
     if (!kv || kv.tokens.length === 0) return undefined;
+    if (this.#heldBlocks + kv.blocks > this.d.maxHeldBlocks) return undefined;
     const ids = this.d.take(kv.blocks);
     if (!ids) return undefined;
+    this.#heldBlocks += ids.length;
     kv.writeTo(this.d.view(ids));
     const id = `turn-${++this.#seq}-${randomUUID()}`;
     this.#held.set(id, ids);
     void this.d.tracker.expect(id, ids, { leaseMs: this.d.ttlMs, renewable: false }).then(() => {
       this.#held.delete(id);
+      this.#heldBlocks -= ids.length;
       this.d.give(ids);
     });
     this.stats.turnsHeld++;

@@ -130,6 +130,8 @@ export interface WorkerOptions {
   decoderKvTtlMs?: number;
   /** A prefill recomputes a previous turn's KV of fewer tokens than this (vLLM kv_recompute_threshold: 64). */
   kvRecomputeThreshold?: number;
+  /** The share of the KV cache held turns may take together (default 0.5); past it a turn is not held. */
+  heldTurnsShare?: number;
 }
 
 /** A worker's counters. */
@@ -280,6 +282,9 @@ export class Worker implements FrontHandler {
       unrecognized: () => {},
       lateRead: () => this.stats.lateReads++,
     });
+    const share = o.heldTurnsShare ?? 0.5;
+    if (!(share >= 0 && share <= 1))
+      throw new NixlError(`heldTurnsShare must be from 0 to 1, got ${share}`, 'NIXL_ERR_INVALID_PARAM');
     if (o.bidirectionalKv)
       this.turns = new TurnKv({
         name: this.name,
@@ -293,6 +298,7 @@ export class Worker implements FrontHandler {
         give: (ids) => this.#blocks.give(ids),
         view: (ids) => this.#view(ids),
         ttlMs: o.decoderKvTtlMs ?? DEFAULT_TURN_TTL_MS,
+        maxHeldBlocks: Math.floor(share * this.#blocks.size),
         recomputeThreshold: o.kvRecomputeThreshold,
       });
   }

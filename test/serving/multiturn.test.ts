@@ -355,3 +355,54 @@ describe('generate endpoint (token ids)', () => {
     expect(t2.j.nixl_node.kv_reused_tokens).toBe(Math.floor((t1ids.length + t1.out.length) / 16) * 16);
   });
 });
+
+describe('held turns and the cache', () => {
+  it('held turns take at most their share of the decode cache; past it the turn is not held', async () => {
+    const p = await startWorker({ name: 'CapP', bidirectionalKv: true });
+    const d = await startWorker({ name: 'CapD', bidirectionalKv: true, blocks: 40, heldTurnsShare: 0.5 });
+    closers.push(
+      () => p.close(),
+      () => d.close(),
+    );
+    const held: boolean[] = [];
+    const want: boolean[] = [];
+    let taken = 0;
+    for (let i = 0; i < 4; i++) {
+      const prompt = `${HISTORY}conversation ${i}\n`;
+      const n = Math.ceil(Buffer.byteLength(prompt + expectedCompletion(prompt, 12).join(' ')) / 16);
+      want.push(taken + n <= 20);
+      if (taken + n <= 20) taken += n;
+      const t = await turn(p, d, prompt, 12);
+      held.push(t.dec.kv_transfer_params !== undefined);
+    }
+    expect(held).toEqual(want);
+    expect(want).toContain(false);
+    expect(d.turns!.heldBlocks).toBe(taken);
+    expect(d.freeBlocks).toBe(40 - taken);
+    await expect(startWorker({ bidirectionalKv: true, heldTurnsShare: 2 })).rejects.toThrow(/heldTurnsShare/);
+  });
+
+  it('one worker in both pools: the next turn copies the held KV in place', async () => {
+    const w = await startWorker({ name: 'Both', bidirectionalKv: true, kvSecret: 'k' });
+    const proxy = await startProxy({ prefill: [w.address], decode: [w.address], healthIntervalMs: 0 });
+    closers.push(
+      () => w.close(),
+      () => proxy.close(),
+    );
+    let prompt = HISTORY;
+    for (let t = 0; t < 3; t++) {
+      const r = await fetch(`${proxy.url}/v1/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ prompt, max_tokens: 8, conversation_id: 'both' }),
+      });
+      const j = (await r.json()) as Json;
+      expect(r.status, JSON.stringify(j)).toBe(200);
+      expect(j.choices[0].text).toBe(expectedCompletion(prompt, 8).join(' '));
+      if (t > 0) expect(j.nixl_node.kv_reused_tokens).toBeGreaterThan(64);
+      prompt = `${prompt}${j.choices[0].text}\nuser: again ${t}\n`;
+    }
+    expect(w.turns!.stats.turnsReused).toBe(2);
+    expect(w.turns!.held).toBe(1);
+  });
+});
