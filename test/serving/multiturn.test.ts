@@ -47,10 +47,17 @@ const ASK = { do_remote_decode: true, do_remote_prefill: false };
 const HISTORY = 'user: tell me a long story about the alphabet and its many letters, please, in words\n';
 
 /** A prefill and a decode, both bidirectional. */
-async function pair(o: { secret?: string; ttlMs?: number; wire?: 'v12' | 'v0.13'; threshold?: number } = {}) {
+async function pair(
+  o: { secret?: string; ttlMs?: number; wire?: 'v12' | 'v0.13'; threshold?: number; decodeSkewMs?: number } = {},
+) {
   const common = { bidirectionalKv: true, kvSecret: o.secret, wire: o.wire, kvRecomputeThreshold: o.threshold };
   const p = await startWorker({ name: `MP-${Math.random()}`, ...common });
-  const d = await startWorker({ name: `MD-${Math.random()}`, decoderKvTtlMs: o.ttlMs, ...common });
+  const d = await startWorker({
+    name: `MD-${Math.random()}`,
+    decoderKvTtlMs: o.ttlMs,
+    clockSkewMs: o.decodeSkewMs,
+    ...common,
+  });
   closers.push(
     () => p.close(),
     () => d.close(),
@@ -98,6 +105,45 @@ describe('bidirectional KV: a decode holds its turn, the next prefill reads it',
       expect(d.turns!.held).toBe(1);
     });
   }
+
+  it("the hold's expiry is in the decode's clock: a decode whose clock is an hour off is read in time, and not after", async () => {
+    for (const skew of [3_600_000, -3_600_000]) {
+      const { p, d } = await pair({ decodeSkewMs: skew, ttlMs: 3000 });
+      const t1 = await turn(p, d, HISTORY, 12);
+      expect(t1.dec.kv_transfer_params.remote_blocks_expiry_time * 1000).toBeCloseTo(
+        performance.now() + skew + 3000,
+        -4,
+      );
+      const prompt2 = `${HISTORY}${t1.dec.choices[0].text}\nuser: more\n`;
+      const t2 = await turn(p, d, prompt2, 4, t1.dec.kv_transfer_params);
+      expect(t2.pre.nixl_node.kv_reused_tokens).toBeGreaterThan(64);
+      const prompt3 = `${prompt2}${t2.dec.choices[0].text}\nuser: more\n`;
+      const t3 = await turn(p, d, prompt3, 4);
+      await expect.poll(() => d.turns!.held, { timeout: 5000 }).toBe(0);
+      const late = await turn(p, d, `${prompt3}${t3.dec.choices[0].text}\n`, 4, t3.dec.kv_transfer_params);
+      expect(late.pre.nixl_node.kv_reuse_skipped).toBe('pull-failed:expired');
+      expect(late.pre.nixl_node.kv_reused_tokens).toBe(0);
+    }
+  });
+
+  it('a decode without bidirectional KV returns no params and holds nothing (vLLM: every turn a miss)', async () => {
+    const p = await startWorker({ name: 'Off-P' });
+    const d = await startWorker({ name: 'Off-D' });
+    closers.push(
+      () => p.close(),
+      () => d.close(),
+    );
+    const t = await turn(p, d, HISTORY, 6);
+    expect(t.dec.kv_transfer_params).toBeUndefined();
+    expect(d.turns).toBeUndefined();
+    const chunks = await stream(d, {
+      prompt: HISTORY,
+      max_tokens: 3,
+      kv_transfer_params: (await post(p, { prompt: HISTORY, max_tokens: 1, kv_transfer_params: ASK })).json
+        .kv_transfer_params,
+    });
+    for (const c of chunks) expect(c.kv_transfer_params).toBeUndefined();
+  });
 
   it("a decode's streamed last chunk carries its params; chat renders the answer as the assistant's turn", async () => {
     const { p, d } = await pair();
