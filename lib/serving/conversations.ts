@@ -27,6 +27,8 @@ export interface ConversationOptions {
 interface Entry {
   params: Record<string, unknown>;
   until: number;
+  /** Frees the decode's hold: the entry went unused (evicted, replaced or expired). */
+  drop?: () => void;
 }
 
 /** conversation_id -> the params of its last turn's held KV. */
@@ -58,6 +60,7 @@ export class Conversations {
     const e = this.#m.get(id);
     this.#m.delete(id);
     if (!e || e.until <= this.#now()) {
+      e?.drop?.();
       this.misses++;
       return undefined;
     }
@@ -65,17 +68,26 @@ export class Conversations {
     return { ...e.params, do_remote_decode: true, do_remote_prefill: false };
   }
 
-  /** Keeps a turn's params; `holdMs`: how long the decode said it holds the KV (else the default TTL). */
-  put(id: string, params: Record<string, unknown>, holdMs?: unknown): void {
+  /**
+   * Keeps a turn's params; `holdMs`: how long the decode said it holds the KV
+   * (else the default TTL); `drop`: frees the decode's hold when the entry
+   * goes unused (evicted, replaced by a newer turn, or found expired).
+   */
+  put(id: string, params: Record<string, unknown>, holdMs?: unknown, drop?: () => void): void {
     const hold =
       typeof holdMs === 'number' && Number.isFinite(holdMs) && holdMs > 0 ? holdMs - this.#margin : this.#ttl;
+    this.#m.get(id)?.drop?.();
     this.#m.delete(id);
-    if (hold <= 0) return;
-    this.#m.set(id, { params, until: this.#now() + Math.min(hold, this.#ttl) });
+    if (hold <= 0) {
+      drop?.();
+      return;
+    }
+    this.#m.set(id, { params, until: this.#now() + Math.min(hold, this.#ttl), drop });
     const now = this.#now();
     for (const [k, e] of this.#m) {
       if (this.#m.size <= this.#max && e.until > now) break;
       this.#m.delete(k);
+      e.drop?.();
     }
   }
 }
@@ -90,7 +102,6 @@ export function takeConversationId(body: Record<string, unknown>): string | unde
   return v;
 }
 
-
 /**
  * The decode's answer on its way to the client: the params of the KV it
  * holds for the next turn (top level, or the last chunk's) are kept for the
@@ -98,13 +109,23 @@ export function takeConversationId(body: Record<string, unknown>): string | unde
  */
 export function carryTurn(
   a: StageAnswer,
-  o: { conversation?: string; conversations: Conversations; reusedTokens?: number },
+  o: {
+    conversation?: string;
+    conversations: Conversations;
+    reusedTokens?: number;
+    /** Frees the hold the params name (a request without a conversation: no next turn will read it). */
+    release?: (params: Record<string, unknown>) => void;
+  },
 ): StageAnswer {
   const see = (body: Record<string, unknown>) => {
     const info = body.nixl_node as Record<string, unknown> | undefined;
-    const kvp = body.kv_transfer_params;
-    if (o.conversation !== undefined && kvp && typeof kvp === 'object' && !Array.isArray(kvp))
-      o.conversations.put(o.conversation, kvp as Record<string, unknown>, info?.kv_hold_ms);
+    const raw = body.kv_transfer_params;
+    const kvp = raw && typeof raw === 'object' && !Array.isArray(raw) ? (raw as Record<string, unknown>) : undefined;
+    // Only a decode's hold of its turn (a nixl-node decode says how long it holds it).
+    const held = kvp !== undefined && info?.kv_hold_ms !== undefined;
+    if (o.conversation !== undefined && kvp)
+      o.conversations.put(o.conversation, kvp, info?.kv_hold_ms, held ? () => o.release?.(kvp) : undefined);
+    else if (held) o.release?.(kvp);
     if (o.reusedTokens !== undefined && (info || kvp !== undefined || body.usage !== undefined))
       body.nixl_node = { ...info, kv_reused_tokens: o.reusedTokens };
   };

@@ -575,9 +575,15 @@ export class ServingProxy {
         accept: (w) => serves(w, model) && sameModel(w.model, pre.worker.model),
       });
       const reused = (pre.answer.json?.nixl_node as { kv_reused_tokens?: unknown } | undefined)?.kv_reused_tokens;
+      const decodeWorker = dec.worker;
       dec.answer = carryTurn(dec.answer, {
         conversation,
         conversations: this.conversations,
+        release: (kvp) => {
+          if (typeof kvp.remote_request_id !== 'string') return;
+          this.stats.holdsReleased++;
+          void this.#transport.release(decodeWorker, kvp.remote_request_id);
+        },
         // A miss reused nothing; a prefill that read the previous turn and does not say (vLLM's): not known.
         reusedTokens:
           typeof reused === 'number'

@@ -331,7 +331,26 @@ describe('the proxy carries the conversation', () => {
         expect(other.json.nixl_node.kv_reused_tokens).toBe(0);
         const none = await ask(proxy.url, { prompt, max_tokens: 3 });
         expect(none.json.nixl_node.kv_reused_tokens).toBeUndefined();
+        // The turn of a request without a conversation is released at once: c1's and c2's stay.
+        await expect.poll(() => decode.stats.abortedHolds).toBe(1);
+        expect(decode.turns!.held).toBe(2);
       });
+
+  it('an entry evicted (more conversations than --max-conversations) frees its hold on the decode', async () => {
+    const both = { bidirectionalKv: true };
+    const { proxy, decode } = await serveTrio(closers, {
+      prefill: both,
+      decode: both,
+      proxy: { conversations: { max: 2 } },
+    });
+    for (let i = 0; i < 5; i++) {
+      const r = await ask(proxy.url, { prompt: `${HISTORY} ${i}`, max_tokens: 4, conversation_id: `c${i}` });
+      expect(r.status).toBe(200);
+    }
+    expect(proxy.conversations.size).toBe(2);
+    await expect.poll(() => decode.turns!.held).toBe(2);
+    expect(decode.stats.abortedHolds).toBe(3);
+  });
 
   it("a client's conversation_id must be a short string; its kv_transfer_params are refused", async () => {
     const { proxy } = await serveTrio(closers, {

@@ -46,6 +46,25 @@ describe('Conversations', () => {
     expect(c.take('c2')?.remote_request_id).toBe('turn-9');
   });
 
+  it("an entry that goes unused (evicted, replaced, found expired) frees the decode's hold; one taken does not", () => {
+    let now = 0;
+    const dropped: string[] = [];
+    const c = new Conversations({ max: 2, ttlMs: 1000, marginMs: 0, now: () => now });
+    const put = (id: string, n: number) => c.put(id, P(n), undefined, () => dropped.push(`${id}/${n}`));
+    put('a', 1);
+    put('b', 2);
+    put('c', 3); // evicts a
+    put('b', 4); // replaces b's older turn
+    expect(dropped).toEqual(['a/1', 'b/2']);
+    expect(c.take('c')).toBeDefined();
+    now = 2000;
+    expect(c.take('b')).toBeUndefined();
+    expect(dropped).toEqual(['a/1', 'b/2', 'b/4']);
+    // A hold shorter than the margin (5 s by default): never kept.
+    new Conversations().put('short', P(5), 4000, () => dropped.push('short'));
+    expect(dropped.at(-1)).toBe('short');
+  });
+
   it('conversation_id is taken out of the request, and must be a short string', () => {
     const b: Record<string, unknown> = { prompt: 'x', conversation_id: 'abc' };
     expect(takeConversationId(b)).toBe('abc');
