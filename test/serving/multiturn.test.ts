@@ -145,6 +145,24 @@ describe('bidirectional KV: a decode holds its turn, the next prefill reads it',
     for (const c of chunks) expect(c.kv_transfer_params).toBeUndefined();
   });
 
+  it("vLLM's example proxy: its miss params (nulls) are a plain prefill; its hit params (D's, as sent) are read", async () => {
+    const { p, d } = await pair({ secret: 'k' });
+    const miss = {
+      do_remote_decode: true,
+      do_remote_prefill: false,
+      remote_engine_id: null,
+      remote_block_ids: null,
+      remote_host: null,
+      remote_port: null,
+    };
+    const t1 = await turn(p, d, HISTORY, 12, miss);
+    expect(t1.pre.nixl_node.kv_reused_tokens).toBeUndefined();
+    // The proxy forces the two flags on D's dict and passes the rest as it came.
+    const hit = { ...t1.dec.kv_transfer_params, do_remote_decode: true, do_remote_prefill: false };
+    const t2 = await turn(p, d, `${HISTORY}${t1.dec.choices[0].text}\nuser: more\n`, 4, hit);
+    expect(t2.pre.nixl_node.kv_reused_tokens).toBeGreaterThan(64);
+  });
+
   it("a decode's streamed last chunk carries its params; chat renders the answer as the assistant's turn", async () => {
     const { p, d } = await pair();
     const messages = [{ role: 'user', content: HISTORY.repeat(2) }];
