@@ -57,6 +57,15 @@ export class Conversations {
    * needs to read from them, or undefined: a miss (or an expired entry).
    */
   take(id: string): Record<string, unknown> | undefined {
+    return this.claim(id)?.params;
+  }
+
+  /**
+   * take, and what frees the decode's hold when the prefill did not read it
+   * (another prompt, forged, below the threshold): the entry was this
+   * conversation's own, so nobody else's hold is freed.
+   */
+  claim(id: string): { params: Record<string, unknown>; release(): void } | undefined {
     const e = this.#m.get(id);
     this.#m.delete(id);
     if (!e || e.until <= this.#now()) {
@@ -65,7 +74,7 @@ export class Conversations {
       return undefined;
     }
     this.hits++;
-    return { ...e.params, do_remote_decode: true, do_remote_prefill: false };
+    return { params: { ...e.params, do_remote_decode: true, do_remote_prefill: false }, release: () => e.drop?.() };
   }
 
   /**

@@ -461,7 +461,8 @@ export class ServingProxy {
   ): Promise<void> {
     const chat = path === '/v1/chat/completions';
     // The conversation's previous turn, held by its decode: the prefill reads what it can of it.
-    const ask = (conversation !== undefined && this.conversations.take(conversation)) || prefillRequestParams();
+    const previous = conversation !== undefined ? this.conversations.claim(conversation) : undefined;
+    const ask = previous?.params ?? prefillRequestParams();
     if (this.pools.encode.size > 0 && hasImages(body)) {
       await this.#stage('encode', path, { ...body, stream: false, max_tokens: 1 }, requestId, signal, false);
     }
@@ -485,13 +486,13 @@ export class ServingProxy {
     const avoid = new Set<WorkerRef>();
     let dec: Awaited<ReturnType<ServingProxy['prefillAndDecode']>>;
     try {
-      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid, conversation);
+      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid, conversation, previous);
     } catch (e) {
       if (!(e instanceof StageFailure) || e.stage !== 'decode' || e.status < 500 || signal.aborted) throw e;
       if (e.type === 'kv_expired') this.stats.expiredRetries++;
       else this.stats.decodeRetries++;
       try {
-        dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid, conversation);
+        dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid, conversation, previous);
       } catch (again) {
         // Nothing left to try: the first failure says more than 'no healthy worker'.
         throw again instanceof StageFailure && again.worker === undefined ? e : again;
@@ -526,6 +527,7 @@ export class ServingProxy {
     signal: AbortSignal,
     avoidDecode: Set<WorkerRef>,
     conversation?: string,
+    previous?: { release(): void },
   ): Promise<{ answer: StageAnswer; worker: WorkerRef; release(): void }> {
     // No prefill for a decode that cannot take it: its blocks would wait a
     // whole lease for a read that never comes, and fill the prefill's cache.
@@ -568,13 +570,15 @@ export class ServingProxy {
       );
     }
     const canRelease = (pre.answer.json?.nixl_node as { kv_release?: unknown } | undefined)?.kv_release === true;
+    const reused = (pre.answer.json?.nixl_node as { kv_reused_tokens?: unknown } | undefined)?.kv_reused_tokens;
+    // The previous turn's hold, not read (the prompt did not prove to be its prefix...): free it now.
+    if (reused === 0) previous?.release();
     const decodeBody = path === GENERATE_PATH ? generateDecodeBody(body, kv!) : { ...body, kv_transfer_params: kv };
     const avoid = new Set([pre.worker, ...avoidDecode]);
     try {
       const dec = await this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, avoid, {
         accept: (w) => serves(w, model) && sameModel(w.model, pre.worker.model),
       });
-      const reused = (pre.answer.json?.nixl_node as { kv_reused_tokens?: unknown } | undefined)?.kv_reused_tokens;
       const decodeWorker = dec.worker;
       dec.answer = carryTurn(dec.answer, {
         conversation,

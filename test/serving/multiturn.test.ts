@@ -354,6 +354,19 @@ describe('the proxy carries the conversation', () => {
         expect(decode.turns!.held).toBe(2);
       });
 
+  it('a turn whose prompt does not continue the held one: recomputed, and the proxy frees that hold', async () => {
+    const both = { bidirectionalKv: true, kvSecret: 'k' };
+    const { proxy, decode } = await serveTrio(closers, { prefill: both, decode: both });
+    const t1 = await ask(proxy.url, { prompt: HISTORY, max_tokens: 8, conversation_id: 'e' });
+    const edited = `${HISTORY.replace('story', 'poem')}${t1.json.choices[0].text}\nuser: go on\n`;
+    const t2 = await ask(proxy.url, { prompt: edited, max_tokens: 8, conversation_id: 'e' });
+    expect(t2.json.choices[0].text).toBe(expectedCompletion(edited, 8).join(' '));
+    expect(t2.json.nixl_node.kv_reused_tokens).toBe(0);
+    // Turn 1's hold freed by the proxy (the prefill never frees what it did not prove); turn 2's kept.
+    await expect.poll(() => decode.stats.abortedHolds).toBe(1);
+    expect(decode.turns!.held).toBe(1);
+  });
+
   it('an entry evicted (more conversations than --max-conversations) frees its hold on the decode', async () => {
     const both = { bidirectionalKv: true };
     const { proxy, decode } = await serveTrio(closers, {

@@ -65,6 +65,18 @@ describe('Conversations', () => {
     expect(dropped.at(-1)).toBe('short');
   });
 
+  it('claim: the entry, and what frees its hold when the prefill did not read it', () => {
+    const dropped: number[] = [];
+    const c = new Conversations();
+    c.put('a', P(1), undefined, () => dropped.push(1));
+    const got = c.claim('a')!;
+    expect(got.params.remote_request_id).toBe('turn-1');
+    expect(dropped).toEqual([]);
+    got.release();
+    expect(dropped).toEqual([1]);
+    expect(c.claim('a')).toBeUndefined();
+  });
+
   it('conversation_id is taken out of the request, and must be a short string', () => {
     const b: Record<string, unknown> = { prompt: 'x', conversation_id: 'abc' };
     expect(takeConversationId(b)).toBe('abc');
