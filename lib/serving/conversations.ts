@@ -31,6 +31,14 @@ interface Entry {
   drop?: () => void;
 }
 
+/** A conversation's previous turn, taken for its next turn's prefill. */
+export interface ClaimedTurn {
+  /** The params the prefill is given. */
+  params: Record<string, unknown>;
+  /** Frees the decode's hold (the prefill read nothing from it). */
+  release(): void;
+}
+
 /** conversation_id -> the params of its last turn's held KV. */
 export class Conversations {
   readonly #m = new Map<string, Entry>();
@@ -65,7 +73,7 @@ export class Conversations {
    * (another prompt, forged, below the threshold): the entry was this
    * conversation's own, so nobody else's hold is freed.
    */
-  claim(id: string): { params: Record<string, unknown>; release(): void } | undefined {
+  claim(id: string): ClaimedTurn | undefined {
     const e = this.#m.get(id);
     this.#m.delete(id);
     if (!e || e.until <= this.#now()) {

@@ -22,6 +22,7 @@ export {
   CONVERSATION_KEY,
   Conversations,
   type ConversationOptions,
+  type ClaimedTurn,
   carryTurn,
   takeConversationId,
 } from './conversations';
