@@ -55,6 +55,7 @@ import { NixlError } from '../errors';
 import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
 import { type HeldTurn, type Reuse, TurnKv } from './turns';
+import { type KvMode, PushServing, pushHash } from './push-serving';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -132,6 +133,13 @@ export interface WorkerOptions {
   kvRecomputeThreshold?: number;
   /** The share of the KV cache held turns may take together (default 0.5); past it a turn is not held. */
   heldTurnsShare?: number;
+  /**
+   * How KV moves (docs/kv-push.md): 'pull' (default, vLLM NixlConnector) or
+   * 'push' (NixlPushConnector: decodes register their blocks, prefills WRITE).
+   */
+  kvMode?: KvMode;
+  /** Push: a decode's deadline for every WRITE, ms (default 30 s). */
+  pushTimeoutMs?: number;
 }
 
 /** A worker's counters. */
@@ -216,6 +224,8 @@ export class Worker implements FrontHandler {
    */
   readonly #releasedEarly = new Map<string, number>();
   #side?: HandshakeServer;
+  /** Push mode's receiver and sender (kvMode 'push'). */
+  #push?: PushServing;
   #http?: http.Server;
   #zmq?: ZmqFront;
   #seq = 0;
@@ -316,6 +326,7 @@ export class Worker implements FrontHandler {
       model: this.model.id,
       ...(len ? { max_model_len: len } : {}),
       free_blocks: this.freeBlocks,
+      ...this.#kvInfo(),
     };
   }
 
@@ -325,7 +336,7 @@ export class Worker implements FrontHandler {
    */
   releaseHold(remoteRequestId: unknown): boolean {
     if (typeof remoteRequestId !== 'string') throw new HttpError(400, "'remote_request_id' must be a string");
-    return this.#tracker.abort(remoteRequestId);
+    return this.#abortHold(remoteRequestId);
   }
 
   /**
@@ -341,13 +352,26 @@ export class Worker implements FrontHandler {
       p.released = true;
       n++;
     }
-    for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#tracker.abort(id)) n++;
+    for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#abortHold(id)) n++;
     if (n === 0) {
       this.#releasedEarly.set(requestId, performance.now());
       const [oldest] = this.#releasedEarly.keys();
       if (this.#releasedEarly.size > 4096) this.#releasedEarly.delete(oldest);
     }
     return n;
+  }
+
+  /** What a push proxy sends a decode up front: where this worker's KV is (vLLM DEMO1's --prefill-* flags). */
+  #kvInfo() {
+    const mode = this.#o.kvMode ?? 'pull';
+    if (mode !== 'push' || !this.#side) return { kv_mode: mode };
+    const { host, basePort } = this.#side;
+    return { kv_mode: mode, kv_engine_id: this.name, kv_host: host, kv_port: basePort, tp_size: 1, pp_size: 1 };
+  }
+
+  /** Frees a prefill's hold (pull or push) now; false when there is none. */
+  #abortHold(id: string): boolean {
+    return this.#tracker.abort(id) || (this.#push?.sender.abort(id) ?? false);
   }
 
   /** Why this worker cannot serve now (its model cannot), or undefined: /health answers 503 with it. */
@@ -376,7 +400,8 @@ export class Worker implements FrontHandler {
     const host = this.#o.host ?? '127.0.0.1';
     this.#side = await servePrefill({
       ranks: [{ agent: this.#agent, layout: this.#layout, leaseBoard: this.#tracker.board }],
-      compatibilityHash: this.model.compatibilityHash,
+      compatibilityHash:
+        this.#o.kvMode === 'push' ? pushHash(this.model.compatibilityHash) : this.model.compatibilityHash,
       host,
       port: this.#o.sideChannelPort ?? 0,
       wire: this.#o.wire,
@@ -384,6 +409,18 @@ export class Worker implements FrontHandler {
       // The clock its v12 replies carry: the one remote_blocks_expiry_time is on.
       clock: () => this.#now() / 1000,
     });
+    if (this.#o.kvMode === 'push')
+      this.#push = new PushServing({
+        agent: this.#agent,
+        layout: this.#layout,
+        hash: pushHash(this.model.compatibilityHash),
+        host,
+        port: this.#side.basePort,
+        wire: this.#o.wire,
+        leaseMs: this.#o.leaseMs,
+        receiveTimeoutMs: this.#o.pushTimeoutMs,
+        secret: this.#secret,
+      });
     const maxBodyBytes = this.#o.maxBodyBytes ?? 1 << 20;
     if ((this.#o.transport ?? 'http') === 'http') {
       const h = await serveHttp(this, {
@@ -524,7 +561,11 @@ export class Worker implements FrontHandler {
         const g = await this.#decode(req, held, answer, signal, () => {}, bindingOf(p));
         this.stats.decodes++;
         const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole);
-        answer.finish(g, { worker: this.name, kv_blocks: held.length, kv_moved: false, ...g.info }, next);
+        answer.finish(
+          g,
+          { worker: this.name, kv_blocks: held.length, kv_moved: false, kv_mode: 'pull', ...g.info },
+          next,
+        );
       } finally {
         this.#tracker.release(p.remoteRequestId);
       }
@@ -535,6 +576,12 @@ export class Worker implements FrontHandler {
       const g = await this.model.generate(req, answer.text, signal);
       this.stats.aggregated++;
       answer.finish(g, { worker: this.name, kv_blocks: 0, kv_moved: false, ...g.info });
+      return;
+    }
+    if (this.#isPush(kvp)) {
+      span.setAttribute('nixl_node.role', 'decode');
+      span.setAttribute('nixl_node.kv_mode', 'push');
+      await this.#pushDecode(req, kvp, known, answer, signal);
       return;
     }
     // Decode: the KV comes from the prefill named in kv_transfer_params.
@@ -594,12 +641,68 @@ export class Worker implements FrontHandler {
           worker: this.name,
           kv_blocks: n,
           kv_moved: true,
+          kv_mode: 'pull',
           kv_bytes: n * layers * blockBytes,
           kv_pull_ms: Math.round(pullMs * 1000) / 1000,
           ...g.info,
         },
         next,
       );
+    } finally {
+      give();
+    }
+  }
+
+  /** Whether kv_transfer_params ask for push (a pull worker refuses them); a push worker's default. */
+  #isPush(kvp: Record<string, unknown> | undefined): boolean {
+    if (kvp === undefined) return false;
+    if (kvp.transfer_mode === 'push' && !this.#push)
+      throw new HttpError(
+        400,
+        'this worker moves KV in pull mode; these kv_transfer_params ask for push',
+        'kv_mode_mismatch',
+      );
+    return this.#push !== undefined && (kvp.transfer_mode === 'push' || kvp.transfer_mode === undefined);
+  }
+
+  /**
+   * Push decode: our blocks are registered with the prefill the params name,
+   * which WRITEs into them; once every WRITE came, generate as after a pull.
+   */
+  async #pushDecode(
+    req: GenerationRequest,
+    kvp: Record<string, unknown>,
+    known: number | undefined,
+    answer: Answer,
+    signal: AbortSignal,
+  ) {
+    if (known === undefined)
+      throw new HttpError(400, 'push mode needs a model that knows its KV blocks from the prompt', 'kv_mode_mismatch');
+    const ids = this.#take(known);
+    let given = false;
+    const give = () => {
+      if (!given) this.#blocks.give(ids);
+      given = true;
+    };
+    const t0 = performance.now();
+    const { params } = await this.#push!.receive(kvp, ids, signal, give);
+    try {
+      const pushMs = performance.now() - t0;
+      this.stats.kvPullMs += pushMs;
+      const binding = { engineId: params.remoteEngineId, requestId: params.remoteRequestId, blockIds: ids };
+      const g = await this.#decode(req, ids, answer, signal, give, binding);
+      this.stats.decodes++;
+      const { layers, blockBytes } = this.model.geometry;
+      give();
+      answer.finish(g, {
+        worker: this.name,
+        kv_blocks: known,
+        kv_moved: true,
+        kv_mode: 'push',
+        kv_bytes: known * layers * blockBytes,
+        kv_push_ms: Math.round(pushMs * 1000) / 1000,
+        ...g.info,
+      });
     } finally {
       give();
     }
@@ -649,8 +752,18 @@ export class Worker implements FrontHandler {
       }
       reuse ??= { tokens: 0, blocks: 0, skipped: 'bidirectional-off' };
     }
+    const push = this.#isPush(kvIn);
     // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
-    const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
+    let remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
+    if (push) {
+      try {
+        // Push: the proxy's transfer_id, which the decode's registration names.
+        remoteRequestId = PushServing.offerId(kvIn!);
+      } catch (e) {
+        this.#blocks.give(ids);
+        throw e;
+      }
+    }
     const t0 = performance.now();
     kv.writeTo(this.#view(ids), { engineId: this.name, requestId: remoteRequestId, blockIds: ids }, reuse?.blocks);
     this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t0;
@@ -664,7 +777,17 @@ export class Worker implements FrontHandler {
       parent: span.context,
       attributes: { 'nixl_node.remote_request_id': remoteRequestId, 'nixl_node.blocks': ids.length },
     });
-    void this.#tracker.expect(remoteRequestId, ids).then((r) => {
+    // (Push: the test hook holds the offer back, so a WRITE comes only after it.)
+    if (push && this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
+    const held = push
+      ? this.#push!.offer(remoteRequestId, ids).then((r) => {
+          if (r.reason === 'written') this.stats.freedByRead++;
+          else if (r.reason === 'aborted') this.stats.abortedHolds++;
+          else this.stats.freedByLease++;
+          return { reason: r.reason === 'written' ? 'read' : r.reason };
+        }, failedOffer)
+      : this.#tracker.expect(remoteRequestId, ids);
+    void held.then((r) => {
       hold.setAttribute('nixl_node.release_reason', r.reason === 'expired' ? 'lease' : r.reason);
       hold.end();
       this.#held.delete(remoteRequestId);
@@ -676,28 +799,36 @@ export class Worker implements FrontHandler {
       }
       this.#blocks.give(ids);
     });
-    if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
+    if (this.#o.stallPrefillMs && !push) await sleep(this.#o.stallPrefillMs, signal);
     if (signal.aborted || me.released) {
       // Nobody will get the params, so nobody will read the blocks.
-      this.#tracker.abort(remoteRequestId);
+      this.#abortHold(remoteRequestId);
       throw new HttpError(499, 'the proxy went away', 'aborted');
     }
     this.stats.prefills++;
-    const params = buildKvTransferParams(
-      {
-        remoteBlockIds: [ids],
-        remoteEngineId: this.name,
-        remoteRequestId,
-        remoteHost: this.#side!.host,
-        remotePort: this.#side!.basePort,
-        tpSize: 1,
-        remoteNumTokens: kv.promptTokens,
-        // When the tracker frees the blocks unless read, on the clock the
-        // side channel sends (performance.now, seconds), as vLLM does.
-        remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
-      },
-      this.#o.wire,
-    );
+    const params = push
+      ? this.#push!.params({
+          engineId: this.name,
+          requestId: remoteRequestId,
+          host: this.#side!.host,
+          port: this.#side!.basePort,
+          tokens: kv.promptTokens,
+        })
+      : buildKvTransferParams(
+          {
+            remoteBlockIds: [ids],
+            remoteEngineId: this.name,
+            remoteRequestId,
+            remoteHost: this.#side!.host,
+            remotePort: this.#side!.basePort,
+            tpSize: 1,
+            remoteNumTokens: kv.promptTokens,
+            // When the tracker frees the blocks unless read, on the clock the
+            // side channel sends (performance.now, seconds), as vLLM does.
+            remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
+          },
+          this.#o.wire,
+        );
     // Streamed (a client that asked to): the last chunk carries the params.
     endAnswer(
       sink,
@@ -794,6 +925,7 @@ export class Worker implements FrontHandler {
       await new Promise((r) => this.#http!.close(r));
     }
     await this.#side?.close();
+    await this.#push?.close();
     await this.#puller.close();
     await this.#tracker.close();
     this.#agent.close();
@@ -941,6 +1073,11 @@ function asHttpError(e: unknown, signal: AbortSignal): HttpError {
 function expirySeconds(tracker: PrefillTracker, requestId: string): number | null {
   const ms = tracker.leaseExpiry(requestId);
   return ms === undefined ? null : ms / 1000;
+}
+
+/** An offer refused outright (the worker closing): its blocks go back as after a failed push. */
+function failedOffer(): { reason: 'failed' } {
+  return { reason: 'failed' };
 }
 
 /** The set under key, made when missing. */
