@@ -2,9 +2,15 @@
 // 'push' and `proxy --kv-mode push` dispatching both legs at once, over HTTP
 // and ZeroMQ. Answers equal pull answers and one process's; a decode whose
 // prefill never writes fails typed by its deadline; a dead leg aborts the other.
+import { spawn, spawnSync } from 'node:child_process';
+import * as path from 'node:path';
+import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../../lib/serving';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
+import { ROOT } from '../helpers';
+
+const BIN = path.join(ROOT, 'bin', 'nixl-node.js');
 
 const cleanup: Array<() => Promise<unknown> | unknown> = [];
 afterEach(async () => {
@@ -12,6 +18,8 @@ afterEach(async () => {
 });
 
 type Mode = 'pull' | 'push';
+// biome-ignore lint/suspicious/noExplicitAny: answers read as JSON
+type Json = Record<string, any>;
 
 async function cluster(
   transport: 'http' | 'zmq',
@@ -45,7 +53,7 @@ async function ask(url: string, prompt: string, stream = false) {
     method: 'POST',
     body: JSON.stringify({ model: MODEL_NAME, prompt, max_tokens: 7, temperature: 0, stream }),
   });
-  if (!stream) return { status: r.status, json: (await r.json()) as Record<string, any> };
+  if (!stream) return { status: r.status, json: (await r.json()) as Json };
   let text = '';
   let info: Record<string, unknown> | undefined;
   for (const line of (await r.text()).split('\n').filter((l) => l.startsWith('data: {'))) {
@@ -53,7 +61,7 @@ async function ask(url: string, prompt: string, stream = false) {
     text += c.choices[0]?.text ?? '';
     info = c.nixl_node ?? info;
   }
-  return { status: r.status, json: { choices: [{ text }], nixl_node: info } as Record<string, any> };
+  return { status: r.status, json: { choices: [{ text }], nixl_node: info } as Json };
 }
 
 async function freeAgain(w: Worker, n: number, ms: number) {
@@ -125,7 +133,7 @@ describe('push serving faults', () => {
       do_remote_decode: false,
       remote_engine_id: c.prefill.name,
       remote_host: '127.0.0.1',
-      remote_port: (c.prefill.healthInfo() as Record<string, any>).kv_port,
+      remote_port: (c.prefill.healthInfo() as Json).kv_port,
       tp_size: 1,
       pp_size: 1,
       remote_request_id: 'xfer-never',
@@ -137,7 +145,7 @@ describe('push serving faults', () => {
       body: JSON.stringify({ model: MODEL_NAME, prompt: 'never written', max_tokens: 3, kv_transfer_params: kv }),
     });
     const ms = performance.now() - t0;
-    const j = (await r.json()) as Record<string, any>;
+    const j = (await r.json()) as Json;
     expect(r.status, JSON.stringify(j)).toBe(504);
     expect(j.error.type).toBe('kv_push_timeout');
     expect(ms).toBeLessThan(5000);
@@ -158,7 +166,7 @@ describe('push serving faults', () => {
         kv_transfer_params: { do_remote_decode: true, transfer_mode: 'push', transfer_id: 'xfer-orphan' },
       }),
     });
-    const j = (await r.json()) as Record<string, any>;
+    const j = (await r.json()) as Json;
     expect(r.status, JSON.stringify(j)).toBe(200);
     expect(j.kv_transfer_params).toMatchObject({ transfer_mode: 'push', remote_engine_id: c.prefill.name });
     expect(c.prefill.freeBlocks).toBeLessThan(256);
@@ -191,4 +199,42 @@ describe('push serving faults', () => {
       console.log(`push prefill killed (${transport}): answered ${status} ${json.error.code} in ${ms.toFixed(0)} ms`);
     },
   );
+});
+
+describe('nixl-node proxy --kv-mode', () => {
+  it('push: both legs through the command, kv_mode push in the answer', async () => {
+    const pre = await startWorker({ name: 'cli-P', kvMode: 'push' });
+    const dec = await startWorker({ name: 'cli-D', kvMode: 'push' });
+    cleanup.push(
+      () => pre.close(),
+      () => dec.close(),
+    );
+    const p = spawn(
+      process.execPath,
+      [BIN, 'proxy', '--port', '0', '--kv-mode', 'push', '--prefill', pre.address, '--decode', dec.address],
+      { stdio: ['ignore', 'pipe', 'ignore'] },
+    );
+    cleanup.push(() => p.kill('SIGKILL'));
+    const url = await new Promise<string>((resolve) =>
+      readline.createInterface({ input: p.stdout! }).on('line', (l) => {
+        if (l.includes('"ready"')) resolve(JSON.parse(l).url);
+      }),
+    );
+    const { status, json } = await ask(url, 'through the command');
+    expect(status, JSON.stringify(json)).toBe(200);
+    expect(json.nixl_node).toMatchObject({ kv_moved: true, kv_mode: 'push', worker: 'cli-D' });
+  });
+
+  it.each(['proxy', 'worker'])('%s --kv-mode sideways: a usage error', (cmd) => {
+    const r = spawnSync(
+      process.execPath,
+      [BIN, cmd, '--kv-mode', 'sideways', ...(cmd === 'proxy' ? ['--pd-addrs', 'http://127.0.0.1:1'] : [])],
+      {
+        encoding: 'utf8',
+        timeout: 20_000,
+      },
+    );
+    expect(r.status).toBe(2);
+    expect(r.stderr).toMatch(/kv-mode/);
+  });
 });
