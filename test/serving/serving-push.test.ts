@@ -177,6 +177,24 @@ describe('push serving faults', () => {
     expect(c.prefill.stats.freedByRead).toBe(0);
   });
 
+  it('decode killed after registering, through the proxy: a typed error, the prefill frees its blocks before its lease, no retry', async () => {
+    const c = await cluster('http', 'push', { stallPrefillMs: 1500, leaseMs: 8000 });
+    const q = ask(c.proxy.url, 'decode dies');
+    // The decode has registered its blocks with the prefill, which is still computing.
+    await new Promise((r) => setTimeout(r, 400));
+    expect(c.decode.freeBlocks).toBeLessThan(256);
+    await c.decode.close();
+    const { status, json } = await q;
+    expect(status, JSON.stringify(json)).toBeGreaterThanOrEqual(500);
+    expect(json.error.stage).toBe('decode');
+    const t0 = performance.now();
+    expect(await freeAgain(c.prefill, 256, 6000)).toBe(256);
+    expect(performance.now() - t0).toBeLessThan(4000);
+    expect(c.prefill.stats.freedByLease).toBe(0);
+    expect(c.prefill.stats.freedByRead).toBe(0);
+    expect(c.proxy.stats.decodeRetries + c.proxy.stats.expiredRetries + c.proxy.stats.retries).toBe(0);
+  });
+
   it.each(['http', 'zmq'] as const)(
     'prefill killed mid-request over %s: the proxy answers a typed error, no hang',
     async (transport) => {
