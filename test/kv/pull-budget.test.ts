@@ -3,7 +3,7 @@
 // optimisation) gives up within it; a pull without one keeps the puller's
 // retries. Found by attack: a turn-2 prefill whose previous decode had died
 // waited 3 x 5 s of handshake attempts before recomputing, aborted or not.
-import { createServer } from 'node:net';
+import { type Socket, createServer } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import { DescList, KvPuller, NixlAgent, type PullError } from '../../lib';
 import * as kv from '../../demo/kvpattern';
@@ -14,13 +14,16 @@ afterEach(async () => {
   for (const c of closers.splice(0).reverse()) await c();
 });
 
-/** A port nothing listens on. */
+/** A port that accepts connections and never answers (kept open, so no other process can take it). */
 async function deadPort(): Promise<number> {
-  const s = createServer();
+  const held: Socket[] = [];
+  const s = createServer((c) => held.push(c));
   await new Promise<void>((r) => s.listen(0, '127.0.0.1', r));
-  const port = (s.address() as { port: number }).port;
-  await new Promise((r) => s.close(r));
-  return port;
+  closers.push(() => {
+    for (const c of held) c.destroy();
+    return new Promise((r) => s.close(r));
+  });
+  return (s.address() as { port: number }).port;
 }
 
 function puller(name: string): KvPuller {
