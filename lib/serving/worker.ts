@@ -79,6 +79,10 @@ export interface WorkerOptions {
   contextSize?: number;
   /** GGUF: requests evaluated at once, a context each (default 2). */
   parallel?: number;
+  /** GGUF: tokens llama.cpp evaluates in one batch (default: the context size, at most 512). */
+  batchSize?: number;
+  /** GGUF: reuse a context's cached prompt prefix in whole batches (default true; the numbers do not change). */
+  prefixCache?: boolean;
   /** GGUF: bytes of one KV block (default 64 KiB); a request's state takes as many as it needs. */
   blockBytes?: number;
   /**
@@ -144,6 +148,9 @@ export interface WorkerStats {
   kvSaveMs: number;
   kvPullMs: number;
   kvLoadMs: number;
+  /** Prefill (GGUF): prompt tokens taken from a context's cached prefix, and prompt tokens evaluated. */
+  prefixReusedTokens: number;
+  prefillEvaluatedTokens: number;
 }
 
 export type { RequestHints, Sink } from './front';
@@ -172,6 +179,8 @@ export class Worker implements FrontHandler {
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
+    prefixReusedTokens: 0,
+    prefillEvaluatedTokens: 0,
   };
   /** HTTP: the base URL; ZMQ: the address to PUSH to. */
   address = '';
@@ -627,6 +636,8 @@ export class Worker implements FrontHandler {
       throw new HttpError(499, 'the proxy went away', 'aborted');
     }
     this.stats.prefills++;
+    this.stats.prefixReusedTokens += Number(kv.info?.prefix_reused_tokens ?? 0);
+    this.stats.prefillEvaluatedTokens += Number(kv.info?.tokens_evaluated ?? 0);
     const params = buildKvTransferParams(
       {
         remoteBlockIds: [ids],
@@ -649,7 +660,7 @@ export class Worker implements FrontHandler {
         ...completionBody(requestId, this.model.id, req.chat, '', 'length', { prompt: kv.promptTokens, completion: 0 }),
         kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
         // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
-        nixl_node: { worker: this.name, kv_release: true },
+        nixl_node: { ...kv.info, worker: this.name, kv_release: true },
       },
       body,
     );
@@ -757,6 +768,8 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
           threads: o.threads,
           contextSize: o.contextSize,
           parallel: o.parallel,
+          batchSize: o.batchSize,
+          prefixCache: o.prefixCache,
           blockBytes,
           poolBytes: blocks * blockBytes,
           kvSecret: o.kvSecret ?? process.env.NIXL_NODE_KV_SECRET ?? undefined,
