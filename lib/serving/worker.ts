@@ -148,9 +148,12 @@ export interface WorkerStats {
   kvSaveMs: number;
   kvPullMs: number;
   kvLoadMs: number;
-  /** Prefill (GGUF): prompt tokens taken from a context's cached prefix, and prompt tokens evaluated. */
+  /** Prefill (GGUF): prefills that reused a cached prefix, prompt tokens taken from one, and prompt tokens evaluated. */
+  prefixHits: number;
   prefixReusedTokens: number;
   prefillEvaluatedTokens: number;
+  /** Prefill: time in the model's prefill (evaluating and taking the KV out), ms. */
+  prefillMs: number;
 }
 
 export type { RequestHints, Sink } from './front';
@@ -179,8 +182,10 @@ export class Worker implements FrontHandler {
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
+    prefixHits: 0,
     prefixReusedTokens: 0,
     prefillEvaluatedTokens: 0,
+    prefillMs: 0,
   };
   /** HTTP: the base URL; ZMQ: the address to PUSH to. */
   address = '';
@@ -599,14 +604,16 @@ export class Worker implements FrontHandler {
     me: { released: boolean },
     body: Record<string, unknown>,
   ) {
+    const t0 = performance.now();
     const kv = await this.model.prefill(req, signal);
+    this.stats.prefillMs += performance.now() - t0;
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
     // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
     const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
-    const t0 = performance.now();
+    const t1 = performance.now();
     kv.writeTo(this.#view(ids), { engineId: this.name, requestId: remoteRequestId, blockIds: ids });
-    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t0;
+    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t1;
     if (this.#o.tamperKv)
       tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv, this.#secret);
     this.#held.set(remoteRequestId, ids);
@@ -636,7 +643,9 @@ export class Worker implements FrontHandler {
       throw new HttpError(499, 'the proxy went away', 'aborted');
     }
     this.stats.prefills++;
-    this.stats.prefixReusedTokens += Number(kv.info?.prefix_reused_tokens ?? 0);
+    const reused = Number(kv.info?.prefix_reused_tokens ?? 0);
+    if (reused > 0) this.stats.prefixHits++;
+    this.stats.prefixReusedTokens += reused;
     this.stats.prefillEvaluatedTokens += Number(kv.info?.tokens_evaluated ?? 0);
     const params = buildKvTransferParams(
       {
