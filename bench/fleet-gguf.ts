@@ -1,15 +1,15 @@
 // Fleet routing with GGUF prefills that reuse a cached prompt prefix
 // (lib/serving/models/llama-prefix.ts): 'load' (prefix affinity) against
 // round-robin on the same workers, in this process: 3 prefill workers of the
-// generated 'small' model, 2 contexts each (each caches the prompt it last
-// evaluated), and 1 decode. Requests start with one of 6 long shared
-// prefixes (system prompts over 1000 tokens) and end with a short question;
-// one at a time, streamed, 2 tokens. Each run gives each policy its own
-// prefixes (no cache helps the other), the order alternating run by run.
-// Per policy and run: the share of prefills that reused a prefix, the share
-// of prompt tokens reused, the median time to first token and the median
-// prefill time (evaluating plus saving the state); ratios to round-robin in
-// the same run.
+// generated 'small' model, 3 contexts each (each caches the prompt it last
+// evaluated: 9 prompts in all, 3 per prefill), and 1 decode. Requests start
+// with one of 6 long shared prefixes (system prompts over 1000 tokens) and
+// end with a short question; one at a time, streamed, 2 tokens; the two
+// policies take turns request by request (each with prefixes of its own, so
+// that no cache helps the other) and see the same machine. Per policy and
+// run: the share of prefills that reused a prefix, the share of prompt tokens
+// reused, the mean time to first token and the mean prefill time (evaluating
+// plus saving the state); ratios to round-robin in the same run.
 import { createHash } from 'node:crypto';
 import * as os from 'node:os';
 import { type Policy, type Worker, startProxy, startWorker } from '../lib/serving';
@@ -23,7 +23,7 @@ export interface FleetGgufRun {
   reusedShare: number;
   ttftMs: number;
   prefillMs: number;
-  /** ttftMs / round-robin's ttftMs of the same run; prefillMs likewise. */
+  /** Means over the run's requests, ms. ttftRatio: ttftMs / round-robin's of the same run; prefillRatio likewise. */
   ttftRatio: number;
   prefillRatio: number;
 }
@@ -58,45 +58,49 @@ function draw(i: number): number {
   return createHash('sha256').update(`request ${i}`).digest()[0] % PREFIXES;
 }
 
-async function runPolicy(policy: Policy, set: string, prefills: Worker[], decode: Worker, n: number) {
-  const proxy = await startProxy({
-    prefill: prefills.map((w) => w.address),
-    decode: [decode.address],
-    policy,
-    healthIntervalMs: 0,
-  });
+interface Tally {
+  hits: number;
+  reused: number;
+  tokens: number;
+  ttft: number[];
+  prefill: number[];
+  prompt: number[];
+}
+
+/** One run: n requests per policy, the policies taking turns request by request (each its own prefixes). */
+async function run(r: number, prefills: Worker[], decode: Worker, n: number): Promise<Map<Policy, Tally>> {
+  const policies: Policy[] = ['round-robin', 'load'];
+  const proxies = await Promise.all(
+    policies.map((policy) =>
+      startProxy({ prefill: prefills.map((w) => w.address), decode: [decode.address], policy, healthIntervalMs: 0 }),
+    ),
+  );
   const sum = (k: 'prefixHits' | 'prefixReusedTokens' | 'prefillEvaluatedTokens' | 'prefillMs') =>
     prefills.reduce((s, w) => s + w.stats[k], 0);
-  const ttft: number[] = [];
-  const prefill: number[] = [];
-  const tokens: number[] = [];
-  const hits0 = sum('prefixHits');
+  const out = new Map<Policy, Tally>(
+    policies.map((p) => [p, { hits: 0, reused: 0, tokens: 0, ttft: [], prefill: [], prompt: [] }]),
+  );
   try {
-    for (let i = 0; i < n; i++) {
-      const before = {
-        ms: sum('prefillMs'),
-        reused: sum('prefixReusedTokens'),
-        evaluated: sum('prefillEvaluatedTokens'),
-      };
-      const s = await stream(proxy.url, `${prefix(set, draw(i))} Question ${i}: what comes next?`, 2);
-      ttft.push(s.ttftMs);
-      prefill.push(sum('prefillMs') - before.ms);
-      tokens.push(sum('prefixReusedTokens') - before.reused, sum('prefillEvaluatedTokens') - before.evaluated);
-    }
+    for (let i = 0; i < n; i++)
+      for (const j of i % 2 === 0 ? [0, 1] : [1, 0]) {
+        const t = out.get(policies[j])!;
+        const b = [sum('prefixHits'), sum('prefixReusedTokens'), sum('prefillEvaluatedTokens'), sum('prefillMs')];
+        const prompt = `${prefix(`/${r}${policies[j]}`, draw(i))} Question ${i}: what comes next?`;
+        t.ttft.push((await stream(proxies[j].url, prompt, 2)).ttftMs);
+        const reused = sum('prefixReusedTokens') - b[1];
+        t.hits += sum('prefixHits') - b[0];
+        t.reused += reused;
+        t.tokens += reused + sum('prefillEvaluatedTokens') - b[2];
+        t.prompt.push(reused + sum('prefillEvaluatedTokens') - b[2]);
+        t.prefill.push(sum('prefillMs') - b[3]);
+      }
   } finally {
-    await proxy.close();
+    await Promise.all(proxies.map((p) => p.close()));
   }
-  const reused = tokens.filter((_, j) => j % 2 === 0).reduce((a, b) => a + b, 0);
-  const all = tokens.reduce((a, b) => a + b, 0);
-  const prompt = tokens.filter((_, j) => j % 2 === 0).map((r, j) => r + tokens[2 * j + 1]);
-  return {
-    hitRate: (sum('prefixHits') - hits0) / n,
-    reusedShare: reused / all,
-    ttftMs: median(ttft),
-    prefillMs: median(prefill),
-    promptTokens: median(prompt),
-  };
+  return out;
 }
+
+const mean = (a: number[]) => a.reduce((x, y) => x + y, 0) / a.length;
 
 /** Round-robin and 'load' on the same GGUF workers, `runs` times, `n` requests each. */
 export async function benchFleetGguf(n: number, runs: number): Promise<FleetGgufResult> {
@@ -117,28 +121,26 @@ export async function benchFleetGguf(n: number, runs: number): Promise<FleetGguf
   const o = { model: gguf, threads: os.availableParallelism(), contextSize: 2048, blocks: 512 };
   const workers: Worker[] = [];
   try {
-    for (let i = 0; i < 3; i++) workers.push(await startWorker({ ...o, parallel: 2 }));
+    for (let i = 0; i < 3; i++) workers.push(await startWorker({ ...o, parallel: 3 }));
     const decode = await startWorker({ ...o, parallel: 1 });
     workers.push(decode);
     const prefills = workers.slice(0, 3);
     const out: FleetGgufRun[] = [];
     let promptTokens = 0;
     for (let r = 0; r < runs; r++) {
-      const order: Policy[] = r % 2 === 0 ? ['round-robin', 'load'] : ['load', 'round-robin'];
-      const got = new Map<Policy, Awaited<ReturnType<typeof runPolicy>>>();
-      for (const p of order) got.set(p, await runPolicy(p, `/${r}${p}`, prefills, decode, n));
+      const got = await run(r, prefills, decode, n);
       const base = got.get('round-robin')!;
       for (const p of ['round-robin', 'load'] as const) {
         const g = got.get(p)!;
-        promptTokens = g.promptTokens;
+        promptTokens = median(g.prompt);
         out.push({
           policy: p,
-          hitRate: g.hitRate,
-          reusedShare: g.reusedShare,
-          ttftMs: g.ttftMs,
-          prefillMs: g.prefillMs,
-          ttftRatio: g.ttftMs / base.ttftMs,
-          prefillRatio: g.prefillMs / base.prefillMs,
+          hitRate: g.hits / n,
+          reusedShare: g.reused / g.tokens,
+          ttftMs: mean(g.ttft),
+          prefillMs: mean(g.prefill),
+          ttftRatio: mean(g.ttft) / mean(base.ttft),
+          prefillRatio: mean(g.prefill) / mean(base.prefill),
         });
       }
     }

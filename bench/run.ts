@@ -305,10 +305,10 @@ export async function runBench(o: BenchOptions): Promise<void> {
   }
 
   if (only.includes('prefix')) {
-    const n = quick ? 6 : 24;
+    const n = quick ? 6 : 36;
     const runs = quick ? 1 : 3;
     console.log(
-      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills ('small', 2 contexts each) + 1 decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs); ratio = policy / round-robin of the same run`,
+      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills ('small', 3 contexts each) + 1 decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs); ratio = policy / round-robin of the same run`,
     );
     const fg = await benchFleetGguf(n, runs);
     if (fg.note) console.log(`(${fg.note})`);

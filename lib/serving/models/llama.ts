@@ -306,8 +306,8 @@ export class LlamaModel implements ServingModel {
     let clean = false;
     try {
       const seq = sequenceOf(ctx);
+      if (seq.nextTokenIndex > 0) await seq.clearHistory(); // a prompt kept for reuse
       try {
-        if (seq.nextTokenIndex > 0) await seq.clearHistory(); // a prompt kept for reuse
         await seq.loadStateFromFile(file, { acceptRisk: true });
       } catch (e) {
         throw new KvRejected(`llama.cpp refused the KV state: ${(e as Error).message}`, 'refused');
