@@ -73,8 +73,11 @@ describe.skipIf(skip !== '')(`NIXL's etcd mode against the fleet's etcd${skip}`,
     else process.env.NIXL_ETCD_NAMESPACE = saved.ns;
     await etcd?.destroy();
   });
-  const until = async (f: () => boolean) => {
-    for (let i = 0; i < 200 && !f(); i++) await new Promise((r) => setTimeout(r, 50));
+  const until = async (f: () => boolean | Promise<boolean>) => {
+    for (let i = 0; i < 200; i++) {
+      if (await f()) return true;
+      await new Promise((r) => setTimeout(r, 50));
+    }
     return f();
   };
   const keys = async (): Promise<string[]> => {
@@ -89,18 +92,17 @@ describe.skipIf(skip !== '')(`NIXL's etcd mode against the fleet's etcd${skip}`,
     return (j.kvs ?? []).map((kv) => Buffer.from(kv.key, 'base64').toString()).sort();
   };
 
-  it('full and labelled partial metadata go through etcd, and an invalidation reaches the fetcher', async (ctx) => {
-    const mk = (name: string) => {
-      const x = new NixlAgent(name, { engine: 'nixl', backendParams: { UCX: { ucx_error_handling_mode: 'none' } } });
-      agents.push(x);
-      return x;
-    };
+  const mk = (name: string) => {
+    const x = new NixlAgent(name, { engine: 'nixl', backendParams: { UCX: { ucx_error_handling_mode: 'none' } } });
+    agents.push(x);
+    return x;
+  };
+
+  it("full metadata goes through etcd beside the fleet's keys; an invalidation reaches the fetcher", async (ctx) => {
     const a = mk('etcd-a');
     const b = mk('etcd-b');
-    const c = mk('etcd-c');
-    const m1 = allocate(4096);
-    const m2 = allocate(4096);
-    a.registerMemory(m1);
+    const m = allocate(4096);
+    a.registerMemory(m);
     // A fleet's key in the same etcd: NIXL's namespace is another.
     await fetch(`${etcd.url}/v3/kv/put`, {
       method: 'POST',
@@ -113,20 +115,28 @@ describe.skipIf(skip !== '')(`NIXL's etcd mode against the fleet's etcd${skip}`,
     if (sent === 'NIXL_ERR_NOT_SUPPORTED') return ctx.skip('this NIXL was built without etcd (HAVE_ETCD)');
     expect(sent).toBeUndefined();
     b.fetchRemoteMetadata('etcd-a');
-    expect(await until(() => b.checkRemoteMetadata('etcd-a', [m1]))).toBe(true);
-
-    a.registerMemory(m2);
-    a.sendPartialAgentMetadata([m2], { label: 'kv-1', includeConnInfo: true });
-    c.fetchRemoteMetadata('etcd-a', { label: 'kv-1' });
-    expect(await until(() => c.checkRemoteMetadata('etcd-a', [m2]))).toBe(true);
-    expect(await keys()).toEqual(
-      expect.arrayContaining([`${ns}/etcd-a/`, `${ns}/etcd-a/metadata`, `${ns}/etcd-a/kv-1`, '/nixl-node/workers/w1']),
-    );
-
+    expect(await until(() => b.checkRemoteMetadata('etcd-a', [m]))).toBe(true);
+    expect(await keys()).toEqual(expect.arrayContaining([`${ns}/etcd-a/`, `${ns}/etcd-a/metadata`]));
     a.invalidateLocalMetadata();
     expect(await until(() => !b.checkRemoteMetadata('etcd-a'))).toBe(true);
     const left = await keys();
     expect(left.filter((k) => k.startsWith(`${ns}/etcd-a/`))).toEqual([]);
     expect(left).toContain('/nixl-node/workers/w1');
+  }, 60_000);
+
+  it('partial metadata goes to etcd under its label and a fetch with that label loads it', async (ctx) => {
+    const a = mk('etcd-p');
+    const c = mk('etcd-c');
+    const m = allocate(4096);
+    a.registerMemory(m);
+    const sent = code(() => a.sendPartialAgentMetadata([m], { label: 'kv-1', includeConnInfo: true }));
+    if (sent === 'NIXL_ERR_NOT_SUPPORTED') return ctx.skip('this NIXL was built without etcd (HAVE_ETCD)');
+    expect(sent).toBeUndefined();
+    c.fetchRemoteMetadata('etcd-p', { label: 'kv-1' });
+    expect(await until(() => c.checkRemoteMetadata('etcd-p', [m]))).toBe(true);
+    expect(await keys()).toEqual(expect.arrayContaining([`${ns}/etcd-p/`, `${ns}/etcd-p/kv-1`]));
+    expect(await keys()).not.toContain(`${ns}/etcd-p/metadata`);
+    a.invalidateLocalMetadata();
+    expect(await until(async () => (await keys()).every((x) => !x.startsWith(`${ns}/etcd-p/`)))).toBe(true);
   }, 60_000);
 });
