@@ -43,6 +43,21 @@ export { type KvMetricsOptions, type PromRegistry, registerKvMetrics } from './m
 export { DEFAULT_LIMITS, type PullLimits } from './limits';
 export { LeaseBoard, SlotState } from './lease-board';
 export { SIGNATURE_KEY, signKvTransferParams, verifyKvTransferParams } from './params-auth';
+export { KvPushReceiver, type KvPushReceiverOptions } from './push-decode';
+export { KvPushSender, type KvPushSenderOptions, type PushSenderStats, type PushSent } from './push-prefill';
+export { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './push-types';
+export { BlockQuarantine, type Quarantined } from './push-quarantine';
+export {
+  PUSH_REG_PREFIX,
+  type PushParams,
+  type PushRegistration,
+  type PushRegLimits,
+  decodePushReg,
+  encodePushReg,
+  expectedWrites,
+  parsePushParams,
+  writeNotif,
+} from './push-reg';
 export {
   DEFAULT_RECOMPUTE_THRESHOLD,
   DEFAULT_TURN_TTL_MS,
