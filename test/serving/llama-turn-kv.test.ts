@@ -100,7 +100,7 @@ describe.each(['tiny', 'tiny-utf8'])('%s: the KV a decode holds after answering,
   }
 
   it.each([16, 64])(
-    'batch %i: the prompt whole batches are identical; the answer and the prompt tail are measured',
+    'batch %i: the prompt whole batches are identical, the rest once evaluated again in batches; the answer is measured',
     async (batch) => {
       const geometry = kvGeometry(model.fileInfo.metadata) as { embdK: number[]; embdV: number[] };
       const nVocab = model.fileInfo.metadata.tokenizer.ggml.tokens.length;
@@ -115,6 +115,11 @@ describe.each(['tiny', 'tiny-utf8'])('%s: the KV a decode holds after answering,
         const held = [...dseq.contextTokens];
         expect(held.slice(0, p.length)).toEqual(p);
         const decoded = await state(dseq, path.join(dir, `${name}-${batch}-${k}-d.state`));
+        // The same decode evaluating again, in batches, what follows the prompt's whole batches.
+        const whole = p.length - (p.length % batch);
+        await dseq.eraseContextTokenRanges([{ start: whole, end: dseq.nextTokenIndex }]);
+        await dseq.evaluateWithoutGeneratingNewTokens(held.slice(whole));
+        const redone = await state(dseq, path.join(dir, `${name}-${batch}-${k}-r.state`));
         await dctx.dispose();
         // A fresh prefill of the same tokens, in batches of `batch` from 0.
         const fctx = await model.createContext({ contextSize: 512, batchSize: batch, threads: 1, sequences: 1 });
@@ -125,9 +130,10 @@ describe.each(['tiny', 'tiny-utf8'])('%s: the KV a decode holds after answering,
 
         const L = learnLayout(fresh, geometry, nVocab, 512);
         const diff = differingPositions(decoded, fresh, L);
-        const whole = p.length - (p.length % batch);
         // What could be reused without changing a number: the prompt's whole batches.
         expect(diff.filter((i) => i < whole)).toEqual([]);
+        // Evaluated again in batches from a batch boundary, all of it is the fresh prefill's.
+        expect(differingPositions(redone, fresh, L)).toEqual([]);
         const tail = diff.filter((i) => i >= whole && i < p.length).length;
         const answer = diff.filter((i) => i >= p.length).length;
         rows.push(
