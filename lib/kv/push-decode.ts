@@ -155,11 +155,15 @@ export class KvPushReceiver {
     const release = this.#leases.hold(ep, p.remoteRequestId);
     for (const b of logical) this.#inUse.add(b);
     let registered = false;
+    const attempt = this.#engines.attempt(ep);
+    let engine: RemoteEngine | undefined;
     try {
-      const engine = await this.#withDeadline(this.#engines.get(ep), deadline, opts.signal);
+      engine = await this.#withDeadline(attempt.promise, deadline, opts.signal);
       const expected = expectedWrites(p.ppSize, p.tpSize, this.#o.layout.tpSize);
       const agents = new Set(engine.agentNames());
       const waiting = this.#wait(opts.requestId, agents, expected, p.tpSize, deadline, opts.signal);
+      // Awaited below; when the registration fails first, the catch reports it and finally ends the wait.
+      waiting.catch(() => undefined);
       registered = true;
       this.#register(engine, opts.requestId, logical, p, deadline);
       const w = await waiting;
@@ -171,6 +175,8 @@ export class KvPushReceiver {
       };
     } catch (e) {
       const kind = kindOf(e, opts.signal);
+      // A prefill that took no registration (gone, or restarted as new agents): handshake afresh next time.
+      if (engine && kind === 'peer-gone') this.#engines.forget(engine, attempt.promise);
       if (!registered) throw fail(kind, e);
       const until = performance.now() + (this.#o.quarantineMs ?? this.#leaseMs + 5000);
       this.quarantine.add(opts.requestId, this.#kernelIds(logical), until);
@@ -178,6 +184,7 @@ export class KvPushReceiver {
       throw fail(kind, e, until);
     } finally {
       release();
+      this.#waiting.get(opts.requestId)?.done(new NixlError('receive ended', 'NIXL_ERR_CANCELED'));
       this.#waiting.delete(opts.requestId);
       for (const b of logical) this.#inUse.delete(b);
     }
