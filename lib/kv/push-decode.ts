@@ -346,6 +346,16 @@ export class KvPushReceiver {
       );
       return;
     }
+    if (w.from.has(n.agent)) {
+      // Each prefill rank WRITEs once per decode rank: a second one is another push into our blocks.
+      w.done(
+        new NixlError(
+          `a second WRITE notification from prefill agent '${n.agent}': which WRITE landed last is unknown, request failed`,
+          'NIXL_ERR_MISMATCH',
+        ),
+      );
+      return;
+    }
     w.count++;
     w.from.add(n.agent);
     if (w.count >= w.expected) w.done();

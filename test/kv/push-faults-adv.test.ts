@@ -1,8 +1,8 @@
 // Push mode under an adversary: registrations that fail half-way, notifications
 // repeated by one rank, state that must not grow without bound, and replays.
 import { afterEach, describe, expect, it } from 'vitest';
-import { KvPushSender, NixlAgent, PushError, servePrefill } from '../../lib';
-import { PUSH_HASH, PushPair, quiet, rankLayout } from './push-helpers';
+import { KvPushSender, NixlAgent, PushError, allocate, servePrefill } from '../../lib';
+import { BLOCK, BLOCKS, PUSH_HASH, PushPair, REGIONS, quiet, rankLayout } from './push-helpers';
 
 const pairs: PushPair[] = [];
 const start = async (o?: Parameters<typeof PushPair.start>[0]) => {
@@ -69,5 +69,48 @@ describe('push receive after the prefill restarted', () => {
     expect(sent.reason).toBe('written');
     expect(await got).toMatchObject({ notifications: 1, writers: ['push-p-new'] });
     expect(t.same([9], [2])).toBe(true);
+  });
+});
+
+describe('counting WRITE notifications', () => {
+  it('prefill TP 2, decode TP 1: two notifications from one prefill rank do not prove the other rank wrote', async () => {
+    const t = await start();
+    const ranks = [0, 1].map((r) => {
+      const agent = new NixlAgent(`push-p2-${r}`, { engine: 'loopback' });
+      const mem = allocate(REGIONS * BLOCKS * BLOCK);
+      agent.registerMemory(mem);
+      return { agent, layout: rankLayout('P2', mem, 2, r) };
+    });
+    const server = await servePrefill({ ranks, compatibilityHash: PUSH_HASH, port: 0 });
+    try {
+      const params = t.params({ remote_engine_id: 'P2', remote_port: server.basePort, tp_size: 2 });
+      const got = t.receiver
+        .receive(params, { requestId: 'two', localBlockIds: [1], timeoutMs: 600 })
+        .catch((e: unknown) => e);
+      const p0 = ranks[0].agent;
+      p0.addRemoteAgent(t.dAgent.getAgentMetadata());
+      // The registration went to both ranks; only rank 0 answers, twice.
+      const regs = await Promise.all(
+        ranks.map((r) =>
+          r.agent.waitForNotif((n) => n.msg.subarray(0, 9).toString() === 'PUSH_REG:', { timeoutMs: 2000 }),
+        ),
+      );
+      expect(regs).toHaveLength(2);
+      p0.sendNotif('push-d', 'two:2');
+      p0.sendNotif('push-d', 'two:2');
+      const r = await got;
+      expect(r).toBeInstanceOf(PushError);
+      expect(r).toMatchObject({ kind: 'mismatch', code: 'NIXL_ERR_MISMATCH' });
+      expect((r as Error).message).toMatch(/second WRITE notification from prefill agent 'push-p2-0'/);
+      // One notification from each rank completes a receive.
+      ranks[1].agent.addRemoteAgent(t.dAgent.getAgentMetadata());
+      const ok = t.receiver.receive(params, { requestId: 'two-ok', localBlockIds: [2], timeoutMs: 2000 });
+      await Promise.all(ranks.map((x) => x.agent.waitForNotif((n) => n.msg.includes('two-ok'), { timeoutMs: 2000 })));
+      for (const x of ranks) x.agent.sendNotif('push-d', 'two-ok:2');
+      expect(await ok).toMatchObject({ notifications: 2 });
+    } finally {
+      await server.close();
+      for (const r of ranks) r.agent.close();
+    }
   });
 });
