@@ -198,6 +198,7 @@ export class KvPushReceiver {
         `request id ${JSON.stringify(requestId.slice(0, 80))} cannot be used in a notification`,
         'NIXL_ERR_INVALID_PARAM',
       );
+    this.#forgetGaveUp();
     const gone = this.#gaveUp.get(requestId);
     if (this.#waiting.has(requestId) || (gone !== undefined && gone > performance.now()))
       throw new NixlError(
@@ -227,6 +228,12 @@ export class KvPushReceiver {
         'NIXL_ERR_NOT_ALLOWED',
       );
     checkRemoteSizes(l, { tpSize: p.tpSize, ppSize: p.ppSize }, { ...DEFAULT_LIMITS, ...this.#o.limits });
+  }
+
+  /** Ids given up on whose WRITEs can no longer come (each receive and late WRITE prunes: bounded by failures in that window). */
+  #forgetGaveUp(): void {
+    const now = performance.now();
+    for (const [k, until] of this.#gaveUp) if (until <= now) this.#gaveUp.delete(k);
   }
 
   #kernelIds(logical: number[]): number[] {
@@ -328,8 +335,7 @@ export class KvPushReceiver {
     const w = this.#waiting.get(id);
     if (!w) {
       this.lateWrites++;
-      const now = performance.now();
-      for (const [k, until] of this.#gaveUp) if (until <= now) this.#gaveUp.delete(k);
+      this.#forgetGaveUp();
       return;
     }
     if (!w.agents.has(n.agent)) {
@@ -387,9 +393,10 @@ export class KvPushReceiver {
   }
 
   /** What the receiver holds right now (tests check nothing leaks). */
-  resources(): { receiving: number; quarantined: number; engines: number; remoteAgents: number } {
+  resources(): { receiving: number; gaveUp: number; quarantined: number; engines: number; remoteAgents: number } {
     return {
       receiving: this.#waiting.size,
+      gaveUp: this.#gaveUp.size,
       quarantined: this.quarantine.size,
       engines: this.#engines.size,
       remoteAgents: this.#engines.remoteAgents,

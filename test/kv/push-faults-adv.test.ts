@@ -114,3 +114,23 @@ describe('counting WRITE notifications', () => {
     }
   });
 });
+
+describe('what a receiver keeps', () => {
+  it('ids given up on are forgotten once no WRITE for them can come (they did not leave without a late WRITE)', async () => {
+    const t = await start({ receiver: { kvLeaseMs: 30, quarantineMs: 20 } });
+    const warm = t.receiver.receive(t.params(), { requestId: 'warm', localBlockIds: [3] });
+    await t.sender.offer('warm', [6]);
+    await warm;
+    for (const [i, id] of ['g1', 'g2', 'g3'].entries())
+      await t.receiver
+        .receive(t.params(), { requestId: id, localBlockIds: [10 + i], timeoutMs: 60 })
+        .catch((e: unknown) => expect(e).toMatchObject({ kind: 'timeout' }));
+    expect(t.receiver.resources().gaveUp).toBe(3);
+    // quarantine (20 ms) + 10 leases (300 ms): none of them is kept past that.
+    await sleep(450);
+    const got = t.receiver.receive(t.params(), { requestId: 'after', localBlockIds: [1] });
+    await t.sender.offer('after', [4]);
+    await got;
+    expect(t.receiver.resources()).toMatchObject({ gaveUp: 0, receiving: 0, quarantined: 0 });
+  });
+});
