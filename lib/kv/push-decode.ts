@@ -259,6 +259,7 @@ export class KvPushReceiver {
         remotePpSize: p.ppSize,
         confirm: true,
         deadlineMs: Math.max(0, Math.floor(deadline - performance.now())),
+        sentAtMs: Date.now(),
       },
       this.#o.secret,
     );

@@ -2,6 +2,7 @@
 // repeated by one rank, state that must not grow without bound, and replays.
 import { afterEach, describe, expect, it } from 'vitest';
 import { KvPushSender, NixlAgent, PushError, allocate, servePrefill } from '../../lib';
+import { type PushRegistration, encodePushReg } from '../../lib/kv';
 import { BLOCK, BLOCKS, PUSH_HASH, PushPair, REGIONS, quiet, rankLayout } from './push-helpers';
 
 const pairs: PushPair[] = [];
@@ -132,5 +133,43 @@ describe('what a receiver keeps', () => {
     await t.sender.offer('after', [4]);
     await got;
     expect(t.receiver.resources()).toMatchObject({ gaveUp: 0, receiving: 0, quarantined: 0 });
+  });
+});
+
+describe('signed registrations replayed', () => {
+  it('a signed registration sent again after the prefill forgot it is refused: no WRITE into the decode', async () => {
+    const t = await start({ sender: { secret: 'k', registrationTtlMs: 200 } });
+    const bytes = encodePushReg(
+      {
+        requestId: 'rp',
+        decodeEngineId: 'D',
+        decodeHost: '127.0.0.1',
+        decodePort: t.dServer.basePort,
+        decodeTpSize: 1,
+        localBlockIds: [[1]],
+        remoteEngineId: 'P',
+        remoteHost: '127.0.0.1',
+        remotePort: t.pServer.basePort,
+        remoteTpSize: 1,
+        remotePpSize: 1,
+        sentAtMs: Date.now(),
+      } as PushRegistration,
+      'k',
+    );
+    t.dAgent.addRemoteAgent(t.pAgent.getAgentMetadata());
+    t.dAgent.sendNotif('push-p', bytes);
+    expect(await t.sender.offer('rp', [5])).toMatchObject({ reason: 'written' });
+    expect(t.same([5], [1])).toBe(true);
+    t.dmem.fill(0);
+    await sleep(400);
+    // The same bytes again (captured on the wire), and a new request of that id on the prefill.
+    const refused = t.sender.stats.refused;
+    t.dAgent.sendNotif('push-p', bytes);
+    const off = t.sender.offer('rp', [6]);
+    await sleep(200);
+    expect(t.sender.stats.refused).toBe(refused + 1);
+    t.sender.abort('rp');
+    expect((await off).reason).toBe('aborted');
+    expect(t.untouched()).toBe(true);
   });
 });
