@@ -90,6 +90,10 @@ export class KvPushReceiver {
 
   constructor(o: KvPushReceiverOptions) {
     checkLayout(o.layout);
+    if (typeof o.decodeHost !== 'string' || o.decodeHost.length === 0 || o.decodeHost.length > 256)
+      throw new NixlError('decodeHost must be a host name of 1..256 characters', 'NIXL_ERR_INVALID_PARAM');
+    if (!Number.isInteger(o.decodePort) || o.decodePort < 1 || o.decodePort > 65535)
+      throw new NixlError(`decodePort must be a port, got ${o.decodePort}`, 'NIXL_ERR_INVALID_PARAM');
     this.#o = o;
     this.#wire = wireProfile(o.wire);
     if (!this.#wire.transferModes.includes('push'))
@@ -133,13 +137,17 @@ export class KvPushReceiver {
    */
   async receive(params: PushParams | Record<string, unknown>, opts: ReceiveOptions): Promise<PushReceived> {
     const t0 = performance.now();
-    const deadline = t0 + (opts.timeoutMs ?? this.#o.timeoutMs ?? 120_000);
+    const timeoutMs = opts.timeoutMs ?? this.#o.timeoutMs ?? 120_000;
+    const deadline = t0 + timeoutMs;
     let logical: number[] = [];
     const fail = (kind: PushFailure, e: unknown, quarantinedUntil?: number) =>
       PushError.of(kind, e, opts.requestId, logical, quarantinedUntil);
     let p: PushParams;
     try {
       logical = flatIds(opts.localBlockIds);
+      // A timer holds at most 2^31-1 ms (Node fires a longer one at once), and the registration carries it.
+      if (!Number.isInteger(timeoutMs) || timeoutMs < 1 || timeoutMs > 2 ** 31 - 1)
+        throw new NixlError(`timeoutMs must be an integer in 1..2^31-1, got ${timeoutMs}`, 'NIXL_ERR_INVALID_PARAM');
       p = 'remoteEngineId' in params ? (params as PushParams) : parsePushParams(params);
       this.#admit(opts.requestId, logical, p);
     } catch (e) {

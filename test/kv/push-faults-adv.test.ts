@@ -1,7 +1,7 @@
 // Push mode under an adversary: registrations that fail half-way, notifications
 // repeated by one rank, state that must not grow without bound, and replays.
 import { afterEach, describe, expect, it } from 'vitest';
-import { KvPushSender, NixlAgent, PushError, allocate, servePrefill } from '../../lib';
+import { KvPushReceiver, KvPushSender, NixlAgent, PushError, allocate, servePrefill } from '../../lib';
 import { type PushRegistration, encodePushReg } from '../../lib/kv';
 import { BLOCK, BLOCKS, PUSH_HASH, PushPair, REGIONS, quiet, rankLayout } from './push-helpers';
 
@@ -171,5 +171,30 @@ describe('signed registrations replayed', () => {
     t.sender.abort('rp');
     expect((await off).reason).toBe('aborted');
     expect(t.untouched()).toBe(true);
+  });
+});
+
+describe('receiver options and receive deadlines', () => {
+  it('a decode address no registration could carry, and a deadline a timer cannot hold, are refused up front', async () => {
+    const t = await start();
+    const mk = (o: Record<string, unknown>) => () =>
+      new KvPushReceiver({
+        agent: t.dAgent,
+        layout: rankLayout('D', t.dmem),
+        decodeHost: '127.0.0.1',
+        decodePort: 1,
+        ...o,
+      });
+    expect(mk({ decodePort: 0 })).toThrow(expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }));
+    expect(mk({ decodePort: 70000 })).toThrow(/decode/);
+    expect(mk({ decodeHost: '' })).toThrow(expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }));
+    expect(mk({ decodeHost: 'h'.repeat(300) })).toThrow(/decode/);
+    for (const timeoutMs of [2 ** 31, Number.NaN, -1])
+      expect(
+        await t.receiver
+          .receive(t.params(), { requestId: `d${timeoutMs}`, localBlockIds: [1], timeoutMs })
+          .catch((e: unknown) => e),
+      ).toMatchObject({ kind: 'setup', code: 'NIXL_ERR_INVALID_PARAM', quarantinedUntilMs: undefined });
+    expect(t.receiver.resources()).toMatchObject({ quarantined: 0, gaveUp: 0 });
   });
 });
