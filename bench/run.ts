@@ -14,12 +14,23 @@ import { benchTracing } from './tracing';
 import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
+import { benchMultiturn } from './multiturn';
 import { fmtBytes } from './stats';
 import { barChart, type Panel } from './svg';
 export { NIXLBENCH_DEFAULTS, QUICK, type GridOptions } from './grid';
 
 /** The bench's sections, in the order they run. */
-export const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'fleet', 'grid'];
+export const SECTIONS = [
+  'bandwidth',
+  'native',
+  'coalesce',
+  'handshake',
+  'tracing',
+  'serving',
+  'multiturn',
+  'fleet',
+  'grid',
+];
 /** What runs when no section is named: all but the grid (minutes). */
 export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid');
 
@@ -258,6 +269,30 @@ export async function runBench(o: BenchOptions): Promise<void> {
           ]),
       });
     }
+  }
+
+  if (only.includes('multiturn')) {
+    const n = quick ? 3 : 9;
+    const sizes = quick ? [1024, 8192] : [512, 2048, 8192, 32768];
+    console.log(
+      `\n# Multi-turn, synthetic model, proxy in front: turn 2's time to first token when its prefill reads turn 1's KV from the decode (conversation_id) / the same turn recomputed; ${n} of each per history, alternating. Synthetic "compute" is hashing: the ratio is what the read costs against that, not what a real model saves`,
+    );
+    const mt = await benchMultiturn(n, sizes);
+    table(
+      ['history tokens', 'reused', 'reuse TTFT ms', 'min', 'max', 'recompute ms', 'min', 'max', 'ratio'],
+      mt.map((r) => [
+        r.historyTokens,
+        r.reusedTokens,
+        r.reuseMs,
+        r.reuseMin,
+        r.reuseMax,
+        r.recomputeMs,
+        r.recomputeMin,
+        r.recomputeMax,
+        r.ratio,
+      ]),
+    );
+    result.multiturn = mt;
   }
 
   if (grid) {

@@ -42,6 +42,10 @@ Usage: nixl-node worker [options]
   --stall-prefill-ms N test hook: answer prefills this much later
   --stall-decode-ms N  test hook: start decode pulls this much later
   --kv-secret S        sign / require signed kv_transfer_params (default NIXL_NODE_KV_SECRET)
+  --bidirectional-kv   multi-turn: a decode holds each answered turn's KV for the next turn's prefill,
+                       which reads what is provably its prompt's prefix (vLLM bidirectional_kv_xfer)
+  --decoder-kv-ttl N   seconds a decode holds a finished turn (default 480, vLLM decoder_kv_blocks_ttl)
+  --kv-recompute-threshold N  a prefill recomputes a previous turn of fewer tokens than N (default 64)
   --etcd LIST          register in etcd (endpoints, comma-separated) under a lease; needs etcd3
   --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
   --role R             prefill | decode | both | encode: the proxies' pools it joins (default both)
@@ -70,6 +74,9 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'stall-decode-ms': { type: 'string' },
       'side-channel-port': { type: 'string' },
       'kv-secret': { type: 'string' },
+      'bidirectional-kv': { type: 'boolean' },
+      'decoder-kv-ttl': { type: 'string' },
+      'kv-recompute-threshold': { type: 'string' },
       'otlp-endpoint': { type: 'string' },
       'poison-freed': { type: 'boolean' },
       'clock-skew-ms': { type: 'string' },
@@ -114,6 +121,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
         : portNumber(String(v['side-channel-port']), 'side-channel-port'),
     poisonFreed: v['poison-freed'] === true,
     kvSecret: v['kv-secret'] as string | undefined,
+    ...bidirectionalOptions(v),
     clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
     model: gguf,
     threads: optional('threads', 1024),
@@ -145,4 +153,18 @@ export async function workerCommand(argv: string[]): Promise<void> {
   await w.close();
   await stopTracing();
   console.log(JSON.stringify({ stopped: true, stats }));
+}
+
+/** --bidirectional-kv and the options that go with it. */
+function bidirectionalOptions(v: Record<string, unknown>) {
+  const on = v['bidirectional-kv'] === true;
+  if (!on && (v['decoder-kv-ttl'] !== undefined || v['kv-recompute-threshold'] !== undefined))
+    throw new UsageError('--decoder-kv-ttl and --kv-recompute-threshold go with --bidirectional-kv');
+  if (!on) return {};
+  return {
+    bidirectionalKv: true,
+    decoderKvTtlMs: positiveInt(v, 'decoder-kv-ttl', 480, 86_400) * 1000,
+    kvRecomputeThreshold:
+      v['kv-recompute-threshold'] === '0' ? 0 : positiveInt(v, 'kv-recompute-threshold', 64, 1 << 20),
+  };
 }

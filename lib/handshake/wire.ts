@@ -277,7 +277,8 @@ export function computeCompatibilityHash(f: CompatibilityFactors, wire?: WireNam
   }
   const p = wireProfile(wire);
   const mode = f.transferMode ?? 'pull';
-  if (!p.transferModes.includes(mode))
+  // (A value that is no mode at all is the profile's to name.)
+  if ((mode === 'pull' || mode === 'push') && !p.transferModes.includes(mode))
     throw new HandshakeError(
       `computeCompatibilityHash: transfer mode '${mode}' is not part of the ${p.name} format (${p.transferModes.join(', ')} only; vLLM added push in NixlConnector 7)`,
       'NIXL_ERR_NOT_SUPPORTED',

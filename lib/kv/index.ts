@@ -34,6 +34,7 @@ export {
   type PrefillRank,
   type PrefillTrackerOptions,
   type PrefillTrackerSink,
+  type HoldOptions,
   type Released,
   type ServePrefillOptions,
   servePrefill,
@@ -57,3 +58,15 @@ export {
   parsePushParams,
   writeNotif,
 } from './push-reg';
+export {
+  DEFAULT_RECOMPUTE_THRESHOLD,
+  DEFAULT_TURN_TTL_MS,
+  PREFIX_DIGEST_KEY,
+  PREFIX_TOKENS_KEY,
+  type ReusePlan,
+  type ReuseRules,
+  namesPreviousTurn,
+  planReuse,
+  tokensDigest,
+  turnParams,
+} from './turn-params';

@@ -66,6 +66,8 @@ interface Waiting {
 }
 
 const WRITE_NOTIF = /^(.+):(\d+)$/s;
+/** What the deadline a nixl-node prefill is told falls short of ours, ms (covers the registration's transit). */
+const DEADLINE_SLACK_MS = 50;
 
 /** The decode side of push mode: registers blocks with a prefill and proves every WRITE arrived. */
 export class KvPushReceiver {
@@ -208,7 +210,7 @@ export class KvPushReceiver {
       );
     this.#forgetGaveUp();
     const gone = this.#gaveUp.get(requestId);
-    if (this.#waiting.has(requestId) || (gone !== undefined && gone > performance.now()))
+    if (this.#waiting.has(requestId) || gone !== undefined)
       throw new NixlError(
         `request '${requestId}' is already receiving, or failed and its WRITEs may still come: use a new id`,
         'NIXL_ERR_NOT_ALLOWED',
@@ -266,7 +268,8 @@ export class KvPushReceiver {
         remoteTpSize: p.tpSize,
         remotePpSize: p.ppSize,
         confirm: true,
-        deadlineMs: Math.max(0, Math.floor(deadline - performance.now())),
+        // Less a slack for the notification's transit: the prefill counts from receipt.
+        deadlineMs: Math.max(0, Math.floor(deadline - performance.now() - DEADLINE_SLACK_MS)),
         sentAtMs: Date.now(),
       },
       this.#o.secret,

@@ -35,7 +35,9 @@ export class RegistrationStore {
     this.#ttlMs = ttlMs;
   }
 
+  /** Registrations waiting (those past their decode's deadline or their age are dropped first). */
   get size(): number {
+    this.#prune(performance.now());
     return this.#pending.size;
   }
 

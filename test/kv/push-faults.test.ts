@@ -124,8 +124,8 @@ describe('push faults', () => {
       .catch((e: unknown) => e);
     expect(err).toMatchObject({ kind: 'timeout' });
     // The registration reached the prefill before its request finished (case A); its deadline has passed: dropped.
-    const sent = t.sender.offer('late', [7]);
     expect(t.sender.pending.registrations).toBe(0);
+    const sent = t.sender.offer('late', [7]);
     expect(t.sender.abort('late')).toBe(true);
     expect((await sent).reason).toBe('aborted');
     expect(t.untouched()).toBe(true);
@@ -358,5 +358,35 @@ describe('pull and push peers', () => {
           wire: 'v0.13',
         }),
     ).toThrow(/push mode is not part of the v0.13/);
+  });
+});
+
+describe('push params at a pull decode', () => {
+  it("KvPuller.pullFromParams refuses a push prefill's params with a TransferModeError", async () => {
+    const t = await start();
+    const puller = new KvPuller({ agent: t.dAgent, layout: rankLayout('D', t.dmem) });
+    try {
+      const err = await puller
+        .pullFromParams(
+          {
+            do_remote_prefill: true,
+            remote_block_ids: [[1]],
+            remote_engine_id: 'P',
+            remote_request_id: 'x',
+            remote_host: '127.0.0.1',
+            remote_port: t.pServer.basePort,
+            tp_size: 1,
+            pp_size: 1,
+            transfer_mode: 'push',
+          },
+          { localBlockIds: [1] },
+        )
+        .catch((e: unknown) => e);
+      expect(err).toMatchObject({ kind: 'setup', code: 'NIXL_ERR_MISMATCH' });
+      expect((err as PullError).cause).toBeInstanceOf(TransferModeError);
+      expect((err as Error).message).toMatch(/moves KV by pull and the peer by push/);
+    } finally {
+      await puller.close();
+    }
   });
 });
