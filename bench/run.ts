@@ -10,18 +10,31 @@ import { benchGrid, gridCells, NIXLBENCH_DEFAULTS, QUICK, type GridCold, type Gr
 import { benchNative, nativeGrid } from './native';
 import { benchServing } from './serving';
 import { benchFleet } from './fleet';
+import { benchFleetGguf } from './fleet-gguf';
 import { benchTracing } from './tracing';
 import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
-import { fmtBytes } from './stats';
+import { benchMultiturn } from './multiturn';
+import { fmtBytes, median } from './stats';
 import { barChart, type Panel } from './svg';
 export { NIXLBENCH_DEFAULTS, QUICK, type GridOptions } from './grid';
 
 /** The bench's sections, in the order they run. */
-export const SECTIONS = ['bandwidth', 'native', 'coalesce', 'handshake', 'tracing', 'serving', 'fleet', 'grid'];
-/** What runs when no section is named: all but the grid (minutes). */
-export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid');
+export const SECTIONS = [
+  'bandwidth',
+  'native',
+  'coalesce',
+  'handshake',
+  'tracing',
+  'serving',
+  'multiturn',
+  'fleet',
+  'prefix',
+  'grid',
+];
+/** What runs when no section is named: all but the grid and the GGUF fleet (minutes each). */
+export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid' && s !== 'prefix');
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -260,6 +273,30 @@ export async function runBench(o: BenchOptions): Promise<void> {
     }
   }
 
+  if (only.includes('multiturn')) {
+    const n = quick ? 3 : 9;
+    const sizes = quick ? [1024, 8192] : [512, 2048, 8192, 32768];
+    console.log(
+      `\n# Multi-turn, synthetic model, proxy in front: turn 2's time to first token when its prefill reads turn 1's KV from the decode (conversation_id) / the same turn recomputed; ${n} of each per history, alternating. Synthetic "compute" is hashing: the ratio is what the read costs against that, not what a real model saves`,
+    );
+    const mt = await benchMultiturn(n, sizes);
+    table(
+      ['history tokens', 'reused', 'reuse TTFT ms', 'min', 'max', 'recompute ms', 'min', 'max', 'ratio'],
+      mt.map((r) => [
+        r.historyTokens,
+        r.reusedTokens,
+        r.reuseMs,
+        r.reuseMin,
+        r.reuseMax,
+        r.recomputeMs,
+        r.recomputeMin,
+        r.recomputeMax,
+        r.ratio,
+      ]),
+    );
+    result.multiturn = mt;
+  }
+
   if (grid) {
     const g = await runGrid(runEngines, grid);
     result.grid = g.rows;
@@ -291,6 +328,42 @@ export async function runBench(o: BenchOptions): Promise<void> {
       reference: 1,
       bars: fl.rows.filter((r) => r.policy === 'load').map((r) => ({ label: 'one slow prefill', value: r.ratio })),
     });
+  }
+
+  if (only.includes('prefix')) {
+    const n = quick ? 6 : 36;
+    const runs = quick ? 1 : 3;
+    console.log(
+      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills ('small', 3 contexts each) + 1 decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs); ratio = policy / round-robin of the same run`,
+    );
+    const fg = await benchFleetGguf(n, runs);
+    if (fg.note) console.log(`(${fg.note})`);
+    else {
+      table(
+        ['run', 'policy', 'prefix hits', 'tokens reused', 'TTFT ms', 'TTFT ratio', 'prefill ms', 'prefill ratio'],
+        fg.runs.map((r, i) => [
+          Math.floor(i / 2) + 1,
+          r.policy,
+          `${(r.hitRate * 100).toFixed(0)}%`,
+          `${(r.reusedShare * 100).toFixed(0)}%`,
+          r.ttftMs,
+          r.ttftRatio,
+          r.prefillMs,
+          r.prefillRatio,
+        ]),
+      );
+      console.log(`prompts of ${fg.promptTokens} tokens (median); whole batches of ${fg.batchSize} tokens are reused`);
+      result.fleetGguf = fg;
+      const load = fg.runs.filter((r) => r.policy === 'load');
+      panels.push({
+        title: 'GGUF prefix reuse: load / round-robin',
+        reference: 1,
+        bars: [
+          { label: 'TTFT', value: median(load.map((r) => r.ttftRatio)) },
+          { label: 'prefill', value: median(load.map((r) => r.prefillRatio)) },
+        ],
+      });
+    }
   }
 
   const json = o.json;

@@ -29,6 +29,8 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --health-ms N        between health checks (default 2000)
   --retries N          other prefill workers to try when one fails (default 1)
   --token T            require Authorization: Bearer T
+  --max-conversations N  multi-turn: conversation_ids whose last turn's KV it remembers (default 10000)
+  --conversation-ttl N   seconds it remembers one when the decode does not say (default 450)
   --wire W             v12 | v0.13: the kv_transfer_params the prefills return (default NIXL_WIRE, else v12)
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
   --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
@@ -53,6 +55,8 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       'affinity-chars': { type: 'string' },
       'timeout-ms': { type: 'string' },
       'health-ms': { type: 'string' },
+      'max-conversations': { type: 'string' },
+      'conversation-ttl': { type: 'string' },
       retries: { type: 'string' },
       token: { type: 'string' },
       wire: { type: 'string' },
@@ -86,6 +90,10 @@ export async function proxyCommand(argv: string[]): Promise<void> {
     healthIntervalMs: positiveInt(v, 'health-ms', 2000, 3_600_000),
     prefillRetries: v.retries === '0' ? 0 : positiveInt(v, 'retries', 1, 64),
     bearerToken: v.token as string | undefined,
+    conversations: {
+      max: positiveInt(v, 'max-conversations', 10_000, 1 << 24),
+      ttlMs: positiveInt(v, 'conversation-ttl', 450, 86_400) * 1000,
+    },
     wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
     logger: log,
   }).catch((e) => {

@@ -28,6 +28,8 @@ Usage: nixl-node worker [options]
   --threads N          GGUF: CPU threads of each context (default: the cores shared among --parallel)
   --context-size N     GGUF: tokens of each context (default 4096)
   --parallel N         GGUF: requests evaluated at once, one context each (default 2)
+  --batch-size N       GGUF: tokens evaluated in one batch (default: the context size, at most 512)
+  --no-prefix-cache    GGUF: never reuse a cached prompt prefix (by default whole batches of it are reused)
   --block-kib N        GGUF: KiB of one KV block (default 64)
   --state-dir D        GGUF: where states go through files (default NIXL_NODE_STATE_DIR, else /dev/shm, else $TMPDIR)
   --name N             agent and engine name (default worker-<pid>-<random>)
@@ -42,6 +44,10 @@ Usage: nixl-node worker [options]
   --stall-prefill-ms N test hook: answer prefills this much later
   --stall-decode-ms N  test hook: start decode pulls this much later
   --kv-secret S        sign / require signed kv_transfer_params (default NIXL_NODE_KV_SECRET)
+  --bidirectional-kv   multi-turn: a decode holds each answered turn's KV for the next turn's prefill,
+                       which reads what is provably its prompt's prefix (vLLM bidirectional_kv_xfer)
+  --decoder-kv-ttl N   seconds a decode holds a finished turn (default 480, vLLM decoder_kv_blocks_ttl)
+  --kv-recompute-threshold N  a prefill recomputes a previous turn of fewer tokens than N (default 64)
   --etcd LIST          register in etcd (endpoints, comma-separated) under a lease; needs etcd3
   --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
   --role R             prefill | decode | both | encode: the proxies' pools it joins (default both)
@@ -70,6 +76,9 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'stall-decode-ms': { type: 'string' },
       'side-channel-port': { type: 'string' },
       'kv-secret': { type: 'string' },
+      'bidirectional-kv': { type: 'boolean' },
+      'decoder-kv-ttl': { type: 'string' },
+      'kv-recompute-threshold': { type: 'string' },
       'otlp-endpoint': { type: 'string' },
       'poison-freed': { type: 'boolean' },
       'clock-skew-ms': { type: 'string' },
@@ -77,6 +86,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
       threads: { type: 'string' },
       'context-size': { type: 'string' },
       parallel: { type: 'string' },
+      'batch-size': { type: 'string' },
+      'no-prefix-cache': { type: 'boolean' },
       'block-kib': { type: 'string' },
       'state-dir': { type: 'string' },
       'tamper-kv': { type: 'string' },
@@ -114,11 +125,14 @@ export async function workerCommand(argv: string[]): Promise<void> {
         : portNumber(String(v['side-channel-port']), 'side-channel-port'),
     poisonFreed: v['poison-freed'] === true,
     kvSecret: v['kv-secret'] as string | undefined,
+    ...bidirectionalOptions(v),
     clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
     model: gguf,
     threads: optional('threads', 1024),
     contextSize: optional('context-size', 1 << 20),
     parallel: optional('parallel', 256),
+    batchSize: optional('batch-size', 1 << 20),
+    prefixCache: v['no-prefix-cache'] !== true,
     blockBytes: v['block-kib'] === undefined ? undefined : positiveInt(v, 'block-kib', 64, 1 << 20) * 1024,
     stateDir: v['state-dir'] as string | undefined,
     tamperKv:
@@ -145,4 +159,18 @@ export async function workerCommand(argv: string[]): Promise<void> {
   await w.close();
   await stopTracing();
   console.log(JSON.stringify({ stopped: true, stats }));
+}
+
+/** --bidirectional-kv and the options that go with it. */
+function bidirectionalOptions(v: Record<string, unknown>) {
+  const on = v['bidirectional-kv'] === true;
+  if (!on && (v['decoder-kv-ttl'] !== undefined || v['kv-recompute-threshold'] !== undefined))
+    throw new UsageError('--decoder-kv-ttl and --kv-recompute-threshold go with --bidirectional-kv');
+  if (!on) return {};
+  return {
+    bidirectionalKv: true,
+    decoderKvTtlMs: positiveInt(v, 'decoder-kv-ttl', 480, 86_400) * 1000,
+    kvRecomputeThreshold:
+      v['kv-recompute-threshold'] === '0' ? 0 : positiveInt(v, 'kv-recompute-threshold', 64, 1 << 20),
+  };
 }

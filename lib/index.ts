@@ -23,6 +23,7 @@ export {
   createHandshake,
   parseKvTransferParams,
   prefillRequestParams,
+  TransferModeError,
   wireProfile,
 } from './handshake';
 export type {
@@ -39,6 +40,9 @@ export type {
 } from './handshake';
 export {
   KvPuller,
+  KvPushReceiver,
+  KvPushSender,
+  PushError,
   PullError,
   PrefillTracker,
   servePrefill,

@@ -9,7 +9,13 @@ import * as https from 'node:https';
 import type { AddressInfo } from 'node:net';
 import { HandshakeError, type HandshakePayload } from './codec';
 import type { WireProfile } from './model';
-import { agentMetadataFromJson, agentMetadataToJson, decodeAgentMetadata, wireProfile } from './wire';
+import {
+  agentMetadataFromJson,
+  agentMetadataToJson,
+  checkCompatibilityHash,
+  decodeAgentMetadata,
+  wireProfile,
+} from './wire';
 import {
   DEFAULT_MAX_REQUEST,
   DEFAULT_MAX_RESPONSE,
@@ -250,12 +256,7 @@ export class HttpHandshake implements HandshakeStrategy {
           );
         if (typeof entry.compatibility_hash !== 'string')
           throw new HandshakeError(`${url}: answer has no compatibility_hash`);
-        if (opts.expectedHash !== undefined && entry.compatibility_hash !== opts.expectedHash) {
-          throw new HandshakeError(
-            `compatibility hash mismatch: remote ${entry.compatibility_hash}, local ${opts.expectedHash}`,
-            'NIXL_ERR_MISMATCH',
-          );
-        }
+        checkCompatibilityHash(entry.compatibility_hash, opts.expectedHash);
         const remoteSeconds = typeof entry.server_time === 'number' ? entry.server_time : undefined;
         return {
           compatibilityHash: entry.compatibility_hash,

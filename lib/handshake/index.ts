@@ -31,6 +31,7 @@ export type {
   KvLayoutName,
   KvTransferParams,
   NixlAgentMetadata,
+  TransferMode,
   WireName,
   WireProfile,
 } from './model';
@@ -57,6 +58,7 @@ export {
   encodeAgentMetadata,
   parseKvTransferParams,
   prefillRequestParams,
+  TransferModeError,
   wireProfile,
 } from './wire';
 export { wireV013 } from './wire-v0.13';

@@ -122,7 +122,7 @@ export interface CompatibilityFactors {
   /** v12: null unless EAGLE-type speculation (a map of method, model, revision, ...). Default null. */
   speculativeConfig?: { [k: string]: HashFactor } | null;
   /** v12: 'pull' (default) or 'push'. */
-  transferMode?: 'pull' | 'push';
+  transferMode?: TransferMode;
 }
 
 /** kv_transfer_params as a prefill returns them and a decode reads them. */
@@ -142,7 +142,7 @@ export interface KvTransferParams {
   remoteNumTokens: number | null;
   /** Seconds on the prefill's clock; null from a normal prefill. */
   remoteBlocksExpiryTime: number | null;
-  transferMode: 'pull' | 'push';
+  transferMode: TransferMode;
 }
 
 /** A side-channel request for one rank's metadata. */
@@ -186,4 +186,11 @@ export interface WireProfile {
   toKvParams(p: KvTransferParams): Record<string, unknown>;
   /** Parses kv_transfer_params in this profile's keys. */
   fromKvParams(decoded: Record<string, unknown>): KvTransferParams;
+  /** The transfer modes the format has: v0.13 pull only; v12 pull and push (NixlPushConnector). */
+  readonly transferModes: readonly TransferMode[];
+  /** kv_transfer_params keys a push prefill leaves out (vLLM's push scheduler sends no dcp_size or expiry). */
+  readonly pushParamsOmit: readonly string[];
 }
+
+/** How KV moves: the decode READs (pull, NixlConnector) or the prefill WRITEs (push, NixlPushConnector). */
+export type TransferMode = 'pull' | 'push';

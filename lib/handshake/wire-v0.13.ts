@@ -100,4 +100,6 @@ export const wireV013: WireProfile = {
       transferMode: 'pull',
     };
   },
+  transferModes: ['pull'],
+  pushParamsOmit: [],
 };

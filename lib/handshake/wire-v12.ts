@@ -132,4 +132,6 @@ export const wireV12: WireProfile = {
       );
     return d as unknown as KvTransferParams;
   },
+  transferModes: ['pull', 'push'],
+  pushParamsOmit: ['dcp_size', 'remote_blocks_expiry_time'],
 };

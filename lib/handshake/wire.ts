@@ -21,6 +21,7 @@ import {
   type KvTransferParams,
   type MetaRequest,
   type NixlAgentMetadata,
+  type TransferMode,
   type WireName,
   type WireProfile,
   layoutName,
@@ -84,20 +85,50 @@ export function agentMetadataFromJson(o: unknown, wire?: WireName | WireProfile)
   return p.complete(fieldsFromJson(p.metadataFields, o, what));
 }
 
+/**
+ * A pull engine and a push engine met (their compatibility hashes differ in
+ * transfer_mode alone): they never handshake (vLLM refuses too).
+ */
+export class TransferModeError extends HandshakeError {
+  constructor(
+    readonly localMode: TransferMode,
+    readonly remoteMode: TransferMode,
+  ) {
+    super(
+      `transfer mode mismatch: this engine moves KV by ${localMode} and the peer by ${remoteMode} ` +
+        `(${remoteMode === 'push' ? 'NixlPushConnector: the prefill WRITEs' : 'NixlConnector: the decode READs'}); ` +
+        'pull and push engines never handshake: run both in one mode (--kv-mode)',
+      'NIXL_ERR_MISMATCH',
+    );
+    this.name = 'TransferModeError';
+  }
+}
+
 /** Checks the hash (unless expected is undefined) and decodes the inner metadata. */
 export function openHandshakePayload(
   payload: HandshakePayload,
   expectedHash: string | undefined,
   wire?: WireName | WireProfile,
 ): NixlAgentMetadata {
-  if (expectedHash !== undefined && payload.compatibilityHash !== expectedHash) {
-    throw new HandshakeError(
-      `compatibility hash mismatch: remote ${payload.compatibilityHash}, local ${expectedHash} ` +
-        '(different vLLM or connector version, model, dtype, attention backend, HMA or transfer mode)',
-      'NIXL_ERR_MISMATCH',
-    );
-  }
+  checkCompatibilityHash(payload.compatibilityHash, expectedHash);
   return decodeAgentMetadata(payload.agentMetadataBytes, wire);
+}
+
+/**
+ * Throws unless the peer's hash is the expected one (undefined: no check):
+ * TransferModeError when the two differ in transfer mode alone (the
+ * expected hash was computed by computeCompatibilityHash in this process),
+ * else HandshakeError NIXL_ERR_MISMATCH.
+ */
+export function checkCompatibilityHash(remote: string, expectedHash: string | undefined): void {
+  if (expectedHash === undefined || remote === expectedHash) return;
+  const other = otherModeOf(expectedHash);
+  if (other && other.hash === remote) throw new TransferModeError(other.local, other.remote);
+  throw new HandshakeError(
+    `compatibility hash mismatch: remote ${remote}, local ${expectedHash} ` +
+      '(different vLLM or connector version, model, dtype, attention backend, HMA or transfer mode)',
+    'NIXL_ERR_MISMATCH',
+  );
 }
 
 // ---- side-channel requests and replies --------------------------------------
@@ -212,6 +243,25 @@ const FACTOR_TYPES: Record<string, 'string' | 'number'> = {
   cacheDtype: 'string',
 };
 
+/**
+ * Hashes computed here, with the hash of the same factors in the other
+ * transfer mode: a mismatch against exactly that one is a pull/push mismatch
+ * and says so (TransferModeError). Bounded: engines compute a few.
+ */
+const OTHER_MODE = new Map<string, { hash: string; local: TransferMode; remote: TransferMode }>();
+
+function otherModeOf(hash: string): { hash: string; local: TransferMode; remote: TransferMode } | undefined {
+  return OTHER_MODE.get(hash);
+}
+
+function rememberModes(f: CompatibilityFactors, p: WireProfile, hash: string): void {
+  if (OTHER_MODE.has(hash) || !p.transferModes.includes('push')) return;
+  const local = f.transferMode ?? 'pull';
+  const remote: TransferMode = local === 'pull' ? 'push' : 'pull';
+  if (OTHER_MODE.size >= 256) OTHER_MODE.delete(OTHER_MODE.keys().next().value as string);
+  OTHER_MODE.set(hash, { hash: hashFactors(p.hashFactors({ ...f, transferMode: remote })), local, remote });
+}
+
 /** vLLM's compute_nixl_compatibility_hash for the profile (default: NIXL_WIRE, else v12). */
 export function computeCompatibilityHash(f: CompatibilityFactors, wire?: WireName | WireProfile): string {
   if (typeof f !== 'object' || f === null)
@@ -225,7 +275,17 @@ export function computeCompatibilityHash(f: CompatibilityFactors, wire?: WireNam
       );
     }
   }
-  return hashFactors(wireProfile(wire).hashFactors(f));
+  const p = wireProfile(wire);
+  const mode = f.transferMode ?? 'pull';
+  // (A value that is no mode at all is the profile's to name.)
+  if ((mode === 'pull' || mode === 'push') && !p.transferModes.includes(mode))
+    throw new HandshakeError(
+      `computeCompatibilityHash: transfer mode '${mode}' is not part of the ${p.name} format (${p.transferModes.join(', ')} only; vLLM added push in NixlConnector 7)`,
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
+  const hash = hashFactors(p.hashFactors(f));
+  rememberModes(f, p, hash);
+  return hash;
 }
 
 // ---- kv_transfer_params -----------------------------------------------------
@@ -257,9 +317,17 @@ export function buildKvTransferParams(
     ...p,
   };
   const what = `kv_transfer_params (${prof.name})`;
+  if (!prof.transferModes.includes(full.transferMode))
+    throw new HandshakeError(
+      `${what}: transfer_mode '${full.transferMode}' is not part of the ${prof.name} format (vLLM added push in NixlConnector 7; use v12)`,
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
   // Checks every value by the table, then emits JSON.
   encodeFields(prof.kvParamsFields, prof.toKvParams(full) as unknown as Record<string, unknown>, what);
-  return fieldsToJson(prof.kvParamsFields, prof.toKvParams(full) as unknown as Record<string, unknown>);
+  const json = fieldsToJson(prof.kvParamsFields, prof.toKvParams(full) as unknown as Record<string, unknown>);
+  // vLLM's push scheduler returns the pull keys less these.
+  if (full.transferMode === 'push') for (const k of prof.pushParamsOmit) delete json[k];
+  return json;
 }
 
 /** Reads kv_transfer_params as a decode gets them; errors name the key and what came. */

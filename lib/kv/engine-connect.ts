@@ -130,13 +130,17 @@ export async function fetchRanks(
   limits: Required<PullLimits>,
   targets: readonly Target[],
   fetch: (t: Target) => Promise<FetchResult>,
+  geometry = true,
 ): Promise<FetchResult[]> {
   const head = await steps.run('handshake', () => fetch(targets[0]));
   steps.run('setup', () => checkRemoteCounts(head.metadata, limits));
-  steps.run('handshake', () => {
-    const ctx = (ep.ppSize ?? 1) > 1 ? { ppRank: 0, regionStart: 0, dcpSize: ep.dcpSize } : { dcpSize: ep.dcpSize };
-    planReads(layout, ep.tpSize, head.metadata, ctx);
-  });
+  // A notif-only connect (push decode) checks no geometry, as vLLM's
+  // _add_notif_only_remote_agent; it still asks only for ranks that exist.
+  if (geometry)
+    steps.run('handshake', () => {
+      const ctx = (ep.ppSize ?? 1) > 1 ? { ppRank: 0, regionStart: 0, dcpSize: ep.dcpSize } : { dcpSize: ep.dcpSize };
+      planReads(layout, ep.tpSize, head.metadata, ctx);
+    });
   const rest = await steps.run('handshake', () => mapLimit(targets.slice(1), limits.handshakeConcurrency, fetch));
   const fetched = [head, ...rest];
   steps.run('setup', () => {

@@ -34,6 +34,7 @@ export {
   type PrefillRank,
   type PrefillTrackerOptions,
   type PrefillTrackerSink,
+  type HoldOptions,
   type Released,
   type ServePrefillOptions,
   servePrefill,
@@ -42,3 +43,30 @@ export { type KvMetricsOptions, type PromRegistry, registerKvMetrics } from './m
 export { DEFAULT_LIMITS, type PullLimits } from './limits';
 export { LeaseBoard, SlotState } from './lease-board';
 export { SIGNATURE_KEY, signKvTransferParams, verifyKvTransferParams } from './params-auth';
+export { KvPushReceiver, type KvPushReceiverOptions } from './push-decode';
+export { KvPushSender, type KvPushSenderOptions, type PushSenderStats, type PushSent } from './push-prefill';
+export { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './push-types';
+export { BlockQuarantine, type Quarantined } from './push-quarantine';
+export {
+  PUSH_REG_PREFIX,
+  type PushParams,
+  type PushRegistration,
+  type PushRegLimits,
+  decodePushReg,
+  encodePushReg,
+  expectedWrites,
+  parsePushParams,
+  writeNotif,
+} from './push-reg';
+export {
+  DEFAULT_RECOMPUTE_THRESHOLD,
+  DEFAULT_TURN_TTL_MS,
+  PREFIX_DIGEST_KEY,
+  PREFIX_TOKENS_KEY,
+  type ReusePlan,
+  type ReuseRules,
+  namesPreviousTurn,
+  planReuse,
+  tokensDigest,
+  turnParams,
+} from './turn-params';

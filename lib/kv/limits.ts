@@ -110,7 +110,7 @@ export function checkRemoteCounts(meta: NixlAgentMetadata, limits: Required<Pull
 }
 
 /**
- * The last `count` kernel block ids of logical ids expanded by ratio r
+ * The last (head: the first) `count` kernel block ids of logical ids expanded by ratio r
  * (vLLM's _logical_to_kernel_block_ids: logical b covers b*r .. b*r + r-1),
  * without building the whole expansion: every logical id must be an integer
  * whose kernel blocks lie below `limit`.
@@ -121,6 +121,7 @@ export function expandTail(
   count: number,
   limit: number,
   field = 'remote block ids',
+  head = false,
 ): number[] {
   const n = logical.length;
   for (let i = 0; i < n; i++) {
@@ -137,7 +138,8 @@ export function expandTail(
       'NIXL_ERR_INVALID_PARAM',
     );
   const out = new Array<number>(count);
-  const first = n * r - count;
+  // The last ones (vLLM: the uncached suffix of a partial prefix hit), or the first (a conversation's held prefix).
+  const first = head ? 0 : n * r - count;
   for (let k = 0; k < count; k++) {
     const j = first + k;
     out[k] = logical[Math.floor(j / r)] * r + (j % r);

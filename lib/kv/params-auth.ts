@@ -1,6 +1,7 @@
 // Signed kv_transfer_params (beyond vLLM, which trusts them): with a secret
 // shared by a deployment's prefills and decodes, the prefill signs the fields
-// that say what to read (engine, request, address, block ids, sizes, expiry)
+// that say what to read (engine, request, address, block ids, sizes, expiry,
+// token count, and for a finished turn the digest of the tokens its KV is of)
 // and a decode refuses params that are unsigned, forged, or name blocks the
 // prefill did not give that request, before it handshakes or reads anything.
 // Without a secret nothing changes, and vLLM peers never see the extra key.
@@ -22,11 +23,15 @@ const FIELDS = [
   'dcp_size',
   'remote_blocks_expiry_time',
   'transfer_mode',
+  'remote_num_tokens',
+  // A decode's hold of a finished turn: which tokens its KV is of (turn-params.ts).
+  'nixl_node_prefix_tokens',
+  'nixl_node_prefix_sha256',
 ] as const;
 
 function mac(params: Record<string, unknown>, secret: string | Buffer): Buffer {
   const body = JSON.stringify(FIELDS.map((f) => params[f] ?? null));
-  return createHmac('sha256', secret).update('nixl-node kv_transfer_params v1\n').update(body).digest();
+  return createHmac('sha256', secret).update('nixl-node kv_transfer_params v2\n').update(body).digest();
 }
 
 /** The params with their signature added (HMAC-SHA256, hex). */

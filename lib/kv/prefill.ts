@@ -94,6 +94,8 @@ export interface Released {
 
 interface Pending {
   blockIds: number[];
+  /** False: heartbeats do not extend it (a decode's hold of a finished turn: a fixed TTL, as vLLM's). */
+  renewable: boolean;
   since: number; // now() at expect()
   /** now() when the lease runs out. */
   expiry: number;
@@ -124,6 +126,17 @@ export interface PrefillTrackerOptions {
    * ended in time. vLLM decodes never look at it.
    */
   board?: LeaseBoard;
+}
+
+/** How one request is held (PrefillTracker.expect). */
+export interface HoldOptions {
+  /** This request's lease, ms (default: the tracker's leaseMs). */
+  leaseMs?: number;
+  /**
+   * Whether heartbeats extend it (default true). A decode holding a finished
+   * turn for the next turn's prefill (vLLM decoder_kv_blocks_ttl) passes false.
+   */
+  renewable?: boolean;
 }
 
 /** Told of each release and each notification for an untracked request (registerKvMetrics). */
@@ -185,7 +198,9 @@ export class PrefillTracker {
    * A request whose blocks wait for decode reads. Resolves when every decode
    * rank that reads this prefill rank has said so, or when it expires.
    */
-  expect(requestId: string, blockIds: number[]): Promise<Released> {
+  expect(requestId: string, blockIds: number[], hold: HoldOptions = {}): Promise<Released> {
+    const leaseMs = hold.leaseMs ?? this.#leaseMs;
+    if (!(leaseMs > 0)) throw new NixlError(`leaseMs must be positive, got ${leaseMs}`, 'NIXL_ERR_INVALID_PARAM');
     if (this.#pending.has(requestId))
       throw new NixlError(`request '${requestId}' is already tracked`, 'NIXL_ERR_INVALID_PARAM');
     this.#start();
@@ -194,7 +209,14 @@ export class PrefillTracker {
       const now = this.#now();
       // Where a decode checks that the blocks are still held (no free slot: its reads fail closed).
       this.#o.board?.hold(requestId);
-      const p: Pending = { blockIds, since: now, expiry: now + this.#leaseMs, timer: undefined as never, resolve };
+      const p: Pending = {
+        blockIds,
+        renewable: hold.renewable ?? true,
+        since: now,
+        expiry: now + leaseMs,
+        timer: undefined as never,
+        resolve,
+      };
       this.#pending.set(requestId, p);
       this.#arm(requestId, p);
       const e = this.#early.get(requestId);
@@ -275,7 +297,7 @@ export class PrefillTracker {
     const until = this.#now() + Math.floor((this.#leaseMs * 2) / 3);
     for (const id of ids) {
       const p = this.#pending.get(id);
-      if (p && until > p.expiry) p.expiry = until;
+      if (p?.renewable && until > p.expiry) p.expiry = until;
     }
   }
 

@@ -2,7 +2,7 @@
 // anything, and how it turns them into a pull.
 import { NixlError } from '../errors';
 import type { KvTransferParams, WireProfile } from '../handshake/model';
-import { parseKvTransferParams } from '../handshake/wire';
+import { TransferModeError, parseKvTransferParams } from '../handshake/wire';
 import type { RemoteEndpoint } from './engine-connect';
 import type { KvLayout } from './layout';
 import { type PullLimits, checkRemoteSizes } from './limits';
@@ -19,7 +19,7 @@ export interface ParamsCheck {
 /**
  * The parsed params of one pull, or a NixlError saying why they cannot be
  * pulled from: a bad signature, an id that cannot go in a notification, push
- * mode, several KV-cache groups, more blocks than the local cache holds, or
+ * mode (TransferModeError), several KV-cache groups, more blocks than the local cache holds, or
  * remote sizes over the limits.
  * @internal
  */
@@ -38,11 +38,8 @@ export function checkedParams(
   }
   const p = isParsed(params) ? params : parseKvTransferParams(params, c.wire);
   checkRequestId(p.remoteRequestId);
-  if (p.transferMode !== 'pull')
-    throw new NixlError(
-      `transfer_mode '${p.transferMode}' (prefill-initiated WRITE) is not supported by nixl-node`,
-      'NIXL_ERR_NOT_SUPPORTED',
-    );
+  // A push prefill's params: its blocks are WRITTEN by it (KvPushReceiver), never read.
+  if (p.transferMode !== 'pull') throw new TransferModeError('pull', p.transferMode);
   if (p.remoteBlockIds.length !== 1)
     throw new NixlError(
       `${p.remoteBlockIds.length} KV-cache groups: nixl-node pulls one group`,

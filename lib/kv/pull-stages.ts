@@ -197,12 +197,13 @@ export class PullRun {
         const nRemote = Math.min(...[...engine.ranks.values()].flatMap((r) => r.counts));
         let remoteIds: number[];
         if (o.remoteIdsAreLogical) {
-          remoteIds = expandTail(o.remoteBlockIds, engine.physicalBlocksPerLogical, n, nRemote);
+          const head = o.remoteRange === 'head';
+          remoteIds = expandTail(o.remoteBlockIds, engine.physicalBlocksPerLogical, n, nRemote, undefined, head);
         } else {
           remoteIds = Array.from(o.remoteBlockIds);
           if (remoteIds.some((b) => !Number.isInteger(b) || b < 0 || b >= nRemote))
             throw new NixlError(`remote block ids must be integers in 0..${nRemote - 1}`, 'NIXL_ERR_INVALID_PARAM');
-          remoteIds = remoteIds.slice(remoteIds.length - n);
+          remoteIds = o.remoteRange === 'head' ? remoteIds.slice(0, n) : remoteIds.slice(remoteIds.length - n);
         }
         const notif = completionNotif(this.#d.wire, o.requestId, this.#d.layout.tpSize, o.remote.tpSize);
         // Aborted while it connected: post nothing (a transfer can finish

@@ -63,6 +63,12 @@ export interface PullOptions {
   /** remoteBlockIds are logical ids, expanded by the prefill's physical_blocks_per_logical_kv_block. */
   remoteIdsAreLogical?: boolean;
   /**
+   * Which remote blocks fill fewer local ones: 'tail' (default, vLLM's: the
+   * uncached suffix of a partial prefix hit) or 'head' (the first: the prefix
+   * of a conversation a decode holds for its next turn).
+   */
+  remoteRange?: 'head' | 'tail';
+  /**
    * Until when the prefill holds the blocks. Without it the pull trusts the
    * blocks whenever it reads them (pullFromParams always gives one).
    */
@@ -97,6 +103,12 @@ export interface PullFromParamsOptions {
    * now, which is later than the truth; pass it when the wait was long.
    */
   issuedAtMs?: number;
+  /**
+   * The params are a decode's hold of a finished turn (bidirectional KV):
+   * read the first remote blocks (as many as localBlockIds) and send no
+   * heartbeats (that hold is a fixed TTL that heartbeats do not extend).
+   */
+  continuation?: boolean;
 }
 
 /** Options of a KvPuller. */

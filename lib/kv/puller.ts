@@ -194,7 +194,7 @@ export class KvPuller {
       );
     }
     const ep = endpointOf(p);
-    const release = this.holdRemote(ep, p.remoteRequestId);
+    const release = opts.continuation ? () => {} : this.holdRemote(ep, p.remoteRequestId);
     try {
       return await this.pullBlocks({
         remote: ep,
@@ -202,6 +202,7 @@ export class KvPuller {
         localBlockIds: expand(localLogical, this.#layout.physicalBlocksPerLogical ?? 1),
         remoteBlockIds: p.remoteBlockIds[0],
         remoteIdsAreLogical: true,
+        remoteRange: opts.continuation ? 'head' : 'tail',
         timeoutMs: opts.timeoutMs,
         signal: opts.signal,
         coalesce: opts.coalesce,

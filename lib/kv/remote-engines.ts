@@ -2,7 +2,7 @@
 // key (engine-connect.ts), its remote agents loaded once however many keys
 // reach them, and a restarted engine (same engine id, new agents) replacing
 // its older self once that one's transfers end.
-import type { DlistHandle, NixlAgent } from '../agent';
+import { DlistHandle, type NixlAgent } from '../agent';
 import { DescList } from '../descriptors';
 import { NixlError } from '../errors';
 import type { NixlAgentMetadata, WireProfile } from '../handshake/model';
@@ -39,7 +39,16 @@ export interface RemoteEnginesOptions {
   bearerToken?: string;
   /** Read the lease boards remote engines name. Default true. */
   leaseBoards?: boolean;
+  /**
+   * Load the remote agents only, to exchange notifications (a push decode
+   * registering with its prefill): no geometry checks, no descriptor lists,
+   * no reads planned (hash and engine id are still checked).
+   */
+  notifOnly?: boolean;
 }
+
+/** The dlist of a notif-only rank: none. */
+const NO_DLIST = new DlistHandle(-1, '', 0);
 
 /** What a connect loaded so far: undone when a later rank fails. */
 interface Loaded {
@@ -108,11 +117,12 @@ export class RemoteEngines {
       checkRemoteSizes(layout, ep, limits);
       return handshakeTargets(layout.tpSize, layout.tpRank, ep);
     });
-    const fetched = await fetchRanks(steps, ep, layout, limits, targets, (t) => this.#fetch(ep, t));
+    const geometry = !this.#o.notifOnly;
+    const fetched = await fetchRanks(steps, ep, layout, limits, targets, (t) => this.#fetch(ep, t), geometry);
     const metas = fetched.map((f) => f.metadata);
     const plans = steps.run('handshake', () => {
       checkAgreement(ep, targets, metas);
-      return planPipeline(layout, ep, metas);
+      return geometry ? planPipeline(layout, ep, metas) : [{ tpRatio: 0, replicated: false, reads: [] }];
     });
     // A restarted prefill (same engine id, new agents) replaces what we hold
     // of its old self: that must be unloaded before the new agents load.
@@ -155,6 +165,10 @@ export class RemoteEngines {
     try {
       if (this.#closed) throw new NixlError('puller is closed', 'NIXL_ERR_NOT_ALLOWED');
       targets.forEach((t, i) => {
+        if (this.#o.notifOnly) {
+          engine.ranks.set(`${t.ppRank}:${t.tpRank}`, this.#loadAgentOnly(t, metas[i], undo));
+          return;
+        }
         const read = plans[t.ppRank].reads[i % perPp];
         const local = this.#o.local.slices(read);
         const remote: BlockSlices = {
@@ -203,6 +217,14 @@ export class RemoteEngines {
       counts,
       board: this.#o.leaseBoards === false ? undefined : usableBoard(meta.nixlNodeLeaseBoard),
     };
+  }
+
+  /** One rank's agent only (notif-only); its dlist is an empty placeholder never released. */
+  #loadAgentOnly(t: { ppRank: number; tpRank: number }, meta: NixlAgentMetadata, undo: Loaded): RemoteRank {
+    const agentName = this.#loadedAs(meta.agentMetadata) ?? this.#o.agent.addRemoteAgent(meta.agentMetadata);
+    this.#agentUsers.set(agentName, (this.#agentUsers.get(agentName) ?? 0) + 1);
+    undo.agents.push(agentName);
+    return { ppRank: t.ppRank, rank: t.tpRank, agentName, meta, dlist: NO_DLIST, counts: [] };
   }
 
   /** The name under which exactly this agent metadata is loaded already, if it is. */
@@ -282,7 +304,7 @@ export class RemoteEngines {
     engine.dropped = true;
     this.#live.delete(engine);
     for (const r of engine.ranks.values()) {
-      this.#quietly(() => this.#o.agent.releaseDlistHandle(r.dlist));
+      if (r.dlist !== NO_DLIST) this.#quietly(() => this.#o.agent.releaseDlistHandle(r.dlist));
       this.#unuseAgent(r.agentName);
     }
   }

@@ -17,6 +17,15 @@ export {
 } from './transports';
 export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './protocol';
 export { HttpError } from './http';
+export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn } from './turns';
+export {
+  CONVERSATION_KEY,
+  Conversations,
+  type ConversationOptions,
+  type ClaimedTurn,
+  carryTurn,
+  takeConversationId,
+} from './conversations';
 export { SyntheticModel } from './models/synthetic';
 export type { SyntheticModelSpec } from './models/synthetic-kv';
 export { LlamaModel, type LlamaModelOptions } from './models/llama';
@@ -31,6 +40,7 @@ export {
   type KvGeometry,
   type KvBinding,
   type PrefilledKv,
+  type TurnKvState,
   type ChatMessage,
   type BlockView,
   type TextSink,

@@ -8,6 +8,8 @@ import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { WireName } from '../handshake/model';
 import { parseKvTransferParams, prefillRequestParams, wireProfile } from '../handshake/wire';
+import { type ConversationOptions, Conversations, carryTurn, takeConversationId } from './conversations';
+import { namesPreviousTurn } from '../kv/turn-params';
 import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
@@ -24,6 +26,12 @@ import { type RoutingOptions, affinityKey } from './fleet/routing';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
+  /**
+   * Bidirectional KV (docs/multiturn.md): a request's `conversation_id` keys
+   * the kv_transfer_params of its decode's held KV, which the conversation's
+   * next turn gives its prefill. How many entries and how long (default 10000, 450 s).
+   */
+  conversations?: ConversationOptions;
   /** Interface to bind: 127.0.0.1 unless told otherwise. */
   host?: string;
   /** 0: any free port. */
@@ -114,6 +122,8 @@ export class ServingProxy {
   };
   url = '';
   readonly #o: ProxyOptions;
+  /** conversation_id -> the params of its last turn's KV, held by the decode that answered it. */
+  readonly conversations: Conversations;
   readonly #transport: WorkerTransport;
   readonly #server: http.Server;
   readonly #inflight = new Set<AbortController>();
@@ -137,6 +147,7 @@ export class ServingProxy {
 
   constructor(o: ProxyOptions) {
     this.#o = o;
+    this.conversations = new Conversations(o.conversations);
     if (!o.etcd && (!o.prefill?.length || !o.decode?.length))
       throw new NixlError('a proxy needs prefill and decode workers (or etcd to find them)', 'NIXL_ERR_INVALID_PARAM');
     wireProfile(o.wire);
@@ -342,8 +353,10 @@ export class ServingProxy {
         'www-authenticate': 'Bearer',
       });
     let body: Record<string, unknown>;
+    let conversation: string | undefined;
     try {
       body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
+      conversation = takeConversationId(body);
       if (path === GENERATE_PATH) checkGenerateRequest(body, { kvTransferParams: 'refuse' });
       else {
         if (path === '/v1/completions') normalizePrompt(body);
@@ -390,7 +403,7 @@ export class ServingProxy {
       if (!res.writableFinished) ac.abort(new Error('client disconnected'));
     });
     try {
-      await this.#pipeline(path, body, requestId, ac.signal, res, sendTraced);
+      await this.#pipeline(path, body, requestId, ac.signal, res, sendTraced, conversation);
       this.stats.completed++;
     } catch (e) {
       span.fail(e);
@@ -444,19 +457,23 @@ export class ServingProxy {
     signal: AbortSignal,
     res: http.ServerResponse,
     send: (status: number, body: unknown) => void,
+    conversation?: string,
   ): Promise<void> {
     const chat = path === '/v1/chat/completions';
+    // The conversation's previous turn, held by its decode: the prefill reads what it can of it.
+    const previous = conversation !== undefined ? this.conversations.claim(conversation) : undefined;
+    const ask = previous?.params ?? prefillRequestParams();
     if (this.pools.encode.size > 0 && hasImages(body)) {
       await this.#stage('encode', path, { ...body, stream: false, max_tokens: 1 }, requestId, signal, false);
     }
     const prefillBody: Record<string, unknown> =
       path === GENERATE_PATH
-        ? generatePrefillBody(body, prefillRequestParams())
+        ? generatePrefillBody(body, ask)
         : {
             ...body,
             stream: false,
             max_tokens: 1,
-            kv_transfer_params: prefillRequestParams(),
+            kv_transfer_params: ask,
           };
     if (chat) prefillBody.max_completion_tokens = 1;
     delete prefillBody.stream_options;
@@ -469,13 +486,13 @@ export class ServingProxy {
     const avoid = new Set<WorkerRef>();
     let dec: Awaited<ReturnType<ServingProxy['prefillAndDecode']>>;
     try {
-      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid);
+      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid, conversation, previous);
     } catch (e) {
       if (!(e instanceof StageFailure) || e.stage !== 'decode' || e.status < 500 || signal.aborted) throw e;
       if (e.type === 'kv_expired') this.stats.expiredRetries++;
       else this.stats.decodeRetries++;
       try {
-        dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid);
+        dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid, conversation, previous);
       } catch (again) {
         // Nothing left to try: the first failure says more than 'no healthy worker'.
         throw again instanceof StageFailure && again.worker === undefined ? e : again;
@@ -509,6 +526,8 @@ export class ServingProxy {
     requestId: string,
     signal: AbortSignal,
     avoidDecode: Set<WorkerRef>,
+    conversation?: string,
+    previous?: { release(): void },
   ): Promise<{ answer: StageAnswer; worker: WorkerRef; release(): void }> {
     // No prefill for a decode that cannot take it: its blocks would wait a
     // whole lease for a read that never comes, and fill the prefill's cache.
@@ -551,11 +570,32 @@ export class ServingProxy {
       );
     }
     const canRelease = (pre.answer.json?.nixl_node as { kv_release?: unknown } | undefined)?.kv_release === true;
+    const reused = (pre.answer.json?.nixl_node as { kv_reused_tokens?: unknown } | undefined)?.kv_reused_tokens;
+    // The previous turn's hold, not read (the prompt did not prove to be its prefix...): free it now.
+    if (reused === 0) previous?.release();
     const decodeBody = path === GENERATE_PATH ? generateDecodeBody(body, kv!) : { ...body, kv_transfer_params: kv };
     const avoid = new Set([pre.worker, ...avoidDecode]);
     try {
       const dec = await this.#stage('decode', path, decodeBody, requestId, signal, body.stream === true, 0, avoid, {
         accept: (w) => serves(w, model) && sameModel(w.model, pre.worker.model),
+      });
+      const decodeWorker = dec.worker;
+      dec.answer = carryTurn(dec.answer, {
+        conversation,
+        conversations: this.conversations,
+        release: (kvp) => {
+          if (typeof kvp.remote_request_id !== 'string') return;
+          this.stats.holdsReleased++;
+          void this.#transport.release(decodeWorker, kvp.remote_request_id);
+        },
+        // A miss reused nothing; a prefill that read the previous turn and does not say (vLLM's): not known.
+        reusedTokens:
+          typeof reused === 'number'
+            ? reused
+            : conversation !== undefined &&
+                !namesPreviousTurn(prefillBody.kv_transfer_params as Record<string, unknown>)
+              ? 0
+              : undefined,
       });
       return dec;
     } catch (e) {

@@ -53,6 +53,8 @@ import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
 import { NixlError } from '../errors';
 import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
+import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
+import { type HeldTurn, type Reuse, TurnKv } from './turns';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -79,6 +81,10 @@ export interface WorkerOptions {
   contextSize?: number;
   /** GGUF: requests evaluated at once, a context each (default 2). */
   parallel?: number;
+  /** GGUF: tokens llama.cpp evaluates in one batch (default: the context size, at most 512). */
+  batchSize?: number;
+  /** GGUF: reuse a context's cached prompt prefix in whole batches (default true; the numbers do not change). */
+  prefixCache?: boolean;
   /** GGUF: bytes of one KV block (default 64 KiB); a request's state takes as many as it needs. */
   blockBytes?: number;
   /**
@@ -117,6 +123,19 @@ export interface WorkerOptions {
   logger?: Logger;
   /** Registers in etcd under a lease, so proxies given the same etcd find it (docs/fleet.md). */
   etcd?: FleetJoinOptions;
+  /**
+   * Bidirectional KV (vLLM bidirectional_kv_xfer; docs/multiturn.md): a
+   * decode holds each answered turn's KV for the next turn's prefill and
+   * returns kv_transfer_params naming it; a prefill given such params reads
+   * what is provably its prompt's prefix instead of recomputing it.
+   */
+  bidirectionalKv?: boolean;
+  /** How long a decode holds a finished turn, ms (vLLM decoder_kv_blocks_ttl: 480 s). */
+  decoderKvTtlMs?: number;
+  /** A prefill recomputes a previous turn's KV of fewer tokens than this (vLLM kv_recompute_threshold: 64). */
+  kvRecomputeThreshold?: number;
+  /** The share of the KV cache held turns may take together (default 0.5); past it a turn is not held. */
+  heldTurnsShare?: number;
 }
 
 /** A worker's counters. */
@@ -144,6 +163,12 @@ export interface WorkerStats {
   kvSaveMs: number;
   kvPullMs: number;
   kvLoadMs: number;
+  /** Prefill (GGUF): prefills that reused a cached prefix, prompt tokens taken from one, and prompt tokens evaluated. */
+  prefixHits: number;
+  prefixReusedTokens: number;
+  prefillEvaluatedTokens: number;
+  /** Prefill: time in the model's prefill (evaluating and taking the KV out), ms. */
+  prefillMs: number;
 }
 
 export type { RequestHints, Sink } from './front';
@@ -172,6 +197,10 @@ export class Worker implements FrontHandler {
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
+    prefixHits: 0,
+    prefixReusedTokens: 0,
+    prefillEvaluatedTokens: 0,
+    prefillMs: 0,
   };
   /** HTTP: the base URL; ZMQ: the address to PUSH to. */
   address = '';
@@ -209,6 +238,8 @@ export class Worker implements FrontHandler {
   #active = 0;
   /** Its record in etcd, when given `etcd`. */
   fleet?: FleetRegistration;
+  /** Bidirectional KV: turns held here and read from elsewhere (bidirectionalKv). */
+  readonly turns?: TurnKv;
 
   /** A worker around a loaded model (startWorker loads it from the options). */
   constructor(o: WorkerOptions, model: ServingModel = new SyntheticModel(DEFAULT_MODEL)) {
@@ -265,6 +296,25 @@ export class Worker implements FrontHandler {
       unrecognized: () => {},
       lateRead: () => this.stats.lateReads++,
     });
+    const share = o.heldTurnsShare ?? 0.5;
+    if (!(share >= 0 && share <= 1))
+      throw new NixlError(`heldTurnsShare must be from 0 to 1, got ${share}`, 'NIXL_ERR_INVALID_PARAM');
+    if (o.bidirectionalKv)
+      this.turns = new TurnKv({
+        name: this.name,
+        wire: o.wire,
+        secret: this.#secret,
+        model,
+        tracker: this.#tracker,
+        puller: this.#puller,
+        side: () => this.#side!,
+        take: (n) => (n <= this.#blocks.available ? (this.#blocks.take(n) ?? undefined) : undefined),
+        give: (ids) => this.#blocks.give(ids),
+        view: (ids) => this.#view(ids),
+        ttlMs: o.decoderKvTtlMs ?? DEFAULT_TURN_TTL_MS,
+        maxHeldBlocks: Math.floor(share * this.#blocks.size),
+        recomputeThreshold: o.kvRecomputeThreshold,
+      });
   }
 
   /** The model's name in answers and /v1/models. */
@@ -379,7 +429,7 @@ export class Worker implements FrontHandler {
       },
       totalBlocks: w.#blocks.size,
       get load() {
-        return w.#active + w.#held.size;
+        return w.#active + w.#held.size + (w.turns?.held ?? 0);
       },
     };
   }
@@ -487,7 +537,8 @@ export class Worker implements FrontHandler {
       try {
         const g = await this.#decode(req, held, answer, signal, () => {}, bindingOf(p));
         this.stats.decodes++;
-        answer.finish(g, { worker: this.name, kv_blocks: held.length, kv_moved: false, ...g.info });
+        const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole);
+        answer.finish(g, { worker: this.name, kv_blocks: held.length, kv_moved: false, ...g.info }, next);
       } finally {
         this.#tracker.release(p.remoteRequestId);
       }
@@ -548,14 +599,21 @@ export class Worker implements FrontHandler {
       const g = await this.#decode(req, ids, answer, signal, give, bindingOf(parseKvTransferParams(kvp, this.#o.wire)));
       this.stats.decodes++;
       const { layers, blockBytes } = this.model.geometry;
-      answer.finish(g, {
-        worker: this.name,
-        kv_blocks: n,
-        kv_moved: true,
-        kv_bytes: n * layers * blockBytes,
-        kv_pull_ms: Math.round(pullMs * 1000) / 1000,
-        ...g.info,
-      });
+      // Bidirectional KV: this turn's KV stays here for the next turn's prefill.
+      give();
+      const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole);
+      answer.finish(
+        g,
+        {
+          worker: this.name,
+          kv_blocks: n,
+          kv_moved: true,
+          kv_bytes: n * layers * blockBytes,
+          kv_pull_ms: Math.round(pullMs * 1000) / 1000,
+          ...g.info,
+        },
+        next,
+      );
     } finally {
       give();
     }
@@ -590,14 +648,28 @@ export class Worker implements FrontHandler {
     me: { released: boolean },
     body: Record<string, unknown>,
   ) {
+    const t0 = performance.now();
     const kv = await this.model.prefill(req, signal);
+    this.stats.prefillMs += performance.now() - t0;
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
+    let reuse: Reuse | undefined;
+    const kvIn = body.kv_transfer_params as Record<string, unknown> | undefined;
+    if (namesPreviousTurn(kvIn)) {
+      try {
+        // A previous turn's KV: what is provably this prompt's prefix is read, the rest computed.
+        reuse = this.turns ? await this.turns.reuse(kvIn!, req, ids, signal, span) : undefined;
+      } catch (e) {
+        this.#blocks.give(ids);
+        throw e;
+      }
+      reuse ??= { tokens: 0, blocks: 0, skipped: 'bidirectional-off' };
+    }
     // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
     const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
-    const t0 = performance.now();
-    kv.writeTo(this.#view(ids), { engineId: this.name, requestId: remoteRequestId, blockIds: ids });
-    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t0;
+    const t1 = performance.now();
+    kv.writeTo(this.#view(ids), { engineId: this.name, requestId: remoteRequestId, blockIds: ids }, reuse?.blocks);
+    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t1;
     if (this.#o.tamperKv)
       tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv, this.#secret);
     this.#held.set(remoteRequestId, ids);
@@ -627,6 +699,10 @@ export class Worker implements FrontHandler {
       throw new HttpError(499, 'the proxy went away', 'aborted');
     }
     this.stats.prefills++;
+    const reused = Number(kv.info?.prefix_reused_tokens ?? 0);
+    if (reused > 0) this.stats.prefixHits++;
+    this.stats.prefixReusedTokens += reused;
+    this.stats.prefillEvaluatedTokens += Number(kv.info?.tokens_evaluated ?? 0);
     const params = buildKvTransferParams(
       {
         remoteBlockIds: [ids],
@@ -649,7 +725,13 @@ export class Worker implements FrontHandler {
         ...completionBody(requestId, this.model.id, req.chat, '', 'length', { prompt: kv.promptTokens, completion: 0 }),
         kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
         // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
-        nixl_node: { worker: this.name, kv_release: true },
+        nixl_node: {
+          ...kv.info,
+          worker: this.name,
+          kv_release: true,
+          ...(reuse ? { kv_reused_tokens: reuse.tokens } : {}),
+          ...(reuse?.skipped ? { kv_reuse_skipped: reuse.skipped } : {}),
+        },
       },
       body,
     );
@@ -757,6 +839,8 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
           threads: o.threads,
           contextSize: o.contextSize,
           parallel: o.parallel,
+          batchSize: o.batchSize,
+          prefixCache: o.prefixCache,
           blockBytes,
           poolBytes: blocks * blockBytes,
           kvSecret: o.kvSecret ?? process.env.NIXL_NODE_KV_SECRET ?? undefined,
@@ -783,6 +867,8 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
 /** An answer on its way out: the text as it comes (streamed, or kept), then the end. */
 class Answer {
   #text = '';
+  /** The whole text, streamed or not (what a decode holds the KV of for the next turn). */
+  whole = '';
   readonly #stream: boolean;
   /** One creation time for every chunk of a stream, as OpenAI's. */
   readonly #created = Math.floor(Date.now() / 1000);
@@ -799,6 +885,7 @@ class Answer {
 
   readonly text = (t: string): void => {
     if (t.length === 0) return;
+    this.whole += t;
     if (!this.#stream) {
       this.#text += t;
       return;
@@ -806,17 +893,22 @@ class Answer {
     this.sink.chunk(chunkBody(this.id, this.#created, this.model, this.chat, t, null));
   };
 
-  finish(g: Generated, info: Record<string, unknown>): void {
+  /** The end; `turn`: the turn's KV this decode holds (bidirectional KV): its params, on the last chunk when streamed. */
+  finish(g: Generated, info: Record<string, unknown>, turn?: HeldTurn): void {
     const usage = { prompt: g.promptTokens, completion: g.completionTokens };
+    const next = turn ? { kv_transfer_params: turn.params } : {};
+    if (turn) info = { ...info, kv_hold_ms: turn.holdMs };
     if (!this.#stream) {
       this.sink.end(200, {
         ...completionBody(this.id, this.model, this.chat, this.#text, g.finishReason, usage),
+        ...next,
         nixl_node: info,
       });
       return;
     }
     this.sink.chunk({
       ...chunkBody(this.id, this.#created, this.model, this.chat, '', g.finishReason),
+      ...next,
       nixl_node: info,
     });
     // OpenAI's stream_options.include_usage: one more chunk, with no choices, that carries the usage.

@@ -39,6 +39,26 @@ function settled(p: Promise<Released>): () => Released | undefined {
 }
 
 describe('v12 leases (fake clock)', () => {
+  it("a hold of its own length that heartbeats do not extend (a decode's finished turn)", async () => {
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'Date'] });
+    const t = new PrefillTracker({ agent: P, tpSize: 1, wire: 'v12', now: () => Date.now(), logger: quiet });
+    const t0 = Date.now();
+    const turn = settled(t.expect('turn', [4, 5], { leaseMs: 8000, renewable: false }));
+    const kv = settled(t.expect('kv', [6]));
+    expect(t.leaseExpiry('turn')).toBe(t0 + 8000);
+    vi.advanceTimersByTime(7000);
+    D.sendNotif('lease-P', 'HB:turn,kv');
+    await until(() => t.heartbeats === 1, 'heartbeat');
+    expect(t.leaseExpiry('turn')).toBe(t0 + 8000);
+    expect(t.leaseExpiry('kv')).toBe(t0 + 30_000);
+    vi.advanceTimersByTime(1001);
+    await until(() => turn() !== undefined, 'turn expiry');
+    expect(turn()).toEqual({ requestId: 'turn', blockIds: [4, 5], reason: 'expired' });
+    expect(kv()).toBeUndefined();
+    expect(() => t.expect('bad', [1], { leaseMs: 0 })).toThrow(/leaseMs must be positive/);
+    await t.close();
+  });
+
   it('a heartbeat extends the lease to max(old, now + 2/3 lease); expiry frees the blocks', async () => {
     vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'Date'] });
     const t = new PrefillTracker({ agent: P, tpSize: 1, wire: 'v12', now: () => Date.now(), logger: quiet });

@@ -47,6 +47,8 @@ for (const wire of ['v12', 'v0.13'] as const) {
     expect(r.serving.rows.map((x: { config: string }) => x.config)).toEqual(['co-located', 'disaggregated']);
     expect(r.serving.identical).toBe(r.serving.requests);
     expect(r.serving.kvBytesPerToken).toBeGreaterThan(0);
+    // Multi-turn: turn 2 read turn 1's KV (the same answer both ways, or the section throws).
+    for (const m of r.multiturn) expect(m.reusedTokens).toBeGreaterThan(m.historyTokens - 16);
     // Fleet routing: 'load' against round-robin on the same workers.
     expect(r.fleet.rows.map((x: { policy: string }) => x.policy)).toEqual(['round-robin', 'load']);
     for (const f of r.fleet.rows) expect(f.roundMs).toBeGreaterThan(0);

@@ -78,13 +78,15 @@ function fill(dst: Buffer, seed: Buffer, layer: number): void {
   }
 }
 
-/** Writes the KV of every block of the prompt: write(logicalBlock, layer) gives the destination. */
+/** Writes the KV of every block of the prompt from `fromBlock` on: write(logicalBlock, layer) gives the destination. */
 export function computeKv(
   tokens: Uint8Array,
   spec: SyntheticModelSpec,
   write: (block: number, layer: number) => Buffer,
+  fromBlock = 0,
 ): void {
   blockSeeds(tokens, spec).forEach((seed, b) => {
+    if (b < fromBlock) return;
     for (let l = 0; l < spec.layers; l++) fill(write(b, l), seed, l);
   });
 }

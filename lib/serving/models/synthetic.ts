@@ -22,6 +22,7 @@ import {
   type PrefilledKv,
   type ServingModel,
   type TextSink,
+  type TurnKvState,
 } from './types';
 
 /** The synthetic model behind the ServingModel boundary: no weights, every KV byte checkable. */
@@ -46,6 +47,26 @@ export class SyntheticModel implements ServingModel {
     return tokenize(req.chat ? chatPrompt(req.messages) : req.prompt);
   }
 
+  promptTokenIds(req: GenerationRequest): number[] {
+    return Array.from(this.#tokens(req));
+  }
+
+  /**
+   * The tokens of the prompt followed by the answer, as the next turn's
+   * prompt renders them: a completion's prompt and text, or the chat with
+   * the answer as the assistant's message.
+   */
+  turnKv(req: GenerationRequest, text: string): TurnKvState {
+    const tokens = req.promptTokens
+      ? Uint8Array.from([...req.promptTokens, ...tokenize(text)])
+      : tokenize(req.chat ? chatPrompt([...req.messages, { role: 'assistant', content: text }]) : req.prompt + text);
+    return {
+      tokens: Array.from(tokens),
+      blocks: numBlocks(tokens.length, this.spec),
+      writeTo: (view) => computeKv(tokens, this.spec, view),
+    };
+  }
+
   blocksFor(req: GenerationRequest): number {
     return numBlocks(this.#tokens(req).length, this.spec);
   }
@@ -56,7 +77,7 @@ export class SyntheticModel implements ServingModel {
     return {
       blocks: numBlocks(tokens.length, spec),
       promptTokens: tokens.length,
-      writeTo: (view) => computeKv(tokens, spec, view),
+      writeTo: (view, _binding, fromBlock) => computeKv(tokens, spec, view, fromBlock),
     };
   }
 

@@ -66,8 +66,22 @@ export interface PrefilledKv {
   readonly promptTokens: number;
   /** Time taken to take the KV out of the model (llama: save the sequence state), ms. */
   readonly saveMs?: number;
-  /** Writes it into the request's blocks, bound to the request (kv_transfer_params) that names them. */
-  writeTo(view: BlockView, binding: KvBinding): void;
+  /** What the prefill adds under nixl_node in its answer (tokens reused from a cached prefix, tokens evaluated). */
+  readonly info?: Record<string, unknown>;
+  /**
+   * Writes it into the request's blocks, bound to the request (kv_transfer_params) that names them.
+   * `fromBlock`: the blocks before it already hold this prompt's KV (read from a previous turn).
+   */
+  writeTo(view: BlockView, binding: KvBinding, fromBlock?: number): void;
+}
+
+/** The KV of a finished turn (its prompt and answer), which a decode holds for the next turn. */
+export interface TurnKvState {
+  /** The token ids it is the KV of: what the next turn's prompt starts with. */
+  readonly tokens: readonly number[];
+  readonly blocks: number;
+  /** Writes it into the blocks the decode holds it in. */
+  writeTo(view: BlockView): void;
 }
 
 /** What a generation produced, besides its text. */
@@ -113,6 +127,14 @@ export interface ServingModel {
   readonly contextSize?: number;
   /** Blocks a prompt's KV takes when the model knows before evaluating it (a 413 before any work), else undefined. */
   blocksFor(req: GenerationRequest): number | undefined;
+  /** The prompt's token ids (a prefill checks a previous turn's KV is of exactly its first ones). */
+  promptTokenIds?(req: GenerationRequest): readonly number[];
+  /**
+   * The KV a decode holds after answering `req` with `text` (bidirectional
+   * KV): the prompt of the next turn starts with its tokens. Undefined: the
+   * model keeps none.
+   */
+  turnKv?(req: GenerationRequest, text: string): TurnKvState | undefined;
   /** Evaluates the prompt. */
   prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv>;
   /**
