@@ -29,6 +29,8 @@ Usage: nixl-node worker [options]
   --threads N          GGUF: CPU threads of each context (default: the cores shared among --parallel)
   --context-size N     GGUF: tokens of each context (default 4096)
   --parallel N         GGUF: requests evaluated at once, one context each (default 2)
+  --batch-size N       GGUF: tokens evaluated in one batch (default: the context size, at most 512)
+  --no-prefix-cache    GGUF: never reuse a cached prompt prefix (by default whole batches of it are reused)
   --block-kib N        GGUF: KiB of one KV block (default 64)
   --state-dir D        GGUF: where states go through files (default NIXL_NODE_STATE_DIR, else /dev/shm, else $TMPDIR)
   --name N             agent and engine name (default worker-<pid>-<random>)
@@ -88,6 +90,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
       threads: { type: 'string' },
       'context-size': { type: 'string' },
       parallel: { type: 'string' },
+      'batch-size': { type: 'string' },
+      'no-prefix-cache': { type: 'boolean' },
       'block-kib': { type: 'string' },
       'state-dir': { type: 'string' },
       'tamper-kv': { type: 'string' },
@@ -131,6 +135,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
     threads: optional('threads', 1024),
     contextSize: optional('context-size', 1 << 20),
     parallel: optional('parallel', 256),
+    batchSize: optional('batch-size', 1 << 20),
+    prefixCache: v['no-prefix-cache'] !== true,
     blockBytes: v['block-kib'] === undefined ? undefined : positiveInt(v, 'block-kib', 64, 1 << 20) * 1024,
     stateDir: v['state-dir'] as string | undefined,
     tamperKv:
