@@ -4,8 +4,8 @@
 // locality  requests drawn from a few long shared prefixes (system prompts),
 //           one at a time: the share that reach a prefill which prefilled
 //           their prefix among its last CACHED prefixes, the hit rate a
-//           prefill prefix cache of that many prompts would see. (Our GGUF prefill clears its sequence after each
-//           request, so no model here turns hits into time yet.)
+//           prefill prefix cache of that many prompts would see (bench/fleet-gguf.ts measures GGUF prefills
+//           that reuse cached prefixes).
 // load      one prefill 20x slower than the others, rounds of requests 6 at
 //           a time: the time a round takes with 'load' (reported and
 //           outstanding load, prefix affinity) / with round-robin (medians

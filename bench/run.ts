@@ -10,13 +10,14 @@ import { benchGrid, gridCells, NIXLBENCH_DEFAULTS, QUICK, type GridCold, type Gr
 import { benchNative, nativeGrid } from './native';
 import { benchServing } from './serving';
 import { benchFleet } from './fleet';
+import { benchFleetGguf } from './fleet-gguf';
 import { benchTracing } from './tracing';
 import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { benchMultiturn } from './multiturn';
 import { benchPush } from './push';
-import { fmtBytes } from './stats';
+import { fmtBytes, median } from './stats';
 import { barChart, type Panel } from './svg';
 export { NIXLBENCH_DEFAULTS, QUICK, type GridOptions } from './grid';
 
@@ -31,10 +32,11 @@ export const SECTIONS = [
   'multiturn',
   'push',
   'fleet',
+  'prefix',
   'grid',
 ];
-/** What runs when no section is named: all but the grid (minutes). */
-export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid');
+/** What runs when no section is named: all but the grid and the GGUF fleet (minutes each). */
+export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid' && s !== 'prefix');
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -365,6 +367,42 @@ export async function runBench(o: BenchOptions): Promise<void> {
       reference: 1,
       bars: fl.rows.filter((r) => r.policy === 'load').map((r) => ({ label: 'one slow prefill', value: r.ratio })),
     });
+  }
+
+  if (only.includes('prefix')) {
+    const n = quick ? 6 : 36;
+    const runs = quick ? 1 : 3;
+    console.log(
+      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills ('small', 3 contexts each) + 1 decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs); ratio = policy / round-robin of the same run`,
+    );
+    const fg = await benchFleetGguf(n, runs);
+    if (fg.note) console.log(`(${fg.note})`);
+    else {
+      table(
+        ['run', 'policy', 'prefix hits', 'tokens reused', 'TTFT ms', 'TTFT ratio', 'prefill ms', 'prefill ratio'],
+        fg.runs.map((r, i) => [
+          Math.floor(i / 2) + 1,
+          r.policy,
+          `${(r.hitRate * 100).toFixed(0)}%`,
+          `${(r.reusedShare * 100).toFixed(0)}%`,
+          r.ttftMs,
+          r.ttftRatio,
+          r.prefillMs,
+          r.prefillRatio,
+        ]),
+      );
+      console.log(`prompts of ${fg.promptTokens} tokens (median); whole batches of ${fg.batchSize} tokens are reused`);
+      result.fleetGguf = fg;
+      const load = fg.runs.filter((r) => r.policy === 'load');
+      panels.push({
+        title: 'GGUF prefix reuse: load / round-robin',
+        reference: 1,
+        bars: [
+          { label: 'TTFT', value: median(load.map((r) => r.ttftRatio)) },
+          { label: 'prefill', value: median(load.map((r) => r.prefillRatio)) },
+        ],
+      });
+    }
   }
 
   const json = o.json;

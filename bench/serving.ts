@@ -45,7 +45,7 @@ interface Sample {
 }
 
 /** One streamed request: time to the first text, then tokens/s of the rest. */
-async function stream(url: string, prompt: string, maxTokens: number): Promise<Sample> {
+export async function stream(url: string, prompt: string, maxTokens: number): Promise<Sample> {
   const t0 = performance.now();
   const res = await fetch(`${url}/v1/completions`, {
     method: 'POST',

@@ -5,6 +5,7 @@
 import type { WireName } from '../lib/handshake/model';
 import { startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
+import { DEFAULT_REUSE_HANDSHAKE_MS } from '../lib/serving/turns';
 import {
   applyUcxNetDevices,
   oneOf,
@@ -28,6 +29,8 @@ Usage: nixl-node worker [options]
   --threads N          GGUF: CPU threads of each context (default: the cores shared among --parallel)
   --context-size N     GGUF: tokens of each context (default 4096)
   --parallel N         GGUF: requests evaluated at once, one context each (default 2)
+  --batch-size N       GGUF: tokens evaluated in one batch (default: the context size, at most 512)
+  --no-prefix-cache    GGUF: never reuse a cached prompt prefix (by default whole batches of it are reused)
   --block-kib N        GGUF: KiB of one KV block (default 64)
   --state-dir D        GGUF: where states go through files (default NIXL_NODE_STATE_DIR, else /dev/shm, else $TMPDIR)
   --name N             agent and engine name (default worker-<pid>-<random>)
@@ -48,6 +51,8 @@ Usage: nixl-node worker [options]
                        which reads what is provably its prompt's prefix (vLLM bidirectional_kv_xfer)
   --decoder-kv-ttl N   seconds a decode holds a finished turn (default 480, vLLM decoder_kv_blocks_ttl)
   --kv-recompute-threshold N  a prefill recomputes a previous turn of fewer tokens than N (default 64)
+  --kv-reuse-handshake-timeout MS  a prefill's one handshake attempt with the decode holding the previous
+                       turn, ms, before it recomputes instead (default 1000)
   --etcd LIST          register in etcd (endpoints, comma-separated) under a lease; needs etcd3
   --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
   --role R             prefill | decode | both | encode: the proxies' pools it joins (default both)
@@ -80,6 +85,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'bidirectional-kv': { type: 'boolean' },
       'decoder-kv-ttl': { type: 'string' },
       'kv-recompute-threshold': { type: 'string' },
+      'kv-reuse-handshake-timeout': { type: 'string' },
       'otlp-endpoint': { type: 'string' },
       'poison-freed': { type: 'boolean' },
       'clock-skew-ms': { type: 'string' },
@@ -87,6 +93,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
       threads: { type: 'string' },
       'context-size': { type: 'string' },
       parallel: { type: 'string' },
+      'batch-size': { type: 'string' },
+      'no-prefix-cache': { type: 'boolean' },
       'block-kib': { type: 'string' },
       'state-dir': { type: 'string' },
       'tamper-kv': { type: 'string' },
@@ -131,6 +139,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
     threads: optional('threads', 1024),
     contextSize: optional('context-size', 1 << 20),
     parallel: optional('parallel', 256),
+    batchSize: optional('batch-size', 1 << 20),
+    prefixCache: v['no-prefix-cache'] !== true,
     blockBytes: v['block-kib'] === undefined ? undefined : positiveInt(v, 'block-kib', 64, 1 << 20) * 1024,
     stateDir: v['state-dir'] as string | undefined,
     tamperKv:
@@ -162,13 +172,17 @@ export async function workerCommand(argv: string[]): Promise<void> {
 /** --bidirectional-kv and the options that go with it. */
 function bidirectionalOptions(v: Record<string, unknown>) {
   const on = v['bidirectional-kv'] === true;
-  if (!on && (v['decoder-kv-ttl'] !== undefined || v['kv-recompute-threshold'] !== undefined))
-    throw new UsageError('--decoder-kv-ttl and --kv-recompute-threshold go with --bidirectional-kv');
+  const withIt = ['decoder-kv-ttl', 'kv-recompute-threshold', 'kv-reuse-handshake-timeout'];
+  if (!on && withIt.some((k) => v[k] !== undefined))
+    throw new UsageError(
+      '--decoder-kv-ttl, --kv-recompute-threshold and --kv-reuse-handshake-timeout go with --bidirectional-kv',
+    );
   if (!on) return {};
   return {
     bidirectionalKv: true,
     decoderKvTtlMs: positiveInt(v, 'decoder-kv-ttl', 480, 86_400) * 1000,
     kvRecomputeThreshold:
       v['kv-recompute-threshold'] === '0' ? 0 : positiveInt(v, 'kv-recompute-threshold', 64, 1 << 20),
+    kvReuseHandshakeMs: positiveInt(v, 'kv-reuse-handshake-timeout', DEFAULT_REUSE_HANDSHAKE_MS, 600_000),
   };
 }

@@ -37,10 +37,13 @@ export class OneProcess {
   private constructor(
     readonly nlc: typeof Nlc,
     readonly model: Nlc.LlamaModel,
-    readonly context: { contextSize: number; threads: number },
+    readonly context: { contextSize: number; threads: number; batchSize?: number },
   ) {}
 
-  static async load(modelPath: string, context: { contextSize: number; threads: number }): Promise<OneProcess> {
+  static async load(
+    modelPath: string,
+    context: { contextSize: number; threads: number; batchSize?: number },
+  ): Promise<OneProcess> {
     const nlc = await loadNodeLlamaCpp();
     const llama = await nlc.getLlama({ gpu: false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
     return new OneProcess(nlc, await llama.loadModel({ modelPath }), context);

@@ -254,26 +254,58 @@ export class NixlAgent {
   }
 
   // NIXL's own metadata exchange: a peer's listener (ip, port; the peer sets
-  // listenPort) or etcd when no ip is given. The loopback engine has neither
-  // and says so (NIXL_ERR_NOT_SUPPORTED); use lib/handshake there.
+  // listenPort) or etcd when no ip is given (NIXL_ETCD_ENDPOINTS; keys
+  // <NIXL_ETCD_NAMESPACE>/<agent>/<label>, docs/fleet.md). The loopback
+  // engine has neither and says so (NIXL_ERR_NOT_SUPPORTED); use
+  // lib/handshake there.
 
   /** Sends this agent's metadata to a peer's listener, or to etcd without an ip (NIXL send_local_metadata). */
   sendLocalMetadata(opts: { ip?: string; port?: number } = {}): void {
     this.#native.sendLocalMD(opts.ip, opts.port);
   }
 
-  /** Sends the metadata of the registrations covering descs only (NIXL send_partial_agent_metadata). */
+  /**
+   * Sends the metadata of the registrations covering descs only (NIXL
+   * send_partial_agent_metadata), with the backends' connection info if
+   * asked, to a peer's listener, or to etcd without an ip: there under
+   * `label` (required; a peer fetches it with the same label).
+   */
   sendPartialAgentMetadata(
     descs: DescList | MemoryLike | readonly MemoryLike[],
-    opts: { memType?: MemType; ip?: string; port?: number } = {},
+    opts: {
+      memType?: MemType;
+      includeConnInfo?: boolean;
+      backends?: string[];
+      ip?: string;
+      port?: number;
+      label?: string;
+    } = {},
   ): void {
     const d = toDescList(descs, opts.memType);
-    this.#native.sendLocalPartialMD(d.triples, memTypeId(d.memType), opts.ip, opts.port);
+    const label = metadataLabel(opts.label);
+    if (!opts.ip && label === undefined)
+      throw invalidParam(
+        'sendPartialAgentMetadata without an ip goes to the metadata server (etcd), which needs a label: ' +
+          "the key it is stored under (fetchRemoteMetadata(agent, { label }) reads it); 'metadata' is the full metadata's",
+      );
+    this.#native.sendLocalPartialMD(
+      d.triples,
+      memTypeId(d.memType),
+      opts.includeConnInfo ?? false,
+      opts.backends,
+      opts.ip,
+      opts.port,
+      label,
+    );
   }
 
-  /** Asks a peer's listener (or etcd) for its metadata (NIXL fetch_remote_metadata); see checkRemoteMetadata. */
-  fetchRemoteMetadata(remoteAgent: string, opts: { ip?: string; port?: number } = {}): void {
-    this.#native.fetchRemoteMD(remoteAgent, opts.ip, opts.port);
+  /**
+   * Asks a peer's listener (or etcd, without an ip) for an agent's metadata
+   * (NIXL fetch_remote_metadata); from etcd, the metadata sent under `label`
+   * (default: the full metadata). It arrives later: see checkRemoteMetadata.
+   */
+  fetchRemoteMetadata(remoteAgent: string, opts: { ip?: string; port?: number; label?: string } = {}): void {
+    this.#native.fetchRemoteMD(remoteAgent, opts.ip, opts.port, metadataLabel(opts.label));
   }
 
   /** Tells peers (or etcd) to forget this agent's metadata (NIXL invalidate_local_metadata). */
@@ -678,4 +710,14 @@ function guardWait(opts: WaitOptions, reject: (e: Error) => void, remove: () => 
     }, timeoutMs);
   }
   return disarm;
+}
+
+/** A metadata server key's label: a non-empty string without NUL or '/' (it is the last part of the key), or undefined. */
+function metadataLabel(label: unknown): string | undefined {
+  if (label === undefined) return undefined;
+  if (typeof label !== 'string' || label === '' || label.length > 256 || /[\0/]/.test(label))
+    throw invalidParam(
+      `label must be 1-256 characters without '/' or NUL, got ${typeof label === 'string' ? JSON.stringify(label.slice(0, 64)) : typeof label}`,
+    );
+  return label;
 }

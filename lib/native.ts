@@ -40,8 +40,16 @@ export declare class NativeAgent {
   invalidateRemoteMD(agent: string): void;
   getLocalPartialMD(descs: BigUint64Array, memType: number, includeConnInfo: boolean, backends?: string[]): Buffer;
   sendLocalMD(ip?: string, port?: number): void;
-  sendLocalPartialMD(descs: BigUint64Array, memType: number, ip?: string, port?: number): void;
-  fetchRemoteMD(agent: string, ip?: string, port?: number): void;
+  sendLocalPartialMD(
+    descs: BigUint64Array,
+    memType: number,
+    includeConnInfo: boolean,
+    backends: string[] | undefined,
+    ip?: string,
+    port?: number,
+    label?: string,
+  ): void;
+  fetchRemoteMD(agent: string, ip?: string, port?: number, label?: string): void;
   invalidateLocalMD(ip?: string, port?: number): void;
   checkRemoteMD(agent: string, descs: BigUint64Array, memType: number): boolean;
   makeConnection(agent: string): void;

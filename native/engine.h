@@ -101,10 +101,14 @@ class Engine {
                                         const std::vector<std::string>& backends) = 0;
   virtual std::string loadRemoteMD(const std::string& md) = 0;  // -> agent name
   virtual void invalidateRemoteMD(const std::string& agent) = 0;
-  // NIXL's own metadata exchange (peer listener at ip:port, or etcd when ip is empty).
+  // NIXL's own metadata exchange (peer listener at ip:port, or etcd when ip is empty). label: the
+  // metadata server's key of partial metadata (required there), and the one a fetch reads (empty: the
+  // full metadata's); peers ignore it.
   virtual void sendLocalMD(const std::string& ip, int port) = 0;
-  virtual void sendLocalPartialMD(const std::vector<Desc>& descs, MemType type, const std::string& ip, int port) = 0;
-  virtual void fetchRemoteMD(const std::string& agent, const std::string& ip, int port) = 0;
+  virtual void sendLocalPartialMD(const std::vector<Desc>& descs, MemType type, bool includeConnInfo,
+                                  const std::vector<std::string>& backends, const std::string& ip, int port,
+                                  const std::string& label) = 0;
+  virtual void fetchRemoteMD(const std::string& agent, const std::string& ip, int port, const std::string& label) = 0;
   virtual void invalidateLocalMD(const std::string& ip, int port) = 0;
   // True when the agent (and, if given, memory covering descs) is known.
   virtual bool checkRemoteMD(const std::string& agent, const std::vector<Desc>& descs, MemType type) = 0;

@@ -92,6 +92,10 @@ export class KvPushReceiver {
 
   constructor(o: KvPushReceiverOptions) {
     checkLayout(o.layout);
+    if (typeof o.decodeHost !== 'string' || o.decodeHost.length === 0 || o.decodeHost.length > 256)
+      throw new NixlError('decodeHost must be a host name of 1..256 characters', 'NIXL_ERR_INVALID_PARAM');
+    if (!Number.isInteger(o.decodePort) || o.decodePort < 1 || o.decodePort > 65535)
+      throw new NixlError(`decodePort must be a port, got ${o.decodePort}`, 'NIXL_ERR_INVALID_PARAM');
     this.#o = o;
     this.#wire = wireProfile(o.wire);
     if (!this.#wire.transferModes.includes('push'))
@@ -135,13 +139,17 @@ export class KvPushReceiver {
    */
   async receive(params: PushParams | Record<string, unknown>, opts: ReceiveOptions): Promise<PushReceived> {
     const t0 = performance.now();
-    const deadline = t0 + (opts.timeoutMs ?? this.#o.timeoutMs ?? 120_000);
+    const timeoutMs = opts.timeoutMs ?? this.#o.timeoutMs ?? 120_000;
+    const deadline = t0 + timeoutMs;
     let logical: number[] = [];
     const fail = (kind: PushFailure, e: unknown, quarantinedUntil?: number) =>
       PushError.of(kind, e, opts.requestId, logical, quarantinedUntil);
     let p: PushParams;
     try {
       logical = flatIds(opts.localBlockIds);
+      // A timer holds at most 2^31-1 ms (Node fires a longer one at once), and the registration carries it.
+      if (!Number.isInteger(timeoutMs) || timeoutMs < 1 || timeoutMs > 2 ** 31 - 1)
+        throw new NixlError(`timeoutMs must be an integer in 1..2^31-1, got ${timeoutMs}`, 'NIXL_ERR_INVALID_PARAM');
       p = 'remoteEngineId' in params ? (params as PushParams) : parsePushParams(params);
       this.#admit(opts.requestId, logical, p);
     } catch (e) {
@@ -157,11 +165,15 @@ export class KvPushReceiver {
     const release = this.#leases.hold(ep, p.remoteRequestId);
     for (const b of logical) this.#inUse.add(b);
     let registered = false;
+    const attempt = this.#engines.attempt(ep);
+    let engine: RemoteEngine | undefined;
     try {
-      const engine = await this.#withDeadline(this.#engines.get(ep), deadline, opts.signal);
+      engine = await this.#withDeadline(attempt.promise, deadline, opts.signal);
       const expected = expectedWrites(p.ppSize, p.tpSize, this.#o.layout.tpSize);
       const agents = new Set(engine.agentNames());
       const waiting = this.#wait(opts.requestId, agents, expected, p.tpSize, deadline, opts.signal);
+      // Awaited below; when the registration fails first, the catch reports it and finally ends the wait.
+      waiting.catch(() => undefined);
       registered = true;
       this.#register(engine, opts.requestId, logical, p, deadline);
       const w = await waiting;
@@ -173,6 +185,8 @@ export class KvPushReceiver {
       };
     } catch (e) {
       const kind = kindOf(e, opts.signal);
+      // A prefill that took no registration (gone, or restarted as new agents): handshake afresh next time.
+      if (engine && kind === 'peer-gone') this.#engines.forget(engine, attempt.promise);
       if (!registered) throw fail(kind, e);
       const until = performance.now() + (this.#o.quarantineMs ?? this.#leaseMs + 5000);
       this.quarantine.add(opts.requestId, this.#kernelIds(logical), until);
@@ -180,6 +194,7 @@ export class KvPushReceiver {
       throw fail(kind, e, until);
     } finally {
       release();
+      this.#waiting.get(opts.requestId)?.done(new NixlError('receive ended', 'NIXL_ERR_CANCELED'));
       this.#waiting.delete(opts.requestId);
       for (const b of logical) this.#inUse.delete(b);
     }
@@ -193,8 +208,7 @@ export class KvPushReceiver {
         `request id ${JSON.stringify(requestId.slice(0, 80))} cannot be used in a notification`,
         'NIXL_ERR_INVALID_PARAM',
       );
-    const now = performance.now();
-    for (const [k, until] of this.#gaveUp) if (until <= now) this.#gaveUp.delete(k);
+    this.#forgetGaveUp();
     const gone = this.#gaveUp.get(requestId);
     if (this.#waiting.has(requestId) || gone !== undefined)
       throw new NixlError(
@@ -226,6 +240,12 @@ export class KvPushReceiver {
     checkRemoteSizes(l, { tpSize: p.tpSize, ppSize: p.ppSize }, { ...DEFAULT_LIMITS, ...this.#o.limits });
   }
 
+  /** Ids given up on whose WRITEs can no longer come (each receive and late WRITE prunes: bounded by failures in that window). */
+  #forgetGaveUp(): void {
+    const now = performance.now();
+    for (const [k, until] of this.#gaveUp) if (until <= now) this.#gaveUp.delete(k);
+  }
+
   #kernelIds(logical: number[]): number[] {
     const r = this.#o.layout.physicalBlocksPerLogical ?? 1;
     return logical.flatMap((b) => Array.from({ length: r }, (_, j) => b * r + j));
@@ -250,6 +270,7 @@ export class KvPushReceiver {
         confirm: true,
         // Less a slack for the notification's transit: the prefill counts from receipt.
         deadlineMs: Math.max(0, Math.floor(deadline - performance.now() - DEADLINE_SLACK_MS)),
+        sentAtMs: Date.now(),
       },
       this.#o.secret,
     );
@@ -326,8 +347,7 @@ export class KvPushReceiver {
     const w = this.#waiting.get(id);
     if (!w) {
       this.lateWrites++;
-      const now = performance.now();
-      for (const [k, until] of this.#gaveUp) if (until <= now) this.#gaveUp.delete(k);
+      this.#forgetGaveUp();
       return;
     }
     if (!w.agents.has(n.agent)) {
@@ -339,6 +359,16 @@ export class KvPushReceiver {
       w.done(
         new NixlError(
           `a WRITE notification says prefill TP ${suffix}, the params said ${w.prefillTp}: not counted, request failed`,
+          'NIXL_ERR_MISMATCH',
+        ),
+      );
+      return;
+    }
+    if (w.from.has(n.agent)) {
+      // Each prefill rank WRITEs once per decode rank: a second one is another push into our blocks.
+      w.done(
+        new NixlError(
+          `a second WRITE notification from prefill agent '${n.agent}': which WRITE landed last is unknown, request failed`,
           'NIXL_ERR_MISMATCH',
         ),
       );
@@ -375,9 +405,10 @@ export class KvPushReceiver {
   }
 
   /** What the receiver holds right now (tests check nothing leaks). */
-  resources(): { receiving: number; quarantined: number; engines: number; remoteAgents: number } {
+  resources(): { receiving: number; gaveUp: number; quarantined: number; engines: number; remoteAgents: number } {
     return {
       receiving: this.#waiting.size,
+      gaveUp: this.#gaveUp.size,
       quarantined: this.quarantine.size,
       engines: this.#engines.size,
       remoteAgents: this.#engines.remoteAgents,

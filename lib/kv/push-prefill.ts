@@ -286,6 +286,10 @@ export class KvPushSender {
     } catch (e) {
       return (e as Error).message;
     }
+    // Signed registrations are remembered (duplicates) for the registration TTL; one sent longer ago is a replay.
+    const ttl = this.#o.registrationTtlMs ?? 480_000;
+    if (this.#o.secret !== undefined && !(reg.sentAtMs !== undefined && Math.abs(Date.now() - reg.sentAtMs) < ttl))
+      return `'${reg.requestId}' was not sent within the last ${ttl} ms (a replay, or clocks apart): refused`;
     const l = this.#o.layout;
     if (reg.remoteEngineId !== l.engineId)
       return `'${reg.requestId}' is for engine '${reg.remoteEngineId}', this is '${l.engineId}'`;

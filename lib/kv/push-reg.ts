@@ -41,6 +41,8 @@ export interface PushRegistration {
   confirm?: boolean;
   /** nixl-node decodes: ms left before the decode gives up; a nixl-node prefill posts no WRITE after. */
   deadlineMs?: number;
+  /** nixl-node decodes: wall-clock send time (Date.now()); signed, so a prefill can refuse a replay. */
+  sentAtMs?: number;
 }
 
 /** Bounds on a registration a prefill accepts. */
@@ -74,6 +76,7 @@ function toMap(r: PushRegistration): Map<string, MpValue> {
   ]);
   if (r.confirm) m.set('nixl_node_confirm', true);
   if (r.deadlineMs !== undefined) m.set('nixl_node_deadline_ms', r.deadlineMs);
+  if (r.sentAtMs !== undefined) m.set('nixl_node_sent_at_ms', r.sentAtMs);
   return m;
 }
 
@@ -92,6 +95,7 @@ function mac(r: PushRegistration, secret: string | Buffer): Buffer {
     r.remotePpSize,
     r.confirm === true,
     r.deadlineMs ?? null,
+    r.sentAtMs ?? null,
   ]);
   return createHmac('sha256', secret).update('nixl-node push_reg v1\n').update(body).digest();
 }
@@ -139,6 +143,7 @@ export function decodePushReg(msg: Uint8Array, opts: { secret?: string | Buffer;
   };
   if (d.nixl_node_confirm === true) r.confirm = true;
   if (d.nixl_node_deadline_ms !== undefined) r.deadlineMs = d.nixl_node_deadline_ms as number;
+  if (d.nixl_node_sent_at_ms !== undefined) r.sentAtMs = d.nixl_node_sent_at_ms as number;
   checkFields(r as unknown as Record<string, unknown>, lim);
   if (opts.secret !== undefined) verify(r, d[PUSH_REG_SIGNATURE_KEY], opts.secret);
   return r;
@@ -174,6 +179,8 @@ function checkFields(d: Record<string, unknown>, lim: Required<PushRegLimits>): 
     if (!isInt(d[k], 1, 1024)) throw bad(`${k} must be an integer in 1..1024, got ${show(d[k])}`);
   if (d.deadlineMs !== undefined && !isInt(d.deadlineMs, 0, 2 ** 31 - 1))
     throw bad(`nixl_node_deadline_ms must be an integer in 0..2^31-1, got ${show(d.deadlineMs)}`);
+  if (d.sentAtMs !== undefined && !isInt(d.sentAtMs, 0, Number.MAX_SAFE_INTEGER))
+    throw bad(`nixl_node_sent_at_ms must be an integer in 0..2^53-1, got ${show(d.sentAtMs)}`);
   const g = d.localBlockIds;
   if (!Array.isArray(g) || g.length === 0 || g.length > lim.maxGroups)
     throw bad(`local_block_ids must be 1..${lim.maxGroups} lists of block ids`);

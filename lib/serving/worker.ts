@@ -54,7 +54,7 @@ import { ZmqFront } from './worker-zmq';
 import { NixlError } from '../errors';
 import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
-import { type HeldTurn, type Reuse, TurnKv } from './turns';
+import { DEFAULT_REUSE_HANDSHAKE_MS, type HeldTurn, type Reuse, TurnKv } from './turns';
 import { type KvMode, PushServing, pushHash } from './push-serving';
 
 /** Options of a worker. */
@@ -82,6 +82,10 @@ export interface WorkerOptions {
   contextSize?: number;
   /** GGUF: requests evaluated at once, a context each (default 2). */
   parallel?: number;
+  /** GGUF: tokens llama.cpp evaluates in one batch (default: the context size, at most 512). */
+  batchSize?: number;
+  /** GGUF: reuse a context's cached prompt prefix in whole batches (default true; the numbers do not change). */
+  prefixCache?: boolean;
   /** GGUF: bytes of one KV block (default 64 KiB); a request's state takes as many as it needs. */
   blockBytes?: number;
   /**
@@ -134,6 +138,13 @@ export interface WorkerOptions {
   /** The share of the KV cache held turns may take together (default 0.5); past it a turn is not held. */
   heldTurnsShare?: number;
   /**
+   * A prefill's handshake with the decode holding the previous turn: one
+   * attempt of this many ms (default 1000), then it recomputes (reuse is an
+   * optimisation; a dead decode must not delay the turn by the full 3 x 5 s
+   * of a pull's handshake).
+   */
+  kvReuseHandshakeMs?: number;
+  /**
    * How KV moves (docs/kv-push.md): 'pull' (default, vLLM NixlConnector) or
    * 'push' (NixlPushConnector: decodes register their blocks, prefills WRITE).
    */
@@ -167,6 +178,12 @@ export interface WorkerStats {
   kvSaveMs: number;
   kvPullMs: number;
   kvLoadMs: number;
+  /** Prefill (GGUF): prefills that reused a cached prefix, prompt tokens taken from one, and prompt tokens evaluated. */
+  prefixHits: number;
+  prefixReusedTokens: number;
+  prefillEvaluatedTokens: number;
+  /** Prefill: time in the model's prefill (evaluating and taking the KV out), ms. */
+  prefillMs: number;
 }
 
 export type { RequestHints, Sink } from './front';
@@ -195,6 +212,10 @@ export class Worker implements FrontHandler {
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
+    prefixHits: 0,
+    prefixReusedTokens: 0,
+    prefillEvaluatedTokens: 0,
+    prefillMs: 0,
   };
   /** HTTP: the base URL; ZMQ: the address to PUSH to. */
   address = '';
@@ -310,6 +331,7 @@ export class Worker implements FrontHandler {
         ttlMs: o.decoderKvTtlMs ?? DEFAULT_TURN_TTL_MS,
         maxHeldBlocks: Math.floor(share * this.#blocks.size),
         recomputeThreshold: o.kvRecomputeThreshold,
+        reuseHandshakeMs: o.kvReuseHandshakeMs ?? DEFAULT_REUSE_HANDSHAKE_MS,
       });
   }
 
@@ -737,7 +759,9 @@ export class Worker implements FrontHandler {
     me: { released: boolean },
     body: Record<string, unknown>,
   ) {
+    const t0 = performance.now();
     const kv = await this.model.prefill(req, signal);
+    this.stats.prefillMs += performance.now() - t0;
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
     let reuse: Reuse | undefined;
@@ -764,9 +788,9 @@ export class Worker implements FrontHandler {
         throw e;
       }
     }
-    const t0 = performance.now();
+    const t1 = performance.now();
     kv.writeTo(this.#view(ids), { engineId: this.name, requestId: remoteRequestId, blockIds: ids }, reuse?.blocks);
-    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t0;
+    this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t1;
     if (this.#o.tamperKv)
       tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv, this.#secret);
     this.#held.set(remoteRequestId, ids);
@@ -806,6 +830,10 @@ export class Worker implements FrontHandler {
       throw new HttpError(499, 'the proxy went away', 'aborted');
     }
     this.stats.prefills++;
+    const reused = Number(kv.info?.prefix_reused_tokens ?? 0);
+    if (reused > 0) this.stats.prefixHits++;
+    this.stats.prefixReusedTokens += reused;
+    this.stats.prefillEvaluatedTokens += Number(kv.info?.tokens_evaluated ?? 0);
     const params = push
       ? this.#push!.params({
           engineId: this.name,
@@ -837,6 +865,7 @@ export class Worker implements FrontHandler {
         kv_transfer_params: this.#secret === undefined ? params : signKvTransferParams(params, this.#secret),
         // The proxy may release the hold early (POST /v1/kv/release, or RELEASE over ZeroMQ).
         nixl_node: {
+          ...kv.info,
           worker: this.name,
           kv_release: true,
           ...(reuse ? { kv_reused_tokens: reuse.tokens } : {}),
@@ -950,6 +979,8 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
           threads: o.threads,
           contextSize: o.contextSize,
           parallel: o.parallel,
+          batchSize: o.batchSize,
+          prefixCache: o.prefixCache,
           blockBytes,
           poolBytes: blocks * blockBytes,
           kvSecret: o.kvSecret ?? process.env.NIXL_NODE_KV_SECRET ?? undefined,

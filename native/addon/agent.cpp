@@ -298,14 +298,16 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   Napi::Value SendLocalPartialMD(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     E(env).sendLocalPartialMD(args::descs(env, info[0], "sendLocalPartialMD"), args::memType(env, info[1]),
-                              args::optString(env, info[2], "ip"), args::optPort(env, info[3], "port"));
+                              args::boolean(env, info[2], "includeConnInfo"),
+                              args::optStrings(env, info[3], "backends"), args::optString(env, info[4], "ip"),
+                              args::optPort(env, info[5], "port"), args::optString(env, info[6], "label"));
     return env.Undefined();
   }
 
   Napi::Value FetchRemoteMD(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     E(env).fetchRemoteMD(args::string(env, info[0], "agent name"), args::optString(env, info[1], "ip"),
-                         args::optPort(env, info[2], "port"));
+                         args::optPort(env, info[2], "port"), args::optString(env, info[3], "label"));
     return env.Undefined();
   }
 

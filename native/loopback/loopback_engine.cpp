@@ -282,10 +282,13 @@ class LoopbackEngine final : public Engine {
   }
 
   void sendLocalMD(const std::string&, int) override { noMetadataService("sendLocalMD"); }
-  void sendLocalPartialMD(const std::vector<Desc>&, MemType, const std::string&, int) override {
+  void sendLocalPartialMD(const std::vector<Desc>&, MemType, bool, const std::vector<std::string>&, const std::string&,
+                          int, const std::string&) override {
     noMetadataService("sendLocalPartialMD");
   }
-  void fetchRemoteMD(const std::string&, const std::string&, int) override { noMetadataService("fetchRemoteMD"); }
+  void fetchRemoteMD(const std::string&, const std::string&, int, const std::string&) override {
+    noMetadataService("fetchRemoteMD");
+  }
   void invalidateLocalMD(const std::string&, int) override { noMetadataService("invalidateLocalMD"); }
 
   bool checkRemoteMD(const std::string& agent, const std::vector<Desc>& descs, MemType type) override {

@@ -230,15 +230,21 @@ class NixlEngine final : public Engine {
     check(agent_.sendLocalMD(&args), "sendLocalMD");
   }
 
-  void sendLocalPartialMD(const std::vector<Desc>& descs, MemType type, const std::string& ip, int port) override {
+  void sendLocalPartialMD(const std::vector<Desc>& descs, MemType type, bool includeConnInfo,
+                          const std::vector<std::string>& backends, const std::string& ip, int port,
+                          const std::string& label) override {
     checkOpen();
-    nixl_opt_args_t args = peer(ip, port);
+    nixl_opt_args_t args = opts(backends);
+    toPeer(args, ip, port);
+    args.includeConnInfo = includeConnInfo;
+    args.metadataLabel = label;  // etcd: the key's last part (NIXL requires one there)
     check(agent_.sendLocalPartialMD(regList(descs, type), &args), "sendLocalPartialMD");
   }
 
-  void fetchRemoteMD(const std::string& agent, const std::string& ip, int port) override {
+  void fetchRemoteMD(const std::string& agent, const std::string& ip, int port, const std::string& label) override {
     checkOpen();
     nixl_opt_args_t args = peer(ip, port);
+    args.metadataLabel = label;  // etcd: empty reads the full metadata
     check(agent_.fetchRemoteMD(agent, &args), "fetchRemoteMD");
   }
 
@@ -531,11 +537,15 @@ class NixlEngine final : public Engine {
   // ip empty: NIXL's etcd mode (NIXL_ETCD_ENDPOINTS), else the peer's listener.
   static nixl_opt_args_t peer(const std::string& ip, int port) {
     nixl_opt_args_t a;
+    toPeer(a, ip, port);
+    return a;
+  }
+
+  static void toPeer(nixl_opt_args_t& a, const std::string& ip, int port) {
     if (!ip.empty()) {
       a.ipAddr = ip;
       a.port = port > 0 ? port : default_comm_port;
     }
-    return a;
   }
 
   static void setNotif(nixl_opt_args_t& a, const std::string* notif) {

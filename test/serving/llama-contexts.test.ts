@@ -79,6 +79,43 @@ describe('ContextPool', () => {
   });
 });
 
+describe('ContextPool: which context a prompt gets', () => {
+  /** A context whose sequence holds `tokens`, batches of 2. */
+  function cached(id: number) {
+    const seq = { contextTokens: [] as number[], clearHistory: async () => void seq.contextTokens.splice(0) };
+    return { id, batchSize: 2, getSequence: () => seq, dispose: async () => {}, seq };
+  }
+  type C = ReturnType<typeof cached>;
+  const as = (c: C) => c as unknown as Nlc.LlamaContext;
+  const t = (...a: number[]) => a as Nlc.Token[];
+
+  it('the free context sharing the most whole batches; else one caching nothing; else a new one; else the one free longest', async () => {
+    let n = 0;
+    const pool = new ContextPool(3, async () => as(cached(++n)));
+    const [a, b] = [(await pool.acquire(never)) as unknown as C, (await pool.acquire(never)) as unknown as C];
+    a.seq.contextTokens.push(1, 2, 3, 4, 5, 6);
+    b.seq.contextTokens.push(1, 2, 9, 9);
+    await pool.release(as(a), 6);
+    await pool.release(as(b), 4);
+    // Shares 5 tokens with a (4 in whole batches), 2 with b.
+    expect(((await pool.acquire(never, t(1, 2, 3, 4, 5, 7))) as unknown as C).id).toBe(1);
+    await pool.release(as(a), 6);
+    // Shares 3 with b: 2 in whole batches, more than a's.
+    expect(((await pool.acquire(never, t(1, 2, 9, 7))) as unknown as C).id).toBe(2);
+    await pool.release(as(b), 4);
+    // Shares nothing: a new context rather than evicting a cache.
+    const c = (await pool.acquire(never, t(7, 7, 7))) as unknown as C;
+    expect(c.id).toBe(3);
+    await pool.release(as(c), 0); // cleared: it caches nothing
+    expect(((await pool.acquire(never, t(8, 8))) as unknown as C).id).toBe(3);
+    // None free caches nothing and none can be made: the one free the longest (a, freed before b).
+    expect(((await pool.acquire(never, t(8, 8))) as unknown as C).id).toBe(1);
+    // Given back with nothing a prompt may reuse, a context is cleared.
+    await pool.release(as(a), 0);
+    expect(a.seq.contextTokens).toEqual([]);
+  });
+});
+
 class SickModel extends SyntheticModel {
   sick: string | undefined = 'cannot create a llama.cpp context: out of memory';
   unhealthy(): string | undefined {

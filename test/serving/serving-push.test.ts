@@ -6,7 +6,7 @@ import { spawn, spawnSync } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
-import { type ServingProxy, type Worker, startProxy, startWorker } from '../../lib/serving';
+import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
 import { ROOT } from '../helpers';
 

@@ -100,8 +100,11 @@ const methods: Array<[keyof NativeAgent, Array<[Kind, unknown]>]> = [
     [
       ['descs', triple],
       ['memType', 0],
+      ['bool', false],
+      ['strings?', undefined],
       ['ip?', undefined],
       ['port?', undefined],
+      ['ip?', 'kv'], // the label: an optional string
     ],
   ],
   [
@@ -110,6 +113,7 @@ const methods: Array<[keyof NativeAgent, Array<[Kind, unknown]>]> = [
       ['string', 'x'],
       ['ip?', undefined],
       ['port?', undefined],
+      ['ip?', undefined], // the label
     ],
   ],
   [

@@ -1,12 +1,23 @@
 // The contexts of a GGUF model: at most `max`, made on demand, one sequence
-// each; a request waits for a free one. A context is cleared between
-// requests, and thrown away (and replaced) when a request may have left it in
-// a state llama.cpp cannot clear: a failed state load, a failed evaluation.
-// While no context can be made the pool says so (a worker's /health).
+// each; a request waits for a free one. A context keeps the prompt a request
+// left in it when that prompt can be reused exactly (llama-prefix.ts), and
+// is cleared otherwise; a request takes the free context whose cache shares
+// the longest reusable prefix with its prompt. A context is thrown away (and
+// replaced) when a request may have left it in a state llama.cpp cannot
+// clear: a failed state load, a failed evaluation. While no context can be
+// made the pool says so (a worker's /health).
 import type * as Nlc from 'node-llama-cpp';
+import { reusableTokens } from './llama-prefix';
 import { ModelRequestError } from './types';
 
 const sequences = new WeakMap<Nlc.LlamaContext, Nlc.LlamaContextSequence>();
+/** Leading tokens of a context's sequence a later prompt may reuse (evaluated in whole batches from 0). */
+const exactTokens = new WeakMap<Nlc.LlamaContext, number>();
+
+/** Leading tokens of the context's sequence that a prompt may reuse without changing a number. */
+export function exactOf(ctx: Nlc.LlamaContext): number {
+  return exactTokens.get(ctx) ?? 0;
+}
 
 /** The one sequence of a context. */
 export function sequenceOf(ctx: Nlc.LlamaContext): Nlc.LlamaContextSequence {
@@ -37,10 +48,25 @@ export class ContextPool {
     return this.#broken;
   }
 
-  async acquire(signal: AbortSignal): Promise<Nlc.LlamaContext> {
-    const c = this.#free.pop();
-    if (c) return c;
+  /**
+   * A context: of the free ones, the one that can reuse the most of `prompt`
+   * (the tokens the request will evaluate); without such a one a free one
+   * that caches nothing, a new one while fewer than `max` exist, else the
+   * one free the longest.
+   */
+  async acquire(signal: AbortSignal, prompt?: readonly Nlc.Token[]): Promise<Nlc.LlamaContext> {
+    let best = -1;
+    let most = 0;
+    if (prompt)
+      this.#free.forEach((ctx, i) => {
+        const n = reusableTokens(sequenceOf(ctx).contextTokens, exactOf(ctx), prompt, ctx.batchSize);
+        if (n > most) [best, most] = [i, n];
+      });
+    if (best < 0) best = this.#free.findIndex((ctx) => exactOf(ctx) === 0);
+    if (best >= 0) return this.#free.splice(best, 1)[0];
     if (this.#created < this.max) return this.#make();
+    const c = this.#free.shift();
+    if (c) return c;
     return new Promise((resolve, reject) => {
       const w = {
         resolve: (ctx: Nlc.LlamaContext) => {
@@ -75,13 +101,18 @@ export class ContextPool {
     }
   }
 
-  /** Gives a context back, cleared: nothing of the last request is reused. */
-  async release(ctx: Nlc.LlamaContext): Promise<void> {
-    try {
-      await sequenceOf(ctx).clearHistory();
-    } catch {
-      return this.discard(ctx);
-    }
+  /**
+   * Gives a context back: with `exact` > 0 its sequence is kept, and that
+   * many leading tokens may be reused; else it is cleared.
+   */
+  async release(ctx: Nlc.LlamaContext, exact = 0): Promise<void> {
+    exactTokens.set(ctx, exact);
+    if (exact <= 0)
+      try {
+        await sequenceOf(ctx).clearHistory();
+      } catch {
+        return this.discard(ctx);
+      }
     this.#hand(ctx);
   }
 

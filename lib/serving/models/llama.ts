@@ -15,8 +15,10 @@
 //          continues from the first token (llama-continue.ts): every number
 //          and every rule is the class's.
 // Each request has a context of its own (a pool of `parallel` contexts, one
-// sequence each, cleared between requests), so that nothing another request
-// evaluates changes this one's numbers.
+// sequence each), so that nothing another request evaluates changes this
+// one's numbers. A prefill or generation reuses the prompt an earlier request
+// left in its context as far as that changes no number: whole batches of the
+// common prefix (llama-prefix.ts).
 import { createHash, randomInt, randomUUID } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
@@ -31,7 +33,8 @@ import { loadNodeLlamaCpp } from './node-llama-cpp';
 import { makeStateDir } from './state-dir';
 import { NODE_LLAMA_CPP } from './types';
 import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
-import { ContextPool, sequenceOf } from './llama-contexts';
+import { ContextPool, exactOf, sequenceOf } from './llama-contexts';
+import { reusing } from './llama-prefix';
 import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState } from './llama-state';
 import {
   type BlockView,
@@ -58,6 +61,13 @@ export interface LlamaModelOptions {
   contextSize?: number;
   /** Requests evaluated at once, one context each (default 2). */
   parallel?: number;
+  /** Tokens llama.cpp evaluates in one batch (default node-llama-cpp's: the context size, at most 512). */
+  batchSize?: number;
+  /**
+   * Reuse the prompt an earlier request left in a context, in whole batches
+   * (default true): the numbers are a fresh evaluation's.
+   */
+  prefixCache?: boolean;
   /** Bytes of one KV block of the worker's pool. */
   blockBytes: number;
   /** Bytes of the whole pool: the largest state a decode takes. */
@@ -94,6 +104,7 @@ export class LlamaModel implements ServingModel {
   /** What states of this model look like, or why they cannot be checked (then a decode refuses them all). */
   #layout: LlamaStateLayout | string = 'not probed yet';
   #tokenizer?: ModelTokenizer;
+  #chatWrapper?: Nlc.ChatWrapper;
 
   /** The GGUF's vocabulary (generate endpoint: token ids in and out). */
   get tokenizer(): ModelTokenizer | undefined {
@@ -132,14 +143,19 @@ export class LlamaModel implements ServingModel {
     const parallel = o.parallel ?? 2;
     this.threads = o.threads ?? Math.max(1, Math.floor(os.availableParallelism() / parallel));
     this.#pool = new ContextPool(parallel, () =>
-      model.createContext({ contextSize: this.contextSize, threads: this.threads, sequences: 1 }),
+      model.createContext({
+        contextSize: this.contextSize,
+        threads: this.threads,
+        sequences: 1,
+        ...(o.batchSize !== undefined ? { batchSize: o.batchSize } : {}),
+      }),
     );
     this.#tmp = stateDir;
   }
 
   /** Loads node-llama-cpp and the model; NIXL_ERR_NOT_SUPPORTED without node-llama-cpp, NIXL_ERR_INVALID_PARAM for a bad file. */
   static async load(o: LlamaModelOptions): Promise<LlamaModel> {
-    for (const k of ['threads', 'contextSize', 'parallel'] as const) {
+    for (const k of ['threads', 'contextSize', 'parallel', 'batchSize'] as const) {
       const v = o[k];
       if (v !== undefined && (!Number.isInteger(v) || v < 1 || v > 1 << 20))
         throw new NixlError(`${k} must be a positive integer, got ${v}`, 'NIXL_ERR_INVALID_PARAM');
@@ -219,7 +235,7 @@ export class LlamaModel implements ServingModel {
   }
 
   async prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv> {
-    const ctx = await this.#pool.acquire(signal);
+    const ctx = await this.#pool.acquire(signal, this.#promptOf(req));
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
     // Unseeded sampling: one seed for the whole request, the decode's sampler goes on with it.
     const seed = req.temperature > 0 ? (req.seed ?? randomInt(2 ** 32)) : req.seed;
@@ -227,12 +243,15 @@ export class LlamaModel implements ServingModel {
     let promptTokens: number;
     let nextToken: number | undefined;
     let saveMs = 0;
+    let keep = 0;
+    const seq = sequenceOf(ctx);
+    const r = reusing(seq, this.#o.prefixCache === false ? 0 : exactOf(ctx));
+    const before = evaluated(seq);
     try {
-      const seq = sequenceOf(ctx);
       // The prompt evaluated exactly as a generation evaluates it, by the
       // generation's own class, up to its first sampled token.
       try {
-        await this.#run(firstTokenOf(seq), req, { ...req, seed }, undefined, signal);
+        await this.#run(firstTokenOf(r.sequence), req, { ...req, seed }, undefined, signal);
       } catch (e) {
         if (!(e instanceof FirstTokenSampled)) throw e;
         nextToken = e.token;
@@ -242,8 +261,9 @@ export class LlamaModel implements ServingModel {
       await seq.saveStateToFile(file);
       state = await fs.promises.readFile(file);
       saveMs = performance.now() - t0;
+      keep = this.#o.prefixCache === false ? 0 : r.exactAfter();
     } finally {
-      await this.#pool.release(ctx);
+      await this.#pool.release(ctx, keep);
       fs.rm(file, { force: true }, () => {});
     }
     const { blockBytes, kvSecret } = this.#o;
@@ -258,6 +278,7 @@ export class LlamaModel implements ServingModel {
       blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
       promptTokens,
       saveMs,
+      info: { prefix_reused_tokens: r.reused(), tokens_evaluated: evaluated(seq) - before },
       writeTo: (view, binding) =>
         writeEnvelope(stateHeader(state, { ...info, binding }, kvSecret), state, blockBytes, (i) => view(i, 0)),
     };
@@ -285,6 +306,7 @@ export class LlamaModel implements ServingModel {
     let clean = false;
     try {
       const seq = sequenceOf(ctx);
+      if (seq.nextTokenIndex > 0) await seq.clearHistory(); // a prompt kept for reuse
       try {
         await seq.loadStateFromFile(file, { acceptRisk: true });
       } catch (e) {
@@ -355,18 +377,52 @@ export class LlamaModel implements ServingModel {
   }
 
   async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
-    const ctx = await this.#pool.acquire(signal);
+    const ctx = await this.#pool.acquire(signal, this.#promptOf(req));
+    const seq = sequenceOf(ctx);
+    const reuse = reusing(seq, this.#o.prefixCache === false ? 0 : exactOf(ctx));
+    const before = evaluated(seq);
+    let keep = 0;
     try {
-      const r = await this.#run(sequenceOf(ctx), req, req, out, signal);
+      const r = await this.#run(reuse.sequence, req, req, out, signal);
+      keep = this.#o.prefixCache === false ? 0 : reuse.exactAfter();
       return {
         completionTokens: r.completionTokens,
         finishReason: r.finishReason,
         promptTokens: r.promptTokens,
-        info: {},
+        info: { prefix_reused_tokens: reuse.reused(), tokens_evaluated: evaluated(seq) - before },
       };
     } finally {
-      await this.#pool.release(ctx);
+      await this.#pool.release(ctx, keep);
     }
+  }
+
+  /**
+   * The tokens a request's prompt evaluates as, as the class computes them
+   * (LlamaCompletion: BOS, then the prompt without the tokenizer's leading
+   * space, or the ids as given; LlamaChat: its chat template's context); a
+   * chat whose messages are not valid gives none (#run answers the 400).
+   */
+  #promptOf(req: GenerationRequest): Nlc.Token[] | undefined {
+    const m = this.#model;
+    if (req.chat) {
+      let h: ReturnType<typeof chatHistory>;
+      try {
+        h = chatHistory(req.messages, this.id);
+      } catch {
+        return undefined;
+      }
+      this.#chatWrapper ??= this.#nlc.resolveChatWrapper(m);
+      return this.#chatWrapper
+        .generateContextState({
+          chatHistory: [...h.history, { type: 'user', text: h.last }, { type: 'model', response: [] }],
+        })
+        .contextText.tokenize(m.tokenizer);
+    }
+    const bos = m.tokens.shouldPrependBosToken ? m.tokens.bos : null;
+    const tokens = req.promptTokens
+      ? (req.promptTokens as Nlc.Token[])
+      : m.tokenize(req.prompt, false, bos !== null ? 'trimLeadingSpace' : undefined);
+    return bos !== null ? [bos, ...tokens] : tokens;
   }
 
   /** Generates with node-llama-cpp's own classes, as a one-process user would. */

@@ -66,6 +66,8 @@ export interface PrefilledKv {
   readonly promptTokens: number;
   /** Time taken to take the KV out of the model (llama: save the sequence state), ms. */
   readonly saveMs?: number;
+  /** What the prefill adds under nixl_node in its answer (tokens reused from a cached prefix, tokens evaluated). */
+  readonly info?: Record<string, unknown>;
   /**
    * Writes it into the request's blocks, bound to the request (kv_transfer_params) that names them.
    * `fromBlock`: the blocks before it already hold this prompt's KV (read from a previous turn).
