@@ -65,7 +65,8 @@ async function firstToken(url: string, prompt: string): Promise<Sample> {
 }
 
 async function cluster(transport: 'http' | 'zmq', kvMode: 'pull' | 'push', closers: Array<() => Promise<unknown>>) {
-  const o = { transport, kvMode, blocks: 2048 } as const;
+  // Push exists only in vLLM's v12 wire; both clusters speak it whatever NIXL_WIRE says, so the rows compare.
+  const o = { transport, kvMode, blocks: 2048, wire: 'v12' } as const;
   const [p, d] = await Promise.all([startWorker(o), startWorker(o)]);
   closers.push(
     () => p.close(),
@@ -74,6 +75,7 @@ async function cluster(transport: 'http' | 'zmq', kvMode: 'pull' | 'push', close
   const proxy: ServingProxy = await startProxy({
     transport,
     kvMode,
+    wire: 'v12',
     prefill: [p.address],
     decode: [d.address],
     healthIntervalMs: 0,
