@@ -58,6 +58,15 @@ export function rankLayout(engineId: string, mem: Buffer, tp = 1, rank = 0, len 
 export const blockOf = (mem: Buffer, r: number, b: number, len = BLOCK) =>
   mem.subarray((r * BLOCKS + b) * len, (r * BLOCKS + b + 1) * len);
 
+/** Waits until `f()` holds (polled every 5 ms), at most `ms`. */
+export async function until(f: () => boolean, ms = 2000): Promise<void> {
+  const t0 = performance.now();
+  while (!f()) {
+    if (performance.now() - t0 > ms) throw new Error('condition not reached');
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
 export function fill(mem: Buffer, seed: number): void {
   for (let i = 0; i < mem.length; i += 64) mem.writeUInt32LE((i * 2654435761 + seed) >>> 0, i);
 }
