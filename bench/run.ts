@@ -16,6 +16,7 @@ import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { benchMultiturn } from './multiturn';
+import { benchPush } from './push';
 import { fmtBytes, median } from './stats';
 import { barChart, type Panel } from './svg';
 export { NIXLBENCH_DEFAULTS, QUICK, type GridOptions } from './grid';
@@ -29,6 +30,7 @@ export const SECTIONS = [
   'tracing',
   'serving',
   'multiturn',
+  'push',
   'fleet',
   'prefix',
   'grid',
@@ -295,6 +297,43 @@ export async function runBench(o: BenchOptions): Promise<void> {
       ]),
     );
     result.multiturn = mt;
+  }
+
+  if (only.includes('push')) {
+    const n = quick ? 5 : 15;
+    console.log(
+      `\n# Push beside pull, synthetic model, proxy in front (docs/kv-push.md): streamed time to first token and the KV's move as the decode saw it; ${n} requests per row, modes alternating`,
+    );
+    const rows = await benchPush(n, quick ? [1024] : [256, 4096, 16384]);
+    table(
+      [
+        'transport',
+        'mode',
+        'prompt tokens',
+        'KV bytes',
+        'TTFT ms',
+        'min',
+        'max',
+        'ratio',
+        'move ms',
+        'KV GB/s',
+        'same text',
+      ],
+      rows.map((r) => [
+        r.transport,
+        r.mode,
+        r.promptTokens,
+        fmtBytes(r.kvBytes),
+        r.ttftMs,
+        r.ttftMin,
+        r.ttftMax,
+        r.ttftRatio,
+        r.moveMs,
+        r.kvGBps,
+        `${r.identical}/${r.requests}`,
+      ]),
+    );
+    result.push = rows;
   }
 
   if (grid) {

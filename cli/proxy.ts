@@ -32,6 +32,8 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --max-conversations N  multi-turn: conversation_ids whose last turn's KV it remembers (default 10000)
   --conversation-ttl N   seconds it remembers one when the decode does not say (default 450)
   --wire W             v12 | v0.13: the kv_transfer_params the prefills return (default NIXL_WIRE, else v12)
+  --kv-mode M          pull | push: the decode READs the KV after the prefill answers (default), or both
+                       legs go at once and the prefill WRITEs into the decode's blocks (docs/kv-push.md)
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
   --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
                        JSON lines on stderr: each request, workers unhealthy, ejected, back, models that differ
@@ -60,6 +62,7 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       retries: { type: 'string' },
       token: { type: 'string' },
       wire: { type: 'string' },
+      'kv-mode': { type: 'string' },
       'otlp-endpoint': { type: 'string' },
       'log-level': { type: 'string' },
     },
@@ -95,6 +98,7 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       ttlMs: positiveInt(v, 'conversation-ttl', 450, 86_400) * 1000,
     },
     wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
+    kvMode: oneOf(v, 'kv-mode', ['pull', 'push'] as const, 'pull'),
     logger: log,
   }).catch((e) => {
     throw inUse(e, '--host / --port');

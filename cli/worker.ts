@@ -42,6 +42,8 @@ Usage: nixl-node worker [options]
   --blocks N           KV cache blocks (default 512)
   --lease-ms N         how long a prefill holds KV nobody read (default: the wire profile's, 30 s)
   --wire W             v12 | v0.13 (default NIXL_WIRE, else v12)
+  --kv-mode M          pull | push: how this worker's KV moves, as vLLM's NixlConnector or NixlPushConnector
+                       (default pull; every worker behind one proxy uses the proxy's --kv-mode)
   --stall-prefill-ms N test hook: answer prefills this much later
   --stall-decode-ms N  test hook: start decode pulls this much later
   --kv-secret S        sign / require signed kv_transfer_params (default NIXL_NODE_KV_SECRET)
@@ -75,6 +77,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       blocks: { type: 'string' },
       'lease-ms': { type: 'string' },
       wire: { type: 'string' },
+      'kv-mode': { type: 'string' },
       'stall-prefill-ms': { type: 'string' },
       'stall-decode-ms': { type: 'string' },
       'side-channel-port': { type: 'string' },
@@ -129,6 +132,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
         : portNumber(String(v['side-channel-port']), 'side-channel-port'),
     poisonFreed: v['poison-freed'] === true,
     kvSecret: v['kv-secret'] as string | undefined,
+    kvMode: oneOf(v, 'kv-mode', ['pull', 'push'] as const, 'pull'),
     ...bidirectionalOptions(v),
     clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
     model: gguf,

@@ -2,7 +2,12 @@
 // every pull to that engine, so one pull giving up (aborted, or past its own
 // handshake budget) stops waiting without cancelling it for the others.
 import { NixlError } from '../errors';
-import type { HandshakeBudget } from './pull-types';
+
+/** A handshake's budget: the time per attempt, and attempts after the first. */
+export interface HandshakeBudget {
+  timeoutMs: number;
+  retries?: number;
+}
 
 /**
  * The longest a connect with `budget` can take: every attempt timing out with

@@ -16,6 +16,7 @@ export {
   targetRemoteRanks,
   tpRatio,
 } from './tp';
+export type { HandshakeBudget } from './connect-wait';
 export { BUCKETS_MS, KvStats, type KvStatsSink, type KvStatsSnapshot } from './stats';
 export {
   KvPuller,

@@ -7,7 +7,10 @@ import type { TraceContext } from '../tracing';
 import type { KvLayout } from './layout';
 import type { RemoteLease } from './leases';
 import type { PullLimits } from './limits';
+import type { HandshakeBudget } from './connect-wait';
 import type { RemoteEndpoint } from './remote-engines';
+
+export type { HandshakeBudget } from './connect-wait';
 
 /**
  * Why a pull failed. `expired`: the prefill's lease on the blocks ran out (or
@@ -83,12 +86,6 @@ export interface PullOptions {
    * turn's KV, recomputed when it cannot be read).
    */
   handshake?: HandshakeBudget;
-}
-
-/** A handshake's budget: the time per attempt, and attempts after the first. */
-export interface HandshakeBudget {
-  timeoutMs: number;
-  retries?: number;
 }
 
 /** What a pull moved. */

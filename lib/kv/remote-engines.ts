@@ -23,7 +23,7 @@ import {
 import type { KvLayout } from './layout';
 import { type PullLimits, checkRemoteSizes } from './limits';
 import type { LocalDlists } from './local-dlists';
-import type { HandshakeBudget } from './pull-types';
+import type { HandshakeBudget } from './connect-wait';
 import { type ReadPlan, handshakeTargets } from './tp';
 
 /** @internal */

@@ -3,6 +3,7 @@
 // synthetic model, GGUF through node-llama-cpp).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy';
 export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker';
+export type { KvMode } from './push-serving';
 export type { FrontHandler, RequestHints } from './front';
 export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';

@@ -23,6 +23,7 @@ import { type Logger, silentLogger } from './log';
 import { hasDecodeFor, modelMismatch, sameModel, servedModels, serves } from './pairing';
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 import { type RoutingOptions, affinityKey } from './fleet/routing';
+import { newTransferId, pushPrefillAndDecode, pushPrefillParams } from './push-proxy';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -69,6 +70,12 @@ export interface ProxyOptions {
    * pair. Default: nothing is logged.
    */
   logger?: Logger;
+  /**
+   * How KV moves (docs/kv-push.md): 'pull' (default: prefill, then decode
+   * with its kv_transfer_params) or 'push' (both legs at once; the prefill
+   * WRITEs into the blocks the decode registered). Workers must serve that mode.
+   */
+  kvMode?: 'pull' | 'push';
 }
 
 const ROUTES = new Set(['/v1/completions', '/v1/chat/completions', GENERATE_PATH]);
@@ -461,8 +468,10 @@ export class ServingProxy {
   ): Promise<void> {
     const chat = path === '/v1/chat/completions';
     // The conversation's previous turn, held by its decode: the prefill reads what it can of it.
-    const previous = conversation !== undefined ? this.conversations.claim(conversation) : undefined;
-    const ask = previous?.params ?? prefillRequestParams();
+    const xfer = this.#o.kvMode === 'push' ? newTransferId() : undefined;
+    // (vLLM's push has no bidirectional KV: a conversation's turns are prefilled whole.)
+    const previous = conversation !== undefined && !xfer ? this.conversations.claim(conversation) : undefined;
+    const ask = xfer ? pushPrefillParams(xfer) : (previous?.params ?? prefillRequestParams());
     if (this.pools.encode.size > 0 && hasImages(body)) {
       await this.#stage('encode', path, { ...body, stream: false, max_tokens: 1 }, requestId, signal, false);
     }
@@ -486,9 +495,27 @@ export class ServingProxy {
     const avoid = new Set<WorkerRef>();
     let dec: Awaited<ReturnType<ServingProxy['prefillAndDecode']>>;
     try {
-      dec = await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid, conversation, previous);
+      dec = xfer
+        ? await pushPrefillAndDecode({
+            path,
+            body,
+            prefillBody,
+            requestId,
+            signal,
+            transferId: xfer,
+            pools: this.pools,
+            stage: (...a) => this.#stage(...a),
+            learn: () => this.checkHealth({ learnOnly: true }),
+            release: (w, id) => {
+              this.stats.holdsReleased++;
+              void this.#transport.release(w, id);
+            },
+            fail: (status, stage, worker, message, type) => new StageFailure(status, stage, worker, message, type),
+          })
+        : await this.prefillAndDecode(path, body, prefillBody, requestId, signal, avoid, conversation, previous);
     } catch (e) {
-      if (!(e instanceof StageFailure) || e.stage !== 'decode' || e.status < 500 || signal.aborted) throw e;
+      // Push: never again (the prefill may still WRITE into the first decode's blocks until its lease).
+      if (xfer || !(e instanceof StageFailure) || e.stage !== 'decode' || e.status < 500 || signal.aborted) throw e;
       if (e.type === 'kv_expired') this.stats.expiredRetries++;
       else this.stats.decodeRetries++;
       try {

@@ -390,4 +390,16 @@ function healthFields(w: WorkerRef, h: Record<string, unknown> | undefined): voi
   if (typeof h?.model === 'string' && h.model.length <= 256) w.model = h.model;
   const len = h?.max_model_len;
   if (Number.isSafeInteger(len) && (len as number) > 0) w.maxModelLen = len as number;
+  w.push = pushFields(h);
+}
+
+/** A push worker's KV coordinates from its health answer, or undefined. */
+function pushFields(h: Record<string, unknown> | undefined): WorkerRef['push'] {
+  if (h?.kv_mode !== 'push') return undefined;
+  const { kv_engine_id: engineId, kv_host: host, kv_port: port, tp_size: tpSize, pp_size: ppSize } = h;
+  const int = (v: unknown, max: number) => Number.isSafeInteger(v) && (v as number) >= 1 && (v as number) <= max;
+  if (typeof engineId !== 'string' || engineId.length > 256 || typeof host !== 'string' || host.length > 256)
+    return undefined;
+  if (!int(port, 65535) || !int(tpSize, 1024) || !int(ppSize, 64)) return undefined;
+  return { engineId, host, port: port as number, tpSize: tpSize as number, ppSize: ppSize as number };
 }

@@ -18,6 +18,8 @@ export interface WorkerRef {
   maxModelLen?: number;
   /** Its name in etcd, when the fleet brought it (not the command line). */
   fleet?: string;
+  /** Where its KV is, when its health answer said it serves push mode (what a push decode is sent). */
+  push?: { engineId: string; host: string; port: number; tpSize: number; ppSize: number };
   /** What it last reported through etcd. */
   reported?: { load: number; freeBlocks: number; totalBlocks: number };
 }

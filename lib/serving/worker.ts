@@ -55,6 +55,7 @@ import { NixlError } from '../errors';
 import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
 import { DEFAULT_REUSE_HANDSHAKE_MS, type HeldTurn, type Reuse, TurnKv } from './turns';
+import { type KvMode, PushServing, pushHash } from './push-serving';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -143,6 +144,13 @@ export interface WorkerOptions {
    * of a pull's handshake).
    */
   kvReuseHandshakeMs?: number;
+  /**
+   * How KV moves (docs/kv-push.md): 'pull' (default, vLLM NixlConnector) or
+   * 'push' (NixlPushConnector: decodes register their blocks, prefills WRITE).
+   */
+  kvMode?: KvMode;
+  /** Push: a decode's deadline for every WRITE, ms (default 30 s). */
+  pushTimeoutMs?: number;
 }
 
 /** A worker's counters. */
@@ -237,6 +245,8 @@ export class Worker implements FrontHandler {
    */
   readonly #releasedEarly = new Map<string, number>();
   #side?: HandshakeServer;
+  /** Push mode's receiver and sender (kvMode 'push'). */
+  #push?: PushServing;
   #http?: http.Server;
   #zmq?: ZmqFront;
   #seq = 0;
@@ -338,6 +348,7 @@ export class Worker implements FrontHandler {
       model: this.model.id,
       ...(len ? { max_model_len: len } : {}),
       free_blocks: this.freeBlocks,
+      ...this.#kvInfo(),
     };
   }
 
@@ -347,7 +358,7 @@ export class Worker implements FrontHandler {
    */
   releaseHold(remoteRequestId: unknown): boolean {
     if (typeof remoteRequestId !== 'string') throw new HttpError(400, "'remote_request_id' must be a string");
-    return this.#tracker.abort(remoteRequestId);
+    return this.#abortHold(remoteRequestId);
   }
 
   /**
@@ -363,13 +374,26 @@ export class Worker implements FrontHandler {
       p.released = true;
       n++;
     }
-    for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#tracker.abort(id)) n++;
+    for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#abortHold(id)) n++;
     if (n === 0) {
       this.#releasedEarly.set(requestId, performance.now());
       const [oldest] = this.#releasedEarly.keys();
       if (this.#releasedEarly.size > 4096) this.#releasedEarly.delete(oldest);
     }
     return n;
+  }
+
+  /** What a push proxy sends a decode up front: where this worker's KV is (vLLM DEMO1's --prefill-* flags). */
+  #kvInfo() {
+    const mode = this.#o.kvMode ?? 'pull';
+    if (mode !== 'push' || !this.#side) return { kv_mode: mode };
+    const { host, basePort } = this.#side;
+    return { kv_mode: mode, kv_engine_id: this.name, kv_host: host, kv_port: basePort, tp_size: 1, pp_size: 1 };
+  }
+
+  /** Frees a prefill's hold (pull or push) now; false when there is none. */
+  #abortHold(id: string): boolean {
+    return this.#tracker.abort(id) || (this.#push?.sender.abort(id) ?? false);
   }
 
   /** Why this worker cannot serve now (its model cannot), or undefined: /health answers 503 with it. */
@@ -398,7 +422,8 @@ export class Worker implements FrontHandler {
     const host = this.#o.host ?? '127.0.0.1';
     this.#side = await servePrefill({
       ranks: [{ agent: this.#agent, layout: this.#layout, leaseBoard: this.#tracker.board }],
-      compatibilityHash: this.model.compatibilityHash,
+      compatibilityHash:
+        this.#o.kvMode === 'push' ? pushHash(this.model.compatibilityHash) : this.model.compatibilityHash,
       host,
       port: this.#o.sideChannelPort ?? 0,
       wire: this.#o.wire,
@@ -406,6 +431,18 @@ export class Worker implements FrontHandler {
       // The clock its v12 replies carry: the one remote_blocks_expiry_time is on.
       clock: () => this.#now() / 1000,
     });
+    if (this.#o.kvMode === 'push')
+      this.#push = new PushServing({
+        agent: this.#agent,
+        layout: this.#layout,
+        hash: pushHash(this.model.compatibilityHash),
+        host,
+        port: this.#side.basePort,
+        wire: this.#o.wire,
+        leaseMs: this.#o.leaseMs,
+        receiveTimeoutMs: this.#o.pushTimeoutMs,
+        secret: this.#secret,
+      });
     const maxBodyBytes = this.#o.maxBodyBytes ?? 1 << 20;
     if ((this.#o.transport ?? 'http') === 'http') {
       const h = await serveHttp(this, {
@@ -546,7 +583,11 @@ export class Worker implements FrontHandler {
         const g = await this.#decode(req, held, answer, signal, () => {}, bindingOf(p));
         this.stats.decodes++;
         const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole);
-        answer.finish(g, { worker: this.name, kv_blocks: held.length, kv_moved: false, ...g.info }, next);
+        answer.finish(
+          g,
+          { worker: this.name, kv_blocks: held.length, kv_moved: false, kv_mode: 'pull', ...g.info },
+          next,
+        );
       } finally {
         this.#tracker.release(p.remoteRequestId);
       }
@@ -557,6 +598,12 @@ export class Worker implements FrontHandler {
       const g = await this.model.generate(req, answer.text, signal);
       this.stats.aggregated++;
       answer.finish(g, { worker: this.name, kv_blocks: 0, kv_moved: false, ...g.info });
+      return;
+    }
+    if (this.#isPush(kvp)) {
+      span.setAttribute('nixl_node.role', 'decode');
+      span.setAttribute('nixl_node.kv_mode', 'push');
+      await this.#pushDecode(req, kvp, known, answer, signal);
       return;
     }
     // Decode: the KV comes from the prefill named in kv_transfer_params.
@@ -616,12 +663,68 @@ export class Worker implements FrontHandler {
           worker: this.name,
           kv_blocks: n,
           kv_moved: true,
+          kv_mode: 'pull',
           kv_bytes: n * layers * blockBytes,
           kv_pull_ms: Math.round(pullMs * 1000) / 1000,
           ...g.info,
         },
         next,
       );
+    } finally {
+      give();
+    }
+  }
+
+  /** Whether kv_transfer_params ask for push (a pull worker refuses them); a push worker's default. */
+  #isPush(kvp: Record<string, unknown> | undefined): boolean {
+    if (kvp === undefined) return false;
+    if (kvp.transfer_mode === 'push' && !this.#push)
+      throw new HttpError(
+        400,
+        'this worker moves KV in pull mode; these kv_transfer_params ask for push',
+        'kv_mode_mismatch',
+      );
+    return this.#push !== undefined && (kvp.transfer_mode === 'push' || kvp.transfer_mode === undefined);
+  }
+
+  /**
+   * Push decode: our blocks are registered with the prefill the params name,
+   * which WRITEs into them; once every WRITE came, generate as after a pull.
+   */
+  async #pushDecode(
+    req: GenerationRequest,
+    kvp: Record<string, unknown>,
+    known: number | undefined,
+    answer: Answer,
+    signal: AbortSignal,
+  ) {
+    if (known === undefined)
+      throw new HttpError(400, 'push mode needs a model that knows its KV blocks from the prompt', 'kv_mode_mismatch');
+    const ids = this.#take(known);
+    let given = false;
+    const give = () => {
+      if (!given) this.#blocks.give(ids);
+      given = true;
+    };
+    const t0 = performance.now();
+    const { params } = await this.#push!.receive(kvp, ids, signal, give);
+    try {
+      const pushMs = performance.now() - t0;
+      this.stats.kvPullMs += pushMs;
+      const binding = { engineId: params.remoteEngineId, requestId: params.remoteRequestId, blockIds: ids };
+      const g = await this.#decode(req, ids, answer, signal, give, binding);
+      this.stats.decodes++;
+      const { layers, blockBytes } = this.model.geometry;
+      give();
+      answer.finish(g, {
+        worker: this.name,
+        kv_blocks: known,
+        kv_moved: true,
+        kv_mode: 'push',
+        kv_bytes: known * layers * blockBytes,
+        kv_push_ms: Math.round(pushMs * 1000) / 1000,
+        ...g.info,
+      });
     } finally {
       give();
     }
@@ -673,8 +776,18 @@ export class Worker implements FrontHandler {
       }
       reuse ??= { tokens: 0, blocks: 0, skipped: 'bidirectional-off' };
     }
+    const push = this.#isPush(kvIn);
     // Never made of client input: it travels in notifications ("<id>:<n>", "HB:<id>,...").
-    const remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
+    let remoteRequestId = `kv-${++this.#seq}-${randomUUID()}`;
+    if (push) {
+      try {
+        // Push: the proxy's transfer_id, which the decode's registration names.
+        remoteRequestId = PushServing.offerId(kvIn!);
+      } catch (e) {
+        this.#blocks.give(ids);
+        throw e;
+      }
+    }
     const t1 = performance.now();
     kv.writeTo(this.#view(ids), { engineId: this.name, requestId: remoteRequestId, blockIds: ids }, reuse?.blocks);
     this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t1;
@@ -688,7 +801,17 @@ export class Worker implements FrontHandler {
       parent: span.context,
       attributes: { 'nixl_node.remote_request_id': remoteRequestId, 'nixl_node.blocks': ids.length },
     });
-    void this.#tracker.expect(remoteRequestId, ids).then((r) => {
+    // (Push: the test hook holds the offer back, so a WRITE comes only after it.)
+    if (push && this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
+    const held = push
+      ? this.#push!.offer(remoteRequestId, ids).then((r) => {
+          if (r.reason === 'written') this.stats.freedByRead++;
+          else if (r.reason === 'aborted') this.stats.abortedHolds++;
+          else this.stats.freedByLease++;
+          return { reason: r.reason === 'written' ? 'read' : r.reason };
+        }, failedOffer)
+      : this.#tracker.expect(remoteRequestId, ids);
+    void held.then((r) => {
       hold.setAttribute('nixl_node.release_reason', r.reason === 'expired' ? 'lease' : r.reason);
       hold.end();
       this.#held.delete(remoteRequestId);
@@ -700,10 +823,10 @@ export class Worker implements FrontHandler {
       }
       this.#blocks.give(ids);
     });
-    if (this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
+    if (this.#o.stallPrefillMs && !push) await sleep(this.#o.stallPrefillMs, signal);
     if (signal.aborted || me.released) {
       // Nobody will get the params, so nobody will read the blocks.
-      this.#tracker.abort(remoteRequestId);
+      this.#abortHold(remoteRequestId);
       throw new HttpError(499, 'the proxy went away', 'aborted');
     }
     this.stats.prefills++;
@@ -711,21 +834,29 @@ export class Worker implements FrontHandler {
     if (reused > 0) this.stats.prefixHits++;
     this.stats.prefixReusedTokens += reused;
     this.stats.prefillEvaluatedTokens += Number(kv.info?.tokens_evaluated ?? 0);
-    const params = buildKvTransferParams(
-      {
-        remoteBlockIds: [ids],
-        remoteEngineId: this.name,
-        remoteRequestId,
-        remoteHost: this.#side!.host,
-        remotePort: this.#side!.basePort,
-        tpSize: 1,
-        remoteNumTokens: kv.promptTokens,
-        // When the tracker frees the blocks unless read, on the clock the
-        // side channel sends (performance.now, seconds), as vLLM does.
-        remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
-      },
-      this.#o.wire,
-    );
+    const params = push
+      ? this.#push!.params({
+          engineId: this.name,
+          requestId: remoteRequestId,
+          host: this.#side!.host,
+          port: this.#side!.basePort,
+          tokens: kv.promptTokens,
+        })
+      : buildKvTransferParams(
+          {
+            remoteBlockIds: [ids],
+            remoteEngineId: this.name,
+            remoteRequestId,
+            remoteHost: this.#side!.host,
+            remotePort: this.#side!.basePort,
+            tpSize: 1,
+            remoteNumTokens: kv.promptTokens,
+            // When the tracker frees the blocks unless read, on the clock the
+            // side channel sends (performance.now, seconds), as vLLM does.
+            remoteBlocksExpiryTime: expirySeconds(this.#tracker, remoteRequestId),
+          },
+          this.#o.wire,
+        );
     // Streamed (a client that asked to): the last chunk carries the params.
     endAnswer(
       sink,
@@ -823,6 +954,7 @@ export class Worker implements FrontHandler {
       await new Promise((r) => this.#http!.close(r));
     }
     await this.#side?.close();
+    await this.#push?.close();
     await this.#puller.close();
     await this.#tracker.close();
     this.#agent.close();
@@ -972,6 +1104,11 @@ function asHttpError(e: unknown, signal: AbortSignal): HttpError {
 function expirySeconds(tracker: PrefillTracker, requestId: string): number | null {
   const ms = tracker.leaseExpiry(requestId);
   return ms === undefined ? null : ms / 1000;
+}
+
+/** An offer refused outright (the worker closing): its blocks go back as after a failed push. */
+function failedOffer(): { reason: 'failed' } {
+  return { reason: 'failed' };
 }
 
 /** The set under key, made when missing. */
