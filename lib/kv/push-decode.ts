@@ -186,7 +186,8 @@ export class KvPushReceiver {
     } catch (e) {
       const kind = kindOf(e, opts.signal);
       // A prefill that took no registration (gone, or restarted as new agents): handshake afresh next time.
-      if (engine && kind === 'peer-gone') this.#engines.forget(engine, attempt.promise);
+      // NIXL takes a notification to a gone agent without an error, so a timeout may mean the same.
+      if (engine && (kind === 'peer-gone' || kind === 'timeout')) this.#engines.forget(engine, attempt.promise);
       if (!registered) throw fail(kind, e);
       const until = performance.now() + (this.#o.quarantineMs ?? this.#leaseMs + 5000);
       this.quarantine.add(opts.requestId, this.#kernelIds(logical), until);

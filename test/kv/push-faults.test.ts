@@ -15,7 +15,7 @@ import {
 } from '../../lib';
 import { packMsgpack } from '../../lib/handshake/codec';
 import { PUSH_REG_PREFIX, encodePushReg, type PushRegistration } from '../../lib/kv';
-import { PushPair, rankLayout } from './push-helpers';
+import { ENGINE, PushPair, rankLayout } from './push-helpers';
 
 const pairs: PushPair[] = [];
 const start = async (o?: Parameters<typeof PushPair.start>[0]) => {
@@ -147,7 +147,7 @@ describe('push faults', () => {
 
   it('notifications from an agent we did not register with prove nothing; another prefill TP size fails the receive', async () => {
     const t = await start();
-    const rogue = new NixlAgent('rogue0', { engine: 'loopback' });
+    const rogue = new NixlAgent('rogue0', { engine: ENGINE });
     try {
       const warm = t.receiver.receive(t.params(), { requestId: 'warm', localBlockIds: [3] });
       await t.sender.offer('warm', [6]);
@@ -171,7 +171,7 @@ describe('push faults', () => {
 describe('hostile registrations', () => {
   it('garbage, non-maps, missing fields, another engine, huge lists: refused, nothing touched, next push served', async () => {
     const t = await start({ sender: { regLimits: { maxBlocks: 64 } } });
-    const rogue = new NixlAgent('rogue', { engine: 'loopback' });
+    const rogue = new NixlAgent('rogue', { engine: ENGINE });
     try {
       rogue.addRemoteAgent(t.pAgent.getAgentMetadata());
       const sends = [
@@ -198,7 +198,7 @@ describe('hostile registrations', () => {
 
   it("a registration naming a decode, sent by an agent that is not one of that decode's ranks: no WRITE", async () => {
     const t = await start();
-    const rogue = new NixlAgent('rogue2', { engine: 'loopback' });
+    const rogue = new NixlAgent('rogue2', { engine: ENGINE });
     try {
       rogue.addRemoteAgent(t.pAgent.getAgentMetadata());
       rogue.sendNotif('push-p', encodePushReg(reg(t, { requestId: 'forged' })));

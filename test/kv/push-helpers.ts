@@ -1,5 +1,5 @@
-// Shared by the push tests: a prefill and a decode rank on the loopback
-// engine, each serving its side channel, with a KvPushSender and a
+// Shared by the push tests: a prefill and a decode rank on the test's
+// engine (ENGINE), each serving its side channel, with a KvPushSender and a
 // KvPushReceiver over them.
 import {
   DescList,
@@ -14,6 +14,9 @@ import {
   type KvLayout,
 } from '../../lib';
 import type { HandshakeServer } from '../../lib/handshake';
+
+/** The engine the push tests run on: NIXL_NODE_ENGINE (docs/testing.md), else loopback. */
+export const ENGINE = (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback' | undefined) || 'loopback';
 
 export const BLOCK = 4096;
 export const BLOCKS = 32;
@@ -55,6 +58,15 @@ export function rankLayout(engineId: string, mem: Buffer, tp = 1, rank = 0, len 
 export const blockOf = (mem: Buffer, r: number, b: number, len = BLOCK) =>
   mem.subarray((r * BLOCKS + b) * len, (r * BLOCKS + b + 1) * len);
 
+/** Waits until `f()` holds (polled every 5 ms), at most `ms`. */
+export async function until(f: () => boolean, ms = 2000): Promise<void> {
+  const t0 = performance.now();
+  while (!f()) {
+    if (performance.now() - t0 > ms) throw new Error('condition not reached');
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
 export function fill(mem: Buffer, seed: number): void {
   for (let i = 0; i < mem.length; i += 64) mem.writeUInt32LE((i * 2654435761 + seed) >>> 0, i);
 }
@@ -75,8 +87,8 @@ export class PushPair {
   ): Promise<PushPair> {
     const t = new PushPair();
     const tag = o.tag ?? '';
-    t.pAgent = new NixlAgent(`push-p${tag}`, { engine: 'loopback' });
-    t.dAgent = new NixlAgent(`push-d${tag}`, { engine: 'loopback' });
+    t.pAgent = new NixlAgent(`push-p${tag}`, { engine: ENGINE });
+    t.dAgent = new NixlAgent(`push-d${tag}`, { engine: ENGINE });
     t.pmem = allocate(REGIONS * BLOCKS * BLOCK);
     t.dmem = allocate(REGIONS * BLOCKS * BLOCK);
     fill(t.pmem, 1);

@@ -5,7 +5,7 @@
 import { afterEach, describe, expect, it } from 'vitest';
 import { KvPushReceiver, KvPushSender, NixlAgent, allocate, servePrefill } from '../../lib';
 import type { HandshakeServer } from '../../lib/handshake';
-import { BLOCK, BLOCKS, PUSH_HASH, REGIONS, blockOf, fill, quiet, rankLayout } from './push-helpers';
+import { ENGINE, BLOCK, BLOCKS, PUSH_HASH, REGIONS, blockOf, fill, quiet, rankLayout } from './push-helpers';
 
 const closers: Array<() => unknown> = [];
 afterEach(async () => {
@@ -20,7 +20,7 @@ interface Rank {
 
 function ranks(engine: string, tp: number, len: number, seed?: number): Rank[] {
   return Array.from({ length: tp }, (_, r) => {
-    const agent = new NixlAgent(`${engine.toLowerCase()}-tp${tp}-${r}`, { engine: 'loopback' });
+    const agent = new NixlAgent(`${engine.toLowerCase()}-tp${tp}-${r}`, { engine: ENGINE });
     const mem = allocate(REGIONS * BLOCKS * len);
     if (seed === undefined) mem.fill(0);
     else fill(mem, seed + r);

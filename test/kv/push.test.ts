@@ -4,7 +4,7 @@
 // trims, pairing, heartbeats, and that the bytes that land are the prefill's.
 import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import { KvPushSender, PushError } from '../../lib';
-import { BLOCK, PushPair, REGIONS, blockOf, quiet, rankLayout } from './push-helpers';
+import { BLOCK, PushPair, REGIONS, blockOf, quiet, rankLayout, until } from './push-helpers';
 
 let t: PushPair;
 beforeEach(async () => {
@@ -15,8 +15,8 @@ afterEach(() => t.close());
 describe('push on loopback', () => {
   it('registration first (case A): the prefill WRITEs our blocks and the decode proves every WRITE came', async () => {
     const got = t.receiver.receive(t.params(), { requestId: 'cmpl-a-0a1b2c3d', localBlockIds: [5, 6, 7] });
-    await new Promise((r) => setTimeout(r, 50));
-    expect(t.sender.pending.registrations).toBe(1);
+    // The registration is a notification: over NIXL it may take a UCX connection set-up to arrive.
+    await until(() => t.sender.pending.registrations === 1);
     const sent = await t.sender.offer('cmpl-a-0a1b2c3d', [1, 2, 3]);
     const r = await got;
     expect(sent).toMatchObject({ reason: 'written', decodeRequestId: 'cmpl-a-0a1b2c3d', writes: 1 });
@@ -66,8 +66,7 @@ describe('push on loopback', () => {
     const end0 = t.sender.leaseEnd('hb-req')!;
     await new Promise((r) => setTimeout(r, 150));
     t.dAgent.sendNotif('push-p', 'HB:other,hb-req');
-    await new Promise((r) => setTimeout(r, 20));
-    expect(t.sender.stats.heartbeats).toBe(1);
+    await until(() => t.sender.stats.heartbeats === 1);
     const end1 = t.sender.leaseEnd('hb-req')!;
     expect(end1).toBeGreaterThan(end0);
     expect(await sent).toMatchObject({ reason: 'expired', writes: 0 });

@@ -1,0 +1,153 @@
+// Push mode over real NIXL against a vLLM-format peer of our own on NIXL's
+// Python API (test/fixtures/vllm_nixl_push_peer.py), in each role: a Python
+// decode registering its blocks with a nixl-node prefill, and a Python
+// prefill WRITEing into a nixl-node decode. Skipped, saying why, without an
+// addon built against NIXL or without Python's nixl_cu12, msgpack and zmq
+// (CI has no NIXL; `. ENV.sh` of a NIXL install provides them here).
+import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import * as path from 'node:path';
+import { afterEach, describe, expect, it } from 'vitest';
+import { KvPushReceiver, KvPushSender, NixlAgent, allocate, engines, servePrefill, type KvLayout } from '../../lib';
+import type { HandshakeServer } from '../../lib/handshake';
+import { FIXTURES } from '../helpers';
+import { BLOCKS, BLOCK, PUSH_HASH, REGIONS, blockOf, fill, quiet, rankLayout } from './push-helpers';
+
+const PY = '/usr/bin/python3';
+const SCRIPT = path.join(FIXTURES, 'vllm_nixl_push_peer.py');
+
+function missing(): string | undefined {
+  if (!engines.includes('nixl')) return 'the addon was built without NIXL';
+  try {
+    execFileSync(PY, ['-c', 'import nixl_cu12, msgpack, zmq'], { stdio: 'pipe', timeout: 60_000 });
+  } catch {
+    return `${PY} cannot import nixl_cu12, msgpack and zmq (source a NIXL install's environment)`;
+  }
+  return undefined;
+}
+const why = missing();
+if (why) console.warn(`push interop over NIXL skipped: ${why}`);
+
+/** A Python peer; `lines` holds its stdout so far, `line(re)` waits for a line matching re. */
+function peer(args: string[]) {
+  const p: ChildProcess = spawn(PY, [SCRIPT, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let out = '';
+  let err = '';
+  const exited = new Promise<number | null>((r) => p.on('exit', (c) => r(c)));
+  p.stdout!.on('data', (d) => (out += d));
+  p.stderr!.on('data', (d) => (err += d));
+  const line = async (re: RegExp, ms = 20_000): Promise<RegExpMatchArray> => {
+    const end = Date.now() + ms;
+    for (;;) {
+      const m = out
+        .split('\n')
+        .map((l) => l.match(re))
+        .find(Boolean);
+      if (m) return m;
+      if (Date.now() > end || p.exitCode !== null)
+        throw new Error(`python peer: no ${re} (exit ${p.exitCode})\n${out}\n${err.slice(-2000)}`);
+      await new Promise((r) => setTimeout(r, 20));
+    }
+  };
+  const digests = () =>
+    new Map([...out.matchAll(/^BLOCK (\d+) (\d+) ([0-9a-f]{64})$/gm)].map((m) => [`${m[1]}/${m[2]}`, m[3]]));
+  return { p, line, exited, digests, output: () => `${out}\n${err.slice(-2000)}` };
+}
+
+const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
+
+interface Rank {
+  agent: NixlAgent;
+  mem: Buffer;
+  layout: KvLayout;
+  server: HandshakeServer;
+}
+
+const open: (() => unknown)[] = [];
+afterEach(async () => {
+  for (const f of open.splice(0).reverse())
+    await Promise.resolve()
+      .then(f)
+      .catch(() => undefined);
+});
+
+async function rank(name: string, engineId: string, seed: number): Promise<Rank> {
+  const agent = new NixlAgent(name, { engine: 'nixl' });
+  open.push(() => agent.close());
+  const mem = allocate(REGIONS * BLOCKS * BLOCK);
+  if (seed) fill(mem, seed);
+  else mem.fill(0);
+  agent.registerMemory(mem);
+  const layout = rankLayout(engineId, mem);
+  const server = await servePrefill({ ranks: [{ agent, layout }], compatibilityHash: PUSH_HASH, port: 0 });
+  open.push(() => server.close());
+  return { agent, mem, layout, server };
+}
+
+describe.skipIf(why !== undefined)('push interop over NIXL with a vLLM-format Python peer', () => {
+  it('a Python decode registers with a nixl-node prefill, which WRITEs with the notification <id>:<tp>', async () => {
+    const p = await rank('push-p', 'P', 3);
+    const sender = new KvPushSender({
+      agent: p.agent,
+      layout: p.layout,
+      expectedHash: PUSH_HASH,
+      leaseMs: 20_000,
+      logger: quiet,
+    });
+    open.push(() => sender.close());
+    const id = 'cmpl-py-0a1b2c3d';
+    const py = peer(['decode', String(p.server.basePort), PUSH_HASH, 'P', id, '5,6,7']);
+    open.push(() => py.p.kill());
+    // The prefill finished first (its blocks 1, 2, 3); the registration pairs with it by id.
+    const sent = await sender.offer(id, [1, 2, 3]);
+    expect(sent, py.output()).toMatchObject({ reason: 'written', decodeRequestId: id, writes: 1 });
+    expect(sent.bytes).toBe(3 * REGIONS * BLOCK);
+    const got = await py.line(/^GOT (\S+) (\S+)$/);
+    expect(got.slice(1)).toEqual(['push-p', `${id}:1`]);
+    expect(await py.exited).toBe(0);
+    // What the Python decode held when it saw the notification: the prefill's bytes, every block and region.
+    const d = py.digests();
+    for (const [i, b] of [5, 6, 7].entries())
+      for (let r = 0; r < REGIONS; r++)
+        expect(d.get(`${r}/${b}`), `region ${r} block ${b}`).toBe(sha(blockOf(p.mem, r, 1 + i)));
+    expect(sender.resources()).toMatchObject({ offers: 0, registrations: 0, xferHandles: 0 });
+  });
+
+  it("a Python prefill takes a nixl-node decode's PUSH_REG, handshakes back over v12 and WRITEs into its blocks", async () => {
+    const py = peer(['prefill', PUSH_HASH, 'py-pre', '1,2,3']);
+    open.push(() => py.p.kill());
+    const port = Number((await py.line(/^READY (\d+)$/))[1]);
+    const d = await rank('push-d', 'D', 0);
+    const receiver = new KvPushReceiver({
+      agent: d.agent,
+      layout: d.layout,
+      decodeHost: '127.0.0.1',
+      decodePort: d.server.basePort,
+      expectedHash: PUSH_HASH,
+      kvLeaseMs: 20_000,
+      timeoutMs: 20_000,
+    });
+    open.push(() => receiver.close());
+    const params = {
+      do_remote_prefill: true,
+      remote_engine_id: 'py-pre',
+      remote_request_id: 'router-9',
+      remote_host: '127.0.0.1',
+      remote_port: port,
+      tp_size: 1,
+      pp_size: 1,
+    };
+    const r = await receiver.receive(params, { requestId: 'cmpl-q-0a1b2c3d', localBlockIds: [9, 10, 11] });
+    expect(r).toMatchObject({ requestId: 'cmpl-q-0a1b2c3d', notifications: 1, writers: ['py-prefill-0'] });
+    expect((await py.line(/^REG (\S+) (\S+)$/)).slice(1)).toEqual(['push-d', 'cmpl-q-0a1b2c3d']);
+    expect((await py.line(/^WROTE (\S+) (\S+)$/)).slice(1)).toEqual(['push-d', 'DONE']);
+    const digests = py.digests();
+    for (const [i, b] of [9, 10, 11].entries())
+      for (let q = 0; q < REGIONS; q++)
+        expect(sha(blockOf(d.mem, q, b)), `region ${q} block ${b}`).toBe(digests.get(`${q}/${1 + i}`));
+    // Nothing else written: block 8 and 12 still zero.
+    expect(blockOf(d.mem, 0, 8).every((x) => x === 0) && blockOf(d.mem, 1, 12).every((x) => x === 0)).toBe(true);
+    expect(await py.exited).toBe(0);
+    expect(receiver.resources()).toMatchObject({ receiving: 0, quarantined: 0 });
+  });
+});
