@@ -154,6 +154,19 @@ export function matchOffer<T>(
   return ids.length === 1 ? { id: ids[0], offer: offers.get(ids[0])! } : undefined;
 }
 
+/** Whether two ranks' registrations of one request name the same blocks and decode address. @internal */
+export function sameRegistration(x: PushRegistration, y: PushRegistration): boolean {
+  const a = x.localBlockIds[0];
+  const b = y.localBlockIds[0];
+  return (
+    a.length === b.length &&
+    a.every((v, i) => v === b[i]) &&
+    x.decodeHost === y.decodeHost &&
+    x.decodePort === y.decodePort &&
+    x.decodeTpSize === y.decodeTpSize
+  );
+}
+
 /** Whether two ids have the same base id and a suffix was stripped from at least one (vLLM's fallback). */
 export function sameBase(a: string, b: string): boolean {
   const x = baseRequestId(a);

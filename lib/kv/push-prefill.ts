@@ -25,7 +25,15 @@ import type { RemoteEndpoint } from './engine-connect';
 import { checkLayout, type KvLayout } from './layout';
 import { DEFAULT_LIMITS, type PullLimits, expandTail } from './limits';
 import { LocalDlists } from './local-dlists';
-import { type ReceivedReg, RegistrationStore, addTo, decodeKey, matchOffer, removeFrom } from './push-pairing';
+import {
+  type ReceivedReg,
+  RegistrationStore,
+  addTo,
+  decodeKey,
+  matchOffer,
+  removeFrom,
+  sameRegistration,
+} from './push-pairing';
 import { type PushRegLimits, baseRequestId, decodePushReg, isNotifId, isPushReg, writeNotif } from './push-reg';
 import { expand } from './pull-params';
 import { type RemoteEngine, RemoteEngines } from './remote-engines';
@@ -439,21 +447,10 @@ export class KvPushSender {
 
   /** A rank's registration must name the blocks (and decode) the request's first one names. */
   #agree(first: ReceivedReg, r: ReceivedReg): void {
-    const a = first.reg.localBlockIds[0];
-    const b = r.reg.localBlockIds[0];
-    const x = first.reg;
-    const y = r.reg;
-    if (
-      a.length === b.length &&
-      a.every((v, i) => v === b[i]) &&
-      x.decodeHost === y.decodeHost &&
-      x.decodePort === y.decodePort &&
-      x.decodeTpSize === y.decodeTpSize
-    )
-      return;
+    if (sameRegistration(first.reg, r.reg)) return;
     this.stats.mismatched++;
     throw new NixlError(
-      `decode rank '${r.from}' registered ${b.length} blocks for '${y.requestId}' that disagree with rank '${first.from}''s ${a.length} (or another decode address): '${r.from}' is not written`,
+      `decode rank '${r.from}' registered ${r.reg.localBlockIds[0].length} blocks for '${r.reg.requestId}' that disagree with rank '${first.from}''s ${first.reg.localBlockIds[0].length} (or another decode address): '${r.from}' is not written`,
       'NIXL_ERR_INVALID_PARAM',
     );
   }
@@ -514,10 +511,18 @@ export class KvPushSender {
   }
 
   /** What the sender holds right now (tests check nothing leaks). */
-  resources(): { offers: number; registrations: number; xferHandles: number; engines: number; remoteAgents: number } {
+  resources(): {
+    offers: number;
+    registrations: number;
+    seenRegistrations: number;
+    xferHandles: number;
+    engines: number;
+    remoteAgents: number;
+  } {
     return {
       offers: this.#offers.size,
       registrations: this.#regs.size,
+      seenRegistrations: this.#regs.seen,
       xferHandles: this.#handles.size,
       engines: this.#engines.size,
       remoteAgents: this.#engines.remoteAgents,
