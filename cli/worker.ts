@@ -5,6 +5,7 @@
 import type { WireName } from '../lib/handshake/model';
 import { startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
+import { DEFAULT_REUSE_HANDSHAKE_MS } from '../lib/serving/turns';
 import {
   applyUcxNetDevices,
   oneOf,
@@ -48,6 +49,8 @@ Usage: nixl-node worker [options]
                        which reads what is provably its prompt's prefix (vLLM bidirectional_kv_xfer)
   --decoder-kv-ttl N   seconds a decode holds a finished turn (default 480, vLLM decoder_kv_blocks_ttl)
   --kv-recompute-threshold N  a prefill recomputes a previous turn of fewer tokens than N (default 64)
+  --kv-reuse-handshake-timeout MS  a prefill's one handshake attempt with the decode holding the previous
+                       turn, ms, before it recomputes instead (default 1000)
   --etcd LIST          register in etcd (endpoints, comma-separated) under a lease; needs etcd3
   --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
   --role R             prefill | decode | both | encode: the proxies' pools it joins (default both)
@@ -79,6 +82,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'bidirectional-kv': { type: 'boolean' },
       'decoder-kv-ttl': { type: 'string' },
       'kv-recompute-threshold': { type: 'string' },
+      'kv-reuse-handshake-timeout': { type: 'string' },
       'otlp-endpoint': { type: 'string' },
       'poison-freed': { type: 'boolean' },
       'clock-skew-ms': { type: 'string' },
@@ -164,13 +168,17 @@ export async function workerCommand(argv: string[]): Promise<void> {
 /** --bidirectional-kv and the options that go with it. */
 function bidirectionalOptions(v: Record<string, unknown>) {
   const on = v['bidirectional-kv'] === true;
-  if (!on && (v['decoder-kv-ttl'] !== undefined || v['kv-recompute-threshold'] !== undefined))
-    throw new UsageError('--decoder-kv-ttl and --kv-recompute-threshold go with --bidirectional-kv');
+  const withIt = ['decoder-kv-ttl', 'kv-recompute-threshold', 'kv-reuse-handshake-timeout'];
+  if (!on && withIt.some((k) => v[k] !== undefined))
+    throw new UsageError(
+      '--decoder-kv-ttl, --kv-recompute-threshold and --kv-reuse-handshake-timeout go with --bidirectional-kv',
+    );
   if (!on) return {};
   return {
     bidirectionalKv: true,
     decoderKvTtlMs: positiveInt(v, 'decoder-kv-ttl', 480, 86_400) * 1000,
     kvRecomputeThreshold:
       v['kv-recompute-threshold'] === '0' ? 0 : positiveInt(v, 'kv-recompute-threshold', 64, 1 << 20),
+    kvReuseHandshakeMs: positiveInt(v, 'kv-reuse-handshake-timeout', DEFAULT_REUSE_HANDSHAKE_MS, 600_000),
   };
 }

@@ -1,6 +1,7 @@
 // Demo decode rank: handshake with the prefill ranks it reads from, then one
 // round of pulls per 'go' (a few at a time), every byte of its slice checked
 // after each round, and where the time went reported per round.
+import { readFileSync } from 'node:fs';
 import { DescList, KvPuller, NixlAgent, allocate } from '../lib';
 import type { HandshakeMethod } from '../lib/handshake';
 import { rankBytes, rankLayout, verifyRank, type KvSpec } from './kvpattern';
@@ -36,6 +37,10 @@ export interface RoundReport {
   requestMs: number[];
   postMs: number[];
   transferMs: number[];
+  /** CPU time of this process (every thread: JS, the engine's copying thread) from start to end. */
+  cpuMs: number;
+  /** CPU time of the JS thread alone from start to end (Linux; NaN elsewhere). */
+  jsCpuMs: number;
   /** Checking every byte of the round, after its pulls (not in start..end). */
   verifyMs: number;
   bad: number;
@@ -93,9 +98,13 @@ async function pullRound(
     requestMs: [],
     postMs: [],
     transferMs: [],
+    cpuMs: 0,
+    jsCpuMs: 0,
     verifyMs: 0,
     bad: 0,
   };
+  const cpu0 = process.cpuUsage();
+  const js0 = threadCpuNs();
   await Promise.all(
     requests.map(async (q) => {
       const t0 = performance.now();
@@ -115,11 +124,23 @@ async function pullRound(
     }),
   );
   r.end = now();
+  const cpu = process.cpuUsage(cpu0);
+  r.cpuMs = (cpu.user + cpu.system) / 1000;
+  r.jsCpuMs = (threadCpuNs() - js0) / 1e6;
   // Verify after all pulls: every byte of every block this rank received.
   const v0 = performance.now();
   for (const q of requests) r.bad += verifyRank(mem, spec, q.local, q.remote);
   r.verifyMs = performance.now() - v0;
   return r;
+}
+
+/** Time this thread (the JS thread) has run on a CPU, ns: the first field of Linux's schedstat; NaN elsewhere. */
+function threadCpuNs(): number {
+  try {
+    return Number(readFileSync('/proc/thread-self/schedstat', 'utf8').split(' ')[0]);
+  } catch {
+    return Number.NaN;
+  }
 }
 
 main().catch((e) => {

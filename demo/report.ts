@@ -21,6 +21,12 @@ export interface RoundSummary {
   postMs: number;
   transferMs: number;
   usPerDescriptor: number;
+  /** CPU time of every decode rank over the round, as cores kept busy (CPU ms / wall ms). */
+  cores: number;
+  /** Bytes per CPU second of the decode ranks (GB/s of CPU time): the copy's cost, whatever else ran. */
+  gbPerCpuS: number;
+  /** Share of that CPU time spent on the JS threads (making, posting and completing requests). */
+  jsShare: number;
   verifyMs: number;
 }
 
@@ -28,6 +34,7 @@ export function summarizeRound(ranks: RoundReport[]): RoundSummary {
   const wallMs = Math.max(...ranks.map((r) => r.end)) - Math.min(...ranks.map((r) => r.start));
   const bytes = ranks.reduce((a, r) => a + r.bytes, 0);
   const requestMs = ranks.flatMap((r) => r.requestMs);
+  const cpuMs = ranks.reduce((a, r) => a + r.cpuMs, 0);
   return {
     round: ranks[0].round,
     wallMs,
@@ -39,6 +46,9 @@ export function summarizeRound(ranks: RoundReport[]): RoundSummary {
     transferMs: median(ranks.flatMap((r) => r.transferMs)),
     // A rank's wall time over its descriptors: what one descriptor costs it, all in.
     usPerDescriptor: median(ranks.map((r) => ((r.end - r.start) * 1000) / r.descriptors)),
+    cores: cpuMs / wallMs,
+    gbPerCpuS: bytes / (cpuMs * 1e6),
+    jsShare: ranks.reduce((a, r) => a + r.jsCpuMs, 0) / cpuMs,
     verifyMs: Math.max(...ranks.map((r) => r.verifyMs)),
   };
 }
@@ -61,6 +71,9 @@ export function printBreakdown(
     'post ms',
     'transfer ms',
     'us/desc',
+    'cores',
+    'GB/cpu-s',
+    'js',
     'verify ms',
   ];
   const cells = rounds.map((r) => [
@@ -73,6 +86,9 @@ export function printBreakdown(
     r.postMs.toFixed(2),
     r.transferMs.toFixed(1),
     r.usPerDescriptor.toFixed(2),
+    r.cores.toFixed(2),
+    r.gbPerCpuS.toFixed(2),
+    Number.isNaN(r.jsShare) ? '-' : `${(100 * r.jsShare).toFixed(0)}%`,
     r.verifyMs.toFixed(0),
   ]);
   const w = head.map((h, i) => Math.max(h.length, ...cells.map((c) => c[i].length)));
@@ -81,7 +97,10 @@ export function printBreakdown(
     '    request: pullBlocks() to its result (queued behind --in-flight pulls included); post: making and posting its READs;',
   );
   console.log(
-    "    transfer: post to completion; us/desc: a rank's wall time over its descriptors; verify: not in wall time",
+    "    transfer: post to completion; us/desc: a rank's wall time over its descriptors; verify: not in wall time;",
+  );
+  console.log(
+    '    cores: CPU time of all decode ranks over the wall time; GB/cpu-s: bytes per second of that CPU time; js: its share on JS threads',
   );
   const first = rounds[0];
   const later = rounds.slice(1);

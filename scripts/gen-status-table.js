@@ -85,7 +85,9 @@ function main(argv) {
     return;
   }
   const out = path.join(ROOT, 'build', 'generated');
-  generate(path.join(nixl.include, 'nixl_types.h'), out);
+  // NIXL's headers carry no version: name the installation the codes came from.
+  const installed = path.join(nixl.include, 'nixl_types.h');
+  generate(installed, out, `the installed NIXL at ${nixl.prefix} (${installed})`);
   process.stdout.write(out);
 }
 

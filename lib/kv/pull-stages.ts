@@ -31,6 +31,7 @@ import { type PullFailure, type PullOptions, type PullResult, PullError, pullErr
 import type { KvStats } from './stats';
 import { completionNotif } from './tp';
 import { engineKey } from './engine-connect';
+import { awaitConnect } from './connect-wait';
 
 /** What every pull of one puller shares. @internal */
 export interface PullDeps {
@@ -166,13 +167,13 @@ export class PullRun {
   /** handshake: the connected remote engine (cached, or connected now). */
   async #handshake(): Promise<RemoteEngine> {
     const cached = this.#d.engines.has(this.#o.remote);
-    const attempt = this.#d.engines.attempt(this.#o.remote);
+    const attempt = this.#d.engines.attempt(this.#o.remote, this.#o.handshake);
     this.#attempt = attempt;
     const span = this.#child('kv.handshake', { 'nixl_node.cached': cached });
     try {
       const engine = await this.#as(
         (e) => this.#common(e) ?? attempt.steps.failedAs ?? 'handshake',
-        () => attempt.promise,
+        () => awaitConnect(attempt.promise, this.#o.signal, this.#o.handshake),
       );
       span.setAttribute('nixl_node.rtt_ms', engine.bestRttMs);
       span.setAttribute('nixl_node.handshake_ms', engine.handshakeMs);

@@ -75,6 +75,20 @@ export interface PullOptions {
   lease?: RemoteLease;
   /** The span this pull's span is a child of (tracing.ts); default: the active context. */
   traceContext?: TraceContext;
+  /**
+   * How long this pull waits to connect to the remote engine (default: the
+   * puller's handshakeTimeoutMs per attempt, 3 attempts). A connect this pull
+   * starts tries with this budget; one already under way is waited for at
+   * most this long. For reads that are only an optimisation (a previous
+   * turn's KV, recomputed when it cannot be read).
+   */
+  handshake?: HandshakeBudget;
+}
+
+/** A handshake's budget: the time per attempt, and attempts after the first. */
+export interface HandshakeBudget {
+  timeoutMs: number;
+  retries?: number;
 }
 
 /** What a pull moved. */
@@ -109,6 +123,8 @@ export interface PullFromParamsOptions {
    * heartbeats (that hold is a fixed TTL that heartbeats do not extend).
    */
   continuation?: boolean;
+  /** This pull's handshake budget (PullOptions.handshake). */
+  handshake?: HandshakeBudget;
 }
 
 /** Options of a KvPuller. */

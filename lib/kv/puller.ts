@@ -207,6 +207,7 @@ export class KvPuller {
         signal: opts.signal,
         coalesce: opts.coalesce,
         traceContext: opts.traceContext,
+        handshake: opts.handshake,
         lease: {
           remoteExpiryS: p.remoteBlocksExpiryTime,
           issuedAtMs,

@@ -23,6 +23,7 @@ import {
 import type { KvLayout } from './layout';
 import { type PullLimits, checkRemoteSizes } from './limits';
 import type { LocalDlists } from './local-dlists';
+import type { HandshakeBudget } from './pull-types';
 import { type ReadPlan, handshakeTargets } from './tp';
 
 /** @internal */
@@ -75,13 +76,13 @@ export class RemoteEngines {
     this.#o = o;
   }
 
-  /** The connect for an endpoint: the cached one, else a new one. */
-  attempt(ep: RemoteEndpoint): ConnectAttempt {
+  /** The connect for an endpoint: the cached one, else a new one (with `budget`, else the default one). */
+  attempt(ep: RemoteEndpoint, budget?: HandshakeBudget): ConnectAttempt {
     const key = engineKey(ep);
     const had = this.#attempts.get(key);
     if (had) return had;
     const steps = new ConnectSteps();
-    const mine: ConnectAttempt = { promise: this.#connect(key, ep, steps), steps };
+    const mine: ConnectAttempt = { promise: this.#connect(key, ep, steps, budget), steps };
     this.#attempts.set(key, mine);
     // Only this connect's own entry: a newer one for the same key stays.
     mine.promise.catch(() => {
@@ -110,7 +111,12 @@ export class RemoteEngines {
     return this.#agentUsers.size;
   }
 
-  async #connect(key: string, ep: RemoteEndpoint, steps: ConnectSteps): Promise<RemoteEngine> {
+  async #connect(
+    key: string,
+    ep: RemoteEndpoint,
+    steps: ConnectSteps,
+    budget: HandshakeBudget | undefined,
+  ): Promise<RemoteEngine> {
     const t0 = performance.now();
     const { layout, limits } = this.#o;
     const targets = steps.run('setup', () => {
@@ -118,7 +124,7 @@ export class RemoteEngines {
       return handshakeTargets(layout.tpSize, layout.tpRank, ep);
     });
     const geometry = !this.#o.notifOnly;
-    const fetched = await fetchRanks(steps, ep, layout, limits, targets, (t) => this.#fetch(ep, t), geometry);
+    const fetched = await fetchRanks(steps, ep, layout, limits, targets, (t) => this.#fetch(ep, t, budget), geometry);
     const metas = fetched.map((f) => f.metadata);
     const plans = steps.run('handshake', () => {
       checkAgreement(ep, targets, metas);
@@ -134,7 +140,11 @@ export class RemoteEngines {
     return engine;
   }
 
-  #fetch(ep: RemoteEndpoint, t: { ppRank: number; tpRank: number }): Promise<FetchResult> {
+  #fetch(
+    ep: RemoteEndpoint,
+    t: { ppRank: number; tpRank: number },
+    budget: HandshakeBudget | undefined,
+  ): Promise<FetchResult> {
     return this.#o.handshake.fetch({
       host: ep.host,
       port: ep.port,
@@ -143,7 +153,8 @@ export class RemoteEngines {
       ppRank: t.ppRank,
       wire: this.#o.wire,
       expectedHash: this.#o.expectedHash,
-      timeoutMs: this.#o.handshakeTimeoutMs,
+      timeoutMs: budget?.timeoutMs ?? this.#o.handshakeTimeoutMs,
+      retries: budget?.retries,
       tls: this.#o.tls,
       bearerToken: this.#o.bearerToken,
     });

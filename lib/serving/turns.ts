@@ -41,7 +41,12 @@ export interface TurnDeps {
    */
   maxHeldBlocks: number;
   recomputeThreshold?: number;
+  /** The handshake with the decode holding the previous turn: one attempt of this many ms. */
+  reuseHandshakeMs?: number;
 }
+
+/** The default of TurnDeps.reuseHandshakeMs. */
+export const DEFAULT_REUSE_HANDSHAKE_MS = 1000;
 
 /** Counters of a worker's turns. */
 export interface TurnStats {
@@ -163,6 +168,7 @@ export class TurnKv {
             continuation: true,
             signal,
             timeoutMs: 30_000,
+            handshake: { timeoutMs: this.d.reuseHandshakeMs ?? DEFAULT_REUSE_HANDSHAKE_MS, retries: 0 },
             traceContext: span.context,
           });
         if (blocks > 0) r = { tokens: plan.tokens, blocks };

@@ -54,7 +54,7 @@ import { ZmqFront } from './worker-zmq';
 import { NixlError } from '../errors';
 import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
-import { type HeldTurn, type Reuse, TurnKv } from './turns';
+import { DEFAULT_REUSE_HANDSHAKE_MS, type HeldTurn, type Reuse, TurnKv } from './turns';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -136,6 +136,13 @@ export interface WorkerOptions {
   kvRecomputeThreshold?: number;
   /** The share of the KV cache held turns may take together (default 0.5); past it a turn is not held. */
   heldTurnsShare?: number;
+  /**
+   * A prefill's handshake with the decode holding the previous turn: one
+   * attempt of this many ms (default 1000), then it recomputes (reuse is an
+   * optimisation; a dead decode must not delay the turn by the full 3 x 5 s
+   * of a pull's handshake).
+   */
+  kvReuseHandshakeMs?: number;
 }
 
 /** A worker's counters. */
@@ -314,6 +321,7 @@ export class Worker implements FrontHandler {
         ttlMs: o.decoderKvTtlMs ?? DEFAULT_TURN_TTL_MS,
         maxHeldBlocks: Math.floor(share * this.#blocks.size),
         recomputeThreshold: o.kvRecomputeThreshold,
+        reuseHandshakeMs: o.kvReuseHandshakeMs ?? DEFAULT_REUSE_HANDSHAKE_MS,
       });
   }
 

@@ -4,7 +4,9 @@
 import { execFileSync } from 'node:child_process';
 import * as path from 'node:path';
 import { afterEach, expect, it } from 'vitest';
-import { NixlAgent } from '../../lib';
+import { NixlAgent, engines } from '../../lib';
+// eslint-disable-next-line @typescript-eslint/no-require-imports
+const { setupAgent } = require('../fixtures/conformance-setup.js');
 import { ROOT } from '../helpers';
 
 const agents: NixlAgent[] = [];
@@ -38,6 +40,32 @@ it('queryXferBackend names the backend of a request, and refuses a released one'
   a.releaseXferHandle(h);
   expect(() => a.queryXferBackend(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
 });
+
+it.skipIf(!engines.includes('nixl'))(
+  "on NIXL: the UCX backend's parameters as NIXL reports them, and queryXferBackend names UCX",
+  async () => {
+    const a: NixlAgent = setupAgent(NixlAgent, 'bpn-a', 'nixl');
+    const b: NixlAgent = setupAgent(NixlAgent, 'bpn-b', 'nixl');
+    agents.push(a, b);
+    const p = a.getBackendParams('UCX');
+    expect(p.memTypes).toContain('DRAM');
+    expect(p.params.ucx_error_handling_mode).toBe('none');
+    expect(() => a.getBackendParams('LOOPBACK')).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    const mine = Buffer.alloc(4096);
+    const theirs = Buffer.alloc(4096, 7);
+    a.registerMemory(mine);
+    b.registerMemory(theirs);
+    a.addRemoteAgent(b.getAgentMetadata());
+    const h = a.initializeXfer('READ', mine, theirs, 'bpn-b');
+    expect(a.queryXferBackend(h)).toBe('UCX');
+    a.transfer(h);
+    await a.wait(h, { timeoutMs: 10_000 });
+    expect(mine.every((x) => x === 7)).toBe(true);
+    a.releaseXferHandle(h);
+    expect(() => a.queryXferBackend(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+  },
+  30_000,
+);
 
 it('nixl-node info --json shows backendParams of every engine compiled in, loopback included', () => {
   const info = JSON.parse(

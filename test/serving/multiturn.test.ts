@@ -296,6 +296,22 @@ describe('bidirectional KV: whatever is not provably the prompt prefix is recomp
     expect(gone.pre.nixl_node.kv_reuse_skipped).toMatch(/^pull-failed:/);
   });
 
+  it('a decode gone: turn 2 recomputes after one short handshake attempt, not 3 x 5 s', async () => {
+    const { p } = await pair();
+    const d = await startWorker({ name: `MGone-${Math.random()}`, bidirectionalKv: true });
+    closers.push(() => d.close());
+    const t1 = await turn(p, d, HISTORY, 12);
+    await d.close();
+    const prompt2 = `${HISTORY}${t1.dec.choices[0].text}\nuser: next\n`;
+    const t0 = performance.now();
+    const pre = await post(p, { prompt: prompt2, max_tokens: 1, kv_transfer_params: t1.dec.kv_transfer_params });
+    const ms = performance.now() - t0;
+    expect(pre.status).toBe(200);
+    expect(pre.json.nixl_node).toMatchObject({ kv_reused_tokens: 0, kv_reuse_skipped: 'pull-failed:handshake' });
+    // The default budget: one attempt of 1000 ms (the pull path's default is 3 x 5000 ms).
+    expect(ms).toBeLessThan(2500);
+  }, 30_000);
+
   it('under the recompute threshold: nothing read, the decode told to free its hold at once', async () => {
     const { p, d } = await pair({ threshold: 1000 });
     const a = await turn(p, d, HISTORY, 12);

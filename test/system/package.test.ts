@@ -186,7 +186,7 @@ it('strict TypeScript: the wire profiles and the serving API type-check from the
       "const wire: WireName = 'v12';",
       "const w = await startWorker({ name: 'ts-worker', wire });",
       'const p = await startProxy({ prefill: [w.address], decode: [w.address], healthIntervalMs: 0 });',
-      "const r = await fetch(`${p.url}/v1/completions`, { method: 'POST', body: JSON.stringify({ prompt: 'hi', max_tokens: 2 }) });",
+      "const r = await fetch(p.url + '/v1/completions', { method: 'POST', body: JSON.stringify({ prompt: 'hi', max_tokens: 2 }) });",
       'const params: KvTransferParams = parseKvTransferParams(buildKvTransferParams({ remoteBlockIds: [[1]], remoteEngineId: "e", remoteRequestId: "r", remoteHost: "h", remotePort: 1, tpSize: 1 }, wire), wire);',
       'console.log(r.status, params.transferMode);',
       'await p.close();',
