@@ -25,8 +25,16 @@ import type { RemoteEndpoint } from './engine-connect';
 import { checkLayout, type KvLayout } from './layout';
 import { DEFAULT_LIMITS, type PullLimits, expandTail } from './limits';
 import { LocalDlists } from './local-dlists';
-import { type ReceivedReg, RegistrationStore, matchOffer } from './push-pairing';
-import { type PushRegLimits, decodePushReg, isNotifId, isPushReg, writeNotif } from './push-reg';
+import {
+  type ReceivedReg,
+  RegistrationStore,
+  addTo,
+  decodeKey,
+  matchOffer,
+  removeFrom,
+  sameRegistration,
+} from './push-pairing';
+import { type PushRegLimits, baseRequestId, decodePushReg, isNotifId, isPushReg, writeNotif } from './push-reg';
 import { expand } from './pull-params';
 import { type RemoteEngine, RemoteEngines } from './remote-engines';
 
@@ -72,13 +80,22 @@ export interface PushSent {
   error?: NixlError;
 }
 
+interface Posted {
+  h: XferHandle;
+  /** The WRITE completed (and its rank was confirmed). */
+  done: Promise<void>;
+}
+
 interface Offer {
   requestId: string;
   blockIds: number[];
   leaseEnd: number;
   timer: NodeJS.Timeout;
-  /** Paired and pushing: a second registration is a duplicate. */
-  pushing: boolean;
+  /** Paired and pushing to this decode request (decodeKey); its ranks' registrations by sending agent. */
+  decode?: string;
+  regs: Map<string, ReceivedReg>;
+  /** Wakes a push waiting for a decode rank's registration. */
+  wake?: () => void;
   settle(r: Omit<PushSent, 'requestId' | 'blockIds'>): void;
   settled: boolean;
 }
@@ -88,6 +105,8 @@ export interface PushSenderStats {
   registrations: number;
   refused: number;
   duplicates: number;
+  /** Registrations whose blocks disagree with another rank's of the same request (that rank not written). */
+  mismatched: number;
   written: number;
   failed: number;
   expired: number;
@@ -103,6 +122,7 @@ export class KvPushSender {
     registrations: 0,
     refused: 0,
     duplicates: 0,
+    mismatched: 0,
     written: 0,
     failed: 0,
     expired: 0,
@@ -115,6 +135,8 @@ export class KvPushSender {
   readonly #local: LocalDlists;
   readonly #engines: RemoteEngines;
   readonly #offers = new Map<string, Offer>();
+  /** Offered request ids by base id (pairing by base id without a scan). */
+  readonly #offerBase = new Map<string, Set<string>>();
   readonly #regs: RegistrationStore;
   readonly #abort = new AbortController();
   readonly #log: HandshakeLogger;
@@ -185,13 +207,14 @@ export class KvPushSender {
         blockIds: ids,
         leaseEnd: performance.now() + this.#leaseMs,
         timer: undefined as never,
-        pushing: false,
+        regs: new Map(),
         settled: false,
         settle: (s) => {
           if (o.settled) return;
           o.settled = true;
           clearTimeout(o.timer);
-          if (this.#offers.get(requestId) === o) this.#offers.delete(requestId);
+          o.wake?.();
+          if (this.#offers.get(requestId) === o) this.#unoffer(requestId);
           if (s.reason === 'expired') this.stats.expired++;
           else if (s.reason === 'failed') this.stats.failed++;
           else if (s.reason === 'written') this.stats.written++;
@@ -199,10 +222,18 @@ export class KvPushSender {
         },
       };
       this.#offers.set(requestId, o);
+      addTo(this.#offerBase, baseRequestId(requestId), requestId);
       this.#arm(o);
-      const reg = this.#regs.take(requestId, performance.now());
-      if (reg) void this.#push(o, reg);
+      // A waiting registration pairs only if it matches no other live request (ambiguity: neither).
+      const regs = this.#regs.candidate(requestId, performance.now());
+      if (regs && matchOffer(regs[0].reg.requestId, this.#offers, this.#offerBase)?.offer === o)
+        void this.#push(o, this.#regs.take(decodeKey(regs[0])));
     });
+  }
+
+  #unoffer(requestId: string): void {
+    this.#offers.delete(requestId);
+    removeFrom(this.#offerBase, baseRequestId(requestId), requestId);
   }
 
   /** Releases an offered request now (no decode will take it); false if it is not offered. */
@@ -265,16 +296,22 @@ export class KvPushSender {
       this.#log.warn(`push: registration refused: ${r}`);
       return;
     }
-    const m = matchOffer(r.reg.requestId, this.#offers);
-    const refusal = m?.offer.pushing ? 'duplicate' : this.#regs.add(r);
-    if (refusal === 'duplicate') {
+    // Keyed by (decode engine, request id, sending rank): another rank of one request is not a duplicate.
+    if (this.#regs.see(r) === 'duplicate') {
       this.stats.duplicates++;
-    } else if (refusal === 'full') {
+      return;
+    }
+    const m = matchOffer(r.reg.requestId, this.#offers, this.#offerBase);
+    const d = decodeKey(r);
+    if (m && m.offer.decode === d) {
+      // Another rank of the decode request being pushed: its WRITE goes into its own blocks.
+      m.offer.regs.set(r.from, r);
+      m.offer.wake?.();
+    } else if (m && m.offer.decode === undefined) {
+      void this.#push(m.offer, [...this.#regs.take(d), r]);
+    } else if (this.#regs.add(r) === 'full') {
       this.stats.refused++;
       this.#log.warn(`push: registration '${r.reg.requestId}' refused: too many registrations waiting`);
-    } else if (m) {
-      this.#regs.drop(r.reg.requestId);
-      void this.#push(m.offer, r);
     }
   }
 
@@ -302,12 +339,22 @@ export class KvPushSender {
     return { reg, from: n.agent, at: now, deadlineAt };
   }
 
-  /** Handshakes back to the decode and WRITEs; settles the offer. Never retried. */
-  async #push(o: Offer, r: ReceivedReg): Promise<void> {
-    o.pushing = true;
-    const { reg } = r;
-    const handles: XferHandle[] = [];
+  /**
+   * Handshakes back to the decode and WRITEs each decode rank this rank maps
+   * to into the blocks THAT rank registered, once it registered; settles the
+   * offer. Never retried. A rank registering other blocks than the first
+   * registration of the request is refused (no WRITE to it, and none after),
+   * and a rank not registered by the lease end or the decode's deadline is
+   * never written: the push fails, ranks already written hold correct bytes.
+   */
+  async #push(o: Offer, regs: ReceivedReg[]): Promise<void> {
+    const first = regs[0];
+    o.decode = decodeKey(first);
+    for (const r of regs) o.regs.set(r.from, r);
+    const { reg } = first;
+    const posted: Posted[] = [];
     let bytes = 0;
+    let err: unknown;
     try {
       const ep: RemoteEndpoint = {
         host: reg.decodeHost,
@@ -317,47 +364,70 @@ export class KvPushSender {
       };
       const engine = await this.#engines.get(ep);
       if (o.settled) return;
-      if (!engine.agentNames().includes(r.from))
+      const targets = new Map(engine.reads.map((p) => [p.rank.agentName, p]));
+      if (!targets.has(first.from))
         throw new NixlError(
-          `the registration came from agent '${r.from}', which is not a rank of decode '${reg.decodeEngineId}' at ${reg.decodeHost}:${reg.decodePort}`,
+          `the registration came from agent '${first.from}', which is not a rank of decode '${reg.decodeEngineId}' at ${reg.decodeHost}:${reg.decodePort} this rank writes`,
           'NIXL_ERR_NOT_ALLOWED',
         );
-      const { local, remote } = this.#blockIds(engine, o.blockIds, reg.localBlockIds[0]);
-      this.#checkTime(o, r);
       const notif = writeNotif(reg.requestId, this.#o.layout.tpSize);
-      for (const p of engine.reads) {
-        if (p.read.notifyOnly)
-          throw new NixlError(
-            'push to an MLA decode of larger TP is not supported by nixl-node',
-            'NIXL_ERR_NOT_SUPPORTED',
+      for (;;) {
+        for (const [name, p] of targets) {
+          const r = o.regs.get(name);
+          if (!r) continue;
+          targets.delete(name);
+          this.#agree(first, r);
+          if (p.read.notifyOnly)
+            throw new NixlError(
+              'push to an MLA decode of larger TP is not supported by nixl-node',
+              'NIXL_ERR_NOT_SUPPORTED',
+            );
+          const { local, remote } = this.#blockIds(engine, o.blockIds, r.reg.localBlockIds[0]);
+          this.#checkTime(o, r);
+          const h = this.#o.agent.makePreppedXfer(
+            'WRITE',
+            this.#local.get(p.read),
+            blockDescIds(regionCounts(p.read.local.length, this.#o.layout.numBlocks), local),
+            p.rank.dlist,
+            blockDescIds(p.rank.counts, remote),
+            r.reg.confirm ? undefined : notif,
           );
-        const regions = p.read.local.length;
-        const h = this.#o.agent.makePreppedXfer(
-          'WRITE',
-          this.#local.get(p.read),
-          blockDescIds(regionCounts(regions, this.#o.layout.numBlocks), local),
-          p.rank.dlist,
-          blockDescIds(p.rank.counts, remote),
-          reg.confirm ? undefined : notif,
-        );
-        handles.push(h);
-        this.#handles.add(h);
-        this.#o.agent.transfer(h);
-        bytes += p.blockBytes * local.length;
+          const x: Posted = { h, done: Promise.resolve() };
+          posted.push(x);
+          this.#handles.add(h);
+          this.#o.agent.transfer(h);
+          x.done = this.#written(o, h, r.reg.confirm ? name : undefined, notif);
+          bytes += p.blockBytes * local.length;
+        }
+        if (!targets.size) break;
+        await this.#nextReg(o, first, [...targets.keys()]);
+        if (o.settled) break;
       }
-      const left = Math.max(1, o.leaseEnd - performance.now());
-      await Promise.all(handles.map((h) => this.#o.agent.wait(h, { timeoutMs: left })));
-      // Held through the WRITE (the lease did not end under it): only now is the KV the decode's.
-      if (o.settled) return;
-      if (reg.confirm) for (const name of engine.agentNames()) this.#o.agent.sendNotif(name, notif);
-      this.stats.bytes += bytes;
-      o.settle({ reason: 'written', decodeRequestId: reg.requestId, bytes, writes: handles.length });
     } catch (e) {
-      const err = e instanceof NixlError ? e : new NixlError(String(e), 'NIXL_ERR_UNKNOWN');
-      this.#log.warn(`push of '${o.requestId}' to '${reg.requestId}' failed (not retried): ${err.message}`);
-      o.settle({ reason: 'failed', decodeRequestId: reg.requestId, bytes: 0, writes: handles.length, error: err });
+      err = e;
+    }
+    await this.#finish(o, first, posted, bytes, err);
+  }
+
+  /** Waits for the posted WRITEs (held through them), confirms nixl-node ranks, settles. */
+  async #finish(o: Offer, first: ReceivedReg, posted: Posted[], bytes: number, failure: unknown): Promise<void> {
+    const { reg } = first;
+    let err = failure;
+    try {
+      if (o.settled) return;
+      const done = await Promise.allSettled(posted.map((x) => x.done));
+      err ??= done.find((d) => d.status === 'rejected')?.reason;
+      if (o.settled) return;
+      if (err === undefined) {
+        this.stats.bytes += bytes;
+        o.settle({ reason: 'written', decodeRequestId: reg.requestId, bytes, writes: posted.length });
+        return;
+      }
+      const e = err instanceof NixlError ? err : new NixlError(String(err), 'NIXL_ERR_UNKNOWN');
+      this.#log.warn(`push of '${o.requestId}' to '${reg.requestId}' failed (not retried): ${e.message}`);
+      o.settle({ reason: 'failed', decodeRequestId: reg.requestId, bytes: 0, writes: posted.length, error: e });
     } finally {
-      for (const h of handles) {
+      for (const { h } of posted) {
         this.#handles.delete(h);
         try {
           this.#o.agent.releaseXferHandle(h);
@@ -366,6 +436,42 @@ export class KvPushSender {
         }
       }
     }
+  }
+
+  /** One WRITE done; a nixl-node rank (confirm) is told only now, while the blocks are still held. */
+  async #written(o: Offer, h: XferHandle, confirmTo: string | undefined, notif: string): Promise<void> {
+    await this.#o.agent.wait(h, { timeoutMs: Math.max(1, o.leaseEnd - performance.now()) });
+    // Held through the WRITE (the lease did not end under it): only now is the KV the decode's.
+    if (confirmTo !== undefined && !o.settled) this.#o.agent.sendNotif(confirmTo, notif);
+  }
+
+  /** A rank's registration must name the blocks (and decode) the request's first one names. */
+  #agree(first: ReceivedReg, r: ReceivedReg): void {
+    if (sameRegistration(first.reg, r.reg)) return;
+    this.stats.mismatched++;
+    throw new NixlError(
+      `decode rank '${r.from}' registered ${r.reg.localBlockIds[0].length} blocks for '${r.reg.requestId}' that disagree with rank '${first.from}''s ${first.reg.localBlockIds[0].length} (or another decode address): '${r.from}' is not written`,
+      'NIXL_ERR_INVALID_PARAM',
+    );
+  }
+
+  /** Waits for another decode rank's registration, bounded by the lease and the decode's deadline. */
+  async #nextReg(o: Offer, first: ReceivedReg, missing: string[]): Promise<void> {
+    const bound = Math.min(o.leaseEnd, first.deadlineAt) - (this.#o.marginMs ?? 50);
+    const wait = bound - performance.now();
+    if (wait <= 0)
+      throw new NixlError(
+        `decode rank(s) ${missing.join(', ')} never registered '${first.reg.requestId}' with this rank in time: not written`,
+        'NIXL_ERR_TIMEOUT',
+      );
+    await new Promise<void>((resolve) => {
+      const t = setTimeout(resolve, Math.min(wait, 2 ** 31 - 1));
+      o.wake = () => {
+        clearTimeout(t);
+        o.wake = undefined;
+        resolve();
+      };
+    });
   }
 
   /** Neither the lease nor the decode's deadline may end before the WRITE could. */
@@ -405,10 +511,18 @@ export class KvPushSender {
   }
 
   /** What the sender holds right now (tests check nothing leaks). */
-  resources(): { offers: number; registrations: number; xferHandles: number; engines: number; remoteAgents: number } {
+  resources(): {
+    offers: number;
+    registrations: number;
+    seenRegistrations: number;
+    xferHandles: number;
+    engines: number;
+    remoteAgents: number;
+  } {
     return {
       offers: this.#offers.size,
       registrations: this.#regs.size,
+      seenRegistrations: this.#regs.seen,
       xferHandles: this.#handles.size,
       engines: this.#engines.size,
       remoteAgents: this.#engines.remoteAgents,

@@ -92,7 +92,7 @@ describe('push with heterogeneous TP', () => {
       }
   });
 
-  it('P_tp 1 -> D_tp 2: one push (duplicate registration ignored) writes each decode rank its chunk', async () => {
+  it('P_tp 1 -> D_tp 2: one push, each decode rank written after its own registration, its chunk', async () => {
     const { ps, ds, senders, receivers, params } = await setup(1, 2);
     const got = receivers.map((rcv) => rcv.receive(params, { requestId: 'h12', localBlockIds: [3] }));
     await new Promise((r) => setTimeout(r, 100));
@@ -100,7 +100,7 @@ describe('push with heterogeneous TP', () => {
     const rs = await Promise.all(got);
     expect(rs.map((r) => r.notifications)).toEqual([1, 1]);
     expect(sent).toMatchObject({ reason: 'written', writes: 2 });
-    expect(senders[0].stats.duplicates).toBe(1);
+    expect(senders[0].stats).toMatchObject({ duplicates: 0, mismatched: 0 });
     const whole = 2 * BLOCK;
     for (let reg = 0; reg < REGIONS; reg++) {
       const src = blockOf(ps[0].mem, reg, 6, whole);
@@ -122,5 +122,52 @@ describe('push with heterogeneous TP', () => {
         const want = Buffer.concat([blockOf(ps[2 * d].mem, reg, 2, q), blockOf(ps[2 * d + 1].mem, reg, 2, q)]);
         expect(blockOf(ds[d].mem, reg, 9, BLOCK).equals(want)).toBe(true);
       }
+  });
+});
+
+describe('push with decode TP > prefill TP: each decode rank only into the blocks it registered', () => {
+  const zero = (m: Buffer, b: number) => [0, 1].every((reg) => blockOf(m, reg, b, BLOCK).every((x) => x === 0));
+
+  it("ranks registering different block ids: the disagreeing rank is not written (typed, counted), never with another rank's ids", async () => {
+    const { ds, senders, receivers, params } = await setup(1, 2);
+    const got0 = receivers[0].receive(params, { requestId: 'mis', localBlockIds: [1, 2], timeoutMs: 3000 });
+    await new Promise((r) => setTimeout(r, 50));
+    const got1 = receivers[1]
+      .receive(params, { requestId: 'mis', localBlockIds: [5, 6], timeoutMs: 600 })
+      .catch((e: unknown) => e);
+    await new Promise((r) => setTimeout(r, 50));
+    const sent = await senders[0].offer('mis', [3, 4]);
+    expect((await got0).notifications).toBe(1);
+    expect(await got1).toMatchObject({ kind: 'timeout' });
+    expect(sent).toMatchObject({ reason: 'failed', writes: 1, error: { code: 'NIXL_ERR_INVALID_PARAM' } });
+    expect(senders[0].stats).toMatchObject({ mismatched: 1, failed: 1, duplicates: 0 });
+    for (const b of [1, 2, 5, 6]) expect(zero(ds[1].mem, b)).toBe(true);
+    expect(zero(ds[0].mem, 1) || zero(ds[0].mem, 2)).toBe(false);
+  });
+
+  it('a rank that registers later is written only after it registered, into its own ids', async () => {
+    const { ps, ds, senders, receivers, params } = await setup(1, 2);
+    const got0 = receivers[0].receive(params, { requestId: 'late', localBlockIds: [7], timeoutMs: 3000 });
+    const sent = senders[0].offer('late', [6]);
+    await got0;
+    await new Promise((r) => setTimeout(r, 100));
+    for (const reg of [0, 1]) expect(blockOf(ds[1].mem, reg, 7, BLOCK).every((x) => x === 0)).toBe(true);
+    const r1 = await receivers[1].receive(params, { requestId: 'late', localBlockIds: [7], timeoutMs: 3000 });
+    expect(r1.notifications).toBe(1);
+    expect(await sent).toMatchObject({ reason: 'written', writes: 2 });
+    for (let reg = 0; reg < REGIONS; reg++)
+      expect(blockOf(ds[1].mem, reg, 7, BLOCK).equals(blockOf(ps[0].mem, reg, 6, 2 * BLOCK).subarray(BLOCK))).toBe(
+        true,
+      );
+  });
+
+  it('a rank whose registration never comes is not written; the others are, and the push fails by the deadline', async () => {
+    const { ds, senders, receivers, params } = await setup(1, 2);
+    const sent = senders[0].offer('gone', [6]);
+    const r0 = await receivers[0].receive(params, { requestId: 'gone', localBlockIds: [2], timeoutMs: 400 });
+    expect(r0.notifications).toBe(1);
+    expect(await sent).toMatchObject({ reason: 'failed', writes: 1, error: { code: 'NIXL_ERR_TIMEOUT' } });
+    expect(zero(ds[1].mem, 2)).toBe(true);
+    expect(senders[0].resources()).toMatchObject({ offers: 0, xferHandles: 0 });
   });
 });

@@ -58,17 +58,22 @@ describe('push on loopback', () => {
   });
 
   it('heartbeats naming an offered request extend its lease (vLLM: max(old, now + 2/3 lease)); unmatched ids do nothing', async () => {
+    // The heartbeat goes at 1/2 of the lease: whenever it is processed before the lease ends (half a lease of
+    // slack, not a fixed wait), now + 2/3 lease lies past the first end, so the end must move to at least that.
+    const lease = 1200;
     await t.sender.close();
-    t.sender = new KvPushSender({ agent: t.pAgent, layout: rankLayout('P', t.pmem), leaseMs: 300, logger: quiet });
+    t.sender = new KvPushSender({ agent: t.pAgent, layout: rankLayout('P', t.pmem), leaseMs: lease, logger: quiet });
     t.dAgent.addRemoteAgent(t.pAgent.getAgentMetadata());
     const t0 = performance.now();
     const sent = t.sender.offer('hb-req', [1]);
     const end0 = t.sender.leaseEnd('hb-req')!;
-    await new Promise((r) => setTimeout(r, 150));
+    await new Promise((r) => setTimeout(r, lease / 2));
+    const hbAt = performance.now();
     t.dAgent.sendNotif('push-p', 'HB:other,hb-req');
-    await until(() => t.sender.stats.heartbeats === 1);
+    await expect.poll(() => t.sender.stats.heartbeats, { interval: 5, timeout: lease }).toBe(1);
     const end1 = t.sender.leaseEnd('hb-req')!;
     expect(end1).toBeGreaterThan(end0);
+    expect(end1).toBeGreaterThanOrEqual(hbAt + Math.floor((lease * 2) / 3));
     expect(await sent).toMatchObject({ reason: 'expired', writes: 0 });
     // Held until the extended end, not the first one.
     expect(performance.now() - t0).toBeGreaterThanOrEqual(end1 - t0 - 1);

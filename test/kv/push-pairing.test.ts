@@ -1,0 +1,95 @@
+// Pairing on the prefill side: registrations keyed by (decode engine, request
+// id, rank) so distinct decodes sharing a base id are not conflated, a stored
+// registration never pairs while two live requests share its base id, and the
+// duplicate memory stays bounded under a flood of registrations.
+import { afterEach, describe, expect, it } from 'vitest';
+import { PushError } from '../../lib';
+import { type PushRegistration, encodePushReg } from '../../lib/kv';
+import { RegistrationStore } from '../../lib/kv/push-pairing';
+import { PushPair, blockOf } from './push-helpers';
+
+let t: PushPair | undefined;
+afterEach(async () => {
+  await t?.close();
+  t = undefined;
+});
+
+const untouched = (p: PushPair, b: number) => blockOf(p.dmem, 0, b).every((x) => x === 0);
+
+describe('push pairing', () => {
+  it('a second decode request sharing the base id of one being pushed is not a duplicate: it pairs with the next request', async () => {
+    t = await PushPair.start();
+    const x = t.sender.offer('cmpl-z-11111111', [1]);
+    const ra = t.receiver.receive(t.params(), { requestId: 'cmpl-z-aaaaaaaa', localBlockIds: [3], timeoutMs: 3000 });
+    const rb = t.receiver.receive(t.params(), { requestId: 'cmpl-z-bbbbbbbb', localBlockIds: [4], timeoutMs: 3000 });
+    expect((await x).decodeRequestId).toBe('cmpl-z-aaaaaaaa');
+    await ra;
+    const y = await t.sender.offer('cmpl-z-22222222', [2]);
+    expect(y).toMatchObject({ reason: 'written', decodeRequestId: 'cmpl-z-bbbbbbbb' });
+    expect((await rb).notifications).toBe(1);
+    expect(t.same([1, 2], [3, 4])).toBe(true);
+    expect(t.sender.stats.duplicates).toBe(0);
+  });
+
+  it('a stored registration does not pair with a new request while another live request shares its base id', async () => {
+    t = await PushPair.start();
+    const x = t.sender.offer('cmpl-y-11111111', [1]);
+    const z = t.sender.offer('cmpl-y-33333333', [1]);
+    const got = t.receiver
+      .receive(t.params(), { requestId: 'cmpl-y-cccccccc', localBlockIds: [5], timeoutMs: 500 })
+      .catch((e: unknown) => e);
+    await new Promise((r) => setTimeout(r, 100));
+    expect(t.sender.pending.registrations).toBe(1);
+    t.sender.abort('cmpl-y-33333333');
+    const y = t.sender.offer('cmpl-y-22222222', [2]);
+    expect(await got).toBeInstanceOf(PushError);
+    expect(untouched(t, 5)).toBe(true);
+    for (const id of ['cmpl-y-11111111', 'cmpl-y-22222222']) t.sender.abort(id);
+    expect((await Promise.all([x, y, z])).map((s) => s.reason)).toEqual(['aborted', 'aborted', 'aborted']);
+  });
+
+  it('a flood of registrations keeps the duplicate memory bounded (distinct ids, each waiting a moment)', async () => {
+    t = await PushPair.start({ sender: { maxPendingRegistrations: 8 } });
+    const p = t;
+    p.dAgent.addRemoteAgent(p.pAgent.getAgentMetadata());
+    const reg = (i: number): PushRegistration => ({
+      requestId: `flood-${i}`,
+      decodeEngineId: 'D',
+      decodeHost: '127.0.0.1',
+      decodePort: p.dServer.basePort,
+      decodeTpSize: 1,
+      localBlockIds: [[1]],
+      remoteEngineId: 'P',
+      remoteHost: '127.0.0.1',
+      remotePort: p.pServer.basePort,
+      remoteTpSize: 1,
+      remotePpSize: 1,
+      deadlineMs: 1,
+    });
+    const n = 3000;
+    for (let i = 0; i < n; i++) {
+      p.dAgent.sendNotif('push-p', encodePushReg(reg(i)));
+      if (i % 100 === 99) await new Promise((r) => setTimeout(r, 2));
+    }
+    await expect.poll(() => p.sender.stats.registrations, { timeout: 10_000 }).toBe(n);
+    expect(p.sender.resources().seenRegistrations).toBeLessThanOrEqual(1024);
+    expect(p.sender.resources().registrations).toBeLessThanOrEqual(8);
+  });
+
+  it('the store: the seen set is capped (oldest forgotten), the waiting set refuses past its cap', () => {
+    const s = new RegistrationStore(4, 480_000, 16);
+    const r = (i: number, from = 'd0') => ({
+      reg: { requestId: `r-${i}`, decodeEngineId: 'D', localBlockIds: [[i]] } as PushRegistration,
+      from,
+      at: performance.now(),
+      deadlineAt: Number.POSITIVE_INFINITY,
+    });
+    for (let i = 0; i < 100; i++) expect(s.see(r(i))).toBeUndefined();
+    expect(s.seen).toBe(16);
+    expect(s.see(r(99))).toBe('duplicate');
+    expect(s.see(r(99, 'd1'))).toBeUndefined();
+    for (let i = 0; i < 4; i++) expect(s.add(r(i))).toBeUndefined();
+    expect(s.add(r(4))).toBe('full');
+    expect(s.candidate('r-2', performance.now())?.map((x) => x.reg.requestId)).toEqual(['r-2']);
+  });
+});
