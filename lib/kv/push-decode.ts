@@ -23,7 +23,15 @@ import { LeaseKeeper } from './leases';
 import { DEFAULT_LIMITS, type PullLimits, checkRemoteSizes } from './limits';
 import { LocalDlists } from './local-dlists';
 import { BlockQuarantine } from './push-quarantine';
-import { type PushParams, encodePushReg, expectedWrites, isNotifId, parsePushParams } from './push-reg';
+import {
+  PUSH_REFUSED_PREFIX,
+  type PushParams,
+  decodeRefusal,
+  encodePushReg,
+  expectedWrites,
+  isNotifId,
+  parsePushParams,
+} from './push-reg';
 import { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './push-types';
 import { type RemoteEngine, RemoteEngines } from './remote-engines';
 
@@ -339,12 +347,29 @@ export class KvPushReceiver {
   }
 
   #mine(n: Notif): boolean {
-    const m = WRITE_NOTIF.exec(n.msg.toString('utf8'));
-    return m !== null && (this.#waiting.has(m[1]) || this.#gaveUp.has(m[1]));
+    const msg = n.msg.toString('utf8');
+    const id = msg.startsWith(PUSH_REFUSED_PREFIX) ? decodeRefusal(msg)?.requestId : WRITE_NOTIF.exec(msg)?.[1];
+    return id !== undefined && (this.#waiting.has(id) || this.#gaveUp.has(id));
+  }
+
+  /** A nixl-node prefill (one we registered with) will not write: the receive fails now, not at its deadline. */
+  #onRefusal(n: Notif, msg: string): void {
+    const r = decodeRefusal(msg)!;
+    const w = this.#waiting.get(r.requestId);
+    if (!w) return; // the receive had ended already
+    if (!w.agents.has(n.agent)) {
+      this.unrecognized++;
+      return;
+    }
+    const e = new NixlError(`prefill agent '${n.agent}' refused to write it: ${r.reason}`, r.code);
+    e.name = 'PushRefused';
+    w.done(e);
   }
 
   #onWrite(n: Notif): void {
-    const [, id, suffix] = WRITE_NOTIF.exec(n.msg.toString('utf8'))!;
+    const msg = n.msg.toString('utf8');
+    if (msg.startsWith(PUSH_REFUSED_PREFIX)) return this.#onRefusal(n, msg);
+    const [, id, suffix] = WRITE_NOTIF.exec(msg)!;
     const w = this.#waiting.get(id);
     if (!w) {
       this.lateWrites++;
@@ -443,6 +468,7 @@ function flatIds(ids: ArrayLike<number> | ArrayLike<number>[]): number[] {
 function kindOf(e: unknown, signal?: AbortSignal): PushFailure {
   const code = (e as NixlError)?.code;
   if (signal?.aborted || code === 'NIXL_ERR_CANCELED') return 'aborted';
+  if ((e as Error).name === 'PushRefused') return 'refused';
   if (code === 'NIXL_ERR_TIMEOUT') return 'timeout';
   if (code === 'NIXL_ERR_REMOTE_DISCONNECT') return 'peer-gone';
   if (code === 'NIXL_ERR_MISMATCH' && (e as Error).name !== 'TransferModeError') return 'mismatch';

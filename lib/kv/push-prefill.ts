@@ -34,7 +34,15 @@ import {
   removeFrom,
   sameRegistration,
 } from './push-pairing';
-import { type PushRegLimits, baseRequestId, decodePushReg, isNotifId, isPushReg, writeNotif } from './push-reg';
+import {
+  type PushRegLimits,
+  baseRequestId,
+  decodePushReg,
+  encodeRefusal,
+  isNotifId,
+  isPushReg,
+  writeNotif,
+} from './push-reg';
 import { expand } from './pull-params';
 import { type RemoteEngine, RemoteEngines } from './remote-engines';
 
@@ -82,6 +90,8 @@ export interface PushSent {
 
 interface Posted {
   h: XferHandle;
+  /** The decode rank (agent) written. */
+  to: string;
   /** The WRITE completed (and its rank was confirmed). */
   done: Promise<void>;
 }
@@ -89,6 +99,8 @@ interface Posted {
 interface Offer {
   requestId: string;
   blockIds: number[];
+  /** The decode must register exactly as many blocks (the KV is one whole). */
+  exact: boolean;
   leaseEnd: number;
   timer: NodeJS.Timeout;
   /** Paired and pushing to this decode request (decodeKey); its ranks' registrations by sending agent. */
@@ -187,8 +199,11 @@ export class KvPushSender {
   /**
    * A finished request whose blocks (our logical ids, one KV-cache group)
    * wait for a decode's registration. Resolves when they may be freed.
+   * `exactBlocks`: the blocks are one whole (no prefix of them is usable), so
+   * a decode that registered another count is refused and not written;
+   * otherwise a decode registering fewer gets the last ones (its prefix hit).
    */
-  offer(requestId: string, blockIds: ArrayLike<number>): Promise<PushSent> {
+  offer(requestId: string, blockIds: ArrayLike<number>, opts: { exactBlocks?: boolean } = {}): Promise<PushSent> {
     if (this.#closed) return Promise.reject(new NixlError('push sender is closed', 'NIXL_ERR_NOT_ALLOWED'));
     if (!isNotifId(requestId) || this.#offers.has(requestId))
       return Promise.reject(
@@ -205,6 +220,7 @@ export class KvPushSender {
       const o: Offer = {
         requestId,
         blockIds: ids,
+        exact: opts.exactBlocks === true,
         leaseEnd: performance.now() + this.#leaseMs,
         timer: undefined as never,
         regs: new Map(),
@@ -353,6 +369,8 @@ export class KvPushSender {
     for (const r of regs) o.regs.set(r.from, r);
     const { reg } = first;
     const posted: Posted[] = [];
+    /** The decode's ranks this rank writes (a refusal goes only to them). */
+    let ranks: ReadonlySet<string> = new Set();
     let bytes = 0;
     let err: unknown;
     try {
@@ -365,6 +383,7 @@ export class KvPushSender {
       const engine = await this.#engines.get(ep);
       if (o.settled) return;
       const targets = new Map(engine.reads.map((p) => [p.rank.agentName, p]));
+      ranks = new Set(targets.keys());
       if (!targets.has(first.from))
         throw new NixlError(
           `the registration came from agent '${first.from}', which is not a rank of decode '${reg.decodeEngineId}' at ${reg.decodeHost}:${reg.decodePort} this rank writes`,
@@ -382,7 +401,7 @@ export class KvPushSender {
               'push to an MLA decode of larger TP is not supported by nixl-node',
               'NIXL_ERR_NOT_SUPPORTED',
             );
-          const { local, remote } = this.#blockIds(engine, o.blockIds, r.reg.localBlockIds[0]);
+          const { local, remote } = this.#blockIds(engine, o, r.reg.localBlockIds[0]);
           this.#checkTime(o, r);
           const h = this.#o.agent.makePreppedXfer(
             'WRITE',
@@ -392,7 +411,7 @@ export class KvPushSender {
             blockDescIds(p.rank.counts, remote),
             r.reg.confirm ? undefined : notif,
           );
-          const x: Posted = { h, done: Promise.resolve() };
+          const x: Posted = { h, to: name, done: Promise.resolve() };
           posted.push(x);
           this.#handles.add(h);
           this.#o.agent.transfer(h);
@@ -406,11 +425,18 @@ export class KvPushSender {
     } catch (e) {
       err = e;
     }
-    await this.#finish(o, first, posted, bytes, err);
+    await this.#finish(o, first, posted, bytes, err, ranks);
   }
 
   /** Waits for the posted WRITEs (held through them), confirms nixl-node ranks, settles. */
-  async #finish(o: Offer, first: ReceivedReg, posted: Posted[], bytes: number, failure: unknown): Promise<void> {
+  async #finish(
+    o: Offer,
+    first: ReceivedReg,
+    posted: Posted[],
+    bytes: number,
+    failure: unknown,
+    ranks: ReadonlySet<string>,
+  ): Promise<void> {
     const { reg } = first;
     let err = failure;
     try {
@@ -425,6 +451,10 @@ export class KvPushSender {
       }
       const e = err instanceof NixlError ? err : new NixlError(String(err), 'NIXL_ERR_UNKNOWN');
       this.#log.warn(`push of '${o.requestId}' to '${reg.requestId}' failed (not retried): ${e.message}`);
+      // A nixl-node decode rank not written would otherwise wait out its deadline for a notification that cannot come.
+      const written = new Set(posted.filter((_, i) => done[i]?.status === 'fulfilled').map((x) => x.to));
+      for (const [name, r] of o.regs)
+        if (r.reg.confirm && ranks.has(name) && !written.has(name)) this.#refuse(name, r.reg.requestId, e);
       o.settle({ reason: 'failed', decodeRequestId: reg.requestId, bytes: 0, writes: posted.length, error: e });
     } finally {
       for (const { h } of posted) {
@@ -443,6 +473,15 @@ export class KvPushSender {
     await this.#o.agent.wait(h, { timeoutMs: Math.max(1, o.leaseEnd - performance.now()) });
     // Held through the WRITE (the lease did not end under it): only now is the KV the decode's.
     if (confirmTo !== undefined && !o.settled) this.#o.agent.sendNotif(confirmTo, notif);
+  }
+
+  /** Tells a nixl-node decode rank its push failed here and will not be written (best effort). */
+  #refuse(agentName: string, requestId: string, e: NixlError): void {
+    try {
+      this.#o.agent.sendNotif(agentName, encodeRefusal({ requestId, code: e.code, reason: e.message }));
+    } catch {
+      // the decode is gone: its deadline ends its wait
+    }
   }
 
   /** A rank's registration must name the blocks (and decode) the request's first one names. */
@@ -490,9 +529,16 @@ export class KvPushSender {
   /**
    * Our kernel ids, end-trimmed to the decode's count (a prefix hit on the
    * decode registers fewer), and the decode's, checked against what its
-   * ranks hold. The decode asking for more blocks than we have is refused.
+   * ranks hold. The decode asking for more blocks than we have is refused,
+   * and for fewer when the offer is exact (a truncated whole is no KV).
    */
-  #blockIds(engine: RemoteEngine, ours: number[], theirs: number[]): { local: number[]; remote: number[] } {
+  #blockIds(engine: RemoteEngine, o: Offer, theirs: number[]): { local: number[]; remote: number[] } {
+    const ours = o.blockIds;
+    if (o.exact && theirs.length !== ours.length)
+      throw new NixlError(
+        `the decode registered ${theirs.length} blocks, this request's KV is one whole of ${ours.length}: refused, nothing written (prompts differ?)`,
+        'NIXL_ERR_MISMATCH',
+      );
     if (theirs.length > ours.length)
       throw new NixlError(
         `the decode registered ${theirs.length} blocks, this request has ${ours.length}: refused (prompts differ?)`,

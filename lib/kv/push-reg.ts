@@ -268,3 +268,35 @@ export function writeNotif(decodeRequestId: string, prefillTp: number): string {
 export function baseRequestId(id: string): string {
   return id.replace(/-[0-9a-f]{8}$/, '');
 }
+
+/** What a nixl-node prefill sends a nixl-node decode whose push it will not write (vLLM decodes never get it). */
+export const PUSH_REFUSED_PREFIX = 'NIXL_NODE_PUSH_REFUSED:';
+const REFUSAL_MAX_BYTES = 2048;
+
+/** A refusal of a push: the decode's request id, the NixlError code and why (cut to fit a notification). */
+export interface PushRefusal {
+  requestId: string;
+  code: string;
+  reason: string;
+}
+
+export function encodeRefusal(r: PushRefusal): string {
+  const reason = r.reason.slice(0, 1024);
+  return `${PUSH_REFUSED_PREFIX}${JSON.stringify({ request_id: r.requestId, code: r.code, reason })}`;
+}
+
+/** A refusal, or undefined when the notification is not a well-formed one (never an exception). */
+export function decodeRefusal(msg: string): PushRefusal | undefined {
+  if (!msg.startsWith(PUSH_REFUSED_PREFIX) || msg.length > REFUSAL_MAX_BYTES) return undefined;
+  let o: { request_id?: unknown; code?: unknown; reason?: unknown };
+  try {
+    o = JSON.parse(msg.slice(PUSH_REFUSED_PREFIX.length));
+  } catch {
+    return undefined;
+  }
+  if (typeof o !== 'object' || o === null) return undefined;
+  const { request_id: requestId, code, reason } = o;
+  if (typeof requestId !== 'string' || !isNotifId(requestId)) return undefined;
+  if (typeof code !== 'string' || !/^NIXL_ERR_[A-Z_]{1,40}$/.test(code) || typeof reason !== 'string') return undefined;
+  return { requestId, code, reason };
+}

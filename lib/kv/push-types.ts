@@ -6,9 +6,11 @@ import type { TraceContext } from '../tracing';
 /**
  * Why a push receive failed. `timeout`: not every WRITE notification came
  * by the deadline; `mismatch`: a notification or the prefill did not fit the
- * request; `peer-gone`: the registration could not be delivered.
+ * request; `peer-gone`: the registration could not be delivered;
+ * `refused`: a nixl-node prefill said it will not write this registration
+ * (another block count than its KV, a failed handshake back...), and why.
  */
-export type PushFailure = 'setup' | 'handshake' | 'mismatch' | 'timeout' | 'peer-gone' | 'aborted';
+export type PushFailure = 'setup' | 'handshake' | 'mismatch' | 'timeout' | 'peer-gone' | 'aborted' | 'refused';
 
 /**
  * A failed push receive: the local blocks named here hold no valid KV. When

@@ -11,9 +11,10 @@ import { buildKvTransferParams } from '../handshake/wire';
 import type { KvLayout } from '../kv/layout';
 import { KvPushReceiver } from '../kv/push-decode';
 import { KvPushSender, type PushSent } from '../kv/push-prefill';
-import { isNotifId, parsePushParams, type PushParams } from '../kv/push-reg';
+import { baseRequestId, isNotifId, parsePushParams, type PushParams } from '../kv/push-reg';
 import { PushError, type PushReceived } from '../kv/push-types';
 import { HttpError } from './http';
+import type { KvBinding } from './models/types';
 
 /** How a worker moves KV: the decode reads it (pull) or the prefill writes it (push). */
 export type KvMode = 'pull' | 'push';
@@ -36,6 +37,15 @@ export interface PushServingOptions {
 /** A push worker's side-channel hash: the model's, marked push (a pull peer is refused at the handshake). */
 export function pushHash(modelHash: string): string {
   return `${modelHash};transfer_mode=push`;
+}
+
+/**
+ * The request a pushed state is bound to, the same on both sides: the
+ * prefill's engine and the transfer id (the base of both sides' ids). The
+ * decode sized its blocks from its own prompt, so the state must be of it.
+ */
+export function pushBinding(prefillEngineId: string, id: string): KvBinding {
+  return { engineId: prefillEngineId, requestId: baseRequestId(id), blockIds: [], ownPrompt: true };
 }
 
 /** The worker's push sides: a receiver for its decodes, a sender for its prefills. */
@@ -86,9 +96,13 @@ export class PushServing {
     );
   }
 
-  /** Offers a prefilled request's blocks; settles when written, aborted, failed or at the lease. */
-  offer(id: string, ids: number[]): Promise<PushSent> {
-    return this.sender.offer(id, ids);
+  /**
+   * Offers a prefilled request's blocks; settles when written, aborted,
+   * failed or at the lease. `whole`: only a decode that registered exactly
+   * as many blocks is written.
+   */
+  offer(id: string, ids: number[], whole = false): Promise<PushSent> {
+    return this.sender.offer(id, ids, { exactBlocks: whole });
   }
 
   /**
@@ -163,5 +177,9 @@ function pushHttpError(e: unknown, signal: AbortSignal): HttpError {
   if (e.kind === 'aborted' || signal.aborted) return new HttpError(499, e.message, 'aborted');
   if (e.kind === 'timeout') return new HttpError(504, `KV push failed (timeout): ${e.message}`, 'kv_push_timeout');
   if (e.kind === 'setup') return new HttpError(400, `KV push failed (setup): ${e.message}`, e.code);
+  if (e.kind === 'refused')
+    return new HttpError(502, `KV push failed (refused by the prefill): ${e.message}`, 'kv_push_refused', {
+      nixl_code: e.code,
+    });
   return new HttpError(502, `KV push failed (${e.kind}): ${e.message}`, e.code);
 }

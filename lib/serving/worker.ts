@@ -55,7 +55,7 @@ import { NixlError } from '../errors';
 import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
 import { DEFAULT_REUSE_HANDSHAKE_MS, type HeldTurn, type Reuse, TurnKv } from './turns';
-import { type KvMode, PushServing, pushHash } from './push-serving';
+import { type KvMode, PushServing, pushBinding, pushHash } from './push-serving';
 
 /** Options of a worker. */
 export interface WorkerOptions {
@@ -172,6 +172,8 @@ export interface WorkerStats {
   lateReads: number;
   /** Prefill: holds released early because the proxy said the decode would not read them. */
   abortedHolds: number;
+  /** Prefill (push): pushes that failed, never retried (a registration refused, a WRITE failed); blocks freed. */
+  failedPushes: number;
   /** ZeroMQ: answers dropped because their reply_to is not an address a PUSH socket can connect to. */
   repliesDropped: number;
   /** Time spent taking KV out of the model into blocks (prefill), pulling it (decode), putting it back in (decode), ms. */
@@ -208,6 +210,7 @@ export class Worker implements FrontHandler {
     pullsExpired: 0,
     lateReads: 0,
     abortedHolds: 0,
+    failedPushes: 0,
     repliesDropped: 0,
     kvSaveMs: 0,
     kvPullMs: 0,
@@ -698,35 +701,51 @@ export class Worker implements FrontHandler {
     answer: Answer,
     signal: AbortSignal,
   ) {
-    if (known === undefined)
-      throw new HttpError(400, 'push mode needs a model that knows its KV blocks from the prompt', 'kv_mode_mismatch');
-    const ids = this.#take(known);
+    // A model whose KV is one whole sized by the prompt's tokens (a GGUF's state) computes it.
+    const n = known ?? this.#pushBlocks(req);
+    this.#fits(n);
+    const ids = this.#take(n);
     let given = false;
     const give = () => {
       if (!given) this.#blocks.give(ids);
       given = true;
     };
     const t0 = performance.now();
-    const { params } = await this.#push!.receive(kvp, ids, signal, give);
+    const { params, got } = await this.#push!.receive(kvp, ids, signal, give);
     try {
       const pushMs = performance.now() - t0;
       this.stats.kvPullMs += pushMs;
-      const binding = { engineId: params.remoteEngineId, requestId: params.remoteRequestId, blockIds: ids };
+      const binding = pushBinding(params.remoteEngineId, got.requestId);
       const g = await this.#decode(req, ids, answer, signal, give, binding);
       this.stats.decodes++;
       const { layers, blockBytes } = this.model.geometry;
       give();
       answer.finish(g, {
         worker: this.name,
-        kv_blocks: known,
+        kv_blocks: n,
         kv_moved: true,
         kv_mode: 'push',
-        kv_bytes: known * layers * blockBytes,
+        kv_bytes: n * layers * blockBytes,
         kv_push_ms: Math.round(pushMs * 1000) / 1000,
         ...g.info,
       });
     } finally {
       give();
+    }
+  }
+
+  /** The blocks a push decode registers, from the prompt (a 4xx, or a typed 502, when the model cannot say). */
+  #pushBlocks(req: GenerationRequest): number {
+    if (!this.model.pushBlocksFor)
+      throw new HttpError(400, 'push mode needs a model that knows its KV blocks from the prompt', 'kv_mode_mismatch');
+    try {
+      return this.model.pushBlocksFor(req);
+    } catch (e) {
+      if (!(e instanceof KvRejected)) throw e;
+      throw new HttpError(502, `KV push impossible (${e.reason}): ${e.message}`, 'kv_rejected', {
+        reason: e.reason,
+        nixl_code: e.code,
+      });
     }
   }
 
@@ -783,13 +802,18 @@ export class Worker implements FrontHandler {
       try {
         // Push: the proxy's transfer_id, which the decode's registration names.
         remoteRequestId = PushServing.offerId(kvIn!);
+        if (kv.unpushable)
+          throw new HttpError(500, `this prefill's KV cannot be pushed: ${kv.unpushable}`, 'kv_push_unsized');
       } catch (e) {
         this.#blocks.give(ids);
         throw e;
       }
     }
     const t1 = performance.now();
-    kv.writeTo(this.#view(ids), { engineId: this.name, requestId: remoteRequestId, blockIds: ids }, reuse?.blocks);
+    const binding = push
+      ? pushBinding(this.name, remoteRequestId)
+      : { engineId: this.name, requestId: remoteRequestId, blockIds: ids };
+    kv.writeTo(this.#view(ids), binding, reuse?.blocks);
     this.stats.kvSaveMs += (kv.saveMs ?? 0) + performance.now() - t1;
     if (this.#o.tamperKv)
       tamperEnvelope(this.#view(ids), ids.length, this.model.geometry.blockBytes, this.#o.tamperKv, this.#secret);
@@ -804,9 +828,10 @@ export class Worker implements FrontHandler {
     // (Push: the test hook holds the offer back, so a WRITE comes only after it.)
     if (push && this.#o.stallPrefillMs) await sleep(this.#o.stallPrefillMs, signal);
     const held = push
-      ? this.#push!.offer(remoteRequestId, ids).then((r) => {
+      ? this.#push!.offer(remoteRequestId, ids, kv.whole).then((r) => {
           if (r.reason === 'written') this.stats.freedByRead++;
           else if (r.reason === 'aborted') this.stats.abortedHolds++;
+          else if (r.reason === 'failed') this.stats.failedPushes++;
           else this.stats.freedByLease++;
           return { reason: r.reason === 'written' ? 'read' : r.reason };
         }, failedOffer)

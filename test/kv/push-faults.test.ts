@@ -15,6 +15,7 @@ import {
 } from '../../lib';
 import { packMsgpack } from '../../lib/handshake/codec';
 import { PUSH_REG_PREFIX, encodePushReg, type PushRegistration } from '../../lib/kv';
+import { PUSH_REFUSED_PREFIX, encodeRefusal } from '../../lib/kv/push-reg';
 import { ENGINE, PushPair, rankLayout } from './push-helpers';
 
 const pairs: PushPair[] = [];
@@ -227,16 +228,62 @@ describe('hostile registrations', () => {
     expect(t.pmem.equals(pBefore)).toBe(true);
   });
 
-  it('a decode asking for more blocks than the request has is refused, nothing written', async () => {
+  it('a decode asking for more blocks than the request has is refused, nothing written; the decode is told at once', async () => {
     const t = await start();
+    // A deadline far away: only the prefill's refusal ends the wait.
     const got = t.receiver
-      .receive(t.params(), { requestId: 'more', localBlockIds: [1, 2, 3], timeoutMs: 300 })
+      .receive(t.params(), { requestId: 'more', localBlockIds: [1, 2, 3], timeoutMs: 60_000 })
       .catch((e: unknown) => e);
     const sent = await t.sender.offer('more', [5, 6]);
     expect(sent).toMatchObject({ reason: 'failed' });
     expect(sent.error?.message).toMatch(/registered 3 blocks, this request has 2/);
-    expect(await got).toMatchObject({ kind: 'timeout' });
+    expect(await got).toMatchObject({ kind: 'refused', code: 'NIXL_ERR_INVALID_PARAM' });
+    expect(((await got) as Error).message).toMatch(/refused to write it: the decode registered 3 blocks/);
+    // Registered, so its blocks still wait out the quarantine (the refusal is the prefill's word only).
+    expect(((await got) as { quarantinedUntilMs?: number }).quarantinedUntilMs).toBeGreaterThan(performance.now());
     expect(t.untouched()).toBe(true);
+  });
+
+  it('an exact offer (a KV that is one whole) refuses a decode registering fewer blocks: nothing written', async () => {
+    const t = await start();
+    const got = t.receiver
+      .receive(t.params(), { requestId: 'fewer', localBlockIds: [1], timeoutMs: 60_000 })
+      .catch((e: unknown) => e);
+    const sent = await t.sender.offer('fewer', [5, 6], { exactBlocks: true });
+    expect(sent).toMatchObject({ reason: 'failed', writes: 0, error: { code: 'NIXL_ERR_MISMATCH' } });
+    expect(sent.error?.message).toMatch(/registered 1 blocks, this request's KV is one whole of 2/);
+    expect(await got).toMatchObject({ kind: 'refused', code: 'NIXL_ERR_MISMATCH' });
+    expect(t.untouched()).toBe(true);
+    // Not exact: the same registration is a prefix hit, the last block written.
+    const got2 = t.receiver.receive(t.params(), { requestId: 'fewer2', localBlockIds: [3], timeoutMs: 60_000 });
+    expect(await t.sender.offer('fewer2', [5, 6])).toMatchObject({ reason: 'written', writes: 1 });
+    expect((await got2).notifications).toBe(1);
+  });
+
+  it('refusals that are forged, malformed or from an agent not registered with are ignored', async () => {
+    const t = await start();
+    const got = t.receiver
+      .receive(t.params(), { requestId: 'forged', localBlockIds: [1, 2], timeoutMs: 1500 })
+      .catch((e: unknown) => e);
+    await until(() => t.sender.pending.registrations === 1);
+    const stranger = new NixlAgent('stranger', { engine: ENGINE });
+    try {
+      stranger.addRemoteAgent(t.dAgent.getAgentMetadata());
+      t.pAgent.addRemoteAgent(t.dAgent.getAgentMetadata());
+      for (const msg of [
+        encodeRefusal({ requestId: 'forged', code: 'NIXL_ERR_MISMATCH', reason: 'not from the prefill' }),
+        `${PUSH_REFUSED_PREFIX}{not json`,
+        `${PUSH_REFUSED_PREFIX}${JSON.stringify({ request_id: 'forged', code: 'rm -rf', reason: 'x' })}`,
+        `${PUSH_REFUSED_PREFIX}${JSON.stringify({ request_id: 'forged', code: 'NIXL_ERR_MISMATCH', reason: 'y'.repeat(4096) })}`,
+      ])
+        stranger.sendNotif('push-d', msg);
+      // Malformed ones from the prefill's own agent prove nothing either.
+      t.pAgent.sendNotif('push-d', `${PUSH_REFUSED_PREFIX}[]`);
+      expect(await got).toMatchObject({ kind: 'timeout' });
+      expect(t.receiver.unrecognized).toBe(1);
+    } finally {
+      stranger.close();
+    }
   });
 
   it('duplicate registrations (several decode ranks, one prefill rank) start exactly one push', async () => {

@@ -36,6 +36,7 @@ import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope }
 import { ContextPool, exactOf, sequenceOf } from './llama-contexts';
 import { reusing } from './llama-prefix';
 import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState } from './llama-state';
+import { checkOwnPrompt, pushSize, unpushable } from './llama-push';
 import {
   type BlockView,
   type KvBinding,
@@ -234,6 +235,19 @@ export class LlamaModel implements ServingModel {
     return undefined; // the state's size is known once it is evaluated
   }
 
+  /** Push decode: the blocks of the state a prefill saves for this prompt, computed from its tokens (llama-push.ts). */
+  pushBlocksFor(req: GenerationRequest): number {
+    if (typeof this.#layout === 'string')
+      throw new KvRejected(`this decode cannot check KV states of ${this.id}: ${this.#layout}`, 'unsupported');
+    const tokens = this.#promptOf(req);
+    if (!tokens) {
+      chatHistory(req.messages, this.id); // a chat that is not valid: its 400, as the prefill answers
+      throw new ModelRequestError(400, 'the messages give no prompt');
+    }
+    this.#fits(tokens.length, req.maxTokens);
+    return pushSize(this.#layout, tokens.length, this.#o.blockBytes).blocks;
+  }
+
   async prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv> {
     const ctx = await this.#pool.acquire(signal, this.#promptOf(req));
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
@@ -242,6 +256,7 @@ export class LlamaModel implements ServingModel {
     let state: Buffer;
     let promptTokens: number;
     let nextToken: number | undefined;
+    let saved: number[] = [];
     let saveMs = 0;
     let keep = 0;
     const seq = sequenceOf(ctx);
@@ -257,6 +272,7 @@ export class LlamaModel implements ServingModel {
         nextToken = e.token;
       }
       promptTokens = seq.contextTokens.length;
+      saved = [...seq.contextTokens];
       const t0 = performance.now();
       await seq.saveStateToFile(file);
       state = await fs.promises.readFile(file);
@@ -279,6 +295,8 @@ export class LlamaModel implements ServingModel {
       promptTokens,
       saveMs,
       info: { prefix_reused_tokens: r.reused(), tokens_evaluated: evaluated(seq) - before },
+      whole: true,
+      unpushable: unpushable(this.#layout, this.#promptOf(req), saved, state.length),
       writeTo: (view, binding) =>
         writeEnvelope(stateHeader(state, { ...info, binding }, kvSecret), state, blockBytes, (i) => view(i, 0)),
     };
@@ -294,7 +312,7 @@ export class LlamaModel implements ServingModel {
     binding?: KvBinding,
   ): Promise<Generated> {
     const t0 = performance.now();
-    const env = this.#open(view, blocks, binding);
+    const env = this.#open(view, blocks, binding, req);
     const { state, promptTokens } = env;
     blocksRead?.(); // the state is a copy now
     // Every path below (the greedy ones too) fits the context, or nothing is loaded.
@@ -350,7 +368,7 @@ export class LlamaModel implements ServingModel {
    * request it is for), then every byte of the state for this model and
    * context. Throws KvRejected; llama.cpp has seen nothing.
    */
-  #open(view: BlockView, blocks: number, binding: KvBinding | undefined) {
+  #open(view: BlockView, blocks: number, binding: KvBinding | undefined, req: GenerationRequest) {
     if (!binding) throw new KvRejected('no request to check the KV state against', 'wrong-request');
     if (typeof this.#layout === 'string')
       throw new KvRejected(`this decode cannot check KV states of ${this.id}: ${this.#layout}`, 'unsupported');
@@ -370,6 +388,7 @@ export class LlamaModel implements ServingModel {
         `the KV state holds ${parsed.tokens.length} tokens, its envelope says ${opened.promptTokens}`,
         'malformed',
       );
+    if (binding.ownPrompt) checkOwnPrompt(parsed.tokens, this.#promptOf(req));
     const f = opened.nextToken;
     if (f !== undefined && f >= layout.nVocab)
       throw new KvRejected(`the next token ${f} is outside the vocabulary of ${layout.nVocab}`, 'malformed');

@@ -58,6 +58,11 @@ export interface KvBinding {
   engineId: string;
   requestId: string;
   blockIds: readonly number[];
+  /**
+   * Push: the decode sized its blocks from its own prompt, so the state must
+   * hold exactly that prompt's tokens (a model that can tell refuses another's).
+   */
+  ownPrompt?: boolean;
 }
 
 /** A prompt's KV, evaluated, ready to go into blocks. */
@@ -68,6 +73,14 @@ export interface PrefilledKv {
   readonly saveMs?: number;
   /** What the prefill adds under nixl_node in its answer (tokens reused from a cached prefix, tokens evaluated). */
   readonly info?: Record<string, unknown>;
+  /**
+   * Push: the KV is one whole that no prefix of is usable (a GGUF's state),
+   * so a decode must register exactly `blocks` blocks; else fewer are a
+   * prefix the decode holds already.
+   */
+  readonly whole?: boolean;
+  /** Push: why a decode cannot have sized its blocks for this KV from the request (the prefill refuses to push it). */
+  readonly unpushable?: string;
   /**
    * Writes it into the request's blocks, bound to the request (kv_transfer_params) that names them.
    * `fromBlock`: the blocks before it already hold this prompt's KV (read from a previous turn).
@@ -127,6 +140,13 @@ export interface ServingModel {
   readonly contextSize?: number;
   /** Blocks a prompt's KV takes when the model knows before evaluating it (a 413 before any work), else undefined. */
   blocksFor(req: GenerationRequest): number | undefined;
+  /**
+   * Push decode of a model whose blocksFor cannot tell: the blocks the
+   * prefill's KV of this request will take, exactly (it registers them
+   * before the prefill evaluates anything). Throws ModelRequestError or
+   * KvRejected when it cannot.
+   */
+  pushBlocksFor?(req: GenerationRequest): number;
   /** The prompt's token ids (a prefill checks a previous turn's KV is of exactly its first ones). */
   promptTokenIds?(req: GenerationRequest): readonly number[];
   /**
