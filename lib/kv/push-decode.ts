@@ -368,7 +368,10 @@ export class KvPushReceiver {
 
   #onWrite(n: Notif): void {
     const msg = n.msg.toString('utf8');
-    if (msg.startsWith(PUSH_REFUSED_PREFIX)) return this.#onRefusal(n, msg);
+    if (msg.startsWith(PUSH_REFUSED_PREFIX)) {
+      this.#onRefusal(n, msg);
+      return;
+    }
     const [, id, suffix] = WRITE_NOTIF.exec(msg)!;
     const w = this.#waiting.get(id);
     if (!w) {
