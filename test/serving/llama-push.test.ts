@@ -56,6 +56,8 @@ const ASKS: Ask[] = [
   { chat: true, text: 'Ça va? Привет, как дела? こんにちは' },
   { chat: false, text: 'rain fell over quiet hills and rivers '.repeat(12) },
   { chat: true, text: 'tell me about rivers', stream: true },
+  // Past the room node-llama-cpp leaves for generation (a tenth of the context): LlamaCompletion cuts it.
+  { chat: false, text: `${'ab, '.repeat(10)}${'z'.repeat(1880)}` },
 ];
 
 const full = (a: Ask): RefAsk => ({ ...a, maxTokens: MAX_TOKENS, history: a.chat ? SYSTEM : undefined });

@@ -46,6 +46,38 @@ export function seqStateBytes(L: LlamaStateLayout, tokens: number): number | und
   return n;
 }
 
+/**
+ * Tokens of a context node-llama-cpp fills with a prompt: LlamaCompletion
+ * and LlamaChat keep their default contextShiftSize (a tenth) free.
+ */
+export function promptRoom(contextSize: number): number {
+  return contextSize - Math.max(1, Math.floor(contextSize / 10));
+}
+
+/**
+ * The tokens node-llama-cpp evaluates of a prompt (`tokens`: BOS first when
+ * the model prepends one), or why a decode cannot know them. A completion
+ * longer than promptRoom is cut from the start behind the BOS, as
+ * LlamaCompletion's fitInputIntoContext cuts it; a chat that long would have
+ * its history compressed by LlamaChat, which a decode cannot predict.
+ */
+export function evaluatedPrompt(
+  tokens: readonly number[],
+  o: { chat: boolean; contextSize: number; bos: boolean },
+): readonly number[] | string {
+  const room = promptRoom(o.contextSize);
+  if (tokens.length <= room) return tokens;
+  if (o.chat)
+    return (
+      `the chat prompt is ${tokens.length} tokens; in push mode it must fit whole in ${room} ` +
+      `(the context less a tenth), or node-llama-cpp drops history a decode cannot size beforehand`
+    );
+  const head = o.bos ? tokens.slice(0, 1) : [];
+  const keep = room - head.length;
+  if (keep < 1) return `a context of ${o.contextSize} tokens is too small to evaluate a prompt`;
+  return [...head, ...tokens.slice(-keep)];
+}
+
 /** What a push decode registers for a prompt: the state's bytes and the blocks its envelope takes. */
 export interface PushSize {
   tokens: number;
@@ -70,12 +102,13 @@ export function pushSize(L: LlamaStateLayout, tokens: number, blockBytes: number
  */
 export function unpushable(
   L: LlamaStateLayout | string,
-  predicted: readonly number[] | undefined,
+  predicted: readonly number[] | string | undefined,
   saved: readonly number[],
   stateBytes: number,
 ): string | undefined {
   if (typeof L === 'string') return `its states cannot be checked (${L})`;
   if (!predicted) return 'the request gives no prompt tokens to size the state by';
+  if (typeof predicted === 'string') return predicted;
   if (!sameTokens(predicted, saved))
     return `the prompt evaluated as ${saved.length} tokens that are not the ${predicted.length} a decode computes from the request`;
   const want = seqStateBytes(L, saved.length);

@@ -36,7 +36,7 @@ import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope }
 import { ContextPool, exactOf, sequenceOf } from './llama-contexts';
 import { reusing } from './llama-prefix';
 import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState } from './llama-state';
-import { checkOwnPrompt, pushSize, unpushable } from './llama-push';
+import { checkOwnPrompt, evaluatedPrompt, pushSize, unpushable } from './llama-push';
 import {
   type BlockView,
   type KvBinding,
@@ -245,7 +245,18 @@ export class LlamaModel implements ServingModel {
       throw new ModelRequestError(400, 'the messages give no prompt');
     }
     this.#fits(tokens.length, req.maxTokens);
-    return pushSize(this.#layout, tokens.length, this.#o.blockBytes).blocks;
+    const evaluated = this.#pushPromptOf(req)!;
+    if (typeof evaluated === 'string') throw new ModelRequestError(400, evaluated);
+    return pushSize(this.#layout, evaluated.length, this.#o.blockBytes).blocks;
+  }
+
+  /** Push: the tokens node-llama-cpp evaluates of a request's prompt (llama-push.ts), or why they cannot be known. */
+  #pushPromptOf(req: GenerationRequest): readonly number[] | string | undefined {
+    if (typeof this.#layout === 'string') return this.#layout;
+    const tokens = this.#promptOf(req);
+    const bos = !req.chat && this.#model.tokens.shouldPrependBosToken && this.#model.tokens.bos !== null;
+    // The context's own size (nCtx: what llama.cpp made of contextSize), as the classes read it.
+    return tokens && evaluatedPrompt(tokens, { chat: req.chat, contextSize: this.#layout.nCtx, bos });
   }
 
   async prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv> {
@@ -296,7 +307,7 @@ export class LlamaModel implements ServingModel {
       saveMs,
       info: { prefix_reused_tokens: r.reused(), tokens_evaluated: evaluated(seq) - before },
       whole: true,
-      unpushable: unpushable(this.#layout, this.#promptOf(req), saved, state.length),
+      unpushable: unpushable(this.#layout, this.#pushPromptOf(req), saved, state.length),
       writeTo: (view, binding) =>
         writeEnvelope(stateHeader(state, { ...info, binding }, kvSecret), state, blockBytes, (i) => view(i, 0)),
     };
@@ -388,7 +399,10 @@ export class LlamaModel implements ServingModel {
         `the KV state holds ${parsed.tokens.length} tokens, its envelope says ${opened.promptTokens}`,
         'malformed',
       );
-    if (binding.ownPrompt) checkOwnPrompt(parsed.tokens, this.#promptOf(req));
+    if (binding.ownPrompt) {
+      const own = this.#pushPromptOf(req);
+      checkOwnPrompt(parsed.tokens, typeof own === 'string' ? undefined : own);
+    }
     const f = opened.nextToken;
     if (f !== undefined && f >= layout.nVocab)
       throw new KvRejected(`the next token ${f} is outside the vocabulary of ${layout.nVocab}`, 'malformed');
