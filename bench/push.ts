@@ -1,4 +1,6 @@
-// Push beside pull through the proxy (synthetic model, docs/kv-push.md): the
+// Push beside pull through the proxy (docs/kv-push.md), with the synthetic
+// model or a GGUF (the generated 'small' llama; its KV moves as llama.cpp's
+// sequence state, sized by the push decode from the prompt's tokens): the
 // same prompts through a pull cluster (prefill, then decode; the decode
 // READs) and a push cluster (both legs at once; the prefill WRITEs into the
 // decode's registered blocks), request by request alternating so both see
@@ -6,12 +8,16 @@
 // token (median, range, ratio to pull), the KV's move time as the decode saw
 // it (pull: its READ; push: registration to the last WRITE) and its GB/s, and
 // whether both modes answered the same text.
-import { startProxy, startWorker, type ServingProxy } from '../lib/serving';
+import * as os from 'node:os';
+import { startProxy, startWorker, type ServingProxy, type WorkerOptions } from '../lib/serving';
 import { median } from './stats';
 
 export interface PushRow {
+  /** 'synthetic', or the GGUF's name. */
+  model: string;
   transport: 'http' | 'zmq';
   mode: 'pull' | 'push';
+  /** Tokens of the prompt (GGUF: as the decode loaded them, BOS included). */
   promptTokens: number;
   kvBytes: number;
   ttftMs: number;
@@ -64,9 +70,17 @@ async function firstToken(url: string, prompt: string): Promise<Sample> {
   return { ms, text, info };
 }
 
-async function cluster(transport: 'http' | 'zmq', kvMode: 'pull' | 'push', closers: Array<() => Promise<unknown>>) {
+async function cluster(
+  transport: 'http' | 'zmq',
+  kvMode: 'pull' | 'push',
+  closers: Array<() => Promise<unknown>>,
+  gguf?: string,
+) {
   // Push exists only in vLLM's v12 wire; both clusters speak it whatever NIXL_WIRE says, so the rows compare.
-  const o = { transport, kvMode, blocks: 2048, wire: 'v12' } as const;
+  const o: WorkerOptions = { transport, kvMode, blocks: 2048, wire: 'v12' };
+  // One request at a time: each context may use every core.
+  if (gguf)
+    Object.assign(o, { model: gguf, contextSize: 2048, parallel: 1, threads: os.availableParallelism(), blocks: 512 });
   const [p, d] = await Promise.all([startWorker(o), startWorker(o)]);
   closers.push(
     () => p.close(),
@@ -84,12 +98,16 @@ async function cluster(transport: 'http' | 'zmq', kvMode: 'pull' | 'push', close
   return proxy.url;
 }
 
-export async function benchPush(requests: number, promptTokens: number[]): Promise<PushRow[]> {
+/** `gguf`: a GGUF file the workers load (default: the synthetic model). */
+export async function benchPush(requests: number, promptTokens: number[], gguf?: string): Promise<PushRow[]> {
   const rows: PushRow[] = [];
   const closers: Array<() => Promise<unknown>> = [];
   try {
     for (const transport of ['http', 'zmq'] as const) {
-      const url = { pull: await cluster(transport, 'pull', closers), push: await cluster(transport, 'push', closers) };
+      const url = {
+        pull: await cluster(transport, 'pull', closers, gguf),
+        push: await cluster(transport, 'push', closers, gguf),
+      };
       for (const n of promptTokens) {
         const got = { pull: [] as Sample[], push: [] as Sample[] };
         let identical = 0;
@@ -109,9 +127,10 @@ export async function benchPush(requests: number, promptTokens: number[]): Promi
           const move = s.map((x) => x.info.kv_pull_ms ?? x.info.kv_push_ms ?? 0);
           const bytes = s[0]?.info.kv_bytes ?? 0;
           rows.push({
+            model: gguf ? (gguf.split('/').pop() ?? gguf).replace(/\.gguf$/i, '') : 'synthetic',
             transport,
             mode,
-            promptTokens: n,
+            promptTokens: s[0]?.info.kv_tokens_loaded ?? n,
             kvBytes: bytes,
             ttftMs: median(ttft),
             ttftMin: Math.min(...ttft),

@@ -17,6 +17,7 @@ import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { benchMultiturn } from './multiturn';
 import { benchPush } from './push';
+import { modelPath } from '../lib/serving/models/test-models';
 import { fmtBytes, median } from './stats';
 import { barChart, type Panel } from './svg';
 export { NIXLBENCH_DEFAULTS, QUICK, type GridOptions } from './grid';
@@ -302,11 +303,20 @@ export async function runBench(o: BenchOptions): Promise<void> {
   if (only.includes('push')) {
     const n = quick ? 5 : 15;
     console.log(
-      `\n# Push beside pull, synthetic model, proxy in front (docs/kv-push.md): streamed time to first token and the KV's move as the decode saw it; ${n} requests per row, modes alternating`,
+      `\n# Push beside pull, synthetic model and GGUF ('small'), proxy in front (docs/kv-push.md): streamed time to first token and the KV's move as the decode saw it (pull: its READ; push: its registration to the last WRITE, which takes in the prefill's compute when the decode registered first, so push GB/s is a lower bound, not the WRITE's speed); ${n} requests per row, modes alternating`,
     );
     const rows = await benchPush(n, quick ? [1024] : [256, 4096, 16384]);
+    // A GGUF ('small', generated) too: its KV is llama.cpp's state, which a push decode sizes from the prompt.
+    let llama = true;
+    try {
+      require.resolve('node-llama-cpp');
+    } catch {
+      llama = false;
+    }
+    if (llama) rows.push(...(await benchPush(n, quick ? [256] : [256, 1024], modelPath('small'))));
     table(
       [
+        'model',
         'transport',
         'mode',
         'prompt tokens',
@@ -320,6 +330,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
         'same text',
       ],
       rows.map((r) => [
+        r.model,
         r.transport,
         r.mode,
         r.promptTokens,
@@ -333,6 +344,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
         `${r.identical}/${r.requests}`,
       ]),
     );
+    if (!llama) console.log('(GGUF rows skipped: node-llama-cpp is not installed)');
     result.push = rows;
   }
 
