@@ -778,6 +778,9 @@ export class Worker implements FrontHandler {
     me: { released: boolean },
     body: Record<string, unknown>,
   ) {
+    // Push: a prompt its decode cannot size is refused here as the decode refuses it, before any compute.
+    if (this.model.pushBlocksFor && this.#isPush(body.kv_transfer_params as Record<string, unknown> | undefined))
+      this.#pushBlocks(req);
     const t0 = performance.now();
     const kv = await this.model.prefill(req, signal);
     this.stats.prefillMs += performance.now() - t0;

@@ -185,7 +185,47 @@ describe.each(['http', 'zmq'] as const)('GGUF push through the proxy (%s)', (tra
   });
 });
 
+describe('GGUF push, token ids in and out', () => {
+  it('POST /inference/v1/generate through the push proxy: the ids spell what node-llama-cpp generates alone', async () => {
+    const c = await cluster('http', 'push');
+    for (const text of ['the cat sat on a warm mat', 'Grüße, 你好 🌍']) {
+      const want = (await ref.generate({ chat: false, text, maxTokens: 8 })).text;
+      // As LlamaCompletion tokenizes a prompt after its BOS.
+      const ids = Array.from(ref.model.tokenize(text, false, 'trimLeadingSpace'));
+      const r = await fetch(`${c.proxy.url}/inference/v1/generate`, {
+        method: 'POST',
+        body: JSON.stringify({ token_ids: ids, sampling_params: { max_tokens: 8, temperature: 0 } }),
+      });
+      const j = (await r.json()) as Json;
+      expect(r.status, JSON.stringify(j)).toBe(200);
+      expect(ref.model.detokenize(j.choices[0].token_ids)).toBe(want);
+      expect(j.nixl_node).toMatchObject({ kv_mode: 'push', kv_moved: true });
+    }
+    expect(c.decode.stats.decodes).toBe(2);
+  });
+});
+
 describe('GGUF push refusals', () => {
+  it('a chat past the room node-llama-cpp leaves (it would drop history): both legs answer 400, nothing computed', async () => {
+    const c = await cluster('http', 'push');
+    const long: Ask = { chat: true, text: 'q'.repeat(1880) };
+    const g = await ask(c.proxy.url, long);
+    expect(g.status, JSON.stringify(g.error)).toBe(400);
+    expect(g.error?.message).toMatch(/must fit whole/);
+    // The prefill leg alone: the same 400, before evaluating anything.
+    const r = await fetch(`${c.prefill.address}/v1/chat/completions`, {
+      method: 'POST',
+      body: JSON.stringify({
+        ...askBody(full(long), false),
+        kv_transfer_params: legs(c.prefill, 'xfer-long-chat').prefill,
+      }),
+    });
+    expect(r.status).toBe(400);
+    expect(c.prefill.stats.prefillEvaluatedTokens).toBe(0);
+    // Short enough: answered.
+    expect((await ask(c.proxy.url, { chat: true, text: 'q'.repeat(100) })).status).toBe(200);
+  });
+
   it('prompts whose states differ in size: the prefill writes nothing and refuses, the decode fails typed at once, nothing loaded', async () => {
     // A deadline and a lease far away: only the refusal can end the decode's wait, only the failure free the blocks.
     const { prefill, decode } = await pair({ pushTimeoutMs: 60_000, leaseMs: 60_000 });
