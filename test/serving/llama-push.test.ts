@@ -279,6 +279,28 @@ describe('GGUF push refusals', () => {
     expect(d2.json.nixl_node).toMatchObject({ kv_mode: 'push', kv_moved: true });
   });
 
+  it('with a KV secret on both: registrations signed, the state sealed with an HMAC, answered; another secret: nothing written', async () => {
+    const { prefill, decode } = await pair({ kvSecret: 'deployment secret', pushTimeoutMs: 1500 });
+    const kv = legs(prefill, 'xfer-secret');
+    const prompt = 'sealed with the secret';
+    const [p, d] = await Promise.all([post(prefill, prompt, kv.prefill), post(decode, prompt, kv.decode)]);
+    expect(p.status, JSON.stringify(p.json)).toBe(200);
+    expect(d.status, JSON.stringify(d.json)).toBe(200);
+    expect(d.json.nixl_node).toMatchObject({ kv_mode: 'push', kv_moved: true });
+    // A decode of another secret: its registration is refused unread, it waits out its deadline, nothing loaded.
+    const other = await startWorker({
+      name: `D-other-${Math.random()}`,
+      ...options('push', { kvSecret: 'another', pushTimeoutMs: 1500 }),
+    });
+    cleanup.push(() => other.close());
+    const kv2 = legs(prefill, 'xfer-other-secret');
+    const [p2, d2] = await Promise.all([post(prefill, prompt, kv2.prefill), post(other, prompt, kv2.decode)]);
+    expect(p2.status).toBe(200);
+    expect(d2.status, JSON.stringify(d2.json)).toBe(504);
+    expect(d2.json.error.type).toBe('kv_push_timeout');
+    expect(other.stats.decodes).toBe(0);
+  });
+
   it('hostile: a registration of one block fewer or more is refused, no byte written; the exact count is written', async () => {
     const { prefill } = await pair({ leaseMs: 20_000 });
     const model = prefill.model as LlamaModel;
