@@ -5,11 +5,14 @@
 // the same machine. Reported per prompt size and transport: time to first
 // token (median, range, ratio to pull), the KV's move time as the decode saw
 // it (pull: its READ; push: registration to the last WRITE) and its GB/s, and
-// whether both modes answered the same text.
+// whether both modes answered the same text. Each engine compiled in gets
+// its rows (the workers' agents run on it; the proxy moves no KV).
+import type { EngineKind } from '../lib';
 import { startProxy, startWorker, type ServingProxy } from '../lib/serving';
 import { median } from './stats';
 
 export interface PushRow {
+  engine: EngineKind;
   transport: 'http' | 'zmq';
   mode: 'pull' | 'push';
   promptTokens: number;
@@ -64,9 +67,14 @@ async function firstToken(url: string, prompt: string): Promise<Sample> {
   return { ms, text, info };
 }
 
-async function cluster(transport: 'http' | 'zmq', kvMode: 'pull' | 'push', closers: Array<() => Promise<unknown>>) {
+async function cluster(
+  engine: EngineKind,
+  transport: 'http' | 'zmq',
+  kvMode: 'pull' | 'push',
+  closers: Array<() => Promise<unknown>>,
+) {
   // Push exists only in vLLM's v12 wire; both clusters speak it whatever NIXL_WIRE says, so the rows compare.
-  const o = { transport, kvMode, blocks: 2048, wire: 'v12' } as const;
+  const o = { engine, transport, kvMode, blocks: 2048, wire: 'v12' } as const;
   const [p, d] = await Promise.all([startWorker(o), startWorker(o)]);
   closers.push(
     () => p.close(),
@@ -84,47 +92,52 @@ async function cluster(transport: 'http' | 'zmq', kvMode: 'pull' | 'push', close
   return proxy.url;
 }
 
-export async function benchPush(requests: number, promptTokens: number[]): Promise<PushRow[]> {
+export async function benchPush(engines: EngineKind[], requests: number, promptTokens: number[]): Promise<PushRow[]> {
   const rows: PushRow[] = [];
   const closers: Array<() => Promise<unknown>> = [];
   try {
-    for (const transport of ['http', 'zmq'] as const) {
-      const url = { pull: await cluster(transport, 'pull', closers), push: await cluster(transport, 'push', closers) };
-      for (const n of promptTokens) {
-        const got = { pull: [] as Sample[], push: [] as Sample[] };
-        let identical = 0;
-        for (let i = 0; i <= requests; i++) {
-          const prompt = `${i} ${'abcdefghij'.repeat(Math.ceil(n / 10))}`.slice(0, n);
-          const a = await firstToken(url.pull, prompt);
-          const b = await firstToken(url.push, prompt);
-          if (i === 0) continue; // warm-up: handshakes, first registrations
-          got.pull.push(a);
-          got.push.push(b);
-          if (a.text === b.text) identical++;
-        }
-        const pullTtft = median(got.pull.map((s) => s.ms));
-        for (const mode of ['pull', 'push'] as const) {
-          const s = got[mode];
-          const ttft = s.map((x) => x.ms);
-          const move = s.map((x) => x.info.kv_pull_ms ?? x.info.kv_push_ms ?? 0);
-          const bytes = s[0]?.info.kv_bytes ?? 0;
-          rows.push({
-            transport,
-            mode,
-            promptTokens: n,
-            kvBytes: bytes,
-            ttftMs: median(ttft),
-            ttftMin: Math.min(...ttft),
-            ttftMax: Math.max(...ttft),
-            ttftRatio: median(ttft) / pullTtft,
-            moveMs: median(move),
-            kvGBps: bytes / (median(move) * 1e6),
-            identical: mode === 'pull' ? s.length : identical,
-            requests: s.length,
-          });
+    for (const engine of engines)
+      for (const transport of ['http', 'zmq'] as const) {
+        const url = {
+          pull: await cluster(engine, transport, 'pull', closers),
+          push: await cluster(engine, transport, 'push', closers),
+        };
+        for (const n of promptTokens) {
+          const got = { pull: [] as Sample[], push: [] as Sample[] };
+          let identical = 0;
+          for (let i = 0; i <= requests; i++) {
+            const prompt = `${i} ${'abcdefghij'.repeat(Math.ceil(n / 10))}`.slice(0, n);
+            const a = await firstToken(url.pull, prompt);
+            const b = await firstToken(url.push, prompt);
+            if (i === 0) continue; // warm-up: handshakes, first registrations
+            got.pull.push(a);
+            got.push.push(b);
+            if (a.text === b.text) identical++;
+          }
+          const pullTtft = median(got.pull.map((s) => s.ms));
+          for (const mode of ['pull', 'push'] as const) {
+            const s = got[mode];
+            const ttft = s.map((x) => x.ms);
+            const move = s.map((x) => x.info.kv_pull_ms ?? x.info.kv_push_ms ?? 0);
+            const bytes = s[0]?.info.kv_bytes ?? 0;
+            rows.push({
+              engine,
+              transport,
+              mode,
+              promptTokens: n,
+              kvBytes: bytes,
+              ttftMs: median(ttft),
+              ttftMin: Math.min(...ttft),
+              ttftMax: Math.max(...ttft),
+              ttftRatio: median(ttft) / pullTtft,
+              moveMs: median(move),
+              kvGBps: bytes / (median(move) * 1e6),
+              identical: mode === 'pull' ? s.length : identical,
+              requests: s.length,
+            });
+          }
         }
       }
-    }
     return rows;
   } finally {
     for (const c of closers) await c();

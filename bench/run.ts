@@ -304,9 +304,10 @@ export async function runBench(o: BenchOptions): Promise<void> {
     console.log(
       `\n# Push beside pull, synthetic model, proxy in front (docs/kv-push.md): streamed time to first token and the KV's move as the decode saw it; ${n} requests per row, modes alternating`,
     );
-    const rows = await benchPush(n, quick ? [1024] : [256, 4096, 16384]);
+    const rows = await benchPush(runEngines, n, quick ? [1024] : [256, 4096, 16384]);
     table(
       [
+        'engine',
         'transport',
         'mode',
         'prompt tokens',
@@ -320,6 +321,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
         'same text',
       ],
       rows.map((r) => [
+        r.engine,
         r.transport,
         r.mode,
         r.promptTokens,
