@@ -7,14 +7,17 @@
 // the same machine. Reported per prompt size and transport: time to first
 // token (median, range, ratio to pull), the KV's move time as the decode saw
 // it (pull: its READ; push: registration to the last WRITE) and its GB/s, and
-// whether both modes answered the same text.
+// whether both modes answered the same text. Each engine compiled in gets
+// its rows (the workers' agents run on it; the proxy moves no KV).
 import * as os from 'node:os';
+import type { EngineKind } from '../lib';
 import { startProxy, startWorker, type ServingProxy, type WorkerOptions } from '../lib/serving';
 import { median } from './stats';
 
 export interface PushRow {
   /** 'synthetic', or the GGUF's name. */
   model: string;
+  engine: EngineKind;
   transport: 'http' | 'zmq';
   mode: 'pull' | 'push';
   /** Tokens of the prompt (GGUF: as the decode loaded them, BOS included). */
@@ -71,13 +74,14 @@ async function firstToken(url: string, prompt: string): Promise<Sample> {
 }
 
 async function cluster(
+  engine: EngineKind,
   transport: 'http' | 'zmq',
   kvMode: 'pull' | 'push',
   closers: Array<() => Promise<unknown>>,
   gguf?: string,
 ) {
   // Push exists only in vLLM's v12 wire; both clusters speak it whatever NIXL_WIRE says, so the rows compare.
-  const o: WorkerOptions = { transport, kvMode, blocks: 2048, wire: 'v12' };
+  const o: WorkerOptions = { engine, transport, kvMode, blocks: 2048, wire: 'v12' };
   // One request at a time: each context may use every core.
   if (gguf)
     Object.assign(o, { model: gguf, contextSize: 2048, parallel: 1, threads: os.availableParallelism(), blocks: 512 });
@@ -99,51 +103,58 @@ async function cluster(
 }
 
 /** `gguf`: a GGUF file the workers load (default: the synthetic model). */
-export async function benchPush(requests: number, promptTokens: number[], gguf?: string): Promise<PushRow[]> {
+export async function benchPush(
+  engines: EngineKind[],
+  requests: number,
+  promptTokens: number[],
+  gguf?: string,
+): Promise<PushRow[]> {
   const rows: PushRow[] = [];
   const closers: Array<() => Promise<unknown>> = [];
   try {
-    for (const transport of ['http', 'zmq'] as const) {
-      const url = {
-        pull: await cluster(transport, 'pull', closers, gguf),
-        push: await cluster(transport, 'push', closers, gguf),
-      };
-      for (const n of promptTokens) {
-        const got = { pull: [] as Sample[], push: [] as Sample[] };
-        let identical = 0;
-        for (let i = 0; i <= requests; i++) {
-          const prompt = `${i} ${'abcdefghij'.repeat(Math.ceil(n / 10))}`.slice(0, n);
-          const a = await firstToken(url.pull, prompt);
-          const b = await firstToken(url.push, prompt);
-          if (i === 0) continue; // warm-up: handshakes, first registrations
-          got.pull.push(a);
-          got.push.push(b);
-          if (a.text === b.text) identical++;
-        }
-        const pullTtft = median(got.pull.map((s) => s.ms));
-        for (const mode of ['pull', 'push'] as const) {
-          const s = got[mode];
-          const ttft = s.map((x) => x.ms);
-          const move = s.map((x) => x.info.kv_pull_ms ?? x.info.kv_push_ms ?? 0);
-          const bytes = s[0]?.info.kv_bytes ?? 0;
-          rows.push({
-            model: gguf ? (gguf.split('/').pop() ?? gguf).replace(/\.gguf$/i, '') : 'synthetic',
-            transport,
-            mode,
-            promptTokens: s[0]?.info.kv_tokens_loaded ?? n,
-            kvBytes: bytes,
-            ttftMs: median(ttft),
-            ttftMin: Math.min(...ttft),
-            ttftMax: Math.max(...ttft),
-            ttftRatio: median(ttft) / pullTtft,
-            moveMs: median(move),
-            kvGBps: bytes / (median(move) * 1e6),
-            identical: mode === 'pull' ? s.length : identical,
-            requests: s.length,
-          });
+    for (const engine of engines)
+      for (const transport of ['http', 'zmq'] as const) {
+        const url = {
+          pull: await cluster(engine, transport, 'pull', closers, gguf),
+          push: await cluster(engine, transport, 'push', closers, gguf),
+        };
+        for (const n of promptTokens) {
+          const got = { pull: [] as Sample[], push: [] as Sample[] };
+          let identical = 0;
+          for (let i = 0; i <= requests; i++) {
+            const prompt = `${i} ${'abcdefghij'.repeat(Math.ceil(n / 10))}`.slice(0, n);
+            const a = await firstToken(url.pull, prompt);
+            const b = await firstToken(url.push, prompt);
+            if (i === 0) continue; // warm-up: handshakes, first registrations
+            got.pull.push(a);
+            got.push.push(b);
+            if (a.text === b.text) identical++;
+          }
+          const pullTtft = median(got.pull.map((s) => s.ms));
+          for (const mode of ['pull', 'push'] as const) {
+            const s = got[mode];
+            const ttft = s.map((x) => x.ms);
+            const move = s.map((x) => x.info.kv_pull_ms ?? x.info.kv_push_ms ?? 0);
+            const bytes = s[0]?.info.kv_bytes ?? 0;
+            rows.push({
+              model: gguf ? (gguf.split('/').pop() ?? gguf).replace(/\.gguf$/i, '') : 'synthetic',
+              engine,
+              transport,
+              mode,
+              promptTokens: s[0]?.info.kv_tokens_loaded ?? n,
+              kvBytes: bytes,
+              ttftMs: median(ttft),
+              ttftMin: Math.min(...ttft),
+              ttftMax: Math.max(...ttft),
+              ttftRatio: median(ttft) / pullTtft,
+              moveMs: median(move),
+              kvGBps: bytes / (median(move) * 1e6),
+              identical: mode === 'pull' ? s.length : identical,
+              requests: s.length,
+            });
+          }
         }
       }
-    }
     return rows;
   } finally {
     for (const c of closers) await c();

@@ -303,20 +303,22 @@ export async function runBench(o: BenchOptions): Promise<void> {
   if (only.includes('push')) {
     const n = quick ? 5 : 15;
     console.log(
-      `\n# Push beside pull, synthetic model and GGUF ('small'), proxy in front (docs/kv-push.md): streamed time to first token and the KV's move as the decode saw it (pull: its READ; push: its registration to the last WRITE, which takes in the prefill's compute when the decode registered first, so push GB/s is a lower bound, not the WRITE's speed); ${n} requests per row, modes alternating`,
+      `\n# Push beside pull, synthetic model and GGUF ('small'; --quick: 'tiny'), proxy in front (docs/kv-push.md): streamed time to first token and the KV's move as the decode saw it (pull: its READ; push: its registration to the last WRITE, which takes in the prefill's compute when the decode registered first, so push GB/s is a lower bound, not the WRITE's speed); ${n} requests per row, modes alternating`,
     );
-    const rows = await benchPush(n, quick ? [1024] : [256, 4096, 16384]);
-    // A GGUF ('small', generated) too: its KV is llama.cpp's state, which a push decode sizes from the prompt.
+    const rows = await benchPush(runEngines, n, quick ? [1024] : [256, 4096, 16384]);
+    // A GGUF too ('small'; --quick: 'tiny'): its KV is llama.cpp's state, which a push decode sizes from the prompt.
     let llama = true;
     try {
       require.resolve('node-llama-cpp');
     } catch {
       llama = false;
     }
-    if (llama) rows.push(...(await benchPush(n, quick ? [256] : [256, 1024], modelPath('small'))));
+    if (llama)
+      rows.push(...(await benchPush(runEngines, n, quick ? [256] : [256, 1024], modelPath(quick ? 'tiny' : 'small'))));
     table(
       [
         'model',
+        'engine',
         'transport',
         'mode',
         'prompt tokens',
@@ -331,6 +333,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
       ],
       rows.map((r) => [
         r.model,
+        r.engine,
         r.transport,
         r.mode,
         r.promptTokens,

@@ -142,6 +142,10 @@ class Engine {
 
   virtual void genNotif(const std::string& agent, const std::string& msg) = 0;
   virtual void getNotifs(std::vector<std::pair<std::string, std::string>>& out) = 0;
+  // JS waits for a notification: an engine that looks for them on a timer
+  // looks often while this is on, since each look's delay is one hop of a
+  // handshake that waits on it (push mode waits on two in a row).
+  virtual void watchNotifs(bool on) { (void)on; }
 
   // Stops the engine's threads; no completion is reported after it returns.
   virtual void close() = 0;

@@ -476,6 +476,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   Napi::Value WatchNotifs(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     notifWatch_ = args::boolean(env, info[0], "watchNotifs(on)");
+    if (engine_) engine_->watchNotifs(notifWatch_.load());
     UpdateRef(env);
     return env.Undefined();
   }

@@ -492,6 +492,13 @@ class NixlEngine final : public Engine {
     notifs_.clear();
   }
 
+  void watchNotifs(bool on) override {
+    if (notifWatched_.exchange(on) == on || !on) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    wake_ = true;  // start looking at the watched pace now, not after a 16 ms wait
+    cv_.notify_one();
+  }
+
   void close() override {
     if (closed_.exchange(true)) return;
     {
@@ -651,28 +658,37 @@ class NixlEngine final : public Engine {
   // polls, doubling from 2 us to kMaxBusySleep, so agents sharing cores do not
   // each burn one. Idle: wait on the condition variable (a post wakes it at
   // once), looking for notifications every 1 ms, backing off to kMaxIdleWait
-  // while none come.
+  // while none come. While JS waits for a notification (watchNotifs), look
+  // from every kWatchedWait up to kMaxWatchedWait instead: NIXL has no event
+  // for an arriving notification, and at 16 ms each push-mode request spent
+  // two such waits (PUSH_REG, then the WRITE's notification).
   static constexpr int kSpinBudget = 64;
   static constexpr std::chrono::microseconds kMaxBusySleep{256};
-  static constexpr std::chrono::milliseconds kMaxIdleWait{16};
+  static constexpr std::chrono::microseconds kIdleWait{1000};
+  static constexpr std::chrono::microseconds kMaxIdleWait{16000};
+  static constexpr std::chrono::microseconds kWatchedWait{50};
+  static constexpr std::chrono::microseconds kMaxWatchedWait{1000};
+
+  std::chrono::microseconds firstIdleWait() const { return notifWatched_.load() ? kWatchedWait : kIdleWait; }
+  std::chrono::microseconds maxIdleWait() const { return notifWatched_.load() ? kMaxWatchedWait : kMaxIdleWait; }
 
   void pollLoop() {
     std::vector<RequestP> done;
     int fruitless = 0;
     std::chrono::microseconds busySleep{2};
-    std::chrono::milliseconds idleWait{1};
+    std::chrono::microseconds idleWait = firstIdleWait();
     for (;;) {
       bool progressed = false;
       {
         std::unique_lock<std::mutex> lk(mu_);
         if (inflight_.empty() && zombies_.empty() && toPost_.empty() && !wake_) {
           cv_.wait_for(lk, idleWait, [this] { return stopping_ || wake_; });
-          if (!wake_) idleWait = std::min(idleWait * 2, std::chrono::milliseconds(kMaxIdleWait));
+          if (!wake_) idleWait = std::min(idleWait * 2, maxIdleWait());
         }
         if (stopping_) return;
         if (wake_) {
           wake_ = false;
-          idleWait = std::chrono::milliseconds(1);
+          idleWait = firstIdleWait();
           fruitless = 0;
           busySleep = std::chrono::microseconds(2);
         }
@@ -701,7 +717,7 @@ class NixlEngine final : public Engine {
       done.clear();
       if (drainNotifs()) {
         progressed = true;
-        idleWait = std::chrono::milliseconds(1);
+        idleWait = firstIdleWait();
       }
       bool busy;
       {
@@ -744,6 +760,7 @@ class NixlEngine final : public Engine {
   std::vector<RequestP> zombies_;
   bool wake_ = false;
   bool stopping_ = false;
+  std::atomic<bool> notifWatched_{false};
   std::thread poller_;
 
   std::mutex nMu_;

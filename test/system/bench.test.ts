@@ -49,6 +49,18 @@ for (const wire of ['v12', 'v0.13'] as const) {
     expect(r.serving.kvBytesPerToken).toBeGreaterThan(0);
     // Multi-turn: turn 2 read turn 1's KV (the same answer both ways, or the section throws).
     for (const m of r.multiturn) expect(m.reusedTokens).toBeGreaterThan(m.historyTokens - 16);
+    // Push beside pull on every engine of the run, both transports, the same answers: the synthetic model and a GGUF.
+    for (const engine of r.engine.split(' + '))
+      for (const model of ['synthetic', 'nixl-node-tiny']) {
+        const rows = r.push.filter((x: { engine: string; model: string }) => x.engine === engine && x.model === model);
+        expect(rows.map((x: { transport: string; mode: string }) => `${x.transport} ${x.mode}`).sort()).toEqual([
+          'http pull',
+          'http push',
+          'zmq pull',
+          'zmq push',
+        ]);
+        for (const x of rows) expect(x.identical).toBe(x.requests);
+      }
     // Fleet routing: 'load' against round-robin on the same workers.
     expect(r.fleet.rows.map((x: { policy: string }) => x.policy)).toEqual(['round-robin', 'load']);
     for (const f of r.fleet.rows) expect(f.roundMs).toBeGreaterThan(0);
