@@ -89,6 +89,22 @@ export interface LlamaModelOptions {
  * A GGUF model through node-llama-cpp behind the ServingModel boundary
  * (docs/models.md): greedy answers equal node-llama-cpp's alone.
  */
+// One llama.cpp binding per process and GPU setting, shared by every model it
+// loads: each getLlama() makes another, which holds its backend and a
+// process 'beforeExit' listener until disposed, so workers started and closed
+// in one process (tests, the bench) would pile them up.
+const llamas = new Map<string, Promise<Nlc.Llama>>();
+function sharedLlama(nlc: typeof Nlc, gpu: NonNullable<LlamaModelOptions['gpu']>): Promise<Nlc.Llama> {
+  const key = JSON.stringify(gpu);
+  let p = llamas.get(key);
+  if (!p) {
+    p = nlc.getLlama({ gpu, build: 'never', logLevel: nlc.LlamaLogLevel.error });
+    llamas.set(key, p);
+    p.catch(() => llamas.delete(key));
+  }
+  return p;
+}
+
 export class LlamaModel implements ServingModel {
   readonly id: string;
   readonly geometry: KvGeometry;
@@ -171,7 +187,7 @@ export class LlamaModel implements ServingModel {
     const stateDir = makeStateDir(o.stateDir);
     try {
       const nlc = await loadNodeLlamaCpp();
-      const llama = await nlc.getLlama({ gpu: o.gpu ?? false, build: 'never', logLevel: nlc.LlamaLogLevel.error });
+      const llama = await sharedLlama(nlc, o.gpu ?? false);
       let model: Nlc.LlamaModel;
       try {
         model = await llama.loadModel({ modelPath: o.modelPath });
