@@ -41,6 +41,7 @@ import {
   type KvBinding,
   KvRejected,
   ModelRequestError,
+  type PrefilledKv,
   type ServingModel,
 } from './models/types';
 import { chunkBody, completionBody, usageBody } from './openai';
@@ -544,6 +545,8 @@ export class Worker implements FrontHandler {
     if (typeof body.model === 'string' && body.model !== this.model.id)
       throw new ModelNotFound(body.model, [this.model.id]);
     const req = generationRequest(path, body);
+    // A decode's model makes the answered turn's KV as it decodes (GGUF), for TurnKv.keep.
+    if (this.turns) req.keepTurn = true;
     const reserve = Number(hints.decodeMaxTokens);
     if (Number.isSafeInteger(reserve) && reserve > 0) req.decodeMaxTokens = reserve;
     const kvp = body.kv_transfer_params as Record<string, unknown> | undefined;
@@ -582,7 +585,7 @@ export class Worker implements FrontHandler {
       try {
         const g = await this.#decode(req, held, answer, signal, () => {}, bindingOf(p));
         this.stats.decodes++;
-        const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole);
+        const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole, g.turn);
         answer.finish(
           g,
           { worker: this.name, kv_blocks: held.length, kv_moved: false, kv_mode: 'pull', ...g.info },
@@ -656,7 +659,7 @@ export class Worker implements FrontHandler {
       const { layers, blockBytes } = this.model.geometry;
       // Bidirectional KV: this turn's KV stays here for the next turn's prefill.
       give();
-      const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole);
+      const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole, g.turn);
       answer.finish(
         g,
         {
@@ -760,13 +763,17 @@ export class Worker implements FrontHandler {
     body: Record<string, unknown>,
   ) {
     const t0 = performance.now();
-    const kv = await this.model.prefill(req, signal);
+    let reuse: Reuse | undefined;
+    const kvIn = body.kv_transfer_params as Record<string, unknown> | undefined;
+    let kv: PrefilledKv;
+    // A model that evaluates from a previous turn's state (GGUF) reads it first.
+    if (namesPreviousTurn(kvIn) && this.turns && this.model.wholeTurnReuse)
+      ({ kv, reuse } = await this.turns.prefillFrom(kvIn!, req, signal, span));
+    else kv = await this.model.prefill(req, signal);
     this.stats.prefillMs += performance.now() - t0;
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
-    let reuse: Reuse | undefined;
-    const kvIn = body.kv_transfer_params as Record<string, unknown> | undefined;
-    if (namesPreviousTurn(kvIn)) {
+    if (namesPreviousTurn(kvIn) && !reuse) {
       try {
         // A previous turn's KV: what is provably this prompt's prefix is read, the rest computed.
         reuse = this.turns ? await this.turns.reuse(kvIn!, req, ids, signal, span) : undefined;
