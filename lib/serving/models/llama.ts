@@ -32,7 +32,7 @@ import { WholeText } from './llama-text';
 import { loadNodeLlamaCpp } from './node-llama-cpp';
 import { makeStateDir } from './state-dir';
 import { NODE_LLAMA_CPP } from './types';
-import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
+import { type Continuation, HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
 import { ContextPool, exactOf, sequenceOf } from './llama-contexts';
 import { reusableTokens, reusing } from './llama-prefix';
 import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState, truncateSeqState } from './llama-state';
@@ -337,7 +337,7 @@ export class LlamaModel implements ServingModel {
   ): { state?: Buffer; tokens: number; skipped?: string } {
     const none = (skipped: string) => ({ tokens: 0, skipped });
     if (!prompt) return none('mismatch');
-    let opened;
+    let opened: Continuation & { state: Buffer; tokens: number[] };
     try {
       opened = this.#open(previous.view, previous.blocks, previous.binding);
     } catch (e) {
