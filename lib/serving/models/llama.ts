@@ -272,6 +272,7 @@ export class LlamaModel implements ServingModel {
       const loaded = await this.#loadPrefix(ctx, prior.state, prior.tokens, prompt!, exact, signal);
       ctx = loaded.ctx;
       if (loaded.skipped === undefined) exact = prior.tokens;
+      else if (loaded.skipped === 'refused') exact = this.#o.prefixCache === false ? 0 : exactOf(ctx);
       turn = { reused: 0, ...(loaded.skipped !== undefined ? { skipped: loaded.skipped } : {}) };
     }
     const seq = sequenceOf(ctx);
@@ -496,13 +497,16 @@ export class LlamaModel implements ServingModel {
       const r = await this.#run(go?.sequence ?? seq, req, { ...req, seed }, out, signal);
       const evaluatedHere = evaluated(seq) - before;
       let turn: TurnKvState | undefined;
+      let turnMs: number | undefined;
       clean = true;
       if (req.keepTurn && !signal.aborted) {
+        const t1 = performance.now();
         try {
           // The prompt's whole batches are a fresh evaluation's when the prefill evaluated them in batches of ours.
           const kept = await this.#keepTurn(seq, req, r.text, env.batch === ctx.batchSize ? promptTokens : 0);
           turn = kept.turn;
           keep = kept.exact;
+          turnMs = performance.now() - t1;
         } catch {
           // The answer stands; the next turn recomputes, and this context is not reused.
           clean = false;
@@ -519,6 +523,8 @@ export class LlamaModel implements ServingModel {
           kv_continued: go?.used() ?? false,
           tokens_evaluated: evaluatedHere,
           kv_load_ms: round(loadMs),
+          // Holding the turn for the next one: evaluating again in whole batches, saving.
+          ...(turnMs !== undefined ? { turn_kv_ms: round(turnMs), turn_kv_tokens: turn?.tokens.length ?? 0 } : {}),
         },
       };
     } catch (e) {
