@@ -298,12 +298,13 @@ export async function runBench(o: BenchOptions): Promise<void> {
       ]),
     );
     result.multiturn = mt;
-    const gsizes = quick ? [1024, 2048] : [768, 1536, 2560, 3584];
+    const gn = quick ? 3 : 7;
+    const gsizes = quick ? [1024, 2048] : [1024, 2048, 3072];
     console.log(
-      `\n# Multi-turn, GGUF ('small', batch 512, no prefix cache), proxy in front: turn 2's time to first token when its prefill loads turn 1's state from the decode / the same turn recomputed; ${n} of each per history, alternating; hold = the decode's time to hold turn 1 after answering`,
+      `\n# Multi-turn, GGUF ('small', batch 512, no prefix cache), proxy in front: turn 2's time to first token when its prefill loads turn 1's state from the decode / the same turn recomputed; ${gn} of each per history, alternating; ratio min/max over the pairs; hold = the decode's time to hold turn 1 after answering`,
     );
     try {
-      const g = await benchMultiturnGguf(n, gsizes);
+      const g = await benchMultiturnGguf(gn, gsizes);
       table(
         [
           'prompt tokens',

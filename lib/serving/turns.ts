@@ -50,6 +50,8 @@ export interface TurnDeps {
   recomputeThreshold?: number;
   /** The handshake with the decode holding the previous turn: one attempt of this many ms. */
   reuseHandshakeMs?: number;
+  /** Test hook: damages a held turn's KV once written (its `n` blocks). */
+  tamper?: (view: BlockView, n: number) => void;
 }
 
 /** The default of TurnDeps.reuseHandshakeMs. */
@@ -116,6 +118,7 @@ export class TurnKv {
     this.#heldBlocks += ids.length;
     const id = `turn-${++this.#seq}-${randomUUID()}`;
     kv.writeTo(this.d.view(ids), { engineId: this.d.name, requestId: id, blockIds: ids });
+    this.d.tamper?.(this.d.view(ids), ids.length);
     this.#held.set(id, ids);
     void this.d.tracker.expect(id, ids, { leaseMs: this.d.ttlMs, renewable: false }).then(() => {
       this.#held.delete(id);

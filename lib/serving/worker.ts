@@ -105,7 +105,7 @@ export interface WorkerOptions {
   poisonFreed?: boolean;
   /** Test hook: this worker's monotonic clock runs this far ahead (negative: behind) of the process's. */
   clockSkewMs?: number;
-  /** Test hook (GGUF): a prefill damages each state it puts into blocks, this way. */
+  /** Test hook (GGUF): a prefill damages each state it puts into blocks, this way (a bidirectional decode, each turn it holds). */
   tamperKv?: Tamper;
   /** Largest request body, bytes (default 1 MiB). */
   maxBodyBytes?: number;
@@ -333,6 +333,10 @@ export class Worker implements FrontHandler {
         maxHeldBlocks: Math.floor(share * this.#blocks.size),
         recomputeThreshold: o.kvRecomputeThreshold,
         reuseHandshakeMs: o.kvReuseHandshakeMs ?? DEFAULT_REUSE_HANDSHAKE_MS,
+        // A decode's held turns are damaged too (GGUF: the next prefill must refuse them).
+        tamper: o.tamperKv
+          ? (view, n) => tamperEnvelope(view, n, model.geometry.blockBytes, o.tamperKv!, this.#secret)
+          : undefined,
       });
   }
 

@@ -63,6 +63,38 @@ async function chat(
 // tiny-utf8 writes pieces of multi-byte characters: its answers come back as
 // other text (U+FFFD) than the tokens it generated, so only what precedes
 // them (the history) is reused.
+describe('a held turn damaged on the decode (tiny)', () => {
+  const closers: Array<() => unknown> = [];
+  afterAll(async () => {
+    for (const c of closers.reverse()) await c();
+  });
+
+  it('is refused by the next prefill, which recomputes: the same answer as node-llama-cpp alone', async () => {
+    const gguf = modelPath('tiny', dir);
+    const ref = await OneProcess.load(gguf, CTX);
+    closers.push(() => ref.close());
+    const worker = { model: gguf, ...CTX, bidirectionalKv: true, kvRecomputeThreshold: 16, kvSecret: 's3cret' };
+    const { proxy, prefill } = await serveTrio(closers, {
+      prefill: { ...worker, prefixCache: false },
+      decode: { ...worker, tamperKv: 'corrupt' },
+    });
+    const first = CONVERSATIONS.tiny[0];
+    const a = await chat(proxy.url, [{ role: 'user', content: first }], 24, 'damaged');
+    const messages = [
+      { role: 'user', content: first },
+      { role: 'assistant', content: a.text },
+      { role: 'user', content: CONVERSATIONS.tiny[1] },
+    ];
+    const b = await chat(proxy.url, messages, 20, 'damaged');
+    expect(b.info.kv_reused_tokens).toBe(0);
+    expect(prefill.turns!.stats).toMatchObject({ turnsReused: 0, turnsRecomputed: 1 });
+    const last = messages.at(-1)!;
+    expect(b.text).toBe(
+      (await ref.generate({ chat: true, text: last.content, history: messages.slice(0, -1), maxTokens: 20 })).text,
+    );
+  }, 120_000);
+});
+
 describe.each(['tiny', 'tiny-utf8', 'small'])('%s: turns of a chat through the proxy', (name) => {
   let ref: OneProcess;
   let trio: { prefill: Worker; decode: Worker; proxy: { url: string } };
@@ -110,6 +142,27 @@ describe.each(['tiny', 'tiny-utf8', 'small'])('%s: turns of a chat through the p
       previousPrompt = a.promptTokens;
     }
     expect(prefill.turns!.stats.turnsReused).toBe(2);
+  }, 120_000);
+
+  it("a completion's turn 2 (its prompt, the answer, more) reads turn 1 and answers as node-llama-cpp alone", async () => {
+    const { proxy } = trio;
+    const complete = async (prompt: string, maxTokens: number, conversation?: string) => {
+      const r = await fetch(`${proxy.url}/v1/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ prompt, max_tokens: maxTokens, temperature: 0, conversation_id: conversation }),
+      });
+      const json = (await r.json()) as Json;
+      expect(r.status, JSON.stringify(json)).toBe(200);
+      return { text: json.choices[0].text as string, info: json.nixl_node as Json };
+    };
+    const p1 = `user: ${CONVERSATIONS[name][0]}\nassistant:`;
+    const t1 = await complete(p1, 24, `completion-${name}`);
+    const p2 = `${p1}${t1.text}\nuser: ${CONVERSATIONS[name][1]}\nassistant:`;
+    const t2 = await complete(p2, 16, `completion-${name}`);
+    expect(t2.info.kv_reused_tokens).toBeGreaterThan(0);
+    expect(t2.text).toBe((await ref.generate({ chat: false, text: p2, maxTokens: 16 })).text);
+    expect((await complete(p2, 16)).text).toBe(t2.text);
   }, 120_000);
 
   it('an edited history is recomputed, never read, and answers as node-llama-cpp alone', async () => {
