@@ -33,6 +33,7 @@ export async function firstToken(
     headers: { 'content-type': 'application/json' },
     body: JSON.stringify({ ...body, stream: true }),
   });
+  if (!r.ok) throw new Error(`HTTP ${r.status}: ${await r.text()}`);
   const reader = r.body!.getReader();
   const dec = new TextDecoder();
   let raw = '';

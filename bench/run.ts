@@ -299,7 +299,8 @@ export async function runBench(o: BenchOptions): Promise<void> {
     );
     result.multiturn = mt;
     const gn = quick ? 3 : 7;
-    const gsizes = quick ? [1024, 2048] : [1024, 2048, 3072];
+    // Bytes of turn 1's prompt: about 1.4 tokens each, the last within the 4096-token context.
+    const gsizes = quick ? [768, 1536] : [768, 1536, 2304];
     console.log(
       `\n# Multi-turn, GGUF ('small', batch 512, no prefix cache), proxy in front: turn 2's time to first token when its prefill loads turn 1's state from the decode / the same turn recomputed; ${gn} of each per history, alternating; ratio min/max over the pairs; hold = the decode's time to hold turn 1 after answering`,
     );

@@ -502,8 +502,7 @@ export class LlamaModel implements ServingModel {
       if (req.keepTurn && !signal.aborted) {
         const t1 = performance.now();
         try {
-          // The prompt's whole batches are a fresh evaluation's when the prefill evaluated them in batches of ours.
-          const kept = await this.#keepTurn(seq, req, r.text, env.batch === ctx.batchSize ? promptTokens : 0);
+          const kept = await this.#keepTurn(seq, req, r.text, exactPrompt(env, seq, go?.used() ?? false));
           turn = kept.turn;
           keep = kept.exact;
           turnMs = performance.now() - t1;
@@ -704,6 +703,25 @@ export class LlamaModel implements ServingModel {
     await this.#model.dispose();
     fs.rmSync(this.#tmp, { recursive: true, force: true });
   }
+}
+
+/**
+ * Leading tokens of a decode's sequence that still hold its prefill's
+ * numbers, evaluated in whole batches from 0 (a held turn evaluates again
+ * only what follows their last whole batch): none when the prefill evaluated
+ * in batches of another size; without the continuation the class evaluated
+ * the prompt's last token again; and the prompt must be what was loaded.
+ */
+function exactPrompt(
+  loaded: { batch?: number; tokens: readonly number[] },
+  seq: Nlc.LlamaContextSequence,
+  continued: boolean,
+): number {
+  if (loaded.batch !== seq.context.batchSize) return 0;
+  const n = continued ? loaded.tokens.length : loaded.tokens.length - 1;
+  const now = seq.contextTokens;
+  for (let i = 0; i < n; i++) if (now[i] !== loaded.tokens[i]) return 0;
+  return Math.max(0, n);
 }
 
 function round(ms: number): number {
