@@ -186,3 +186,36 @@ describe.each(['tiny', 'tiny-utf8', 'small'])('%s: turns of a chat through the p
     await expect.poll(() => decode.turns!.held).toBe(held);
   }, 120_000);
 });
+
+describe('the generate endpoint (tiny): token ids of the history', () => {
+  const closers: Array<() => unknown> = [];
+  afterAll(async () => {
+    for (const c of closers.reverse()) await c();
+  });
+
+  it("turn 2's ids (turn 1's, its answer's, more) read turn 1 and give the ids recomputing gives", async () => {
+    const gguf = modelPath('tiny', dir);
+    const worker = { model: gguf, ...CTX, bidirectionalKv: true, kvRecomputeThreshold: 16 };
+    const { proxy, decode } = await serveTrio(closers, { prefill: { ...worker, prefixCache: false }, decode: worker });
+    const tok = decode.model.tokenizer!;
+    const generate = async (ids: number[], maxTokens: number, conversation?: string) => {
+      const r = await fetch(`${proxy.url}/inference/v1/generate`, {
+        method: 'POST',
+        body: JSON.stringify({
+          token_ids: ids,
+          sampling_params: { max_tokens: maxTokens, temperature: 0 },
+          ...(conversation ? { conversation_id: conversation } : {}),
+        }),
+      });
+      const json = (await r.json()) as Json;
+      expect(r.status, JSON.stringify(json)).toBe(200);
+      return { ids: json.choices[0].token_ids as number[], info: json.nixl_node as Json };
+    };
+    const ids1 = tok.encode(`user: ${CONVERSATIONS.tiny[0]}\nassistant:`);
+    const t1 = await generate(ids1, 24, 'gen');
+    const ids2 = [...ids1, ...t1.ids, ...tok.encode(`\nuser: ${CONVERSATIONS.tiny[1]}\nassistant:`)];
+    const t2 = await generate(ids2, 12, 'gen');
+    expect(t2.info.kv_reused_tokens).toBeGreaterThan(ids1.length - (ids1.length % CTX.batchSize));
+    expect((await generate(ids2, 12)).ids).toEqual(t2.ids);
+  }, 120_000);
+});
