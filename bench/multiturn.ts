@@ -22,14 +22,18 @@ export interface MultiturnRow {
   ratio: number;
 }
 
-/** Time to the first streamed text of one request, and the tokens its prefill reused. */
-async function firstToken(url: string, body: object): Promise<{ ms: number; reused: number; text: string }> {
+/** Time to the first streamed text of one request, the tokens its prefill reused, and what the decode said. */
+export async function firstToken(
+  url: string,
+  body: object,
+): Promise<{ ms: number; reused: number; text: string; info: Record<string, unknown> }> {
   const t0 = performance.now();
   const r = await fetch(`${url}/v1/completions`, {
     method: 'POST',
     headers: { 'content-type': 'application/json' },
     body: JSON.stringify({ ...body, stream: true }),
   });
+  if (!r.ok) throw new Error(`HTTP ${r.status}: ${await r.text()}`);
   const reader = r.body!.getReader();
   const dec = new TextDecoder();
   let raw = '';
@@ -46,7 +50,7 @@ async function firstToken(url: string, body: object): Promise<{ ms: number; reus
     .map((l) => JSON.parse(l.slice(6)));
   const last = chunks.at(-1);
   const text = chunks.map((c) => c.choices?.[0]?.text ?? '').join('');
-  return { ms, reused: Number(last?.nixl_node?.kv_reused_tokens ?? 0), text };
+  return { ms, reused: Number(last?.nixl_node?.kv_reused_tokens ?? 0), text, info: last?.nixl_node ?? {} };
 }
 
 /** `n` turn-2 requests each way per history size. */

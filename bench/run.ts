@@ -16,6 +16,7 @@ import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { benchMultiturn } from './multiturn';
+import { benchMultiturnGguf } from './multiturn-gguf';
 import { benchPush } from './push';
 import { modelPath } from '../lib/serving/models/test-models';
 import { fmtBytes, median } from './stats';
@@ -298,6 +299,49 @@ export async function runBench(o: BenchOptions): Promise<void> {
       ]),
     );
     result.multiturn = mt;
+    const gn = quick ? 3 : 7;
+    // Bytes of turn 1's prompt: about 1.4 tokens each, the last within the 4096-token context.
+    const gsizes = quick ? [768, 1536] : [768, 1536, 2304];
+    console.log(
+      `\n# Multi-turn, GGUF ('small', batch 512, no prefix cache), proxy in front: turn 2's time to first token when its prefill loads turn 1's state from the decode / the same turn recomputed; ${gn} of each per history, alternating; ratio min/max over the pairs; hold = the decode's time to hold turn 1 after answering`,
+    );
+    try {
+      const g = await benchMultiturnGguf(gn, gsizes);
+      table(
+        [
+          'prompt tokens',
+          'reused',
+          'reuse TTFT ms',
+          'min',
+          'max',
+          'recompute ms',
+          'min',
+          'max',
+          'ratio',
+          'min',
+          'max',
+          'hold ms',
+        ],
+        g.map((r) => [
+          r.promptTokens,
+          r.reusedTokens,
+          r.reuseMs,
+          r.reuseMin,
+          r.reuseMax,
+          r.recomputeMs,
+          r.recomputeMin,
+          r.recomputeMax,
+          r.ratio,
+          r.ratioMin,
+          r.ratioMax,
+          r.holdMs,
+        ]),
+      );
+      result.multiturnGguf = g;
+    } catch (e) {
+      if ((e as { code?: string }).code !== 'NIXL_ERR_NOT_SUPPORTED') throw e;
+      console.log(`(GGUF rows skipped: ${(e as Error).message})`);
+    }
   }
 
   if (only.includes('push')) {

@@ -19,7 +19,8 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
                    prefix,grid (default all but prefix and grid; native: against a C++ program on the installed NIXL,
                    when NIXL is compiled in; serving: a generated llama GGUF through node-llama-cpp, when it is
                    installed; multiturn: turn 2 reading turn 1's KV from its decode against recomputing
-                   (synthetic model); push: push beside pull through the proxy (synthetic model);
+                   (synthetic model, and GGUF when node-llama-cpp is installed); push: push beside pull
+                   through the proxy (synthetic model);
                    fleet: the proxy's 'load' policy against round-robin on synthetic workers;
                    prefix: the same with GGUF prefills reusing cached prefixes, minutes: ask for it;
                    grid: nixlbench's shape, READ and WRITE over block x batch sizes, minutes: ask for it)

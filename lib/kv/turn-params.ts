@@ -55,8 +55,14 @@ export interface ReuseRules {
   wire?: WireName | WireProfile;
   /** The deployment's secret: unsigned or forged params are not read. */
   secret?: string | Buffer;
-  /** Tokens one KV block holds: whole blocks are read. */
+  /** Tokens one KV block holds: whole blocks are read (with wholeState: what reused tokens are a multiple of). */
   tokensPerBlock: number;
+  /**
+   * The held KV is one state (a GGUF's sequence state) whose blocks do not
+   * map to tokens: all the blocks the params name are read, and the prefill's
+   * model takes its tokens from it (at most `tokens`).
+   */
+  wholeState?: boolean;
   /** Fewer reusable tokens than this are recomputed (default 64). */
   recomputeThreshold?: number;
 }
@@ -65,7 +71,7 @@ export interface ReuseRules {
 export interface ReusePlan {
   /** Tokens to read (whole blocks); 0: recompute everything. */
   tokens: number;
-  /** The first `blocks` of the remote blocks hold them. */
+  /** The first `blocks` of the remote blocks hold them (wholeState: all of them, which hold the state). */
   blocks: number;
   /** Why nothing is read, when tokens is 0. */
   reason?: 'unauthenticated' | 'malformed' | 'unproven' | 'mismatch' | 'below-threshold' | 'nothing-new';
@@ -115,10 +121,11 @@ export function planReuse(raw: Record<string, unknown>, prompt: ArrayLike<number
   // Whole blocks, and the prompt's last token is always computed here (its logits give the first token).
   const bs = r.tokensPerBlock;
   const blocks = Math.min(Math.floor(held / bs), Math.floor((prompt.length - 1) / bs));
-  // The params must name a block for every token they claim.
-  if (Math.ceil(held / bs) > p.remoteBlockIds[0].length) return none('mismatch', p);
+  // The params must name a block for every token they claim (a whole state: at least one).
+  const named = p.remoteBlockIds[0].length;
+  if (r.wholeState ? named === 0 : Math.ceil(held / bs) > named) return none('mismatch', p);
   const tokens = blocks * bs;
   if (tokens === 0) return none('nothing-new', p, true);
   if (tokens < (r.recomputeThreshold ?? DEFAULT_RECOMPUTE_THRESHOLD)) return none('below-threshold', p, true);
-  return { tokens, blocks, params: p, release: false };
+  return { tokens, blocks: r.wholeState ? named : blocks, params: p, release: false };
 }

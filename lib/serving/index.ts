@@ -42,6 +42,7 @@ export {
   type KvBinding,
   type PrefilledKv,
   type TurnKvState,
+  type PreviousTurn,
   type ChatMessage,
   type BlockView,
   type TextSink,

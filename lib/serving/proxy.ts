@@ -556,34 +556,42 @@ export class ServingProxy {
     conversation?: string,
     previous?: { release(): void },
   ): Promise<{ answer: StageAnswer; worker: WorkerRef; release(): void }> {
-    // No prefill for a decode that cannot take it: its blocks would wait a
-    // whole lease for a read that never comes, and fill the prefill's cache.
-    if (!this.pools.prefill.anyHealthy) throw new StageFailure(503, 'prefill', undefined, 'no healthy prefill worker');
-    if (!this.pools.decode.anyHealthy)
-      throw new StageFailure(503, 'decode', undefined, 'no healthy decode worker (nothing was prefilled)');
     const model = typeof body.model === 'string' ? body.model : undefined;
-    const mismatch = modelMismatch(this.pools.prefill, this.pools.decode, model);
-    if (mismatch)
-      throw new StageFailure(503, 'prefill', undefined, `${mismatch} (nothing was prefilled)`, 'model_mismatch');
-    const max =
-      body.max_tokens ??
-      body.max_completion_tokens ??
-      (body.sampling_params as Record<string, unknown> | undefined)?.max_tokens;
-    const pre = await this.#stage(
-      'prefill',
-      path,
-      prefillBody,
-      requestId,
-      signal,
-      false,
-      this.#o.prefillRetries ?? 1,
-      new Set(),
-      {
-        // Only a prefill whose KV a healthy decode can load.
-        accept: (w) => serves(w, model) && hasDecodeFor(w, this.pools.decode, model),
-        decodeMaxTokens: typeof max === 'number' ? max : undefined,
-      },
-    );
+    let pre: { answer: StageAnswer; worker: WorkerRef; release(): void };
+    try {
+      // No prefill for a decode that cannot take it: its blocks would wait a
+      // whole lease for a read that never comes, and fill the prefill's cache.
+      if (!this.pools.prefill.anyHealthy)
+        throw new StageFailure(503, 'prefill', undefined, 'no healthy prefill worker');
+      if (!this.pools.decode.anyHealthy)
+        throw new StageFailure(503, 'decode', undefined, 'no healthy decode worker (nothing was prefilled)');
+      const mismatch = modelMismatch(this.pools.prefill, this.pools.decode, model);
+      if (mismatch)
+        throw new StageFailure(503, 'prefill', undefined, `${mismatch} (nothing was prefilled)`, 'model_mismatch');
+      const max =
+        body.max_tokens ??
+        body.max_completion_tokens ??
+        (body.sampling_params as Record<string, unknown> | undefined)?.max_tokens;
+      pre = await this.#stage(
+        'prefill',
+        path,
+        prefillBody,
+        requestId,
+        signal,
+        false,
+        this.#o.prefillRetries ?? 1,
+        new Set(),
+        {
+          // Only a prefill whose KV a healthy decode can load.
+          accept: (w) => serves(w, model) && hasDecodeFor(w, this.pools.decode, model),
+          decodeMaxTokens: typeof max === 'number' ? max : undefined,
+        },
+      );
+    } catch (e) {
+      // This turn failed: nothing will read the previous turn's hold (a read that happened freed it already).
+      previous?.release();
+      throw e;
+    }
     const kv = pre.answer.json?.kv_transfer_params as Record<string, unknown> | undefined;
     let remoteRequestId: string;
     try {

@@ -15,7 +15,14 @@ import type { KvPuller, PullError } from '../kv/puller';
 import { signKvTransferParams } from '../kv/params-auth';
 import { type ReusePlan, planReuse, turnParams } from '../kv/turn-params';
 import type { SpanLike } from '../tracing';
-import type { BlockView, GenerationRequest, ServingModel } from './models/types';
+import type {
+  BlockView,
+  GenerationRequest,
+  PrefilledKv,
+  PreviousTurn,
+  ServingModel,
+  TurnKvState,
+} from './models/types';
 
 /** What TurnKv needs of its worker. */
 export interface TurnDeps {
@@ -43,6 +50,8 @@ export interface TurnDeps {
   recomputeThreshold?: number;
   /** The handshake with the decode holding the previous turn: one attempt of this many ms. */
   reuseHandshakeMs?: number;
+  /** Test hook: damages a held turn's KV once written (its `n` blocks). */
+  tamper?: (view: BlockView, n: number) => void;
 }
 
 /** The default of TurnDeps.reuseHandshakeMs. */
@@ -97,16 +106,19 @@ export class TurnKv {
    * Decode: holds the KV of the answered turn and returns the params that
    * name it (signed with the secret), or undefined when the model keeps no
    * such KV or the cache has no room (the next turn then recomputes).
+   * `made`: the turn's KV as the model made it while decoding (GGUF), else
+   * the model makes it from the text.
    */
-  keep(req: GenerationRequest, text: string): HeldTurn | undefined {
-    const kv = this.d.model.turnKv?.(req, text);
+  keep(req: GenerationRequest, text: string, made?: TurnKvState): HeldTurn | undefined {
+    const kv = made ?? this.d.model.turnKv?.(req, text);
     if (!kv || kv.tokens.length === 0) return undefined;
     if (this.#heldBlocks + kv.blocks > this.d.maxHeldBlocks) return undefined;
     const ids = this.d.take(kv.blocks);
     if (!ids) return undefined;
     this.#heldBlocks += ids.length;
-    kv.writeTo(this.d.view(ids));
     const id = `turn-${++this.#seq}-${randomUUID()}`;
+    kv.writeTo(this.d.view(ids), { engineId: this.d.name, requestId: id, blockIds: ids });
+    this.d.tamper?.(this.d.view(ids), ids.length);
     this.#held.set(id, ids);
     void this.d.tracker.expect(id, ids, { leaseMs: this.d.ttlMs, renewable: false }).then(() => {
       this.#held.delete(id);
@@ -138,6 +150,94 @@ export class TurnKv {
   }
 
   /**
+   * Prefill of a model whose held turns are one state (wholeTurnReuse): when
+   * the params prove to be of this prompt's first tokens, reads the whole
+   * state into blocks of its own for the time of the prefill, and the model
+   * evaluates the prompt from what it takes of it (it checks the state as a
+   * decode does, and its tokens against the prompt's). Whatever fails is
+   * recomputed.
+   */
+  async prefillFrom(
+    kvp: Record<string, unknown>,
+    req: GenerationRequest,
+    signal: AbortSignal,
+    span: SpanLike,
+  ): Promise<{ kv: PrefilledKv; reuse: Reuse }> {
+    const granularity = this.d.model.wholeTurnReuse?.granularity ?? 0;
+    const prompt = this.d.model.promptTokenIds?.(req);
+    const plan: ReusePlan =
+      prompt && granularity > 0
+        ? planReuse(kvp, prompt, {
+            wire: this.d.wire,
+            secret: this.d.secret,
+            tokensPerBlock: granularity,
+            wholeState: true,
+            recomputeThreshold: this.d.recomputeThreshold,
+          })
+        : { tokens: 0, blocks: 0, reason: 'unproven', release: false };
+    let skipped: string | undefined = plan.reason;
+    let tmp: number[] | undefined;
+    let previous: PreviousTurn | undefined;
+    try {
+      if (plan.params && plan.tokens === 0 && plan.release)
+        await this.#read(kvp, plan.params, [], 0, signal, span).catch(() => {});
+      else if (plan.params && plan.tokens > 0) {
+        tmp = this.d.take(plan.blocks);
+        if (!tmp) skipped = 'no-room';
+        else
+          try {
+            await this.#read(kvp, plan.params, tmp, plan.blocks, signal, span);
+            const p = plan.params;
+            previous = {
+              view: this.d.view(tmp),
+              blocks: plan.blocks,
+              tokens: plan.tokens,
+              binding: { engineId: p.remoteEngineId, requestId: p.remoteRequestId, blockIds: p.remoteBlockIds[0] },
+            };
+          } catch (e) {
+            skipped = `pull-failed:${(e as PullError).kind ?? 'local'}`;
+          }
+      }
+      const kv = await this.d.model.prefill(req, signal, previous);
+      const tokens = previous ? (kv.turn?.reused ?? 0) : 0;
+      if (previous) skipped = tokens > 0 ? undefined : (kv.turn?.skipped ?? 'mismatch');
+      this.#count(tokens, span);
+      return { kv, reuse: { tokens, blocks: 0, ...(skipped !== undefined ? { skipped } : {}) } };
+    } finally {
+      if (tmp) this.d.give(tmp);
+    }
+  }
+
+  /** Reads the first `blocks` of the previous turn's blocks into `ids` (copied when held here). */
+  async #read(
+    kvp: Record<string, unknown>,
+    p: NonNullable<ReusePlan['params']>,
+    ids: readonly number[],
+    blocks: number,
+    signal: AbortSignal,
+    span: SpanLike,
+  ): Promise<void> {
+    if (p.remoteEngineId === this.d.name) this.#copyHere(p, ids, blocks);
+    else
+      await this.d.puller.pullFromParams(kvp, {
+        localBlockIds: ids.slice(0, blocks),
+        continuation: true,
+        signal,
+        timeoutMs: 30_000,
+        handshake: { timeoutMs: this.d.reuseHandshakeMs ?? DEFAULT_REUSE_HANDSHAKE_MS, retries: 0 },
+        traceContext: span.context,
+      });
+  }
+
+  #count(tokens: number, span: SpanLike): void {
+    span.setAttribute('nixl_node.kv_reused_tokens', tokens);
+    if (tokens > 0) {
+      this.stats.turnsReused++;
+      this.stats.reusedTokens += tokens;
+    } else this.stats.turnsRecomputed++;
+  }
+
+  /**
    * Prefill: fills the first blocks of `ids` with the previous turn's KV
    * that `kvp` names, when provably of this prompt; says how many.
    */
@@ -161,16 +261,7 @@ export class TurnKv {
     if (plan.params && (plan.tokens > 0 || plan.release)) {
       const blocks = plan.blocks;
       try {
-        if (plan.params.remoteEngineId === this.d.name) this.#copyHere(plan.params, ids, blocks);
-        else
-          await this.d.puller.pullFromParams(kvp, {
-            localBlockIds: ids.slice(0, blocks),
-            continuation: true,
-            signal,
-            timeoutMs: 30_000,
-            handshake: { timeoutMs: this.d.reuseHandshakeMs ?? DEFAULT_REUSE_HANDSHAKE_MS, retries: 0 },
-            traceContext: span.context,
-          });
+        await this.#read(kvp, plan.params, ids, blocks, signal, span);
         if (blocks > 0) r = { tokens: plan.tokens, blocks };
       } catch (e) {
         // The KV we may have read is not trusted: every block is computed again.
@@ -178,11 +269,7 @@ export class TurnKv {
         r = { tokens: 0, blocks: 0, skipped: `pull-failed:${err.kind ?? 'local'}` };
       }
     }
-    span.setAttribute('nixl_node.kv_reused_tokens', r.tokens);
-    if (r.tokens > 0) {
-      this.stats.turnsReused++;
-      this.stats.reusedTokens += r.tokens;
-    } else this.stats.turnsRecomputed++;
+    this.#count(r.tokens, span);
     return r;
   }
 

@@ -41,6 +41,7 @@ import {
   type KvBinding,
   KvRejected,
   ModelRequestError,
+  type PrefilledKv,
   type ServingModel,
 } from './models/types';
 import { chunkBody, completionBody, usageBody } from './openai';
@@ -104,7 +105,7 @@ export interface WorkerOptions {
   poisonFreed?: boolean;
   /** Test hook: this worker's monotonic clock runs this far ahead (negative: behind) of the process's. */
   clockSkewMs?: number;
-  /** Test hook (GGUF): a prefill damages each state it puts into blocks, this way. */
+  /** Test hook (GGUF): a prefill damages each state it puts into blocks, this way (a bidirectional decode, each turn it holds). */
   tamperKv?: Tamper;
   /** Largest request body, bytes (default 1 MiB). */
   maxBodyBytes?: number;
@@ -335,6 +336,10 @@ export class Worker implements FrontHandler {
         maxHeldBlocks: Math.floor(share * this.#blocks.size),
         recomputeThreshold: o.kvRecomputeThreshold,
         reuseHandshakeMs: o.kvReuseHandshakeMs ?? DEFAULT_REUSE_HANDSHAKE_MS,
+        // A decode's held turns are damaged too (GGUF: the next prefill must refuse them).
+        tamper: o.tamperKv
+          ? (view, n) => tamperEnvelope(view, n, model.geometry.blockBytes, o.tamperKv!, this.#secret)
+          : undefined,
       });
   }
 
@@ -547,6 +552,8 @@ export class Worker implements FrontHandler {
     if (typeof body.model === 'string' && body.model !== this.model.id)
       throw new ModelNotFound(body.model, [this.model.id]);
     const req = generationRequest(path, body);
+    // A decode's model makes the answered turn's KV as it decodes (GGUF), for TurnKv.keep.
+    if (this.turns) req.keepTurn = true;
     const reserve = Number(hints.decodeMaxTokens);
     if (Number.isSafeInteger(reserve) && reserve > 0) req.decodeMaxTokens = reserve;
     const kvp = body.kv_transfer_params as Record<string, unknown> | undefined;
@@ -585,7 +592,7 @@ export class Worker implements FrontHandler {
       try {
         const g = await this.#decode(req, held, answer, signal, () => {}, bindingOf(p));
         this.stats.decodes++;
-        const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole);
+        const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole, g.turn);
         answer.finish(
           g,
           { worker: this.name, kv_blocks: held.length, kv_moved: false, kv_mode: 'pull', ...g.info },
@@ -659,7 +666,7 @@ export class Worker implements FrontHandler {
       const { layers, blockBytes } = this.model.geometry;
       // Bidirectional KV: this turn's KV stays here for the next turn's prefill.
       give();
-      const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole);
+      const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole, g.turn);
       answer.finish(
         g,
         {
@@ -782,13 +789,17 @@ export class Worker implements FrontHandler {
     if (this.model.pushBlocksFor && this.#isPush(body.kv_transfer_params as Record<string, unknown> | undefined))
       this.#pushBlocks(req);
     const t0 = performance.now();
-    const kv = await this.model.prefill(req, signal);
+    let reuse: Reuse | undefined;
+    const kvIn = body.kv_transfer_params as Record<string, unknown> | undefined;
+    let kv: PrefilledKv;
+    // A model that evaluates from a previous turn's state (GGUF) reads it first.
+    if (namesPreviousTurn(kvIn) && this.turns && this.model.wholeTurnReuse)
+      ({ kv, reuse } = await this.turns.prefillFrom(kvIn!, req, signal, span));
+    else kv = await this.model.prefill(req, signal);
     this.stats.prefillMs += performance.now() - t0;
     this.#fits(kv.blocks);
     const ids = this.#take(kv.blocks);
-    let reuse: Reuse | undefined;
-    const kvIn = body.kv_transfer_params as Record<string, unknown> | undefined;
-    if (namesPreviousTurn(kvIn)) {
+    if (namesPreviousTurn(kvIn) && !reuse) {
       try {
         // A previous turn's KV: what is provably this prompt's prefix is read, the rest computed.
         reuse = this.turns ? await this.turns.reuse(kvIn!, req, ids, signal, span) : undefined;

@@ -18,6 +18,7 @@ import {
   ggmlTypeSize,
   kvGeometry,
   learnLayout,
+  truncateSeqState,
 } from '../../lib/serving/models/llama-state';
 import { loadNodeLlamaCpp } from '../../lib/serving/models/node-llama-cpp';
 import { modelPath } from '../../lib/serving/models/test-models';
@@ -145,4 +146,33 @@ describe.each(['tiny', 'tiny-utf8'])('%s: the KV a decode holds after answering,
     },
     120_000,
   );
+
+  it('a state cut to whole batches is the state of those tokens; context size and threads change no byte', async () => {
+    const geometry = kvGeometry(model.fileInfo.metadata) as { embdK: number[]; embdV: number[] };
+    const nVocab = model.fileInfo.metadata.tokenizer.ggml.tokens.length;
+    const p = model.tokenize(PROMPTS[name].join(''), false) as Nlc.Token[];
+    const evaluate = async (tokens: Nlc.Token[], o: { contextSize: number; threads: number }, k: string) => {
+      const ctx = await model.createContext({ ...o, batchSize: 16, sequences: 1 });
+      try {
+        const seq = ctx.getSequence();
+        await seq.evaluateWithoutGeneratingNewTokens(tokens);
+        return await state(seq, path.join(dir, `${name}-cut-${k}.state`));
+      } finally {
+        await ctx.dispose();
+      }
+    };
+    const all = await evaluate(p, { contextSize: 512, threads: 1 }, 'all');
+    const L = learnLayout(all, geometry, nVocab, 512);
+    for (const keep of [16, 64, p.length - (p.length % 16)]) {
+      const cut = truncateSeqState(all, L, keep);
+      expect(cut.equals(await evaluate(p.slice(0, keep), { contextSize: 512, threads: 1 }, `${keep}`))).toBe(true);
+    }
+    // A prefill reads a decode's state made in a context of another size, or with other threads.
+    for (const o of [
+      { contextSize: 2048, threads: 1 },
+      { contextSize: 512, threads: 2 },
+    ])
+      expect((await evaluate(p, o, `${o.contextSize}-${o.threads}`)).equals(all)).toBe(true);
+    expect(() => truncateSeqState(all, L, p.length + 1)).toThrow(RangeError);
+  }, 120_000);
 });

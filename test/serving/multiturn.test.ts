@@ -383,6 +383,19 @@ describe('the proxy carries the conversation', () => {
     expect(decode.turns!.held).toBe(1);
   });
 
+  it("a turn that fails (its prefill refuses it) frees the previous turn's hold on the decode at once", async () => {
+    const both = { bidirectionalKv: true, kvSecret: 'k' };
+    const { proxy, decode } = await serveTrio(closers, { prefill: { ...both, blocks: 16 }, decode: both });
+    const t1 = await ask(proxy.url, { prompt: HISTORY, max_tokens: 8, conversation_id: 'f' });
+    expect(decode.turns!.held).toBe(1);
+    // More KV than the prefill's whole cache: a 413 before any read.
+    const long = `${HISTORY}${t1.json.choices[0].text}\nuser: ${'more '.repeat(100)}\n`;
+    const t2 = await ask(proxy.url, { prompt: long, max_tokens: 8, conversation_id: 'f' });
+    expect(t2.status).toBe(413);
+    await expect.poll(() => decode.turns!.held).toBe(0);
+    expect(decode.stats.abortedHolds).toBe(1);
+  });
+
   it('an entry evicted (more conversations than --max-conversations) frees its hold on the decode', async () => {
     const both = { bidirectionalKv: true };
     const { proxy, decode } = await serveTrio(closers, {

@@ -157,6 +157,18 @@ describe('KV state envelope', () => {
     expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.nextToken)).toBe(100);
     expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.seed)).toBe(5);
     expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.samplingKey)).toBe(6);
+    expect(blocks[0].readUInt32LE(ENVELOPE_FIELDS.batch)).toBe(0);
+  });
+
+  it('the batch size the state was evaluated in travels sealed, and reads back', () => {
+    const state = seqState(4, 10);
+    const blocks = Array.from({ length: 4 }, () => Buffer.alloc(BLOCK));
+    const info = { promptTokens: 4, fingerprint: FP, seed: 0, samplingKey: 0, batch: 512, binding: BIND };
+    writeEnvelope(stateHeader(state, info, 'k'), state, BLOCK, (i) => blocks[i]);
+    const n = Math.ceil(envelopeBytes(state.length) / BLOCK);
+    expect(openEnvelope((i) => blocks[i], opts(n, 'k')).batch).toBe(512);
+    blocks[0].writeUInt32LE(16, ENVELOPE_FIELDS.batch);
+    expect(reason(() => openEnvelope((i) => blocks[i], opts(n, 'k')))).toBe('unauthenticated');
   });
 
   it('random bytes, and any one byte of a good envelope changed: KvRejected, never the wrong state', () => {

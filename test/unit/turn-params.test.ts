@@ -35,6 +35,17 @@ describe('planReuse', () => {
     expect(planReuse(exact, held.slice(0, 96), rules)).toMatchObject({ tokens: 80, blocks: 5 });
   });
 
+  it('a whole state (GGUF): every named block is read, the tokens whole batches of the granularity', () => {
+    const whole = { ...rules, tokensPerBlock: 32, wholeState: true, recomputeThreshold: 32 };
+    // Two blocks hold a state of 100 tokens: no block per token is needed.
+    const p = turnParams(base([10, 11]), held);
+    expect(planReuse(p, prompt, whole)).toMatchObject({ tokens: 96, blocks: 2, release: false });
+    expect(planReuse(p, held, whole)).toMatchObject({ tokens: 96, blocks: 2 });
+    expect(planReuse(turnParams(base([]), held), prompt, whole).reason).toBe('malformed');
+    // Blocks of tokens (not a whole state), the same params: a block per token is missing.
+    expect(planReuse(p, prompt, rules).reason).toBe('mismatch');
+  });
+
   it('recomputes what is not provably the prefix', () => {
     const p = turnParams(base(), held);
     const other = [...prompt];

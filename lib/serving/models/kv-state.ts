@@ -2,11 +2,11 @@
 // so that a decode can prove, before llama.cpp sees a byte, that the state is
 // whole, unchanged, from the same model and build, made for the request the
 // decode was given, and fits its context (the state itself is then parsed by
-// llama-state.ts). Version 2:
+// llama-state.ts). Version 3:
 //
 //   offset  bytes
 //   0       4    magic 'NNKV'
-//   4       2    version (2)
+//   4       2    version (3)
 //   6       2    header bytes (256)
 //   8       4    flags: bit 0 set: the MAC is an HMAC-SHA256 keyed by the
 //                deployment's KV secret; clear: a plain SHA-256 (a checksum)
@@ -29,13 +29,16 @@
 //   96   4   the seed of the sampler that drew it (temperature > 0)
 //   100  4   the sampling key: what chose it (samplingKey in llama.ts); a
 //            decode asked to sample otherwise does not use the next token
+//   104  4   the batch size B its tokens were evaluated in, from position 0
+//            (0: not said): a next turn reuses a held turn's whole batches
+//            only when it evaluates in batches of the same B
 import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
 import { NixlError } from '../../errors';
 import { KvRejected, type KvBinding } from './types';
 
 export const HEADER_BYTES = 256;
 const MAGIC = 0x564b4e4e; // 'NNKV' little-endian
-export const ENVELOPE_VERSION = 2;
+export const ENVELOPE_VERSION = 3;
 const FLAG_HMAC = 1;
 const AT = { flags: 8, reserved: 12, stateBytes: 16, fingerprint: 24, binding: 56, fields: 88, mac: 224 } as const;
 /** The fields, offsets from the start of the header. */
@@ -44,8 +47,9 @@ export const ENVELOPE_FIELDS = {
   nextToken: 92, // u32: the next token + 1 (0: none)
   seed: 96, // u32
   samplingKey: 100, // u32
+  batch: 104, // u32
 } as const;
-const FIELDS_USED = 104; // first byte after the last field
+const FIELDS_USED = 108; // first byte after the last field
 
 /** Where a decode goes on from a state (the continuation fields). */
 export interface Continuation {
@@ -57,6 +61,8 @@ export interface Continuation {
   seed: number;
   /** What chose it: a 32-bit key of the sampling settings. */
   samplingKey: number;
+  /** The batch size its tokens were evaluated in from position 0 (0 or absent: not said). */
+  batch?: number;
 }
 
 export interface StateInfo extends Continuation {
@@ -84,6 +90,7 @@ function writeFields(h: Buffer, info: Continuation): void {
   h.writeUInt32LE(info.nextToken === undefined ? 0 : info.nextToken + 1, ENVELOPE_FIELDS.nextToken);
   h.writeUInt32LE(info.seed >>> 0, ENVELOPE_FIELDS.seed);
   h.writeUInt32LE(info.samplingKey >>> 0, ENVELOPE_FIELDS.samplingKey);
+  h.writeUInt32LE((info.batch ?? 0) >>> 0, ENVELOPE_FIELDS.batch);
 }
 
 function readFields(h: Buffer): Continuation {
@@ -93,6 +100,7 @@ function readFields(h: Buffer): Continuation {
     ...(next === 0 ? {} : { nextToken: next - 1 }),
     seed: h.readUInt32LE(ENVELOPE_FIELDS.seed),
     samplingKey: h.readUInt32LE(ENVELOPE_FIELDS.samplingKey),
+    batch: h.readUInt32LE(ENVELOPE_FIELDS.batch),
   };
 }
 

@@ -239,3 +239,57 @@ export function learnLayout(
   parseSeqState(probe, layout);
   return layout;
 }
+
+/**
+ * The state of the first `keep` tokens of a state that parsed with `L`
+ * (parseSeqState): what llama.cpp saves for a sequence that evaluated only
+ * those tokens, each cell's K and V unchanged. A prefill loads a previous
+ * turn's state cut to the tokens it provably shares with its prompt.
+ */
+export function truncateSeqState(b: Buffer, L: LlamaStateLayout, keep: number): Buffer {
+  const { tokens, cells } = parseSeqState(b, L);
+  if (!Number.isInteger(keep) || keep < 0 || keep > cells)
+    throw new RangeError(`cannot keep ${keep} of a state's ${cells} tokens`);
+  const parts: Buffer[] = [];
+  const u32 = (v: number) => {
+    const x = Buffer.alloc(4);
+    x.writeUInt32LE(v >>> 0);
+    parts.push(x);
+  };
+  u32(SEQ_MAGIC);
+  u32(SEQ_VERSION);
+  u32(keep);
+  for (let i = 0; i < keep; i++) u32(tokens[i]);
+  u32(1);
+  u32(keep);
+  if (keep === 0) return Buffer.concat(parts);
+  for (let i = 0; i < keep; i++) {
+    u32(i); // position
+    u32(1); // one sequence
+    u32(0); // sequence 0
+  }
+  u32(L.vTrans ? 1 : 0);
+  u32(L.embdK.length);
+  // After the header: n_tokens, tokens, n_stream, cell_count, cells, v_trans, n_layer.
+  let at = 12 + 4 * tokens.length + 8 + 12 * cells + 8;
+  const rows = (row: number) => {
+    parts.push(b.subarray(at, at + 12)); // type and row size
+    at += 12;
+    parts.push(b.subarray(at, at + row * keep));
+    at += row * cells;
+  };
+  for (let l = 0; l < L.embdK.length; l++) rows(ggmlRowSize(L.kType, L.embdK[l]) as number);
+  for (let l = 0; l < L.embdV.length; l++) {
+    if (!L.vTrans) {
+      rows(ggmlRowSize(L.vType, L.embdV[l]) as number);
+      continue;
+    }
+    // Transposed: each of the n_embd_v_gqa rows runs over all the cells.
+    const el = ggmlTypeSize(L.vType) as number;
+    parts.push(b.subarray(at, at + 12)); // type, element size, width
+    at += 12;
+    for (let j = 0; j < L.embdV[l]; j++) parts.push(b.subarray(at + j * cells * el, at + (j * cells + keep) * el));
+    at += L.embdV[l] * cells * el;
+  }
+  return Buffer.concat(parts);
+}

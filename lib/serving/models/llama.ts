@@ -32,10 +32,10 @@ import { WholeText } from './llama-text';
 import { loadNodeLlamaCpp } from './node-llama-cpp';
 import { makeStateDir } from './state-dir';
 import { NODE_LLAMA_CPP } from './types';
-import { HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
+import { type Continuation, HEADER_BYTES, envelopeBytes, openEnvelope, stateHeader, writeEnvelope } from './kv-state';
 import { ContextPool, exactOf, sequenceOf } from './llama-contexts';
-import { reusing } from './llama-prefix';
-import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState } from './llama-state';
+import { reusableTokens, reusing } from './llama-prefix';
+import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState, truncateSeqState } from './llama-state';
 import { checkOwnPrompt, evaluatedPrompt, pushSize, unpushable } from './llama-push';
 import {
   type BlockView,
@@ -48,8 +48,10 @@ import {
   type KvGeometry,
   ModelRequestError,
   type PrefilledKv,
+  type PreviousTurn,
   type ServingModel,
   type TextSink,
+  type TurnKvState,
 } from './types';
 
 /** Options of a LlamaModel. */
@@ -120,6 +122,8 @@ export class LlamaModel implements ServingModel {
   readonly #tmp: string;
   /** What states of this model look like, or why they cannot be checked (then a decode refuses them all). */
   #layout: LlamaStateLayout | string = 'not probed yet';
+  /** The contexts' batch size (learned from the probe's context). */
+  #batch = 0;
   #tokenizer?: ModelTokenizer;
   #chatWrapper?: Nlc.ChatWrapper;
 
@@ -219,6 +223,7 @@ export class LlamaModel implements ServingModel {
     }
     const ctx = await this.#pool.acquire(new AbortController().signal);
     const file = path.join(this.#tmp, 'probe.state');
+    this.#batch = ctx.batchSize;
     try {
       const seq = sequenceOf(ctx);
       await seq.evaluateWithoutGeneratingNewTokens(this.#model.tokenize('probe', false).slice(0, 3));
@@ -237,6 +242,15 @@ export class LlamaModel implements ServingModel {
     return this.#layout;
   }
 
+  /**
+   * A held turn is one sequence state, read whole: its first whole batches
+   * that a prompt starts with are loaded, and the rest evaluated from a batch
+   * boundary, which changes no number (llama-prefix.ts).
+   */
+  get wholeTurnReuse(): { granularity: number } {
+    return { granularity: this.#batch };
+  }
+
   /** Why this model cannot serve now (no context can be made), or undefined. */
   unhealthy(): string | undefined {
     return this.#pool.broken;
@@ -245,6 +259,11 @@ export class LlamaModel implements ServingModel {
   /** Contexts thrown away because a request may have left them unusable. */
   get discardedContexts(): number {
     return this.#pool.discarded;
+  }
+
+  /** The tokens the prompt evaluates as (a prefill proves a previous turn's KV is of its first ones); none for a bad chat. */
+  promptTokenIds(req: GenerationRequest): readonly number[] {
+    return this.#promptOf(req) ?? [];
   }
 
   blocksFor(): undefined {
@@ -275,8 +294,10 @@ export class LlamaModel implements ServingModel {
     return tokens && evaluatedPrompt(tokens, { chat: req.chat, contextSize: this.#layout.nCtx, bos });
   }
 
-  async prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv> {
-    const ctx = await this.#pool.acquire(signal, this.#promptOf(req));
+  async prefill(req: GenerationRequest, signal: AbortSignal, previous?: PreviousTurn): Promise<PrefilledKv> {
+    const prompt = this.#promptOf(req);
+    const prior = previous ? this.#previousTurn(previous, prompt) : undefined;
+    let ctx = await this.#pool.acquire(signal, prompt);
     const file = path.join(this.#tmp, `${randomUUID()}.state`);
     // Unseeded sampling: one seed for the whole request, the decode's sampler goes on with it.
     const seed = req.temperature > 0 ? (req.seed ?? randomInt(2 ** 32)) : req.seed;
@@ -285,9 +306,19 @@ export class LlamaModel implements ServingModel {
     let nextToken: number | undefined;
     let saved: number[] = [];
     let saveMs = 0;
+    let exactTokens = 0;
     let keep = 0;
+    let exact = this.#o.prefixCache === false ? 0 : exactOf(ctx);
+    let turn: PrefilledKv['turn'] = prior?.skipped !== undefined ? { reused: 0, skipped: prior.skipped } : undefined;
+    if (prior?.state) {
+      const loaded = await this.#loadPrefix(ctx, prior.state, prior.tokens, prompt!, exact, signal);
+      ctx = loaded.ctx;
+      if (loaded.skipped === undefined) exact = prior.tokens;
+      else if (loaded.skipped === 'refused') exact = this.#o.prefixCache === false ? 0 : exactOf(ctx);
+      turn = { reused: 0, ...(loaded.skipped !== undefined ? { skipped: loaded.skipped } : {}) };
+    }
     const seq = sequenceOf(ctx);
-    const r = reusing(seq, this.#o.prefixCache === false ? 0 : exactOf(ctx));
+    const r = reusing(seq, exact);
     const before = evaluated(seq);
     try {
       // The prompt evaluated exactly as a generation evaluates it, by the
@@ -304,29 +335,170 @@ export class LlamaModel implements ServingModel {
       await seq.saveStateToFile(file);
       state = await fs.promises.readFile(file);
       saveMs = performance.now() - t0;
-      keep = this.#o.prefixCache === false ? 0 : r.exactAfter();
+      exactTokens = r.exactAfter();
+      keep = this.#o.prefixCache === false ? 0 : exactTokens;
     } finally {
       await this.#pool.release(ctx, keep);
       fs.rm(file, { force: true }, () => {});
     }
     const { blockBytes, kvSecret } = this.#o;
+    const B = ctx.batchSize;
     const info = {
       promptTokens,
       nextToken,
       seed: seed ?? 0,
       samplingKey: samplingKey(req),
       fingerprint: this.fingerprint,
+      // Its whole batches are a fresh evaluation's (what a decode may keep of them for a next turn).
+      batch: exactTokens === promptTokens - (promptTokens % B) ? B : 0,
     };
+    // Tokens taken from the previous turn's state, or else from the context's own cache.
+    if (turn && turn.skipped === undefined) turn = { reused: r.reused() };
     return {
       blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
       promptTokens,
       saveMs,
-      info: { prefix_reused_tokens: r.reused(), tokens_evaluated: evaluated(seq) - before },
+      ...(turn ? { turn } : {}),
+      info: {
+        prefix_reused_tokens: turn?.skipped === undefined && turn ? 0 : r.reused(),
+        tokens_evaluated: evaluated(seq) - before,
+      },
       whole: true,
       unpushable: unpushable(this.#layout, this.#pushPromptOf(req), saved, state.length),
       writeTo: (view, binding) =>
         writeEnvelope(stateHeader(state, { ...info, binding }, kvSecret), state, blockBytes, (i) => view(i, 0)),
     };
+  }
+
+  /**
+   * What a prefill may load of a previous turn's state (read whole into the
+   * prefill's blocks): the envelope checked as a decode checks it (bound to
+   * the hold the params name), the state parsed, evaluated in batches of this
+   * context's size, and its tokens the prompt's first ones; cut to the
+   * whole batches the two share, leaving the prompt's last token to compute.
+   */
+  #previousTurn(
+    previous: PreviousTurn,
+    prompt: readonly Nlc.Token[] | undefined,
+  ): { state?: Buffer; tokens: number; skipped?: string } {
+    const none = (skipped: string) => ({ tokens: 0, skipped });
+    if (!prompt) return none('mismatch');
+    let opened: Continuation & { state: Buffer; tokens: number[] };
+    try {
+      opened = this.#open(previous.view, previous.blocks, previous.binding);
+    } catch (e) {
+      if (e instanceof KvRejected) return none(`rejected:${e.reason}`);
+      throw e;
+    }
+    const B = this.#batch;
+    if (opened.batch !== B) return none('batch-size');
+    const held = opened.tokens;
+    let same = 0;
+    const limit = Math.min(held.length, prompt.length - 1, previous.tokens);
+    while (same < limit && held[same] === prompt[same]) same++;
+    const tokens = same - (same % B);
+    if (tokens === 0) return none('mismatch');
+    return { state: truncateSeqState(opened.state, this.#layout as LlamaStateLayout, tokens), tokens };
+  }
+
+  /**
+   * Loads `state` (the first `tokens` tokens of a previous turn) into ctx's
+   * sequence, unless the context already caches as much of the prompt; a
+   * context llama.cpp refused the state in is thrown away for a fresh one.
+   */
+  async #loadPrefix(
+    ctx: Nlc.LlamaContext,
+    state: Buffer,
+    tokens: number,
+    prompt: readonly Nlc.Token[],
+    exact: number,
+    signal: AbortSignal,
+  ): Promise<{ ctx: Nlc.LlamaContext; skipped?: string }> {
+    const seq = sequenceOf(ctx);
+    if (reusableTokens(seq.contextTokens, exact, prompt, ctx.batchSize) >= tokens) return { ctx, skipped: 'cached' };
+    const file = path.join(this.#tmp, `${randomUUID()}.state`);
+    try {
+      await fs.promises.writeFile(file, state);
+      if (seq.nextTokenIndex > 0) await seq.clearHistory();
+      await seq.loadStateFromFile(file, { acceptRisk: true });
+      return { ctx };
+    } catch {
+      await this.#pool.discard(ctx);
+      return { ctx: await this.#pool.acquire(signal, prompt as Nlc.Token[]), skipped: 'refused' };
+    } finally {
+      fs.rm(file, { force: true }, () => {});
+    }
+  }
+
+  /**
+   * The KV a next turn may read, made on the decode's context after it
+   * answered: the tokens the next prompt will start with (the history
+   * rendered with this answer, as far as it renders to the tokens the
+   * context holds), cut to whole batches, and evaluated again from the last
+   * batch boundary that is a fresh evaluation's, in batches from there, so
+   * that every number is what a fresh prefill of them computes
+   * (test/serving/llama-turn-kv.test.ts). Undefined: nothing to hold.
+   */
+  async #keepTurn(
+    seq: Nlc.LlamaContextSequence,
+    req: GenerationRequest,
+    text: string,
+    exactPrompt: number,
+  ): Promise<{ turn?: TurnKvState; exact: number }> {
+    const B = seq.context.batchSize;
+    const context = [...seq.contextTokens];
+    const next = req.promptTokens ? context : this.#nextPromptOf(req, text);
+    let same = 0;
+    while (next && same < Math.min(context.length, next.length) && context[same] === next[same]) same++;
+    const tokens = same - (same % B);
+    if (tokens === 0) return { exact: 0 };
+    const from = Math.min(exactPrompt - (exactPrompt % B), tokens);
+    await seq.eraseContextTokenRanges([{ start: from, end: seq.nextTokenIndex }]);
+    if (from < tokens) await seq.evaluateWithoutGeneratingNewTokens(context.slice(from, tokens));
+    const file = path.join(this.#tmp, `${randomUUID()}.state`);
+    let state: Buffer;
+    try {
+      await seq.saveStateToFile(file);
+      state = await fs.promises.readFile(file);
+    } finally {
+      fs.rm(file, { force: true }, () => {});
+    }
+    const { blockBytes, kvSecret } = this.#o;
+    const info = { promptTokens: tokens, seed: 0, samplingKey: 0, batch: B, fingerprint: this.fingerprint };
+    return {
+      exact: tokens,
+      turn: {
+        tokens: context.slice(0, tokens),
+        blocks: Math.ceil(envelopeBytes(state.length) / blockBytes),
+        writeTo: (view, binding) =>
+          writeEnvelope(stateHeader(state, { ...info, binding }, kvSecret), state, blockBytes, (i) => view(i, 0)),
+      },
+    };
+  }
+
+  /** The tokens of the next turn's prompt, as far as they follow from this request and its answer. */
+  #nextPromptOf(req: GenerationRequest, text: string): Nlc.Token[] | undefined {
+    if (!req.chat) return this.#promptOf({ ...req, prompt: req.prompt + text });
+    const m = this.#model;
+    let h: ReturnType<typeof chatHistory>;
+    try {
+      h = chatHistory(req.messages, this.id);
+    } catch {
+      return undefined;
+    }
+    this.#chatWrapper ??= this.#nlc.resolveChatWrapper(m);
+    // A user message after the answer: how the template closes the answer.
+    return this.#chatWrapper
+      .generateContextState({
+        chatHistory: [
+          ...h.history,
+          { type: 'user', text: h.last },
+          { type: 'model', response: [text] },
+          { type: 'user', text: '.' },
+          { type: 'model', response: [] },
+        ],
+      })
+      .contextText.tokenize(m.tokenizer);
   }
 
   async decode(
@@ -349,6 +521,7 @@ export class LlamaModel implements ServingModel {
     const ctx = await this.#pool.acquire(signal);
     // Whatever goes wrong once llama.cpp has the state, this context is not reused.
     let clean = false;
+    let keep = 0;
     try {
       const seq = sequenceOf(ctx);
       if (seq.nextTokenIndex > 0) await seq.clearHistory(); // a prompt kept for reuse
@@ -367,17 +540,35 @@ export class LlamaModel implements ServingModel {
           : undefined;
       const seed = req.temperature > 0 ? (req.seed ?? env.seed) : req.seed;
       const r = await this.#run(go?.sequence ?? seq, req, { ...req, seed }, out, signal);
+      const evaluatedHere = evaluated(seq) - before;
+      let turn: TurnKvState | undefined;
+      let turnMs: number | undefined;
       clean = true;
+      if (req.keepTurn && !signal.aborted) {
+        const t1 = performance.now();
+        try {
+          const kept = await this.#keepTurn(seq, req, r.text, exactPrompt(env, seq, go?.used() ?? false));
+          turn = kept.turn;
+          keep = kept.exact;
+          turnMs = performance.now() - t1;
+        } catch {
+          // The answer stands; the next turn recomputes, and this context is not reused.
+          clean = false;
+        }
+      }
       return {
         completionTokens: r.completionTokens,
         finishReason: r.finishReason,
         promptTokens,
+        ...(turn ? { turn } : {}),
         info: {
           kv_state_bytes: state.length,
           kv_tokens_loaded: loaded,
           kv_continued: go?.used() ?? false,
-          tokens_evaluated: evaluated(seq) - before,
+          tokens_evaluated: evaluatedHere,
           kv_load_ms: round(loadMs),
+          // Holding the turn for the next one: evaluating again in whole batches, saving.
+          ...(turnMs !== undefined ? { turn_kv_ms: round(turnMs), turn_kv_tokens: turn?.tokens.length ?? 0 } : {}),
         },
       };
     } catch (e) {
@@ -385,7 +576,7 @@ export class LlamaModel implements ServingModel {
       if (e instanceof ModelRequestError || signal.aborted) clean = true;
       throw e;
     } finally {
-      await (clean ? this.#pool.release(ctx) : this.#pool.discard(ctx));
+      await (clean ? this.#pool.release(ctx, this.#o.prefixCache === false ? 0 : keep) : this.#pool.discard(ctx));
       fs.rm(file, { force: true }, () => {});
     }
   }
@@ -395,7 +586,7 @@ export class LlamaModel implements ServingModel {
    * request it is for), then every byte of the state for this model and
    * context. Throws KvRejected; llama.cpp has seen nothing.
    */
-  #open(view: BlockView, blocks: number, binding: KvBinding | undefined, req: GenerationRequest) {
+  #open(view: BlockView, blocks: number, binding: KvBinding | undefined, req?: GenerationRequest) {
     if (!binding) throw new KvRejected('no request to check the KV state against', 'wrong-request');
     if (typeof this.#layout === 'string')
       throw new KvRejected(`this decode cannot check KV states of ${this.id}: ${this.#layout}`, 'unsupported');
@@ -416,13 +607,13 @@ export class LlamaModel implements ServingModel {
         'malformed',
       );
     if (binding.ownPrompt) {
-      const own = this.#pushPromptOf(req);
+      const own = req && this.#pushPromptOf(req);
       checkOwnPrompt(parsed.tokens, typeof own === 'string' ? undefined : own);
     }
     const f = opened.nextToken;
     if (f !== undefined && f >= layout.nVocab)
       throw new KvRejected(`the next token ${f} is outside the vocabulary of ${layout.nVocab}`, 'malformed');
-    return opened;
+    return { ...opened, tokens: parsed.tokens };
   }
 
   async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
@@ -481,7 +672,7 @@ export class LlamaModel implements ServingModel {
     s: Pick<GenerationRequest, 'maxTokens' | 'temperature' | 'topP' | 'seed' | 'stop'>,
     out: TextSink | undefined,
     signal: AbortSignal,
-  ): Promise<Omit<Generated, 'info'>> {
+  ): Promise<Omit<Generated, 'info'> & { text: string }> {
     const tokens: Nlc.Token[] = [];
     const text = new WholeText(this.#model, out);
     let promptTokens: number;
@@ -534,6 +725,7 @@ export class LlamaModel implements ServingModel {
     }
     text.end(final);
     return {
+      text: final,
       promptTokens,
       completionTokens: tokens.length,
       finishReason: stopReason === 'maxTokens' ? 'length' : 'stop',
@@ -560,6 +752,25 @@ export class LlamaModel implements ServingModel {
     await this.#model.dispose();
     fs.rmSync(this.#tmp, { recursive: true, force: true });
   }
+}
+
+/**
+ * Leading tokens of a decode's sequence that still hold its prefill's
+ * numbers, evaluated in whole batches from 0 (a held turn evaluates again
+ * only what follows their last whole batch): none when the prefill evaluated
+ * in batches of another size; without the continuation the class evaluated
+ * the prompt's last token again; and the prompt must be what was loaded.
+ */
+function exactPrompt(
+  loaded: { batch?: number; tokens: readonly number[] },
+  seq: Nlc.LlamaContextSequence,
+  continued: boolean,
+): number {
+  if (loaded.batch !== seq.context.batchSize) return 0;
+  const n = continued ? loaded.tokens.length : loaded.tokens.length - 1;
+  const now = seq.contextTokens;
+  for (let i = 0; i < n; i++) if (now[i] !== loaded.tokens[i]) return 0;
+  return Math.max(0, n);
 }
 
 function round(ms: number): number {

@@ -36,6 +36,12 @@ export interface GenerationRequest {
    * so that a prompt that cannot fit with them is refused before evaluating.
    */
   decodeMaxTokens?: number;
+  /**
+   * Decode with bidirectional KV: a model whose KV the worker cannot make
+   * from the text alone (GGUF) returns the answered turn's KV in
+   * Generated.turn.
+   */
+  keepTurn?: boolean;
 }
 
 /** Block `block` (logical, 0-based within a request) of layer `layer`, in the worker's registered pool. */
@@ -86,6 +92,8 @@ export interface PrefilledKv {
    * `fromBlock`: the blocks before it already hold this prompt's KV (read from a previous turn).
    */
   writeTo(view: BlockView, binding: KvBinding, fromBlock?: number): void;
+  /** Given a PreviousTurn: the tokens taken from it (0: none), and why none when so. */
+  readonly turn?: { reused: number; skipped?: string };
 }
 
 /** The KV of a finished turn (its prompt and answer), which a decode holds for the next turn. */
@@ -93,8 +101,22 @@ export interface TurnKvState {
   /** The token ids it is the KV of: what the next turn's prompt starts with. */
   readonly tokens: readonly number[];
   readonly blocks: number;
-  /** Writes it into the blocks the decode holds it in. */
-  writeTo(view: BlockView): void;
+  /** Writes it into the blocks the decode holds it in, bound (a model that binds its states) to the hold. */
+  writeTo(view: BlockView, binding: KvBinding): void;
+}
+
+/**
+ * A previous turn's KV read whole into blocks of the prefill's pool (a model
+ * whose held KV is one state, ServingModel.wholeTurnReuse): the prefill
+ * takes its first `tokens` when they prove to be its prompt's.
+ */
+export interface PreviousTurn {
+  view: BlockView;
+  blocks: number;
+  /** Tokens the params proved to be the prompt's first ones (a multiple of the model's granularity). */
+  tokens: number;
+  /** The hold the params name: the state must be bound to it. */
+  binding: KvBinding;
 }
 
 /** What a generation produced, besides its text. */
@@ -104,6 +126,8 @@ export interface Generated {
   finishReason: 'stop' | 'length';
   /** What the worker adds under nixl_node in the answer (bytes checked, tokens reused...). */
   info: Record<string, unknown>;
+  /** Asked to (GenerationRequest.keepTurn): the KV the next turn may read, when the model made one. */
+  turn?: TurnKvState;
 }
 
 /** Gets each piece of generated text as it comes (streamed answers). */
@@ -155,8 +179,14 @@ export interface ServingModel {
    * model keeps none.
    */
   turnKv?(req: GenerationRequest, text: string): TurnKvState | undefined;
-  /** Evaluates the prompt. */
-  prefill(req: GenerationRequest, signal: AbortSignal): Promise<PrefilledKv>;
+  /**
+   * Set when a held turn's KV is one state that a prefill reads whole and
+   * gives its model (prefill's `previous`), rather than blocks of tokens
+   * copied in place: reused tokens are a multiple of `granularity`.
+   */
+  readonly wholeTurnReuse?: { granularity: number };
+  /** Evaluates the prompt; `previous`: a previous turn's KV to start from (wholeTurnReuse). */
+  prefill(req: GenerationRequest, signal: AbortSignal, previous?: PreviousTurn): Promise<PrefilledKv>;
   /**
    * Generates from the KV in `blocks` blocks of `view` (pulled from a
    * prefill, or held here). Throws KvRejected, and loads nothing, when the
