@@ -219,3 +219,55 @@ describe('the generate endpoint (tiny): token ids of the history', () => {
     expect((await generate(ids2, 12)).ids).toEqual(t2.ids);
   }, 120_000);
 });
+
+describe('over ZeroMQ, streamed (tiny)', () => {
+  const closers: Array<() => unknown> = [];
+  let ref: OneProcess;
+  afterAll(async () => {
+    for (const c of closers.reverse()) await c();
+    await ref?.close();
+  });
+
+  it("turn 2 streamed through a ZeroMQ proxy reads turn 1 and streams node-llama-cpp's answer", async () => {
+    const gguf = modelPath('tiny', dir);
+    ref = await OneProcess.load(gguf, CTX);
+    const worker = { model: gguf, ...CTX, bidirectionalKv: true, kvRecomputeThreshold: 16 };
+    const { proxy } = await serveTrio(closers, {
+      transport: 'zmq',
+      prefill: { ...worker, prefixCache: false },
+      decode: worker,
+    });
+    const streamChat = async (messages: Message[], maxTokens: number) => {
+      const r = await fetch(`${proxy.url}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ messages, max_tokens: maxTokens, temperature: 0, stream: true, conversation_id: 'z' }),
+      });
+      expect(r.status).toBe(200);
+      const chunks = (await r.text())
+        .split('\n\n')
+        .filter((l) => l.startsWith('data: {'))
+        .map((l) => JSON.parse(l.slice(6)) as Json);
+      return {
+        text: chunks.map((c) => c.choices?.[0]?.delta?.content ?? '').join(''),
+        info: chunks.findLast((c) => c.nixl_node)?.nixl_node as Json,
+      };
+    };
+    const messages: Message[] = [];
+    for (const [i, user] of CONVERSATIONS.tiny.slice(0, 2).entries()) {
+      messages.push({ role: 'user', content: user });
+      const a = await streamChat(messages, 20);
+      const last = messages.at(-1)!;
+      const want = await ref.generate({
+        chat: true,
+        text: last.content,
+        history: messages.slice(0, -1),
+        maxTokens: 20,
+      });
+      expect(a.text).toBe(want.text);
+      if (i === 0) expect(a.info?.kv_reused_tokens ?? 0).toBe(0);
+      else expect(a.info.kv_reused_tokens).toBeGreaterThan(0);
+      messages.push({ role: 'assistant', content: a.text });
+    }
+  }, 120_000);
+});
