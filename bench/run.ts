@@ -16,6 +16,7 @@ import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { benchMultiturn } from './multiturn';
+import { benchDemo, DEMO_ROW, type DemoRow, type DemoRun } from './demo';
 import { benchPush } from './push';
 import { fmtBytes, median } from './stats';
 import { barChart, type Panel } from './svg';
@@ -34,9 +35,10 @@ export const SECTIONS = [
   'fleet',
   'prefix',
   'grid',
+  'demo',
 ];
-/** What runs when no section is named: all but the grid and the GGUF fleet (minutes each). */
-export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid' && s !== 'prefix');
+/** What runs when no section is named: all but the grid, the GGUF fleet and the demo (minutes each). */
+export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid' && s !== 'prefix' && s !== 'demo');
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -403,6 +405,60 @@ export async function runBench(o: BenchOptions): Promise<void> {
         ],
       });
     }
+  }
+
+  if (only.includes('demo')) {
+    const runs = quick ? 1 : 3;
+    const g = DEMO_ROW;
+    console.log(
+      `\n# The demo against the bench for the same blocks: nixl-node demo (a child process: prefill TP ${g.prefillTp} -> decode TP ${g.decodeTp}, ${g.layers} layers x K/V, ${(g.blockKib * 1024) / g.prefillTp / 1024} KiB blocks on a prefill rank, ${(g.blockKib * 1024) / g.decodeTp / 1024} KiB slices per decode rank, ${g.requests} requests x ${g.blocks / g.requests} blocks, ${g.inFlight} in flight per decode rank, ${g.rounds} rounds) / the same pulls through KvPuller in this process; ${runs} run(s), alternating; GB/s of rounds 2-${g.rounds}, round 1 (first touch) apart`,
+    );
+    const rows: DemoRow[] = [];
+    const all: DemoRun[] = [];
+    for (const e of runEngines) {
+      const r = await benchDemo(e, runs);
+      rows.push(r.row);
+      all.push(...r.runs);
+    }
+    const rng = (x: [number, number]) => `${x[0].toFixed(2)}-${x[1].toFixed(2)}`;
+    table(
+      [
+        'engine',
+        'demo GB/s',
+        'range',
+        'baseline GB/s',
+        'range',
+        'ratio',
+        'ratio range',
+        'round 1 demo',
+        'round 1 baseline',
+        'demo GB/cpu-s',
+        'baseline GB/cpu-s',
+        'memcpy GB/s',
+        ...(rows.some((r) => r.nativeGbps !== undefined) ? ['native GB/s'] : []),
+      ],
+      rows.map((r) => [
+        r.engine,
+        r.demoGbps,
+        rng(r.demoRange),
+        r.baselineGbps,
+        rng(r.baselineRange),
+        r.ratio,
+        rng(r.ratioRange),
+        r.demoFirstGbps,
+        r.baselineFirstGbps,
+        r.demoGbPerCpuS,
+        r.baselineGbPerCpuS,
+        r.memcpyGbps,
+        ...(rows.some((x) => x.nativeGbps !== undefined) ? [r.nativeGbps ?? '-'] : []),
+      ]),
+    );
+    result.demo = { rows, runs: all };
+    panels.push({
+      title: 'The demo / the same pulls in one process',
+      reference: 1,
+      bars: rows.map((r) => ({ label: r.engine, value: r.ratio })),
+    });
   }
 
   const json = o.json;

@@ -2,7 +2,15 @@
 // demo/serving.ts), with the bench's native baseline passed to the KV demo.
 import type { DemoOptions } from '../demo/run';
 import { engines } from '../lib';
-import { UCX_NET_DEVICES_HELP, UCX_NET_DEVICES_OPTION, applyUcxNetDevices, oneOf, parse, positiveInt } from './args';
+import {
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+  UsageError,
+  applyUcxNetDevices,
+  oneOf,
+  parse,
+  positiveInt,
+} from './args';
 
 const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
 
@@ -24,6 +32,7 @@ Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works to
                    nixl: agents without NIXL's progress thread (the engine's poller
                    progresses them); faster on one host, see docs/benchmarks.md#the-nixl-engine-against-a-native-program-on-the-same-nixl
   --mla            MLA: one latent cache per layer, replicated on every rank
+  --json FILE      also write what ran and was measured as JSON (the bench's demo row reads it)
 ${UCX_NET_DEVICES_HELP}  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
 `;
 
@@ -41,8 +50,14 @@ const ARGS = {
   engine: { type: 'string' },
   'no-progress-thread': { type: 'boolean' },
   mla: { type: 'boolean' },
+  json: { type: 'string' },
   ...UCX_NET_DEVICES_OPTION,
 } as const;
+
+function nonEmpty(s: string, name: string): string {
+  if (s === '') throw new UsageError(`${name} needs a file name`);
+  return s;
+}
 
 export function parseDemoArgs(argv: string[]): DemoOptions {
   const v = parse(argv, ARGS, HELP);
@@ -67,6 +82,7 @@ export function parseDemoArgs(argv: string[]): DemoOptions {
     ),
     progressThread: v['no-progress-thread'] !== true,
     mla: v.mla === true,
+    json: v.json === undefined ? undefined : nonEmpty(String(v.json), '--json'),
   };
   return o;
 }

@@ -3,7 +3,7 @@
 // KV cache in service does), per request, per descriptor and per rank.
 import type { RoundReport } from './decode-worker';
 
-const median = (xs: number[]): number => {
+export const median = (xs: number[]): number => {
   const s = [...xs].sort((a, b) => a - b);
   const m = s.length >> 1;
   return s.length === 0 ? Number.NaN : s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;

@@ -12,7 +12,8 @@ import { computeCompatibilityHash } from '../lib/handshake';
 import { targetRemoteRanks } from '../lib/kv';
 import { nativeProgram } from '../lib/native-program';
 import type { DecodeConfig, DemoRequest, RoundReport } from './decode-worker';
-import { printBreakdown } from './report';
+import { median, printBreakdown } from './report';
+import { type DemoResult, type NativeBaseline, writeDemoResult } from './result';
 import type { PrefillConfig } from './prefill-worker';
 import { rankBytes, rankDims, type KvSpec } from './kvpattern';
 
@@ -32,6 +33,8 @@ export interface DemoOptions {
   /** NIXL's own progress thread on every agent (nixl engine). */
   progressThread: boolean;
   mla: boolean;
+  /** Also write what ran and was measured here as JSON (demo/result.ts). */
+  json?: string;
 }
 
 /**
@@ -266,16 +269,60 @@ export async function runDemo(o: DemoOptions): Promise<void> {
         : `${released}/${requests.length} (timed out waiting)`,
     ],
   ];
-  if (o.engine === 'nixl') rows.push(['native NIXL', nativeLine(dBlock)]);
+  const native = o.engine === 'nixl' ? nativeBaseline(dBlock) : undefined;
+  if (native) rows.push(['native NIXL', nativeLine(native)]);
   console.log('');
   const w = Math.max(...rows.map((r) => r[0].length));
   for (const [k, v] of rows) console.log(`  ${k.padEnd(w)}  ${v}`);
-  printBreakdown(roundReports, {
+  const memcpy = memcpyGbps();
+  const summaries = printBreakdown(roundReports, {
     handshakeMs,
     remoteRanks: (i) => targetRemoteRanks(o.decodeTp, i, o.prefillTp),
-    memcpyGbps: memcpyGbps(),
+    memcpyGbps: memcpy,
   });
-  if (bad || !releasedInTime || expired) failures.push('verification or release failed');
+  if (bad) failures.push(`${bad} head rows WRONG`);
+  if (!releasedInTime) failures.push(`the prefill freed ${released}/${requests.length} requests`);
+  if (expired) failures.push(`${expired} requests expired`);
+  if (o.json) {
+    const later = summaries.slice(1).map((r) => r.gbps);
+    writeDemoResult(o.json, {
+      ok: failures.length === 0,
+      failures,
+      engine: o.engine,
+      method: o.method,
+      progressThread: o.progressThread,
+      geometry: {
+        prefillTp: o.prefillTp,
+        decodeTp: o.decodeTp,
+        layers: o.layers,
+        regions,
+        blocks: o.blocks,
+        heads: o.heads,
+        mla: o.mla,
+        blockKib: o.blockKib,
+        prefillBlockBytes: pBlock,
+        decodeBlockBytes: dBlock,
+        requests: o.requests,
+        blocksPerRequest: per,
+        inFlight: o.inFlight,
+        rounds: o.rounds,
+      },
+      plan: rounds,
+      handshakeMs,
+      bytes,
+      descriptors: all.reduce((a, r) => a + r.descriptors, 0),
+      badRows: bad,
+      released,
+      expired,
+      memcpyGbps: memcpy,
+      rounds: summaries,
+      firstGbps: summaries[0].gbps,
+      laterGbps: later.length
+        ? { median: median(later), min: Math.min(...later), max: Math.max(...later) }
+        : null,
+      native,
+    } satisfies DemoResult);
+  }
   if (failures.length) throw new Error(`demo FAILED: ${failures.join('; ')}`);
 }
 
@@ -299,10 +346,10 @@ function memcpyGbps(): number {
  * 64 MiB in blocks of the decode's size with scattered ids, as the demo's
  * shuffled decode blocks are: what this machine's NIXL does without Node.
  */
-function nativeLine(block: number): string {
+function nativeBaseline(block: number): NativeBaseline {
   try {
     const prog = nativeProgram();
-    if ('skip' in prog) return `(baseline skipped: ${prog.skip})`;
+    if ('skip' in prog) return { skip: prog.skip };
     const count = Math.min(4096, Math.floor((64 << 20) / block));
     const out = execFileSync(
       prog.path,
@@ -313,8 +360,14 @@ function nativeLine(block: number): string {
       },
     );
     const j = JSON.parse(out.trim().split('\n').at(-1)!);
-    return `${j.gbps.toFixed(2)} GB/s (${j.gbpsMin.toFixed(2)}-${j.gbpsMax.toFixed(2)}): a C++ program on the same NIXL, one process pair, ${count} scattered ${block / 1024} KiB blocks`;
+    return { gbps: j.gbps, gbpsMin: j.gbpsMin, gbpsMax: j.gbpsMax, blockBytes: block, blocks: count };
   } catch (e) {
-    return `(baseline failed: ${(e as Error).message.split('\n')[0]})`;
+    return { error: (e as Error).message.split('\n')[0] };
   }
+}
+
+function nativeLine(n: NativeBaseline): string {
+  if ('skip' in n) return `(baseline skipped: ${n.skip})`;
+  if ('error' in n) return `(baseline failed: ${n.error})`;
+  return `${n.gbps.toFixed(2)} GB/s (${n.gbpsMin.toFixed(2)}-${n.gbpsMax.toFixed(2)}): a C++ program on the same NIXL, one process pair, ${n.blocks} scattered ${n.blockBytes / 1024} KiB blocks`;
 }
