@@ -136,7 +136,17 @@ async function runDemo(engine: Engine, g: DemoRowGeometry, dir: string, run: num
   const j = JSON.parse(fs.readFileSync(file, 'utf8')) as DemoJson;
   if (!j.ok) throw new Error(`nixl-node demo: ${j.failures.join('; ')}`);
   const got = j.geometry;
-  for (const k of ['prefillTp', 'decodeTp', 'layers', 'blocks', 'blockKib', 'heads', 'requests', 'inFlight', 'rounds'] as const)
+  for (const k of [
+    'prefillTp',
+    'decodeTp',
+    'layers',
+    'blocks',
+    'blockKib',
+    'heads',
+    'requests',
+    'inFlight',
+    'rounds',
+  ] as const)
     if (got[k] !== g[k]) throw new Error(`nixl-node demo ran ${k} ${got[k]}, the row asked for ${g[k]}`);
   return j;
 }

@@ -317,9 +317,7 @@ export async function runDemo(o: DemoOptions): Promise<void> {
       memcpyGbps: memcpy,
       rounds: summaries,
       firstGbps: summaries[0].gbps,
-      laterGbps: later.length
-        ? { median: median(later), min: Math.min(...later), max: Math.max(...later) }
-        : null,
+      laterGbps: later.length ? { median: median(later), min: Math.min(...later), max: Math.max(...later) } : null,
       native,
     } satisfies DemoResult);
   }
