@@ -31,7 +31,8 @@ export interface DemoPlan {
     inFlight: number;
   };
   method: 'zmq' | 'http';
-  progressThread: boolean;
+  /** Which agents run NIXL's progress thread, as in the demo. */
+  progressThread: 'prefill' | 'both' | 'none';
   plan: Array<Array<{ requestId: string; local: number[]; remote: number[] }>>;
 }
 
@@ -113,7 +114,7 @@ export class DemoBaseline {
   async #open(engine: Engine): Promise<void> {
     const g = this.#p.geometry;
     for (let r = 0; r < g.prefillTp; r++) {
-      const agent = rankAgent(`demo-baseline-prefill-tp${r}`, engine, this.#p.progressThread);
+      const agent = rankAgent(`demo-baseline-prefill-tp${r}`, engine, this.#p.progressThread !== 'none');
       const mem = allocate(g.prefillBlockBytes * g.blocks * g.regions);
       for (let region = 0; region < g.regions; region++)
         for (let block = 0; block < g.blocks; block++) {
@@ -137,7 +138,7 @@ export class DemoBaseline {
     });
     this.#port = this.#server.basePort;
     for (let r = 0; r < g.decodeTp; r++) {
-      const agent = rankAgent(`demo-baseline-decode-tp${r}`, engine, this.#p.progressThread);
+      const agent = rankAgent(`demo-baseline-decode-tp${r}`, engine, this.#p.progressThread === 'both');
       const mem = allocate(g.decodeBlockBytes * g.blocks * g.regions);
       agent.registerMemory(mem);
       const l = layout('demo-baseline-decode', g.decodeTp, r, this.#p, g.decodeBlockBytes, mem);

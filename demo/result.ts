@@ -37,7 +37,8 @@ export interface DemoResult {
   failures: string[];
   engine: 'loopback' | 'nixl';
   method: 'zmq' | 'http';
-  progressThread: boolean;
+  /** Which agents ran NIXL's own progress thread: 'prefill', 'both' or 'none'. */
+  progressThread: 'prefill' | 'both' | 'none';
   geometry: DemoGeometry;
   /** Per round, the requests every decode rank pulled (local and remote block ids). */
   plan: DemoRequest[][];

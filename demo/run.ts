@@ -17,6 +17,17 @@ import { type DemoResult, type NativeBaseline, writeDemoResult } from './result'
 import type { PrefillConfig } from './prefill-worker';
 import { rankBytes, rankDims, type KvSpec } from './kvpattern';
 
+/**
+ * Where NIXL's own progress thread runs. 'prefill': on the prefill's agents
+ * only. A decode rank only starts READs, and the engine's poll thread
+ * progresses those; on one host UCX copies them (cma) inside the progress
+ * call that holds the worker's lock, and a second thread progressing the
+ * same worker spins on that lock for the whole copy, doubling the CPU a byte
+ * costs. A prefill's agents serve reads (UCX over TCP needs the target to
+ * progress), so they keep it.
+ */
+export type ProgressThreadMode = 'prefill' | 'both' | 'none';
+
 /** What the demo runs (cli/demo.ts parses them from the command line). */
 export interface DemoOptions {
   prefillTp: number;
@@ -30,8 +41,8 @@ export interface DemoOptions {
   rounds: number;
   method: 'zmq' | 'http';
   engine: 'loopback' | 'nixl';
-  /** NIXL's own progress thread on every agent (nixl engine). */
-  progressThread: boolean;
+  /** Which agents run NIXL's own progress thread (nixl engine). */
+  progressThread: ProgressThreadMode;
   mla: boolean;
   /** Also write what ran and was measured here as JSON (demo/result.ts). */
   json?: string;
@@ -43,7 +54,10 @@ export interface DemoOptions {
  */
 export function checkDemoOptions(o: DemoOptions): void {
   const bad = (m: string) => new NixlError(m, 'NIXL_ERR_INVALID_PARAM');
-  if (!o.progressThread && o.engine !== 'nixl') throw bad('--no-progress-thread: only with --engine nixl');
+  if (o.progressThread !== 'prefill' && o.engine !== 'nixl')
+    throw bad(
+      `${o.progressThread === 'none' ? '--no-progress-thread' : `--progress-thread ${o.progressThread}`}: only with --engine nixl`,
+    );
   if (o.engine === 'nixl' && !engines.includes('nixl'))
     throw bad('--engine nixl: NIXL is not compiled in (install NIXL, set NIXL_PREFIX and rebuild)');
   if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp))
@@ -76,6 +90,13 @@ function checkMemory(o: DemoOptions): void {
     );
   }
 }
+
+const PROGRESS_TEXT: Record<ProgressThreadMode, string> = {
+  prefill:
+    " (NIXL's progress thread on the prefill's agents; the decode ranks' progressed by the engine's poll thread)",
+  both: " (NIXL's progress thread on every agent)",
+  none: " (NIXL's progress thread off: the engine's poll thread progresses every agent)",
+};
 
 const GiB = 2 ** 30;
 const fmt = (b: number) => (b >= GiB ? `${(b / GiB).toFixed(2)} GiB` : `${(b / 2 ** 20).toFixed(1)} MiB`);
@@ -125,7 +146,7 @@ export async function runDemo(o: DemoOptions): Promise<void> {
     `  block per region: ${pBlock / 1024} KiB on a prefill rank, ${dBlock / 1024} KiB on a decode rank; ${fmt(rankBytes({ ...pSpec, tpRank: 0 }) * o.prefillTp)} of KV on the prefill side`,
   );
   console.log(
-    `  engine ${o.engine}${o.engine === 'nixl' ? (o.progressThread ? ' (NIXL progress thread on)' : ' (NIXL progress thread off)') : ''}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`,
+    `  engine ${o.engine}${o.engine === 'nixl' ? PROGRESS_TEXT[o.progressThread] : ''}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`,
   );
 
   // Requests: the prefill allocated each prompt's blocks in a run; decode
@@ -146,7 +167,7 @@ export async function runDemo(o: DemoOptions): Promise<void> {
     spec: pSpec,
     method: o.method,
     engine: o.engine,
-    progressThread: o.progressThread,
+    progressThread: o.progressThread !== 'none',
     compatibilityHash: hash,
   } satisfies PrefillConfig);
   const failures: string[] = [];
@@ -210,7 +231,7 @@ export async function runDemo(o: DemoOptions): Promise<void> {
               port: ready.port,
               method: o.method,
               engine: o.engine,
-              progressThread: o.progressThread,
+              progressThread: o.progressThread === 'both',
               compatibilityHash: hash,
               rounds,
               inFlight: o.inFlight,
