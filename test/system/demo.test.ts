@@ -103,6 +103,29 @@ it('demo --json FILE: what ran (geometry, every request) and what was measured, 
   fs.rmSync(dir, { recursive: true, force: true });
 }, 60_000);
 
+// On one host UCX copies a READ inside the progress call; the decode ranks run
+// without NIXL's progress thread by default, and every mode still moves every byte.
+describe.skipIf(!engines.includes('nixl'))('demo on NIXL', () => {
+  it.each(['prefill', 'both', 'none'])(
+    '--progress-thread %s: every byte verified, every request freed, the mode in the JSON',
+    (mode) => {
+      const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-demo-pt-'));
+      const file = path.join(dir, 'demo.json');
+      const args = ['--layers', '2', '--blocks', '16', '--requests', '4', '--rounds', '2', '--engine=nixl'];
+      const out = execFileSync(process.execPath, [...cli, ...args, '--progress-thread', mode, '--json', file], {
+        encoding: 'utf8',
+        stdio: ['ignore', 'pipe', 'pipe'],
+      });
+      expect(out).toMatch(/verified\s+every byte/);
+      const r = JSON.parse(fs.readFileSync(file, 'utf8'));
+      expect(r).toMatchObject({ ok: true, engine: 'nixl', progressThread: mode, badRows: 0, released: 8 });
+      expect(r.native).toBeDefined();
+      fs.rmSync(dir, { recursive: true, force: true });
+    },
+    60_000,
+  );
+});
+
 it.each(['http', 'zmq'])(
   'demo --serving over %s: proxy and workers as processes, every answer and KV byte checked, a JSON summary',
   (transport) => {
