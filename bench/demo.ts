@@ -61,6 +61,8 @@ export interface DemoRun {
   baseline: DemoSide;
   /** demo.gbps / baseline.gbps. */
   ratio: number;
+  /** demo.gbPerCpuS / baseline.gbPerCpuS: the work a byte costs, whatever CPU each side got. */
+  cpuRatio: number;
   /** The demo's own memcpy line (one thread, 64 MiB). */
   demoMemcpyGbps: number;
   /** With NIXL: the demo's line for the C++ program on the same NIXL. */
@@ -85,6 +87,10 @@ export interface DemoRow {
   /** Bytes per CPU second, later rounds (the demo: its decode ranks; the baseline: this whole process). */
   demoGbPerCpuS: number;
   baselineGbPerCpuS: number;
+  /** Per run, demo / baseline bytes per CPU second: median and range. On a shared machine the wall-time ratio
+   * says as much about the CPU each side was given as about the work; this one holds still. */
+  cpuRatio: number;
+  cpuRatioRange: [number, number];
   /** memcpy of this process, one thread, 64 MiB, measured between the runs. */
   memcpyGbps: number;
   /** With NIXL: the demo's line for the C++ program on the same NIXL, median over runs. */
@@ -194,6 +200,7 @@ export async function benchDemo(
         demo: d,
         baseline: b,
         ratio: d.gbps / b.gbps,
+        cpuRatio: d.gbPerCpuS / b.gbPerCpuS,
         demoMemcpyGbps: demo!.memcpyGbps,
         ...(native && 'gbps' in native ? { nativeGbps: native.gbps } : {}),
       });
@@ -218,6 +225,8 @@ export async function benchDemo(
     baselineFirstGbps: median(out.map((r) => r.baseline.firstGbps)),
     demoGbPerCpuS: median(out.map((r) => r.demo.gbPerCpuS)),
     baselineGbPerCpuS: median(out.map((r) => r.baseline.gbPerCpuS)),
+    cpuRatio: median(out.map((r) => r.cpuRatio)),
+    cpuRatioRange: range(out.map((r) => r.cpuRatio)),
     memcpyGbps: median(memcpy),
     ...(natives.length ? { nativeGbps: median(natives) } : {}),
   };

@@ -411,7 +411,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
     const runs = quick ? 1 : 3;
     const g = DEMO_ROW;
     console.log(
-      `\n# The demo against the bench for the same blocks: nixl-node demo (a child process: prefill TP ${g.prefillTp} -> decode TP ${g.decodeTp}, ${g.layers} layers x K/V, ${(g.blockKib * 1024) / g.prefillTp / 1024} KiB blocks on a prefill rank, ${(g.blockKib * 1024) / g.decodeTp / 1024} KiB slices per decode rank, ${g.requests} requests x ${g.blocks / g.requests} blocks, ${g.inFlight} in flight per decode rank, ${g.rounds} rounds) / the same pulls through KvPuller in this process; ${runs} run(s), alternating; GB/s of rounds 2-${g.rounds}, round 1 (first touch) apart`,
+      `\n# The demo against the bench for the same blocks: nixl-node demo (a child process: prefill TP ${g.prefillTp} -> decode TP ${g.decodeTp}, ${g.layers} layers x K/V, ${(g.blockKib * 1024) / g.prefillTp / 1024} KiB blocks on a prefill rank, ${(g.blockKib * 1024) / g.decodeTp / 1024} KiB slices per decode rank, ${g.requests} requests x ${g.blocks / g.requests} blocks, ${g.inFlight} in flight per decode rank, ${g.rounds} rounds) / the same pulls through KvPuller in this process; ${runs} run(s), alternating; GB/s of rounds 2-${g.rounds}, round 1 (first touch) apart; ratio = demo / baseline per run, cpu ratio = the same of bytes per CPU second`,
     );
     const rows: DemoRow[] = [];
     const all: DemoRun[] = [];
@@ -434,6 +434,8 @@ export async function runBench(o: BenchOptions): Promise<void> {
         'round 1 baseline',
         'demo GB/cpu-s',
         'baseline GB/cpu-s',
+        'cpu ratio',
+        'range',
         'memcpy GB/s',
         ...(rows.some((r) => r.nativeGbps !== undefined) ? ['native GB/s'] : []),
       ],
@@ -449,6 +451,8 @@ export async function runBench(o: BenchOptions): Promise<void> {
         r.baselineFirstGbps,
         r.demoGbPerCpuS,
         r.baselineGbPerCpuS,
+        r.cpuRatio,
+        rng(r.cpuRatioRange),
         r.memcpyGbps,
         ...(rows.some((x) => x.nativeGbps !== undefined) ? [r.nativeGbps ?? '-'] : []),
       ]),

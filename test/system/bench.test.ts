@@ -147,7 +147,8 @@ it('nixl-node bench --only demo: the demo (a child process, --json) against the 
       baselineFirstGbps: expect.any(Number),
       memcpyGbps: expect.any(Number),
     });
-    for (const k of ['demoGbps', 'baselineGbps', 'ratio', 'demoGbPerCpuS', 'baselineGbPerCpuS'])
+    expect(row.cpuRatioRange).toEqual(pair);
+    for (const k of ['demoGbps', 'baselineGbps', 'ratio', 'demoGbPerCpuS', 'baselineGbPerCpuS', 'cpuRatio'])
       expect(row[k]).toBeGreaterThan(0);
     expect(row.ratio).toBeCloseTo(row.demoGbps / row.baselineGbps, 5); // one run: the ratio of its medians
   }
