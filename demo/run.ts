@@ -93,7 +93,7 @@ function checkMemory(o: DemoOptions): void {
 
 const PROGRESS_TEXT: Record<ProgressThreadMode, string> = {
   prefill:
-    " (NIXL's progress thread on the prefill's agents; the decode ranks' progressed by the engine's poll thread)",
+    " (NIXL's progress thread on the prefill's agents only; the engine's poll thread progresses the decode ranks)",
   both: " (NIXL's progress thread on every agent)",
   none: " (NIXL's progress thread off: the engine's poll thread progresses every agent)",
 };
