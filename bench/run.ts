@@ -17,6 +17,7 @@ import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
 import { benchMultiturn } from './multiturn';
 import { benchMultiturnGguf } from './multiturn-gguf';
+import { benchDemo, DEMO_ROW, type DemoRow, type DemoRun } from './demo';
 import { benchPush } from './push';
 import { modelPath } from '../lib/serving/models/test-models';
 import { fmtBytes, median } from './stats';
@@ -36,9 +37,10 @@ export const SECTIONS = [
   'fleet',
   'prefix',
   'grid',
+  'demo',
 ];
-/** What runs when no section is named: all but the grid and the GGUF fleet (minutes each). */
-export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid' && s !== 'prefix');
+/** What runs when no section is named: all but the grid, the GGUF fleet and the demo (minutes each). */
+export const DEFAULT_SECTIONS = SECTIONS.filter((s) => s !== 'grid' && s !== 'prefix' && s !== 'demo');
 
 function table(head: string[], rows: Array<Array<string | number>>): void {
   const cells = rows.map((r) =>
@@ -462,6 +464,64 @@ export async function runBench(o: BenchOptions): Promise<void> {
         ],
       });
     }
+  }
+
+  if (only.includes('demo')) {
+    const runs = quick ? 1 : 3;
+    const g = DEMO_ROW;
+    console.log(
+      `\n# The demo against the bench for the same blocks: nixl-node demo (a child process: prefill TP ${g.prefillTp} -> decode TP ${g.decodeTp}, ${g.layers} layers x K/V, ${(g.blockKib * 1024) / g.prefillTp / 1024} KiB blocks on a prefill rank, ${(g.blockKib * 1024) / g.decodeTp / 1024} KiB slices per decode rank, ${g.requests} requests x ${g.blocks / g.requests} blocks, ${g.inFlight} in flight per decode rank, ${g.rounds} rounds) / the same pulls through KvPuller in this process; ${runs} run(s), alternating; GB/s of rounds 2-${g.rounds}, round 1 (first touch) apart; ratio = demo / baseline per run, cpu ratio = the same of bytes per CPU second`,
+    );
+    const rows: DemoRow[] = [];
+    const all: DemoRun[] = [];
+    for (const e of runEngines) {
+      const r = await benchDemo(e, runs);
+      rows.push(r.row);
+      all.push(...r.runs);
+    }
+    const rng = (x: [number, number]) => `${x[0].toFixed(2)}-${x[1].toFixed(2)}`;
+    table(
+      [
+        'engine',
+        'demo GB/s',
+        'range',
+        'baseline GB/s',
+        'range',
+        'ratio',
+        'ratio range',
+        'round 1 demo',
+        'round 1 baseline',
+        'demo GB/cpu-s',
+        'baseline GB/cpu-s',
+        'cpu ratio',
+        'range',
+        'memcpy GB/s',
+        ...(rows.some((r) => r.nativeGbps !== undefined) ? ['native GB/s'] : []),
+      ],
+      rows.map((r) => [
+        r.engine,
+        r.demoGbps,
+        rng(r.demoRange),
+        r.baselineGbps,
+        rng(r.baselineRange),
+        r.ratio,
+        rng(r.ratioRange),
+        r.demoFirstGbps,
+        r.baselineFirstGbps,
+        r.demoGbPerCpuS,
+        r.baselineGbPerCpuS,
+        r.cpuRatio,
+        rng(r.cpuRatioRange),
+        r.memcpyGbps,
+        ...(rows.some((x) => x.nativeGbps !== undefined) ? [r.nativeGbps ?? '-'] : []),
+      ]),
+    );
+    result.demo = { rows, runs: all };
+    panels.push({
+      title: 'The demo / the same pulls in one process',
+      reference: 1,
+      bars: rows.map((r) => ({ label: r.engine, value: r.ratio })),
+    });
   }
 
   const json = o.json;

@@ -16,14 +16,16 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --svg FILE       write a bar chart
   --quick          fewer repetitions
   --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,serving,multiturn,push,fleet,
-                   prefix,grid (default all but prefix and grid; native: against a C++ program on the installed NIXL,
-                   when NIXL is compiled in; serving: a generated llama GGUF through node-llama-cpp, when it is
-                   installed; multiturn: turn 2 reading turn 1's KV from its decode against recomputing
-                   (synthetic model, and GGUF when node-llama-cpp is installed); push: push beside pull
-                   through the proxy (synthetic model);
+                   prefix,grid,demo (default all but prefix, grid and demo; native: against a C++ program on
+                   the installed NIXL, when NIXL is compiled in; serving: a generated llama GGUF through
+                   node-llama-cpp, when it is installed; multiturn: turn 2 reading turn 1's KV from its decode
+                   against recomputing (synthetic model, and GGUF when node-llama-cpp is installed); push: push
+                   beside pull through the proxy (synthetic model, and GGUF when node-llama-cpp is installed);
                    fleet: the proxy's 'load' policy against round-robin on synthetic workers;
                    prefix: the same with GGUF prefills reusing cached prefixes, minutes: ask for it;
-                   grid: nixlbench's shape, READ and WRITE over block x batch sizes, minutes: ask for it)
+                   grid: nixlbench's shape, READ and WRITE over block x batch sizes, minutes: ask for it;
+                   demo: nixl-node demo as a child process against the same pulls in one process,
+                   3 runs (--quick: 1), a minute or more: ask for it)
   grid, with nixlbench's option names and defaults (--quick: steps of 4, 100 iterations, 10 warm-up):
   --start-block-size N  (4096)      --max-block-size N  (67108864)
   --start-batch-size N  (1)         --max-batch-size N  (64; nixlbench's default is 1)

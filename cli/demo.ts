@@ -1,8 +1,16 @@
 // nixl-node demo [--serving]: the options of the two demos (demo/run.ts,
 // demo/serving.ts), with the bench's native baseline passed to the KV demo.
-import type { DemoOptions } from '../demo/run';
+import type { DemoOptions, ProgressThreadMode } from '../demo/run';
 import { engines } from '../lib';
-import { UCX_NET_DEVICES_HELP, UCX_NET_DEVICES_OPTION, applyUcxNetDevices, oneOf, parse, positiveInt } from './args';
+import {
+  UCX_NET_DEVICES_HELP,
+  UCX_NET_DEVICES_OPTION,
+  UsageError,
+  applyUcxNetDevices,
+  oneOf,
+  parse,
+  positiveInt,
+} from './args';
 
 const HELP = `nixl-node demo: disaggregated prefill -> decode KV-cache transfer
 
@@ -20,10 +28,14 @@ Usage: nixl-node demo [options]   (or npm run demo -- [options]); --x=y works to
                    the prefill's pages for the first time, the later ones as a cache in service
   --method M       handshake: zmq | http (default zmq, or NIXL_HANDSHAKE_METHOD)
   --engine E       loopback | nixl (default: nixl if compiled in)
+  --progress-thread W
+                   nixl: the agents that run NIXL's own progress thread: prefill (default), both or
+                   none; the engine's poll thread progresses the others (a decode rank only reads);
+                   see docs/benchmarks.md#the-demo-on-nixl
   --no-progress-thread
-                   nixl: agents without NIXL's progress thread (the engine's poller
-                   progresses them); faster on one host, see docs/benchmarks.md#the-nixl-engine-against-a-native-program-on-the-same-nixl
+                   the same as --progress-thread none
   --mla            MLA: one latent cache per layer, replicated on every rank
+  --json FILE      also write what ran and was measured as JSON (the bench's demo row reads it)
 ${UCX_NET_DEVICES_HELP}  --serving        the serving demo instead: clients -> proxy -> workers (nixl-node demo --serving --help)
 `;
 
@@ -39,10 +51,25 @@ const ARGS = {
   rounds: { type: 'string' },
   method: { type: 'string' },
   engine: { type: 'string' },
+  'progress-thread': { type: 'string' },
   'no-progress-thread': { type: 'boolean' },
   mla: { type: 'boolean' },
+  json: { type: 'string' },
   ...UCX_NET_DEVICES_OPTION,
 } as const;
+
+function progressThreadMode(v: Record<string, unknown>): ProgressThreadMode {
+  if (v['no-progress-thread'] !== true)
+    return oneOf(v, 'progress-thread', ['prefill', 'both', 'none'] as const, 'prefill');
+  if (v['progress-thread'] !== undefined && v['progress-thread'] !== 'none')
+    throw new UsageError(`--no-progress-thread contradicts --progress-thread ${String(v['progress-thread'])}`);
+  return 'none';
+}
+
+function nonEmpty(s: string, name: string): string {
+  if (s === '') throw new UsageError(`${name} needs a file name`);
+  return s;
+}
 
 export function parseDemoArgs(argv: string[]): DemoOptions {
   const v = parse(argv, ARGS, HELP);
@@ -65,8 +92,9 @@ export function parseDemoArgs(argv: string[]): DemoOptions {
       ['loopback', 'nixl'] as const,
       (process.env.NIXL_NODE_ENGINE as 'nixl' | 'loopback') ?? (engines.includes('nixl') ? 'nixl' : 'loopback'),
     ),
-    progressThread: v['no-progress-thread'] !== true,
+    progressThread: progressThreadMode(v),
     mla: v.mla === true,
+    json: v.json === undefined ? undefined : nonEmpty(String(v.json), '--json'),
   };
   return o;
 }

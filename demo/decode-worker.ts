@@ -39,6 +39,8 @@ export interface RoundReport {
   transferMs: number[];
   /** CPU time of this process (every thread: JS, the engine's copying thread) from start to end. */
   cpuMs: number;
+  /** The part of cpuMs spent in the kernel (system calls: process_vm_readv copies, page faults, futexes). */
+  sysCpuMs: number;
   /** CPU time of the JS thread alone from start to end (Linux; NaN elsewhere). */
   jsCpuMs: number;
   /** Checking every byte of the round, after its pulls (not in start..end). */
@@ -99,6 +101,7 @@ async function pullRound(
     postMs: [],
     transferMs: [],
     cpuMs: 0,
+    sysCpuMs: 0,
     jsCpuMs: 0,
     verifyMs: 0,
     bad: 0,
@@ -126,6 +129,7 @@ async function pullRound(
   r.end = now();
   const cpu = process.cpuUsage(cpu0);
   r.cpuMs = (cpu.user + cpu.system) / 1000;
+  r.sysCpuMs = cpu.system / 1000;
   r.jsCpuMs = (threadCpuNs() - js0) / 1e6;
   // Verify after all pulls: every byte of every block this rank received.
   const v0 = performance.now();

@@ -3,7 +3,7 @@
 // KV cache in service does), per request, per descriptor and per rank.
 import type { RoundReport } from './decode-worker';
 
-const median = (xs: number[]): number => {
+export const median = (xs: number[]): number => {
   const s = [...xs].sort((a, b) => a - b);
   const m = s.length >> 1;
   return s.length === 0 ? Number.NaN : s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
@@ -27,6 +27,8 @@ export interface RoundSummary {
   gbPerCpuS: number;
   /** Share of that CPU time spent on the JS threads (making, posting and completing requests). */
   jsShare: number;
+  /** Share of that CPU time spent in the kernel (NIXL on one host: UCX's cma copies with process_vm_readv). */
+  sysShare: number;
   verifyMs: number;
 }
 
@@ -49,6 +51,7 @@ export function summarizeRound(ranks: RoundReport[]): RoundSummary {
     cores: cpuMs / wallMs,
     gbPerCpuS: bytes / (cpuMs * 1e6),
     jsShare: ranks.reduce((a, r) => a + r.jsCpuMs, 0) / cpuMs,
+    sysShare: ranks.reduce((a, r) => a + r.sysCpuMs, 0) / cpuMs,
     verifyMs: Math.max(...ranks.map((r) => r.verifyMs)),
   };
 }
@@ -74,6 +77,7 @@ export function printBreakdown(
     'cores',
     'GB/cpu-s',
     'js',
+    'kernel',
     'verify ms',
   ];
   const cells = rounds.map((r) => [
@@ -89,6 +93,7 @@ export function printBreakdown(
     r.cores.toFixed(2),
     r.gbPerCpuS.toFixed(2),
     Number.isNaN(r.jsShare) ? '-' : `${(100 * r.jsShare).toFixed(0)}%`,
+    `${(100 * r.sysShare).toFixed(0)}%`,
     r.verifyMs.toFixed(0),
   ]);
   const w = head.map((h, i) => Math.max(h.length, ...cells.map((c) => c[i].length)));
@@ -100,7 +105,10 @@ export function printBreakdown(
     "    transfer: post to completion; us/desc: a rank's wall time over its descriptors; verify: not in wall time;",
   );
   console.log(
-    '    cores: CPU time of all decode ranks over the wall time; GB/cpu-s: bytes per second of that CPU time; js: its share on JS threads',
+    '    cores: CPU time of all decode ranks over the wall time; GB/cpu-s: bytes per second of that CPU time; js: its share on JS threads;',
+  );
+  console.log(
+    "    kernel: its share in the kernel (system calls: NIXL's UCX copies with process_vm_readv on one host, the loopback engine with memcpy)",
   );
   const first = rounds[0];
   const later = rounds.slice(1);

@@ -12,9 +12,21 @@ import { computeCompatibilityHash } from '../lib/handshake';
 import { targetRemoteRanks } from '../lib/kv';
 import { nativeProgram } from '../lib/native-program';
 import type { DecodeConfig, DemoRequest, RoundReport } from './decode-worker';
-import { printBreakdown } from './report';
+import { median, printBreakdown } from './report';
+import { type DemoResult, type NativeBaseline, writeDemoResult } from './result';
 import type { PrefillConfig } from './prefill-worker';
 import { rankBytes, rankDims, type KvSpec } from './kvpattern';
+
+/**
+ * Where NIXL's own progress thread runs. 'prefill': on the prefill's agents
+ * only. A decode rank only starts READs, and the engine's poll thread
+ * progresses those; on one host UCX copies them (cma) inside the progress
+ * call that holds the worker's lock, and a second thread progressing the
+ * same worker spins on that lock for the whole copy, doubling the CPU a byte
+ * costs. A prefill's agents serve reads (UCX over TCP needs the target to
+ * progress), so they keep it.
+ */
+export type ProgressThreadMode = 'prefill' | 'both' | 'none';
 
 /** What the demo runs (cli/demo.ts parses them from the command line). */
 export interface DemoOptions {
@@ -29,9 +41,11 @@ export interface DemoOptions {
   rounds: number;
   method: 'zmq' | 'http';
   engine: 'loopback' | 'nixl';
-  /** NIXL's own progress thread on every agent (nixl engine). */
-  progressThread: boolean;
+  /** Which agents run NIXL's own progress thread (nixl engine). */
+  progressThread: ProgressThreadMode;
   mla: boolean;
+  /** Also write what ran and was measured here as JSON (demo/result.ts). */
+  json?: string;
 }
 
 /**
@@ -40,7 +54,10 @@ export interface DemoOptions {
  */
 export function checkDemoOptions(o: DemoOptions): void {
   const bad = (m: string) => new NixlError(m, 'NIXL_ERR_INVALID_PARAM');
-  if (!o.progressThread && o.engine !== 'nixl') throw bad('--no-progress-thread: only with --engine nixl');
+  if (o.progressThread !== 'prefill' && o.engine !== 'nixl')
+    throw bad(
+      `${o.progressThread === 'none' ? '--no-progress-thread' : `--progress-thread ${o.progressThread}`}: only with --engine nixl`,
+    );
   if (o.engine === 'nixl' && !engines.includes('nixl'))
     throw bad('--engine nixl: NIXL is not compiled in (install NIXL, set NIXL_PREFIX and rebuild)');
   if (!o.mla && (o.heads % o.prefillTp || o.heads % o.decodeTp))
@@ -73,6 +90,13 @@ function checkMemory(o: DemoOptions): void {
     );
   }
 }
+
+const PROGRESS_TEXT: Record<ProgressThreadMode, string> = {
+  prefill:
+    " (NIXL's progress thread on the prefill's agents only; the engine's poll thread progresses the decode ranks)",
+  both: " (NIXL's progress thread on every agent)",
+  none: " (NIXL's progress thread off: the engine's poll thread progresses every agent)",
+};
 
 const GiB = 2 ** 30;
 const fmt = (b: number) => (b >= GiB ? `${(b / GiB).toFixed(2)} GiB` : `${(b / 2 ** 20).toFixed(1)} MiB`);
@@ -122,7 +146,7 @@ export async function runDemo(o: DemoOptions): Promise<void> {
     `  block per region: ${pBlock / 1024} KiB on a prefill rank, ${dBlock / 1024} KiB on a decode rank; ${fmt(rankBytes({ ...pSpec, tpRank: 0 }) * o.prefillTp)} of KV on the prefill side`,
   );
   console.log(
-    `  engine ${o.engine}${o.engine === 'nixl' ? (o.progressThread ? ' (NIXL progress thread on)' : ' (NIXL progress thread off)') : ''}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`,
+    `  engine ${o.engine}${o.engine === 'nixl' ? PROGRESS_TEXT[o.progressThread] : ''}, handshake over ${o.method}, ${o.requests} requests, ${o.inFlight} pulls in flight per decode rank`,
   );
 
   // Requests: the prefill allocated each prompt's blocks in a run; decode
@@ -143,7 +167,7 @@ export async function runDemo(o: DemoOptions): Promise<void> {
     spec: pSpec,
     method: o.method,
     engine: o.engine,
-    progressThread: o.progressThread,
+    progressThread: o.progressThread !== 'none',
     compatibilityHash: hash,
   } satisfies PrefillConfig);
   const failures: string[] = [];
@@ -207,7 +231,7 @@ export async function runDemo(o: DemoOptions): Promise<void> {
               port: ready.port,
               method: o.method,
               engine: o.engine,
-              progressThread: o.progressThread,
+              progressThread: o.progressThread === 'both',
               compatibilityHash: hash,
               rounds,
               inFlight: o.inFlight,
@@ -266,16 +290,58 @@ export async function runDemo(o: DemoOptions): Promise<void> {
         : `${released}/${requests.length} (timed out waiting)`,
     ],
   ];
-  if (o.engine === 'nixl') rows.push(['native NIXL', nativeLine(dBlock)]);
+  const native = o.engine === 'nixl' ? nativeBaseline(dBlock) : undefined;
+  if (native) rows.push(['native NIXL', nativeLine(native)]);
   console.log('');
   const w = Math.max(...rows.map((r) => r[0].length));
   for (const [k, v] of rows) console.log(`  ${k.padEnd(w)}  ${v}`);
-  printBreakdown(roundReports, {
+  const memcpy = memcpyGbps();
+  const summaries = printBreakdown(roundReports, {
     handshakeMs,
     remoteRanks: (i) => targetRemoteRanks(o.decodeTp, i, o.prefillTp),
-    memcpyGbps: memcpyGbps(),
+    memcpyGbps: memcpy,
   });
-  if (bad || !releasedInTime || expired) failures.push('verification or release failed');
+  if (bad) failures.push(`${bad} head rows WRONG`);
+  if (!releasedInTime) failures.push(`the prefill freed ${released}/${requests.length} requests`);
+  if (expired) failures.push(`${expired} requests expired`);
+  if (o.json) {
+    const later = summaries.slice(1).map((r) => r.gbps);
+    writeDemoResult(o.json, {
+      ok: failures.length === 0,
+      failures,
+      engine: o.engine,
+      method: o.method,
+      progressThread: o.progressThread,
+      geometry: {
+        prefillTp: o.prefillTp,
+        decodeTp: o.decodeTp,
+        layers: o.layers,
+        regions,
+        blocks: o.blocks,
+        heads: o.heads,
+        mla: o.mla,
+        blockKib: o.blockKib,
+        prefillBlockBytes: pBlock,
+        decodeBlockBytes: dBlock,
+        requests: o.requests,
+        blocksPerRequest: per,
+        inFlight: o.inFlight,
+        rounds: o.rounds,
+      },
+      plan: rounds,
+      handshakeMs,
+      bytes,
+      descriptors: all.reduce((a, r) => a + r.descriptors, 0),
+      badRows: bad,
+      released,
+      expired,
+      memcpyGbps: memcpy,
+      rounds: summaries,
+      firstGbps: summaries[0].gbps,
+      laterGbps: later.length ? { median: median(later), min: Math.min(...later), max: Math.max(...later) } : null,
+      native,
+    } satisfies DemoResult);
+  }
   if (failures.length) throw new Error(`demo FAILED: ${failures.join('; ')}`);
 }
 
@@ -299,10 +365,10 @@ function memcpyGbps(): number {
  * 64 MiB in blocks of the decode's size with scattered ids, as the demo's
  * shuffled decode blocks are: what this machine's NIXL does without Node.
  */
-function nativeLine(block: number): string {
+function nativeBaseline(block: number): NativeBaseline {
   try {
     const prog = nativeProgram();
-    if ('skip' in prog) return `(baseline skipped: ${prog.skip})`;
+    if ('skip' in prog) return { skip: prog.skip };
     const count = Math.min(4096, Math.floor((64 << 20) / block));
     const out = execFileSync(
       prog.path,
@@ -313,8 +379,14 @@ function nativeLine(block: number): string {
       },
     );
     const j = JSON.parse(out.trim().split('\n').at(-1)!);
-    return `${j.gbps.toFixed(2)} GB/s (${j.gbpsMin.toFixed(2)}-${j.gbpsMax.toFixed(2)}): a C++ program on the same NIXL, one process pair, ${count} scattered ${block / 1024} KiB blocks`;
+    return { gbps: j.gbps, gbpsMin: j.gbpsMin, gbpsMax: j.gbpsMax, blockBytes: block, blocks: count };
   } catch (e) {
-    return `(baseline failed: ${(e as Error).message.split('\n')[0]})`;
+    return { error: (e as Error).message.split('\n')[0] };
   }
+}
+
+function nativeLine(n: NativeBaseline): string {
+  if ('skip' in n) return `(baseline skipped: ${n.skip})`;
+  if ('error' in n) return `(baseline failed: ${n.error})`;
+  return `${n.gbps.toFixed(2)} GB/s (${n.gbpsMin.toFixed(2)}-${n.gbpsMax.toFixed(2)}): a C++ program on the same NIXL, one process pair, ${n.blocks} scattered ${n.blockBytes / 1024} KiB blocks`;
 }

@@ -133,3 +133,46 @@ it('nixl-node bench --only grid: nixlbench-shaped rows per engine, op, block and
   expect(stdout).toMatch(/first transfer of a fresh agent pair/);
   fs.rmSync(dir, { recursive: true, force: true });
 }, 90_000);
+
+it('nixl-node bench --only demo: the demo (a child process, --json) against the same pulls through KvPuller in this process', async () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-demo-row-'));
+  const json = path.join(dir, 'demo.json');
+  const { stdout } = await run(
+    process.execPath,
+    [path.join(ROOT, 'dist/cli/nixl-node.js'), 'bench', '--only', 'demo', '--quick', '--json', json],
+    { timeout: 120_000 },
+  );
+  const r = JSON.parse(fs.readFileSync(json, 'utf8'));
+  const engines: string[] = r.engine.split(' + ');
+  const pair = [expect.any(Number), expect.any(Number)];
+  // The demo's default job, named in the row: TP 2 -> 4, 32 layers, 64 KiB per block of all heads.
+  const geometry = { prefillTp: 2, decodeTp: 4, layers: 32, blocks: 256, blockKib: 64, requests: 16, inFlight: 4 };
+  expect(r.demo.rows.map((x: { engine: string }) => x.engine)).toEqual(engines);
+  for (const row of r.demo.rows) {
+    expect(row).toMatchObject({
+      runs: 1,
+      geometry,
+      demoRange: pair,
+      baselineRange: pair,
+      ratioRange: pair,
+      demoFirstGbps: expect.any(Number),
+      baselineFirstGbps: expect.any(Number),
+      memcpyGbps: expect.any(Number),
+    });
+    expect(row.cpuRatioRange).toEqual(pair);
+    for (const k of ['demoGbps', 'baselineGbps', 'ratio', 'demoGbPerCpuS', 'baselineGbPerCpuS', 'cpuRatio'])
+      expect(row[k]).toBeGreaterThan(0);
+    expect(row.ratio).toBeCloseTo(row.demoGbps / row.baselineGbps, 5); // one run: the ratio of its medians
+  }
+  // One run per engine, each side with round 1 apart and the later rounds.
+  expect(r.demo.runs).toHaveLength(engines.length);
+  for (const x of r.demo.runs) {
+    expect(x.first).toBe('demo');
+    for (const s of [x.demo, x.baseline]) {
+      expect(s.firstGbps).toBeGreaterThan(0);
+      expect(s.laterGbps).toHaveLength(2);
+    }
+  }
+  expect(stdout).toMatch(/# The demo against the bench for the same blocks/);
+  fs.rmSync(dir, { recursive: true, force: true });
+}, 150_000);

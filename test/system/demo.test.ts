@@ -2,6 +2,8 @@
 // must verify every byte and free every request; bad input is one line on
 // stderr and exit code 2, never a stack trace.
 import { execFileSync } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
 import * as path from 'node:path';
 import { describe, expect, it } from 'vitest';
 // The compiled module: it finds bin/ from dist/demo/, as the installed package does.
@@ -43,6 +45,86 @@ it.each([
   },
   60_000,
 );
+
+it('demo --json FILE: what ran (geometry, every request) and what was measured, per round', () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-demo-json-'));
+  const file = path.join(dir, 'demo.json');
+  const args = ['--layers', '2', '--blocks', '16', '--requests', '4', '--rounds', '2', '--engine=loopback'];
+  execFileSync(process.execPath, [...cli, ...args, '--json', file], { stdio: 'ignore' });
+  const r = JSON.parse(fs.readFileSync(file, 'utf8'));
+  expect(r).toMatchObject({
+    ok: true,
+    failures: [],
+    engine: 'loopback',
+    method: 'zmq',
+    progressThread: 'prefill',
+    badRows: 0,
+    released: 8,
+    expired: 0,
+    geometry: {
+      prefillTp: 2,
+      decodeTp: 4,
+      layers: 2,
+      regions: 4,
+      blocks: 16,
+      heads: 8,
+      mla: false,
+      blockKib: 64,
+      prefillBlockBytes: 32 << 10,
+      decodeBlockBytes: 16 << 10,
+      requests: 4,
+      blocksPerRequest: 4,
+      inFlight: 4,
+      rounds: 2,
+    },
+  });
+  // Every round's requests, so that another program can pull exactly the same blocks.
+  expect(r.plan).toHaveLength(2);
+  for (const round of r.plan) {
+    expect(round).toHaveLength(4);
+    expect(round.flatMap((q: { remote: number[] }) => q.remote).sort((a: number, b: number) => a - b)).toEqual(
+      Array.from({ length: 16 }, (_, i) => i),
+    );
+    expect(new Set(round.flatMap((q: { local: number[] }) => q.local)).size).toBe(16);
+  }
+  // 4 decode ranks x 2 rounds x 16 blocks x 4 regions of 16 KiB.
+  expect(r.bytes).toBe(4 * 2 * 16 * 4 * (16 << 10));
+  expect(r.descriptors).toBe(4 * 2 * 16 * 4);
+  expect(r.handshakeMs).toHaveLength(4);
+  expect(r.rounds.map((x: { round: number }) => x.round)).toEqual([0, 1]);
+  for (const x of r.rounds) {
+    expect(x.bytes).toBe(r.bytes / 2);
+    for (const k of ['wallMs', 'gbps', 'requestMs', 'usPerDescriptor']) expect(x[k]).toBeGreaterThan(0);
+  }
+  expect(r.firstGbps).toBe(r.rounds[0].gbps);
+  expect(r.laterGbps).toEqual({ median: r.rounds[1].gbps, min: r.rounds[1].gbps, max: r.rounds[1].gbps });
+  expect(r.memcpyGbps).toBeGreaterThan(0);
+  expect(r.native).toBeUndefined();
+  fs.rmSync(dir, { recursive: true, force: true });
+}, 60_000);
+
+// On one host UCX copies a READ inside the progress call; the decode ranks run
+// without NIXL's progress thread by default, and every mode still moves every byte.
+describe.skipIf(!engines.includes('nixl'))('demo on NIXL', () => {
+  it.each(['prefill', 'both', 'none'])(
+    '--progress-thread %s: every byte verified, every request freed, the mode in the JSON',
+    (mode) => {
+      const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-demo-pt-'));
+      const file = path.join(dir, 'demo.json');
+      const args = ['--layers', '2', '--blocks', '16', '--requests', '4', '--rounds', '2', '--engine=nixl'];
+      const out = execFileSync(process.execPath, [...cli, ...args, '--progress-thread', mode, '--json', file], {
+        encoding: 'utf8',
+        stdio: ['ignore', 'pipe', 'pipe'],
+      });
+      expect(out).toMatch(/verified\s+every byte/);
+      const r = JSON.parse(fs.readFileSync(file, 'utf8'));
+      expect(r).toMatchObject({ ok: true, engine: 'nixl', progressThread: mode, badRows: 0, released: 8 });
+      expect(r.native).toBeDefined();
+      fs.rmSync(dir, { recursive: true, force: true });
+    },
+    60_000,
+  );
+});
 
 it.each(['http', 'zmq'])(
   'demo --serving over %s: proxy and workers as processes, every answer and KV byte checked, a JSON summary',
@@ -90,7 +172,11 @@ it.each([
   [['demo', '--layers=64', '--blocks=60000', '--block-kib=64'], /more than one Buffer can|is free/],
   [['demo', '--method', 'grpc'], /--method must be one of zmq, http/],
   [['demo', '--engine', 'loopback', '--no-progress-thread'], /--no-progress-thread: only with --engine nixl/],
+  [['demo', '--engine', 'loopback', '--progress-thread', 'both'], /--progress-thread both: only with --engine nixl/],
+  [['demo', '--progress-thread', 'sometimes'], /--progress-thread must be one of prefill, both, none/],
+  [['demo', '--no-progress-thread', '--progress-thread', 'both'], /contradicts --progress-thread both/],
   [['demo', '--bogus'], /Unknown option '--bogus'/],
+  [['demo', '--json='], /--json needs a file name/],
   [['bench', '--only=nothing'], /unknown section/],
   [['frobnicate'], /unknown command 'frobnicate'/],
   [['demo', '--serving', '--transport', 'smtp'], /--transport must be one of http, zmq/],
