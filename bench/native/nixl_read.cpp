@@ -346,8 +346,15 @@ int main(int argc, char** argv) {
     good = runJob(p, job);
   }
   ok(p.agent->genNotif(p.target, "done"), "genNotif");
+  // Without a progress thread nothing sends the notification but this
+  // agent's own progress (getNotifs drives it): keep progressing until the
+  // target has read it and exited.
   int status = 0;
-  waitpid(p.child, &status, 0);
+  while (waitpid(p.child, &status, WNOHANG) == 0) {
+    nixl_notifs_t ignored;
+    p.agent->getNotifs(ignored);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   p.agent->deregisterMem(p.reg);
   delete p.agent;
   return good && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
