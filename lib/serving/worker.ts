@@ -1009,6 +1009,13 @@ function bindingOf(p: ReturnType<typeof parseKvTransferParams>): KvBinding {
 /** Loads the model the options name, then starts the worker. */
 export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   wireProfile(o.wire); // a bad profile fails before anything starts
+  // A push worker serves push only, and push never reads a held turn: a decode would evaluate and save every
+  // turn again for nobody (vLLM refuses the pair at startup too, #46473).
+  if (o.bidirectionalKv && o.kvMode === 'push')
+    throw new NixlError(
+      'bidirectional KV (multi-turn) goes with pull mode only: push never reads a held turn (vLLM refuses it too)',
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
   const blocks = o.blocks ?? 512;
   const blockBytes = o.blockBytes ?? 64 << 10;
   const model =

@@ -1,0 +1,98 @@
+// GGUF conversations at once through the proxy (docs/multiturn.md): two
+// conversations interleaved on workers of two contexts each (the prefill's
+// own prefix cache on, as by default), and one conversation_id used by two
+// clients at once with other histories. Every answer is node-llama-cpp's
+// alone for its own messages, whatever each turn read.
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { OneProcess } from '../../demo/llama-reference';
+import { modelPath } from '../../lib/serving/models/test-models';
+import { serveTrio } from '../helpers';
+
+const CTX = { contextSize: 1024, threads: 1, batchSize: 16 };
+const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-turn-concurrent-'));
+afterAll(() => fs.rmSync(dir, { recursive: true, force: true }));
+
+// biome-ignore lint/suspicious/noExplicitAny: answers are JSON read field by field
+type Json = Record<string, any>;
+type Message = { role: string; content: string };
+
+const TURNS = {
+  a: [
+    'Hello! Tell me a short story about a dragon and a knight who become friends.',
+    'What was the name of the dragon?',
+    'And the knight?',
+  ],
+  b: ['Привет! Расскажи мне короткую историю о драконе. 你好吗？', 'Quel temps fait-il aujourd’hui ?', 'Спасибо! 🙂'],
+};
+
+describe.each(['tiny', 'tiny-utf8'])('%s: conversations at once', (name) => {
+  let ref: OneProcess;
+  let proxyUrl: string;
+  const closers: Array<() => unknown> = [];
+  beforeAll(async () => {
+    const gguf = modelPath(name, dir);
+    ref = await OneProcess.load(gguf, CTX);
+    const worker = { model: gguf, ...CTX, parallel: 2, bidirectionalKv: true, kvRecomputeThreshold: 16, kvSecret: 'k' };
+    ({
+      proxy: { url: proxyUrl },
+    } = await serveTrio(closers, { prefill: worker, decode: worker }));
+  }, 120_000);
+  afterAll(async () => {
+    for (const c of closers.reverse()) await c();
+    await ref?.close();
+  });
+
+  async function chat(messages: Message[], maxTokens: number, conversation: string) {
+    const r = await fetch(`${proxyUrl}/v1/chat/completions`, {
+      method: 'POST',
+      body: JSON.stringify({ messages, max_tokens: maxTokens, temperature: 0, conversation_id: conversation }),
+    });
+    const json = (await r.json()) as Json;
+    expect(r.status, JSON.stringify(json)).toBe(200);
+    return { text: json.choices[0].message.content as string, info: json.nixl_node as Json };
+  }
+
+  const reference = async (messages: Message[], maxTokens: number) =>
+    (await ref.generate({ chat: true, text: messages.at(-1)!.content, history: messages.slice(0, -1), maxTokens }))
+      .text;
+
+  it('two conversations interleaved: each turn answers as node-llama-cpp alone', async () => {
+    const run = async (turns: string[], conv: string) => {
+      const messages: Message[] = [];
+      const out: Array<{ messages: Message[]; text: string; reused: number }> = [];
+      for (const [i, user] of turns.entries()) {
+        messages.push({ role: 'user', content: user });
+        const a = await chat(messages, 16 + 4 * i, conv);
+        out.push({ messages: [...messages], text: a.text, reused: a.info.kv_reused_tokens ?? 0 });
+        messages.push({ role: 'assistant', content: a.text });
+      }
+      return out;
+    };
+    const both = await Promise.all([run(TURNS.a, `${name}-a`), run(TURNS.b, `${name}-b`)]);
+    for (const turns of both)
+      for (const [i, t] of turns.entries())
+        expect(t.text, `turn ${i + 1}`).toBe(await reference(t.messages, 16 + 4 * i));
+    // Reuse itself is not asserted: the prefill's own prefix cache may cover what a turn holds (`cached`).
+  }, 300_000);
+
+  it('one conversation_id, two clients at once with other histories: each answers its own messages', async () => {
+    const conv = `${name}-shared`;
+    const firsts = [TURNS.a[0], TURNS.b[0]];
+    const ones = await Promise.all(firsts.map((f) => chat([{ role: 'user', content: f }], 16, conv)));
+    const histories = firsts.map((f, i) => [
+      { role: 'user', content: f },
+      { role: 'assistant', content: ones[i].text },
+      { role: 'user', content: 'Go on.' },
+    ]);
+    const twos = await Promise.all(histories.map((h) => chat(h, 12, conv)));
+    for (const [i, h] of histories.entries()) {
+      expect(ones[i].text).toBe(await reference(h.slice(0, 1), 16));
+      expect(twos[i].text).toBe(await reference(h, 12));
+    }
+    // Again, one after the other, on the entry the last of them left.
+    for (const h of histories) expect((await chat(h, 12, conv)).text).toBe(await reference(h, 12));
+  }, 300_000);
+});
