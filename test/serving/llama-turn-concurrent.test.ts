@@ -96,3 +96,73 @@ describe.each(['tiny', 'tiny-utf8'])('%s: conversations at once', (name) => {
     for (const h of histories) expect((await chat(h, 12, conv)).text).toBe(await reference(h, 12));
   }, 300_000);
 });
+
+describe('tiny-utf8: unlucky turns through the proxy', () => {
+  let ref: OneProcess;
+  let proxyUrl: string;
+  let held: () => number;
+  const closers: Array<() => unknown> = [];
+  beforeAll(async () => {
+    const gguf = modelPath('tiny-utf8', dir);
+    ref = await OneProcess.load(gguf, CTX);
+    const worker = { model: gguf, ...CTX, parallel: 1, bidirectionalKv: true, kvRecomputeThreshold: 16 };
+    const trio = await serveTrio(closers, { prefill: { ...worker, prefixCache: false }, decode: worker });
+    proxyUrl = trio.proxy.url;
+    held = () => trio.decode.turns!.held;
+  }, 120_000);
+  afterAll(async () => {
+    for (const c of closers.reverse()) await c();
+    await ref?.close();
+  });
+
+  async function chat(messages: Message[], maxTokens: number, conversation: string) {
+    const r = await fetch(`${proxyUrl}/v1/chat/completions`, {
+      method: 'POST',
+      body: JSON.stringify({ messages, max_tokens: maxTokens, temperature: 0, conversation_id: conversation }),
+    });
+    return { status: r.status, json: (await r.json()) as Json };
+  }
+  const reference = async (messages: Message[], maxTokens: number) =>
+    (await ref.generate({ chat: true, text: messages.at(-1)!.content, history: messages.slice(0, -1), maxTokens }))
+      .text;
+
+  it('answers cut at max_tokens (mid-character), sent back as given or re-spaced or decomposed: turn 2 as node-llama-cpp alone', async () => {
+    const first = 'Привет! Расскажи мне короткую историю о драконе. 你好吗？ Ça va ?';
+    for (const maxTokens of [1, 2, 3, 5, 8]) {
+      for (const edit of [(t: string) => t, (t: string) => `${t}  `, (t: string) => t.normalize('NFD')]) {
+        const conv = `cut-${maxTokens}-${Math.random()}`;
+        const a = await chat([{ role: 'user', content: first }], maxTokens, conv);
+        expect(a.status, JSON.stringify(a.json)).toBe(200);
+        const text = a.json.choices[0].message.content as string;
+        const messages = [
+          { role: 'user', content: first },
+          { role: 'assistant', content: edit(text) },
+          { role: 'user', content: 'Спасибо! 🙂' },
+        ];
+        const b = await chat(messages, 6, conv);
+        expect(b.status, JSON.stringify(b.json)).toBe(200);
+        expect(b.json.choices[0].message.content, `${maxTokens}: ${JSON.stringify(edit(text))}`).toBe(
+          await reference(messages, 6),
+        );
+      }
+    }
+  }, 300_000);
+
+  it("a turn the prefill refuses (the last message not the user's) frees the hold it was given", async () => {
+    const conv = `refused-${Math.random()}`;
+    const base = held();
+    const a = await chat([{ role: 'user', content: 'Привет!' }], 8, conv);
+    expect(a.status).toBe(200);
+    await expect.poll(held).toBe(base + 1);
+    const b = await chat(
+      [
+        { role: 'user', content: 'Привет!' },
+        { role: 'assistant', content: a.json.choices[0].message.content },
+      ],
+      8,
+      conv,
+    );
+    expect(b.status).toBe(400);
+    await expect.poll(held).toBe(base);
+  }, 120_000);
+});
