@@ -166,3 +166,43 @@ describe('tiny-utf8: unlucky turns through the proxy', () => {
     await expect.poll(held).toBe(base);
   }, 120_000);
 });
+
+describe('tiny: one worker in both pools', () => {
+  it('turn 2 reads the turn the same worker holds (copied in place) and answers as node-llama-cpp alone', async () => {
+    const { startProxy, startWorker } = await import('../../lib/serving');
+    const gguf = modelPath('tiny', dir);
+    const ref = await OneProcess.load(gguf, CTX);
+    const w = await startWorker({
+      model: gguf,
+      ...CTX,
+      parallel: 2,
+      prefixCache: false,
+      bidirectionalKv: true,
+      kvRecomputeThreshold: 16,
+      kvSecret: 'k',
+    });
+    const proxy = await startProxy({ prefill: [w.address], decode: [w.address], healthIntervalMs: 0 });
+    try {
+      const messages: Message[] = [];
+      for (const [i, user] of TURNS.a.entries()) {
+        messages.push({ role: 'user', content: user });
+        const r = await fetch(`${proxy.url}/v1/chat/completions`, {
+          method: 'POST',
+          body: JSON.stringify({ messages, max_tokens: 16, temperature: 0, conversation_id: 'self' }),
+        });
+        const json = (await r.json()) as Json;
+        expect(r.status, JSON.stringify(json)).toBe(200);
+        const text = json.choices[0].message.content as string;
+        const want = await ref.generate({ chat: true, text: user, history: messages.slice(0, -1), maxTokens: 16 });
+        expect(text, `turn ${i + 1}`).toBe(want.text);
+        if (i > 0) expect(json.nixl_node.kv_reused_tokens, `turn ${i + 1}`).toBeGreaterThan(0);
+        messages.push({ role: 'assistant', content: text });
+      }
+      await expect.poll(() => w.turns!.held).toBe(1);
+    } finally {
+      await proxy.close();
+      await w.close();
+      await ref.close();
+    }
+  }, 120_000);
+});

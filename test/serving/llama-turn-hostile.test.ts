@@ -261,3 +261,47 @@ describe('GGUF held turns that end or go before the next turn reads them (tiny)'
     expect(dec.json.choices[0].message.content).toBe(await reference(a.messages));
   }, 120_000);
 });
+
+describe.each([3_600_000, -3_600_000])('GGUF turns, the decode clock %d ms off the prefill', (skew) => {
+  it("turn 2 reads turn 1 inside the decode's hold (expiry mapped through the handshake), as node-llama-cpp alone", async () => {
+    const gguf = modelPath('tiny', dir);
+    const ref = await OneProcess.load(gguf, CTX);
+    const w = { model: gguf, ...CTX, parallel: 1, bidirectionalKv: true, kvRecomputeThreshold: 16 };
+    const prefill = await startWorker({ ...w, prefixCache: false });
+    const decode = await startWorker({ ...w, clockSkewMs: skew });
+    try {
+      const leg = async (messages: Message[], previous?: Json) => {
+        const body = { messages, max_tokens: 12, temperature: 0 };
+        const pre = await post(prefill.address, {
+          ...body,
+          kv_transfer_params: previous ?? { do_remote_decode: true },
+        });
+        expect(pre.status, JSON.stringify(pre.json)).toBe(200);
+        const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
+        expect(dec.status, JSON.stringify(dec.json)).toBe(200);
+        return {
+          pre: pre.json.nixl_node as Json,
+          text: dec.json.choices[0].message.content as string,
+          kv: dec.json.kv_transfer_params as Json,
+        };
+      };
+      const a = await leg([{ role: 'user', content: FIRST }]);
+      const messages = [
+        { role: 'user', content: FIRST },
+        { role: 'assistant', content: a.text },
+        { role: 'user', content: 'What was the name of the dragon?' },
+      ];
+      const b = await leg(messages, a.kv);
+      expect(b.pre.kv_reuse_skipped).toBeUndefined();
+      expect(b.pre.kv_reused_tokens).toBeGreaterThan(0);
+      expect(b.text).toBe(
+        (await ref.generate({ chat: true, text: messages[2].content, history: messages.slice(0, 2), maxTokens: 12 }))
+          .text,
+      );
+    } finally {
+      await prefill.close();
+      await decode.close();
+      await ref.close();
+    }
+  }, 120_000);
+});
