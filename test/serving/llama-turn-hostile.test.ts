@@ -150,6 +150,19 @@ describe.each([
     expect(z.prefill.kv_reused_tokens).toBeGreaterThan(0);
   }, 120_000);
 
+  it('one held turn read by two turns at once while a third conversation takes blocks: each answer its own', async () => {
+    const a = await opened(FIRST, 'What was the name of the dragon?');
+    const want = await reference(a.messages, 12);
+    const [x, y, c] = await Promise.all([
+      turn(a.messages, 12, a.params),
+      turn(a.messages, 12, a.params),
+      turn([{ role: 'user', content: OTHER }], 16),
+    ]);
+    expect(x.text).toBe(want);
+    expect(y.text).toBe(want);
+    expect(c.text).toBe(await reference([{ role: 'user', content: OTHER }], 16));
+  }, 120_000);
+
   it('lying counts, blocks out of range, a decode that is not there: recomputed, the same answer', async () => {
     const a = await opened(FIRST, 'What was the name of the dragon?');
     const want = await reference(a.messages, 12);
