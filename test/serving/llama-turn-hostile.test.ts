@@ -318,3 +318,49 @@ describe.each([3_600_000, -3_600_000])('GGUF turns, the decode clock %d ms off t
     }
   }, 120_000);
 });
+
+describe('GGUF turns near the end of the context (tiny, 256 tokens)', () => {
+  it("turn 2 past the room node-llama-cpp leaves (LlamaChat drops history): the held turn's prefix read, as node-llama-cpp alone", async () => {
+    const small = { contextSize: 256, threads: 1, batchSize: 16 };
+    const gguf = modelPath('tiny', dir);
+    const ref = await OneProcess.load(gguf, small);
+    const w = { model: gguf, ...small, parallel: 1, bidirectionalKv: true, kvRecomputeThreshold: 16 };
+    const prefill = await startWorker({ ...w, prefixCache: false });
+    const decode = await startWorker(w);
+    try {
+      const leg = async (messages: Message[], maxTokens: number, previous?: Json) => {
+        const body = { messages, max_tokens: maxTokens, temperature: 0 };
+        const pre = await post(prefill.address, {
+          ...body,
+          kv_transfer_params: previous ?? { do_remote_decode: true },
+        });
+        expect(pre.status, JSON.stringify(pre.json)).toBe(200);
+        const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
+        expect(dec.status, JSON.stringify(dec.json)).toBe(200);
+        return {
+          pre: pre.json.nixl_node as Json,
+          text: dec.json.choices[0].message.content as string,
+          kv: dec.json.kv_transfer_params as Json,
+        };
+      };
+      const first = 'Tell me a story about a dragon and a knight who meet at a river and become friends over time.';
+      const a = await leg([{ role: 'user', content: first }], 40);
+      let second = 'And then?';
+      const messages = () => [
+        { role: 'user', content: first },
+        { role: 'assistant', content: a.text },
+        { role: 'user', content: second },
+      ];
+      const length = () => prefill.model.promptTokenIds!({ chat: true, messages: messages() } as never).length;
+      while (length() < 236) second += ' More, please.';
+      expect(length()).toBeLessThanOrEqual(248);
+      const b = await leg(messages(), 6, a.kv);
+      const want = await ref.generate({ chat: true, text: second, history: messages().slice(0, 2), maxTokens: 6 });
+      expect(b.text).toBe(want.text);
+    } finally {
+      await prefill.close();
+      await decode.close();
+      await ref.close();
+    }
+  }, 120_000);
+});
