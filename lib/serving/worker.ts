@@ -1007,10 +1007,34 @@ function bindingOf(p: ReturnType<typeof parseKvTransferParams>): KvBinding {
 }
 
 /** Loads the model the options name, then starts the worker. */
+/** The longest wait a Node.js timer takes (longer ones fire at once). */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/**
+ * Bidirectional KV's options, checked at start: out of range, each decode
+ * would compute its answer and then fail holding the turn (the blocks it
+ * took kept), or each prefill's handshake with it time out at once.
+ */
+function checkTurnOptions(o: WorkerOptions): void {
+  const bad = (k: string, v: unknown, what: string) =>
+    new NixlError(`${k} must be ${what}, got ${v}`, 'NIXL_ERR_INVALID_PARAM');
+  const ttl = o.decoderKvTtlMs;
+  if (ttl !== undefined && !(Number.isFinite(ttl) && ttl > 0))
+    throw bad('decoderKvTtlMs', ttl, 'a positive number of ms');
+  // One timer waits for the handshake.
+  const hs = o.kvReuseHandshakeMs;
+  if (hs !== undefined && !(Number.isFinite(hs) && hs > 0 && hs <= MAX_TIMER_MS))
+    throw bad('kvReuseHandshakeMs', hs, `a positive number of ms, at most ${MAX_TIMER_MS}`);
+  const t = o.kvRecomputeThreshold;
+  if (t !== undefined && !(Number.isSafeInteger(t) && t >= 0))
+    throw bad('kvRecomputeThreshold', t, 'a count of tokens');
+}
+
 export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   wireProfile(o.wire); // a bad profile fails before anything starts
   // A push worker serves push only, and push never reads a held turn: a decode would evaluate and save every
   // turn again for nobody (vLLM refuses the pair at startup too, #46473).
+  checkTurnOptions(o);
   if (o.bidirectionalKv && o.kvMode === 'push')
     throw new NixlError(
       'bidirectional KV (multi-turn) goes with pull mode only: push never reads a held turn (vLLM refuses it too)',
