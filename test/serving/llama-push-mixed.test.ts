@@ -129,4 +129,51 @@ describe('GGUF push between unlike workers', () => {
     expect(a.decode.json.error.type).toMatch(/^kv_/);
     expect(decode.stats.decodes).toBe(0);
   }, 120_000);
+
+  it('a decode closed after registering: the prefill frees its blocks (no WRITE retried), then serves the next pair', async () => {
+    const prefill = await worker('tiny', { leaseMs: 3000 });
+    const decode = await worker('tiny');
+    const body = { prompt: 'the cat sat on the mat and looked at the rain', max_tokens: 4, temperature: 0 };
+    const info = prefill.healthInfo() as Json;
+    const id = 'xfer-closed-decode';
+    const d = fetch(`${decode.address}/v1/completions`, {
+      method: 'POST',
+      body: JSON.stringify({
+        ...body,
+        kv_transfer_params: {
+          do_remote_prefill: true,
+          do_remote_decode: false,
+          remote_engine_id: prefill.name,
+          remote_host: info.kv_host,
+          remote_port: info.kv_port,
+          tp_size: 1,
+          pp_size: 1,
+          remote_request_id: id,
+          transfer_id: id,
+          transfer_mode: 'push',
+        },
+      }),
+    }).catch((e: unknown) => e);
+    // Its blocks are taken (registered, or about to be), then it goes.
+    await expect.poll(() => decode.freeBlocks).toBeLessThan(256);
+    await decode.close();
+    await d;
+    const p = await fetch(`${prefill.address}/v1/completions`, {
+      method: 'POST',
+      body: JSON.stringify({
+        ...body,
+        kv_transfer_params: { do_remote_decode: true, transfer_mode: 'push', transfer_id: id },
+      }),
+    });
+    expect(p.status).toBe(200);
+    await expect.poll(() => prefill.freeBlocks, { timeout: 15_000 }).toBe(256);
+    expect(prefill.stats.freedByRead).toBe(0);
+    // The prefill serves a fresh decode as before.
+    const other = await worker('tiny');
+    const a = await legs(prefill, other, body);
+    expect(a.decode.status, JSON.stringify(a.decode.json)).toBe(200);
+    expect(a.decode.json.choices[0].text).toBe(
+      (await ref.generate({ chat: false, text: body.prompt, maxTokens: 4 })).text,
+    );
+  }, 120_000);
 });
