@@ -317,9 +317,7 @@ export class Worker implements FrontHandler {
       unrecognized: () => {},
       lateRead: () => this.stats.lateReads++,
     });
-    const share = o.heldTurnsShare ?? 0.5;
-    if (!(share >= 0 && share <= 1))
-      throw new NixlError(`heldTurnsShare must be from 0 to 1, got ${share}`, 'NIXL_ERR_INVALID_PARAM');
+    const share = o.heldTurnsShare ?? 0.5; // checked by startWorker
     if (o.bidirectionalKv)
       this.turns = new TurnKv({
         name: this.name,
@@ -1011,9 +1009,10 @@ function bindingOf(p: ReturnType<typeof parseKvTransferParams>): KvBinding {
 const MAX_TIMER_MS = 2 ** 31 - 1;
 
 /**
- * Bidirectional KV's options, checked at start: out of range, each decode
- * would compute its answer and then fail holding the turn (the blocks it
- * took kept), or each prefill's handshake with it time out at once.
+ * Bidirectional KV's options, checked at start, before a model loads or an
+ * agent is made: out of range, each decode would compute its answer and then
+ * fail holding the turn (the blocks it took kept), or each prefill's
+ * handshake with it time out at once.
  */
 function checkTurnOptions(o: WorkerOptions): void {
   const bad = (k: string, v: unknown, what: string) =>
@@ -1025,6 +1024,9 @@ function checkTurnOptions(o: WorkerOptions): void {
   const hs = o.kvReuseHandshakeMs;
   if (hs !== undefined && !(Number.isFinite(hs) && hs > 0 && hs <= MAX_TIMER_MS))
     throw bad('kvReuseHandshakeMs', hs, `a positive number of ms, at most ${MAX_TIMER_MS}`);
+  const share = o.heldTurnsShare;
+  if (share !== undefined && !(share >= 0 && share <= 1))
+    throw new NixlError(`heldTurnsShare must be from 0 to 1, got ${share}`, 'NIXL_ERR_INVALID_PARAM');
   const t = o.kvRecomputeThreshold;
   if (t !== undefined && !(Number.isSafeInteger(t) && t >= 0))
     throw bad('kvRecomputeThreshold', t, 'a count of tokens');

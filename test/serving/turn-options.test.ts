@@ -26,6 +26,14 @@ describe('bidirectional KV options out of range', () => {
     });
   });
 
+  it('checked before a GGUF loads or an agent is made (nothing to leak)', async () => {
+    for (const o of [{ heldTurnsShare: 2 }, { decoderKvTtlMs: 0 }, { kvRecomputeThreshold: -1 }])
+      await expect(startWorker({ model: '/nonexistent.gguf', bidirectionalKv: true, ...o })).rejects.toMatchObject({
+        code: 'NIXL_ERR_INVALID_PARAM',
+        message: expect.stringMatching(new RegExp(`^${Object.keys(o)[0]}`)),
+      });
+  });
+
   it('a TTL longer than a timer can wait (99 days) holds turns on timers that can, and turn 2 reads turn 1', async () => {
     const closers: Array<() => unknown> = [];
     // Node.js fires a longer timer at once: the hold's timer would wake every millisecond.
