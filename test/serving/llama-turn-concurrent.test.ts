@@ -148,6 +148,35 @@ describe('tiny-utf8: unlucky turns through the proxy', () => {
     }
   }, 300_000);
 
+  it('sampled turns (temperature, seed, top_p, a stop string): turn 2 read or recomputed samples the same', async () => {
+    const first = 'Привет! Расскажи мне короткую историю о драконе. 你好吗？ Ça va ?';
+    const sampling = { temperature: 0.9, seed: 1234, top_p: 0.95, stop: ['!'] };
+    const ask = async (messages: Message[], conversation?: string) => {
+      const r = await fetch(`${proxyUrl}/v1/chat/completions`, {
+        method: 'POST',
+        body: JSON.stringify({
+          messages,
+          max_tokens: 12,
+          ...sampling,
+          ...(conversation ? { conversation_id: conversation } : {}),
+        }),
+      });
+      const json = (await r.json()) as Json;
+      expect(r.status, JSON.stringify(json)).toBe(200);
+      return { text: json.choices[0].message.content as string, reused: json.nixl_node?.kv_reused_tokens ?? 0 };
+    };
+    const conv = `sampled-${Math.random()}`;
+    const a = await ask([{ role: 'user', content: first }], conv);
+    const messages = [
+      { role: 'user', content: first },
+      { role: 'assistant', content: a.text },
+      { role: 'user', content: 'Спасибо! 🙂 Ещё?' },
+    ];
+    const b = await ask(messages, conv);
+    expect(b.reused).toBeGreaterThan(0);
+    expect(b.text).toBe((await ask(messages)).text);
+  }, 120_000);
+
   it("a turn the prefill refuses (the last message not the user's) frees the hold it was given", async () => {
     const conv = `refused-${Math.random()}`;
     const base = held();
