@@ -149,13 +149,13 @@ export interface PrefillTrackerSink {
   lateRead?(requestId: string): void;
 }
 
+/** The longest wait a Node.js timer takes. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
 /**
  * Holds a prefill's blocks per request until the decode's completion
  * notification, the lease, or an abort; sends heartbeats' extensions through.
  */
-/** The longest wait a Node.js timer takes. */
-const MAX_TIMER_MS = 2 ** 31 - 1;
-
 export class PrefillTracker {
   readonly sinks = new Set<PrefillTrackerSink>();
   readonly #o: PrefillTrackerOptions;

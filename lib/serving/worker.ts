@@ -1004,7 +1004,6 @@ function bindingOf(p: ReturnType<typeof parseKvTransferParams>): KvBinding {
   return { engineId: p.remoteEngineId, requestId: p.remoteRequestId, blockIds: p.remoteBlockIds[0] ?? [] };
 }
 
-/** Loads the model the options name, then starts the worker. */
 /** The longest wait a Node.js timer takes (longer ones fire at once). */
 const MAX_TIMER_MS = 2 ** 31 - 1;
 
@@ -1032,6 +1031,7 @@ function checkTurnOptions(o: WorkerOptions): void {
     throw bad('kvRecomputeThreshold', t, 'a count of tokens');
 }
 
+/** Loads the model the options name, then starts the worker. */
 export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   wireProfile(o.wire); // a bad profile fails before anything starts
   // A push worker serves push only, and push never reads a held turn: a decode would evaluate and save every
