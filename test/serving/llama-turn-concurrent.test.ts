@@ -101,6 +101,7 @@ describe('tiny-utf8: unlucky turns through the proxy', () => {
   let ref: OneProcess;
   let proxyUrl: string;
   let held: () => number;
+  let encoder: ((text: string) => number[]) | undefined;
   const closers: Array<() => unknown> = [];
   beforeAll(async () => {
     const gguf = modelPath('tiny-utf8', dir);
@@ -109,6 +110,7 @@ describe('tiny-utf8: unlucky turns through the proxy', () => {
     const trio = await serveTrio(closers, { prefill: { ...worker, prefixCache: false }, decode: worker });
     proxyUrl = trio.proxy.url;
     held = () => trio.decode.turns!.held;
+    encoder = trio.decode.model.tokenizer!.encode;
   }, 120_000);
   afterAll(async () => {
     for (const c of closers.reverse()) await c();
@@ -175,6 +177,30 @@ describe('tiny-utf8: unlucky turns through the proxy', () => {
     const b = await ask(messages, conv);
     expect(b.reused).toBeGreaterThan(0);
     expect(b.text).toBe((await ask(messages)).text);
+  }, 120_000);
+
+  it('token ids cut mid-character (the generate endpoint): turn 2 read or recomputed gives the same ids', async () => {
+    const generate = async (ids: number[], maxTokens: number, conversation?: string) => {
+      const r = await fetch(`${proxyUrl}/inference/v1/generate`, {
+        method: 'POST',
+        body: JSON.stringify({
+          token_ids: ids,
+          sampling_params: { max_tokens: maxTokens, temperature: 0 },
+          ...(conversation ? { conversation_id: conversation } : {}),
+        }),
+      });
+      const json = (await r.json()) as Json;
+      expect(r.status, JSON.stringify(json)).toBe(200);
+      return json.choices[0].token_ids as number[];
+    };
+    const encode = (t: string) => encoder!(t);
+    const ids1 = encode('user: Привет! Расскажи мне историю о драконе. 你好吗？\nassistant:');
+    for (const maxTokens of [1, 2, 3, 5]) {
+      const conv = `ids-${maxTokens}-${Math.random()}`;
+      const t1 = await generate(ids1, maxTokens, conv);
+      const ids2 = [...ids1, ...t1, ...encode('\nuser: Спасибо! 🙂\nassistant:')];
+      expect(await generate(ids2, 6, conv), `${maxTokens}`).toEqual(await generate(ids2, 6));
+    }
   }, 120_000);
 
   it("a turn the prefill refuses (the last message not the user's) frees the hold it was given", async () => {
