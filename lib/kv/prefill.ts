@@ -149,6 +149,9 @@ export interface PrefillTrackerSink {
   lateRead?(requestId: string): void;
 }
 
+/** The longest wait a Node.js timer takes. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
 /**
  * Holds a prefill's blocks per request until the decode's completion
  * notification, the lease, or an abort; sends heartbeats' extensions through.
@@ -235,7 +238,8 @@ export class PrefillTracker {
         if (this.#now() >= p.expiry) this.#finish(requestId, 'expired');
         else this.#arm(requestId, p);
       },
-      Math.max(0, p.expiry - this.#now()),
+      // A Node.js timer waits at most 2^31 - 1 ms (a longer wait fires at once, and would re-arm every ms).
+      Math.min(MAX_TIMER_MS, Math.max(0, p.expiry - this.#now())),
     );
   }
 

@@ -317,9 +317,7 @@ export class Worker implements FrontHandler {
       unrecognized: () => {},
       lateRead: () => this.stats.lateReads++,
     });
-    const share = o.heldTurnsShare ?? 0.5;
-    if (!(share >= 0 && share <= 1))
-      throw new NixlError(`heldTurnsShare must be from 0 to 1, got ${share}`, 'NIXL_ERR_INVALID_PARAM');
+    const share = o.heldTurnsShare ?? 0.5; // checked by startWorker
     if (o.bidirectionalKv)
       this.turns = new TurnKv({
         name: this.name,
@@ -1006,9 +1004,44 @@ function bindingOf(p: ReturnType<typeof parseKvTransferParams>): KvBinding {
   return { engineId: p.remoteEngineId, requestId: p.remoteRequestId, blockIds: p.remoteBlockIds[0] ?? [] };
 }
 
+/** The longest wait a Node.js timer takes (longer ones fire at once). */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/**
+ * Bidirectional KV's options, checked at start, before a model loads or an
+ * agent is made: out of range, each decode would compute its answer and then
+ * fail holding the turn (the blocks it took kept), or each prefill's
+ * handshake with it time out at once.
+ */
+function checkTurnOptions(o: WorkerOptions): void {
+  const bad = (k: string, v: unknown, what: string) =>
+    new NixlError(`${k} must be ${what}, got ${v}`, 'NIXL_ERR_INVALID_PARAM');
+  const ttl = o.decoderKvTtlMs;
+  if (ttl !== undefined && !(Number.isFinite(ttl) && ttl > 0))
+    throw bad('decoderKvTtlMs', ttl, 'a positive number of ms');
+  // One timer waits for the handshake.
+  const hs = o.kvReuseHandshakeMs;
+  if (hs !== undefined && !(Number.isFinite(hs) && hs > 0 && hs <= MAX_TIMER_MS))
+    throw bad('kvReuseHandshakeMs', hs, `a positive number of ms, at most ${MAX_TIMER_MS}`);
+  const share = o.heldTurnsShare;
+  if (share !== undefined && !(share >= 0 && share <= 1))
+    throw new NixlError(`heldTurnsShare must be from 0 to 1, got ${share}`, 'NIXL_ERR_INVALID_PARAM');
+  const t = o.kvRecomputeThreshold;
+  if (t !== undefined && !(Number.isSafeInteger(t) && t >= 0))
+    throw bad('kvRecomputeThreshold', t, 'a count of tokens');
+}
+
 /** Loads the model the options name, then starts the worker. */
 export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   wireProfile(o.wire); // a bad profile fails before anything starts
+  // A push worker serves push only, and push never reads a held turn: a decode would evaluate and save every
+  // turn again for nobody (vLLM refuses the pair at startup too, #46473).
+  checkTurnOptions(o);
+  if (o.bidirectionalKv && o.kvMode === 'push')
+    throw new NixlError(
+      'bidirectional KV (multi-turn) goes with pull mode only: push never reads a held turn (vLLM refuses it too)',
+      'NIXL_ERR_NOT_SUPPORTED',
+    );
   const blocks = o.blocks ?? 512;
   const blockBytes = o.blockBytes ?? 64 << 10;
   const model =
