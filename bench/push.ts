@@ -82,9 +82,11 @@ async function cluster(
 ) {
   // Push exists only in vLLM's v12 wire; both clusters speak it whatever NIXL_WIRE says, so the rows compare.
   const o: WorkerOptions = { engine, transport, kvMode, blocks: 2048, wire: 'v12' };
-  // One request at a time: each context may use every core.
-  if (gguf)
-    Object.assign(o, { model: gguf, contextSize: 2048, parallel: 1, threads: os.availableParallelism(), blocks: 512 });
+  // One request at a time per worker, but push runs both legs at once: each
+  // worker's llama.cpp gets half the cores, or the two spin against each
+  // other (TTFT ranged 10x within a row on a loaded machine).
+  const threads = Math.max(1, Math.floor(os.availableParallelism() / 2));
+  if (gguf) Object.assign(o, { model: gguf, contextSize: 2048, parallel: 1, threads, blocks: 512 });
   const [p, d] = await Promise.all([startWorker(o), startWorker(o)]);
   closers.push(
     () => p.close(),
