@@ -479,26 +479,26 @@ export class LlamaModel implements ServingModel {
   /** The tokens of the next turn's prompt, as far as they follow from this request and its answer. */
   #nextPromptOf(req: GenerationRequest, text: string): Nlc.Token[] | undefined {
     if (!req.chat) return this.#promptOf({ ...req, prompt: req.prompt + text });
-    const m = this.#model;
+    // A user message after the answer: how the template closes the answer.
+    return this.#chatTokens(req, [
+      { type: 'model', response: [text] },
+      { type: 'user', text: '.' },
+      { type: 'model', response: [] },
+    ]);
+  }
+
+  /** A chat's tokens as its template renders them: the messages, then `after` (undefined: messages not valid). */
+  #chatTokens(req: GenerationRequest, after: Nlc.ChatHistoryItem[]): Nlc.Token[] | undefined {
     let h: ReturnType<typeof chatHistory>;
     try {
       h = chatHistory(req.messages, this.id);
     } catch {
       return undefined;
     }
-    this.#chatWrapper ??= this.#nlc.resolveChatWrapper(m);
-    // A user message after the answer: how the template closes the answer.
+    this.#chatWrapper ??= this.#nlc.resolveChatWrapper(this.#model);
     return this.#chatWrapper
-      .generateContextState({
-        chatHistory: [
-          ...h.history,
-          { type: 'user', text: h.last },
-          { type: 'model', response: [text] },
-          { type: 'user', text: '.' },
-          { type: 'model', response: [] },
-        ],
-      })
-      .contextText.tokenize(m.tokenizer);
+      .generateContextState({ chatHistory: [...h.history, { type: 'user', text: h.last }, ...after] })
+      .contextText.tokenize(this.#model.tokenizer);
   }
 
   async decode(
@@ -643,21 +643,8 @@ export class LlamaModel implements ServingModel {
    * chat whose messages are not valid gives none (#run answers the 400).
    */
   #promptOf(req: GenerationRequest): Nlc.Token[] | undefined {
+    if (req.chat) return this.#chatTokens(req, [{ type: 'model', response: [] }]);
     const m = this.#model;
-    if (req.chat) {
-      let h: ReturnType<typeof chatHistory>;
-      try {
-        h = chatHistory(req.messages, this.id);
-      } catch {
-        return undefined;
-      }
-      this.#chatWrapper ??= this.#nlc.resolveChatWrapper(m);
-      return this.#chatWrapper
-        .generateContextState({
-          chatHistory: [...h.history, { type: 'user', text: h.last }, { type: 'model', response: [] }],
-        })
-        .contextText.tokenize(m.tokenizer);
-    }
     const bos = m.tokens.shouldPrependBosToken ? m.tokens.bos : null;
     const tokens = req.promptTokens
       ? (req.promptTokens as Nlc.Token[])
