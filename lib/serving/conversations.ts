@@ -130,6 +130,8 @@ export function carryTurn(
     conversation?: string;
     conversations: Conversations;
     reusedTokens?: number;
+    /** Why the prefill read nothing of the previous turn it was given (its kv_reuse_skipped). */
+    reuseSkipped?: string;
     /** Frees the hold the params name (a request without a conversation: no next turn will read it). */
     release?: (params: Record<string, unknown>) => void;
   },
@@ -144,7 +146,11 @@ export function carryTurn(
       o.conversations.put(o.conversation, kvp, info?.kv_hold_ms, held ? () => o.release?.(kvp) : undefined);
     else if (held) o.release?.(kvp);
     if (o.reusedTokens !== undefined && (info || kvp !== undefined || body.usage !== undefined))
-      body.nixl_node = { ...info, kv_reused_tokens: o.reusedTokens };
+      body.nixl_node = {
+        ...info,
+        kv_reused_tokens: o.reusedTokens,
+        ...(o.reuseSkipped !== undefined ? { kv_reuse_skipped: o.reuseSkipped } : {}),
+      };
   };
   if (a.json && a.status < 400) see(a.json);
   const chunks = a.chunks;

@@ -605,7 +605,11 @@ export class ServingProxy {
       );
     }
     const canRelease = (pre.answer.json?.nixl_node as { kv_release?: unknown } | undefined)?.kv_release === true;
-    const reused = (pre.answer.json?.nixl_node as { kv_reused_tokens?: unknown } | undefined)?.kv_reused_tokens;
+    const preInfo = pre.answer.json?.nixl_node as
+      | { kv_reused_tokens?: unknown; kv_reuse_skipped?: unknown }
+      | undefined;
+    const reused = preInfo?.kv_reused_tokens;
+    const skipped = typeof preInfo?.kv_reuse_skipped === 'string' ? preInfo.kv_reuse_skipped : undefined;
     // The previous turn's hold, not read (the prompt did not prove to be its prefix...): free it now.
     if (reused === 0) previous?.release();
     const decodeBody = path === GENERATE_PATH ? generateDecodeBody(body, kv!) : { ...body, kv_transfer_params: kv };
@@ -623,6 +627,7 @@ export class ServingProxy {
           this.stats.holdsReleased++;
           void this.#transport.release(decodeWorker, kvp.remote_request_id);
         },
+        reuseSkipped: skipped,
         // A miss reused nothing; a prefill that read the previous turn and does not say (vLLM's): not known.
         reusedTokens:
           typeof reused === 'number'
