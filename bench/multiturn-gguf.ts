@@ -7,9 +7,8 @@
 // "recompute" evaluates the whole prompt. The two alternate request by
 // request; the section fails if they answer differently. Also: what holding
 // a turn costs the decode after it answered (its answer's turn_kv_ms).
-import { startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
-import { firstToken } from './multiturn';
+import { conversationCluster, firstToken, turnTimes } from './multiturn';
 import { median } from './stats';
 
 export interface GgufMultiturnRow {
@@ -39,23 +38,13 @@ export async function benchMultiturnGguf(
   batchSize = 512,
 ): Promise<GgufMultiturnRow[]> {
   const model = modelPath('small');
-  const common = {
+  const proxy = await conversationCluster('bench-mtg', {
     model,
-    bidirectionalKv: true,
-    decoderKvTtlMs: 60_000,
     contextSize: 4096,
     batchSize,
     parallel: 1,
     prefixCache: false,
     blockBytes: 256 << 10,
-  };
-  const p = await startWorker({ name: 'bench-mtg-p', ...common });
-  const d = await startWorker({ name: 'bench-mtg-d', ...common });
-  const proxy = await startProxy({
-    prefill: [p.address],
-    decode: [d.address],
-    healthIntervalMs: 0,
-    conversations: { max: 1 },
   });
   const rows: GgufMultiturnRow[] = [];
   try {
@@ -88,17 +77,10 @@ export async function benchMultiturnGguf(
         reused = a.reused;
         prompt = Number(b.info.kv_tokens_loaded ?? 0) || turn2.length + 1;
       }
-      const [ru, rc] = [median(reuse), median(recompute)];
       rows.push({
         promptTokens: prompt,
         reusedTokens: reused,
-        reuseMs: ru,
-        reuseMin: Math.min(...reuse),
-        reuseMax: Math.max(...reuse),
-        recomputeMs: rc,
-        recomputeMin: Math.min(...recompute),
-        recomputeMax: Math.max(...recompute),
-        ratio: ru / rc,
+        ...turnTimes(reuse, recompute),
         ratioMin: Math.min(...ratios),
         ratioMax: Math.max(...ratios),
         holdMs: median(hold),
@@ -106,8 +88,6 @@ export async function benchMultiturnGguf(
     }
   } finally {
     await proxy.close();
-    await p.close();
-    await d.close();
   }
   return rows;
 }

@@ -5,7 +5,7 @@
 // the same machine. Synthetic model: its "compute" is hashing and filling
 // the KV's bytes, so the ratio says what the read and its checks cost
 // against that, not what a real model saves.
-import { startProxy, startWorker } from '../lib/serving';
+import { type WorkerOptions, startProxy, startWorker } from '../lib/serving';
 import { median } from './stats';
 
 export interface MultiturnRow {
@@ -56,16 +56,7 @@ export async function firstToken(
 /** `n` turn-2 requests each way per history size. */
 export async function benchMultiturn(n: number, sizes: readonly number[]): Promise<MultiturnRow[]> {
   const blocks = Math.ceil((Math.max(...sizes) * 4) / 16) + 64;
-  const opts = { bidirectionalKv: true, blocks, decoderKvTtlMs: 60_000 };
-  const p = await startWorker({ name: 'bench-mt-p', ...opts });
-  const d = await startWorker({ name: 'bench-mt-d', ...opts });
-  // One conversation remembered: the previous one's hold is freed when the next one starts.
-  const proxy = await startProxy({
-    prefill: [p.address],
-    decode: [d.address],
-    healthIntervalMs: 0,
-    conversations: { max: 1 },
-  });
+  const proxy = await conversationCluster('bench-mt', { blocks });
   const rows: MultiturnRow[] = [];
   try {
     let conv = 0;
@@ -87,23 +78,52 @@ export async function benchMultiturn(n: number, sizes: readonly number[]): Promi
         recompute.push(b.ms);
         reused = a.reused;
       }
-      const [ru, rc] = [median(reuse), median(recompute)];
-      rows.push({
-        historyTokens: size,
-        reusedTokens: reused,
-        reuseMs: ru,
-        reuseMin: Math.min(...reuse),
-        reuseMax: Math.max(...reuse),
-        recomputeMs: rc,
-        recomputeMin: Math.min(...recompute),
-        recomputeMax: Math.max(...recompute),
-        ratio: ru / rc,
-      });
+      rows.push({ historyTokens: size, reusedTokens: reused, ...turnTimes(reuse, recompute) });
     }
   } finally {
     await proxy.close();
-    await p.close();
-    await d.close();
   }
   return rows;
+}
+
+/** Median and range of turn 2 with reuse and recomputed, and the ratio of their medians. */
+export function turnTimes(reuse: number[], recompute: number[]) {
+  const [ru, rc] = [median(reuse), median(recompute)];
+  return {
+    reuseMs: ru,
+    reuseMin: Math.min(...reuse),
+    reuseMax: Math.max(...reuse),
+    recomputeMs: rc,
+    recomputeMin: Math.min(...recompute),
+    recomputeMax: Math.max(...recompute),
+    ratio: ru / rc,
+  };
+}
+
+/**
+ * A bidirectional prefill and decode (`name`-p, `name`-d) behind a proxy that
+ * remembers one conversation, so the previous one's hold is freed when the
+ * next one starts. close() closes all three.
+ */
+export async function conversationCluster(
+  name: string,
+  o: WorkerOptions,
+): Promise<{ url: string; close(): Promise<void> }> {
+  const opts = { bidirectionalKv: true, decoderKvTtlMs: 60_000, ...o };
+  const p = await startWorker({ ...opts, name: `${name}-p` });
+  const d = await startWorker({ ...opts, name: `${name}-d` });
+  const proxy = await startProxy({
+    prefill: [p.address],
+    decode: [d.address],
+    healthIntervalMs: 0,
+    conversations: { max: 1 },
+  });
+  return {
+    url: proxy.url,
+    close: async () => {
+      await proxy.close();
+      await p.close();
+      await d.close();
+    },
+  };
 }
