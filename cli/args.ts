@@ -78,3 +78,10 @@ export function applyUcxNetDevices(values: Record<string, unknown>): void {
     throw new UsageError((e as Error).message);
   }
 }
+
+/** Resolves on the first SIGINT or SIGTERM (the handlers are in place when this returns). */
+export function untilSignal(): Promise<void> {
+  return new Promise((resolve) => {
+    for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
+  });
+}

@@ -3,10 +3,10 @@
 // it, and logs JSON lines (pino) on stderr.
 import type { WireName } from '../lib/handshake/model';
 import { startProxy } from '../lib/serving';
-import { oneOf, parse, positiveInt, UsageError } from './args';
+import { oneOf, parse, positiveInt, UsageError, untilSignal } from './args';
 import { startTracing } from './otel';
 import { commandLogger, logLevel } from './log';
-import { etcdOptions, inUse, list, port, untilSignal } from './serving-args';
+import { etcdOptions, inUse, list, port } from './serving-args';
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
 
@@ -103,11 +103,12 @@ export async function proxyCommand(argv: string[]): Promise<void> {
   }).catch((e) => {
     throw inUse(e, '--host / --port');
   });
+  const stop = untilSignal(); // before the ready line: a supervisor may signal the moment it reads it
   log.info({ url: proxy.url, transport }, 'proxy ready');
   console.log(
     JSON.stringify({ ready: true, url: proxy.url, transport, prefill, decode, etcd: etcd && proxy.fleet?.connected }),
   );
-  await untilSignal();
+  await stop;
   await proxy.close();
   await stopTracing();
   console.log(JSON.stringify({ stopped: true, ...proxy.stats }));

@@ -57,9 +57,3 @@ export function etcdOptions(v: Record<string, unknown>): { endpoints: string[]; 
     throw new UsageError('--etcd-prefix must be 1 to 256 characters');
   return { endpoints, prefix };
 }
-
-export function untilSignal(): Promise<void> {
-  return new Promise((resolve) => {
-    for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
-  });
-}

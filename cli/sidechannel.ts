@@ -7,7 +7,7 @@ import { createHandshake, type HandshakeMethod } from '../lib/handshake';
 import type { HandshakePayload } from '../lib/handshake/codec';
 import type { WireName } from '../lib/handshake/model';
 import { encodeAgentMetadata, wireProfile } from '../lib/handshake/wire';
-import { oneOf, parse, positiveInt, UsageError } from './args';
+import { oneOf, parse, positiveInt, UsageError, untilSignal } from './args';
 
 const WIRES = ['v12', 'v0.13'] as const;
 
@@ -227,12 +227,11 @@ export async function serveCommand(argv: string[]): Promise<void> {
     payloads,
     wire: w,
   });
+  const stop = untilSignal(); // before the line that says it serves: a script may signal the moment it reads it
   console.log(
     `serving synthetic metadata of ${ppSize > 1 ? `pp ranks 0..${ppSize - 1} x ` : ''}tp ranks 0..${tpSize - 1} on ${server.host}:${server.basePort} (${method}, wire ${w}); Ctrl-C stops`,
   );
-  await new Promise<void>((resolve) => {
-    for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
-  });
+  await stop;
   await server.close();
   hs.close();
   console.log(`served ${server.stats.served}, refused ${server.stats.refused}`);

@@ -14,12 +14,13 @@ import {
   UCX_NET_DEVICES_HELP,
   UCX_NET_DEVICES_OPTION,
   UsageError,
+  untilSignal,
 } from './args';
 import { engines } from '../lib/agent';
 import { startTracing } from './otel';
 import { commandLogger, logLevel } from './log';
 
-import { etcdOptions, inUse, integer, port, portNumber, untilSignal } from './serving-args';
+import { etcdOptions, inUse, integer, port, portNumber } from './serving-args';
 
 const WORKER_HELP = `nixl-node worker: a Node inference worker: a GGUF model (llama.cpp) or the synthetic one
 
@@ -158,11 +159,13 @@ export async function workerCommand(argv: string[]): Promise<void> {
   });
   if (!process.env.NIXL_NODE_ENGINE && !engines.includes('nixl'))
     log.info({ engine: 'loopback' }, 'NIXL is not compiled in: the loopback engine moves KV on this host only');
-  log.info({ name: w.name, address: w.address, model: w.modelId }, 'worker ready');
-  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, etcd: w.fleet?.key }));
+  // Handlers before the ready line: a supervisor may signal the moment it reads it.
+  const stop = untilSignal();
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));
-  await untilSignal();
+  log.info({ name: w.name, address: w.address, model: w.modelId }, 'worker ready');
+  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, etcd: w.fleet?.key }));
+  await stop;
   const stats = { ...w.stats };
   await w.close();
   await stopTracing();

@@ -26,6 +26,7 @@ import {
   type WireProfile,
   layoutName,
 } from './model';
+import { showValue } from '../show-value';
 import { wireV013 } from './wire-v0.13';
 import { wireV12 } from './wire-v12';
 
@@ -165,8 +166,7 @@ export function decodeMetaRequest(buf: Uint8Array, wire?: WireName | WireProfile
   }
   const msg = v[0];
   const isGet = (msg instanceof Uint8Array && Buffer.from(msg).equals(GET_META_MSG)) || msg === 'get_meta_msg';
-  if (!isGet)
-    throw new HandshakeError(`handshake request: unknown message ${JSON.stringify(String(msg)).slice(0, 64)}`);
+  if (!isGet) throw new HandshakeError(`handshake request: unknown message ${showValue(msg, 64)}`);
   const out: MetaRequest = { tpRank: 0, ppRank: 0 };
   p.requestRanks.forEach((name, i) => {
     const r = v[i + 1];

@@ -8,6 +8,7 @@
 // tp_size 4096 opened 4096 sockets at once).
 import { NixlError } from '../errors';
 import type { NixlAgentMetadata } from '../handshake/model';
+import { showValue } from '../show-value';
 import type { KvLayout } from './layout';
 
 /** Bounds on what a peer or a request may size, checked before anything is allocated or opened. */
@@ -34,11 +35,7 @@ export const DEFAULT_LIMITS: Required<PullLimits> = {
 };
 
 function outOfBounds(field: string, value: unknown, bound: string): NixlError {
-  return new NixlError(`${field}: ${fmt(value)} is out of bounds (${bound})`, 'NIXL_ERR_INVALID_PARAM');
-}
-
-function fmt(v: unknown): string {
-  return typeof v === 'bigint' ? `${v}n` : (JSON.stringify(v) ?? String(v));
+  return new NixlError(`${field}: ${showValue(value)} is out of bounds (${bound})`, 'NIXL_ERR_INVALID_PARAM');
 }
 
 function isCount(v: unknown, max: number): v is number {
@@ -128,7 +125,7 @@ export function expandTail(
     const b = logical[i];
     if (!Number.isInteger(b) || b < 0 || b * r + r > limit)
       throw new NixlError(
-        `${field}: logical block ${fmt(b)} (x ${r} kernel blocks) is outside 0..${limit - 1}`,
+        `${field}: logical block ${showValue(b)} (x ${r} kernel blocks) is outside 0..${limit - 1}`,
         'NIXL_ERR_INVALID_PARAM',
       );
   }

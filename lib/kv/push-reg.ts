@@ -14,6 +14,7 @@ import { createHmac, timingSafeEqual } from 'node:crypto';
 import { NixlError } from '../errors';
 import { type MpValue, packMsgpack, unpackMsgpack } from '../handshake/codec';
 import { TransferModeError } from '../handshake/wire';
+import { showValue as show } from '../show-value';
 
 /** The 9 bytes a registration notification starts with. */
 export const PUSH_REG_PREFIX = Buffer.from('PUSH_REG:');
@@ -199,12 +200,6 @@ function checkFields(d: Record<string, unknown>, lim: Required<PushRegLimits>): 
 export function isNotifId(id: string): boolean {
   // biome-ignore lint/suspicious/noControlCharactersInRegex: the check is for control characters
   return id.length > 0 && id.length <= 256 && !id.startsWith('HB:') && !/[,\s\x00-\x1f\x7f]/.test(id);
-}
-
-function show(v: unknown): string {
-  if (typeof v === 'bigint') return `${v}n`;
-  const s = JSON.stringify(v);
-  return s === undefined ? String(v) : s.slice(0, 80);
 }
 
 /** What a push decode is told of its prefill (kv_transfer_params from the proxy). */

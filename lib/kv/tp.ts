@@ -13,6 +13,7 @@
 // Errors name the field and both values.
 import { NixlError } from '../errors';
 import { KV_LAYOUTS, type NixlAgentMetadata, type WireProfile } from '../handshake/model';
+import { showValue } from '../show-value';
 import { type KvLayout, layoutOf } from './layout';
 
 /** Layouts that cannot be mapped onto each other (NIXL_ERR_MISMATCH). */
@@ -322,5 +323,5 @@ function rankReads(
 }
 
 function fmt(v: unknown): string {
-  return typeof v === 'string' ? v : JSON.stringify(v);
+  return typeof v === 'string' ? v : showValue(v);
 }

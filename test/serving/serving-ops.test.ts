@@ -143,6 +143,61 @@ describe('a ZeroMQ proxy whose workers it cannot connect to', () => {
   });
 });
 
+// A supervisor that signals a command the moment its ready line is out must
+// get the graceful stop (exit 0, the stopped line), not the default action
+// that kills it. The child signals itself right after writing the line, so
+// the window between the line and the handlers is hit every run.
+const SIGNAL_AT_READY = `
+const [sig, ...args] = process.argv.slice(1);
+const log = console.log;
+console.log = (...a) => {
+  log(...a);
+  if (/"ready":true|Ctrl-C stops/.test(String(a[0]))) for (const s of sig.split(',')) process.kill(process.pid, s);
+};
+process.argv = [process.argv[0], 'nixl-node', ...args];
+require(${JSON.stringify(BIN)});
+`;
+
+describe('a signal the moment the ready line is out', () => {
+  const commands: Array<[string, string[], RegExp]> = [
+    ['worker', ['worker', '--port', '0'], /"stopped":true/],
+    [
+      'proxy',
+      ['proxy', '--port', '0', '--prefill', 'http://127.0.0.1:1', '--decode', 'http://127.0.0.1:2'],
+      /"stopped":true/,
+    ],
+    [
+      'sidechannel serve',
+      ['sidechannel', 'serve', '--port', '0', '--tp-size', '1', '--synthetic'],
+      /^served 0, refused 0$/m,
+    ],
+  ];
+  it.each(commands)(
+    '%s: SIGTERM stops it cleanly, exit 0',
+    async (_name, args, stopped) => {
+      const r = spawnSync(process.execPath, ['-e', SIGNAL_AT_READY, 'SIGTERM', ...args], {
+        encoding: 'utf8',
+        timeout: 20_000,
+      });
+      expect(r.signal, r.stderr).toBeNull();
+      expect(r.status, r.stderr).toBe(0);
+      expect(r.stdout).toMatch(stopped);
+    },
+    25_000,
+  );
+
+  it('worker: SIGUSR2 at once prints its stats and keeps it running', async () => {
+    const r = spawnSync(process.execPath, ['-e', SIGNAL_AT_READY, 'SIGUSR2,SIGTERM', 'worker', '--port', '0'], {
+      encoding: 'utf8',
+      timeout: 20_000,
+    });
+    expect(r.signal, r.stderr).toBeNull();
+    expect(r.status, r.stderr).toBe(0);
+    expect(r.stdout).toMatch(/"freeBlocks"/);
+    expect(r.stdout).toMatch(/"stopped":true/);
+  }, 25_000);
+});
+
 describe('logs: pino JSON lines on stderr, with request ids', () => {
   it('the proxy logs each request, a worker going unhealthy and coming back; --log-level chooses', async () => {
     const port = await freePort();

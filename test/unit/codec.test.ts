@@ -248,6 +248,26 @@ describe('side-channel requests and replies', () => {
     expect(() => decodeMetaRequest(Buffer.from([0xff, 0x00, 0xd9]), 'v12')).toThrow(HandshakeError);
   });
 
+  // A map decodes to an object without a prototype, which String() cannot print:
+  // the error message must not be the thing that fails (fast-check found [{}, 0]).
+  it.each([
+    ['[{}, 0]', [0x92, 0x80, 0x00], 'v0.13'],
+    ['[{}, 0, 0]', [0x93, 0x80, 0x00, 0x00], 'v12'],
+    ['[{a: 2^64-1}, 0, 0]', [0x93, 0x81, 0xa1, 0x61, 0xcf, ...Array(8).fill(0xff), 0, 0], 'v12'],
+    ['[[{}], 0, 0]', [0x93, 0x91, 0x80, 0x00, 0x00], 'v12'],
+  ] as const)('a request whose message is %s: HandshakeError naming it', (_what, bytes, wire) => {
+    for (const w of ['v12', 'v0.13'] as const) {
+      let err: unknown;
+      try {
+        decodeMetaRequest(Buffer.from(bytes), w);
+      } catch (e) {
+        err = e;
+      }
+      expect(err).toBeInstanceOf(HandshakeError);
+      if (w === wire) expect((err as Error).message).toMatch(/unknown message [[{]/);
+    }
+  });
+
   it.each(vectors.v12.timestamp.map((v, i) => [i, v] as const))(
     'v12 reply timestamp %i is a msgpack float64',
     (_i, v) => {
