@@ -11,6 +11,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { OneProcess } from '../../demo/llama-reference';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { modelPath } from '../../lib/serving/models/test-models';
+import { pushDecodeParams } from '../../lib/serving/push-proxy';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-push-mixed-'));
 // biome-ignore lint/suspicious/noExplicitAny: answers read as JSON
@@ -35,6 +36,15 @@ async function worker(model: string, o: Record<string, unknown> = {}): Promise<W
   });
   cleanup.push(() => w.close());
   return w;
+}
+
+/** A push decode leg's params, from the prefill's health info (as the push proxy builds them). */
+function decodeParams(prefill: Worker, transferId: string) {
+  const info = prefill.healthInfo() as Json;
+  return pushDecodeParams(
+    { engineId: prefill.name, host: info.kv_host, port: info.kv_port, tpSize: 1, ppSize: 1 },
+    transferId,
+  );
 }
 
 async function through(prefill: Worker, decode: Worker, body: Json) {
@@ -78,7 +88,6 @@ describe('GGUF push between unlike workers', () => {
 
   /** One push transfer sent leg by leg, as the push proxy sends it (no proxy to refuse the pair first). */
   async function legs(prefill: Worker, decode: Worker, body: Json) {
-    const info = prefill.healthInfo() as Json;
     const id = `xfer-${Math.random().toString(16).slice(2)}`;
     const route = body.messages ? 'chat/completions' : 'completions';
     const send = async (w: Worker, kv: Json) => {
@@ -88,18 +97,7 @@ describe('GGUF push between unlike workers', () => {
       });
       return { status: r.status, json: (await r.json()) as Json };
     };
-    const d = send(decode, {
-      do_remote_prefill: true,
-      do_remote_decode: false,
-      remote_engine_id: prefill.name,
-      remote_host: info.kv_host,
-      remote_port: info.kv_port,
-      tp_size: 1,
-      pp_size: 1,
-      remote_request_id: id,
-      transfer_id: id,
-      transfer_mode: 'push',
-    });
+    const d = send(decode, decodeParams(prefill, id));
     const p = await send(prefill, { do_remote_decode: true, transfer_mode: 'push', transfer_id: id });
     return { prefill: p, decode: await d };
   }
@@ -134,24 +132,12 @@ describe('GGUF push between unlike workers', () => {
     const prefill = await worker('tiny', { leaseMs: 3000 });
     const decode = await worker('tiny');
     const body = { prompt: 'the cat sat on the mat and looked at the rain', max_tokens: 4, temperature: 0 };
-    const info = prefill.healthInfo() as Json;
     const id = 'xfer-closed-decode';
     const d = fetch(`${decode.address}/v1/completions`, {
       method: 'POST',
       body: JSON.stringify({
         ...body,
-        kv_transfer_params: {
-          do_remote_prefill: true,
-          do_remote_decode: false,
-          remote_engine_id: prefill.name,
-          remote_host: info.kv_host,
-          remote_port: info.kv_port,
-          tp_size: 1,
-          pp_size: 1,
-          remote_request_id: id,
-          transfer_id: id,
-          transfer_mode: 'push',
-        },
+        kv_transfer_params: decodeParams(prefill, id),
       }),
     }).catch((e: unknown) => e);
     // Its blocks are taken (registered, or about to be), then it goes.

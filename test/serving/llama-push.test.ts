@@ -20,6 +20,7 @@ import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import type { LlamaModel } from '../../lib/serving/models/llama';
 import { modelPath } from '../../lib/serving/models/test-models';
 import type { GenerationRequest } from '../../lib/serving/models/types';
+import { pushDecodeParams } from '../../lib/serving/push-proxy';
 import { pushHash } from '../../lib/serving/push-serving';
 
 const CTX = { contextSize: 2048, threads: 1 };
@@ -131,18 +132,10 @@ function legs(prefill: Worker, transferId: string) {
   const info = prefill.healthInfo() as Json;
   return {
     prefill: { do_remote_decode: true, transfer_mode: 'push', transfer_id: transferId },
-    decode: {
-      do_remote_prefill: true,
-      do_remote_decode: false,
-      remote_engine_id: prefill.name,
-      remote_host: info.kv_host,
-      remote_port: info.kv_port,
-      tp_size: 1,
-      pp_size: 1,
-      remote_request_id: transferId,
-      transfer_id: transferId,
-      transfer_mode: 'push',
-    },
+    decode: pushDecodeParams(
+      { engineId: prefill.name, host: info.kv_host, port: info.kv_port, tpSize: 1, ppSize: 1 },
+      transferId,
+    ),
   };
 }
 

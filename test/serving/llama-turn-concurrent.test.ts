@@ -19,6 +19,18 @@ afterAll(() => fs.rmSync(dir, { recursive: true, force: true }));
 type Json = Record<string, any>;
 type Message = { role: string; content: string };
 
+async function postChat(proxyUrl: string, messages: Message[], maxTokens: number, conversation: string) {
+  const r = await fetch(`${proxyUrl}/v1/chat/completions`, {
+    method: 'POST',
+    body: JSON.stringify({ messages, max_tokens: maxTokens, temperature: 0, conversation_id: conversation }),
+  });
+  return { status: r.status, json: (await r.json()) as Json };
+}
+
+/** node-llama-cpp alone, in one process, on the same messages. */
+const reference = async (ref: OneProcess, messages: Message[], maxTokens: number) =>
+  (await ref.generate({ chat: true, text: messages.at(-1)!.content, history: messages.slice(0, -1), maxTokens })).text;
+
 const TURNS = {
   a: [
     'Hello! Tell me a short story about a dragon and a knight who become friends.',
@@ -46,18 +58,10 @@ describe.each(['tiny', 'tiny-utf8'])('%s: conversations at once', (name) => {
   });
 
   async function chat(messages: Message[], maxTokens: number, conversation: string) {
-    const r = await fetch(`${proxyUrl}/v1/chat/completions`, {
-      method: 'POST',
-      body: JSON.stringify({ messages, max_tokens: maxTokens, temperature: 0, conversation_id: conversation }),
-    });
-    const json = (await r.json()) as Json;
-    expect(r.status, JSON.stringify(json)).toBe(200);
+    const { status, json } = await postChat(proxyUrl, messages, maxTokens, conversation);
+    expect(status, JSON.stringify(json)).toBe(200);
     return { text: json.choices[0].message.content as string, info: json.nixl_node as Json };
   }
-
-  const reference = async (messages: Message[], maxTokens: number) =>
-    (await ref.generate({ chat: true, text: messages.at(-1)!.content, history: messages.slice(0, -1), maxTokens }))
-      .text;
 
   it('two conversations interleaved: each turn answers as node-llama-cpp alone', async () => {
     const run = async (turns: string[], conv: string) => {
@@ -74,7 +78,7 @@ describe.each(['tiny', 'tiny-utf8'])('%s: conversations at once', (name) => {
     const both = await Promise.all([run(TURNS.a, `${name}-a`), run(TURNS.b, `${name}-b`)]);
     for (const turns of both)
       for (const [i, t] of turns.entries())
-        expect(t.text, `turn ${i + 1}`).toBe(await reference(t.messages, 16 + 4 * i));
+        expect(t.text, `turn ${i + 1}`).toBe(await reference(ref, t.messages, 16 + 4 * i));
     // Reuse itself is not asserted: the prefill's own prefix cache may cover what a turn holds (`cached`).
   }, 300_000);
 
@@ -89,11 +93,11 @@ describe.each(['tiny', 'tiny-utf8'])('%s: conversations at once', (name) => {
     ]);
     const twos = await Promise.all(histories.map((h) => chat(h, 12, conv)));
     for (const [i, h] of histories.entries()) {
-      expect(ones[i].text).toBe(await reference(h.slice(0, 1), 16));
-      expect(twos[i].text).toBe(await reference(h, 12));
+      expect(ones[i].text).toBe(await reference(ref, h.slice(0, 1), 16));
+      expect(twos[i].text).toBe(await reference(ref, h, 12));
     }
     // Again, one after the other, on the entry the last of them left.
-    for (const h of histories) expect((await chat(h, 12, conv)).text).toBe(await reference(h, 12));
+    for (const h of histories) expect((await chat(h, 12, conv)).text).toBe(await reference(ref, h, 12));
   }, 300_000);
 });
 
@@ -115,16 +119,8 @@ describe('tiny-utf8: unlucky turns through the proxy', () => {
     await ref?.close();
   });
 
-  async function chat(messages: Message[], maxTokens: number, conversation: string) {
-    const r = await fetch(`${proxyUrl}/v1/chat/completions`, {
-      method: 'POST',
-      body: JSON.stringify({ messages, max_tokens: maxTokens, temperature: 0, conversation_id: conversation }),
-    });
-    return { status: r.status, json: (await r.json()) as Json };
-  }
-  const reference = async (messages: Message[], maxTokens: number) =>
-    (await ref.generate({ chat: true, text: messages.at(-1)!.content, history: messages.slice(0, -1), maxTokens }))
-      .text;
+  const chat = (messages: Message[], maxTokens: number, conversation: string) =>
+    postChat(proxyUrl, messages, maxTokens, conversation);
 
   it('answers cut at max_tokens (mid-character), sent back as given or re-spaced or decomposed: turn 2 as node-llama-cpp alone', async () => {
     const first = 'Привет! Расскажи мне короткую историю о драконе. 你好吗？ Ça va ?';
@@ -142,7 +138,7 @@ describe('tiny-utf8: unlucky turns through the proxy', () => {
         const b = await chat(messages, 6, conv);
         expect(b.status, JSON.stringify(b.json)).toBe(200);
         expect(b.json.choices[0].message.content, `${maxTokens}: ${JSON.stringify(edit(text))}`).toBe(
-          await reference(messages, 6),
+          await reference(ref, messages, 6),
         );
       }
     }

@@ -29,6 +29,32 @@ async function post(url: string, body: Json): Promise<{ status: number; json: Js
   return { status: r.status, json: (await r.json()) as Json };
 }
 
+/**
+ * One chat turn: the prefill with `previous` (a held turn's params; else a
+ * fresh do_remote_decode), then the decode unless there is none. Both answer
+ * 200. Its text, the prefill's nixl_node, the decode's turn params.
+ */
+async function chatTurn(
+  prefill: Worker,
+  decode: Worker | undefined,
+  messages: Message[],
+  maxTokens: number,
+  previous?: Json,
+) {
+  const body = { messages, max_tokens: maxTokens, temperature: 0 };
+  const pre = await post(prefill.address, { ...body, kv_transfer_params: previous ?? { do_remote_decode: true } });
+  expect(pre.status, JSON.stringify(pre.json)).toBe(200);
+  const info = pre.json.nixl_node as Json;
+  if (!decode) return { prefill: info, text: undefined, params: undefined };
+  const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
+  expect(dec.status, JSON.stringify(dec.json)).toBe(200);
+  return {
+    text: dec.json.choices[0].message.content as string,
+    prefill: info,
+    params: dec.json.kv_transfer_params as Json | undefined,
+  };
+}
+
 describe.each([
   ['without a KV secret', undefined],
   ['with a KV secret', 's3cret'],
@@ -61,22 +87,8 @@ describe.each([
     return (await ref.generate({ chat: true, text: last.content, history: messages.slice(0, -1), maxTokens })).text;
   }
 
-  /** A turn prefilled with `previous` (params of a held turn), decoded: its text, both legs' nixl_node, the decode's turn params. */
-  async function turn(messages: Message[], maxTokens: number, previous?: Json) {
-    const body = { messages, max_tokens: maxTokens, temperature: 0 };
-    const pre = await post(prefill.address, {
-      ...body,
-      kv_transfer_params: previous ?? { do_remote_decode: true },
-    });
-    expect(pre.status, JSON.stringify(pre.json)).toBe(200);
-    const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
-    expect(dec.status, JSON.stringify(dec.json)).toBe(200);
-    return {
-      text: dec.json.choices[0].message.content as string,
-      prefill: pre.json.nixl_node as Json,
-      params: dec.json.kv_transfer_params as Json | undefined,
-    };
-  }
+  const turn = (messages: Message[], maxTokens: number, previous?: Json) =>
+    chatTurn(prefill, decode, messages, maxTokens, previous);
 
   /** Turn 1 of a conversation, and the messages of its turn 2. */
   async function opened(first: string, second: string) {
@@ -84,7 +96,7 @@ describe.each([
     expect(a.params).toBeDefined();
     const messages = [
       { role: 'user', content: first },
-      { role: 'assistant', content: a.text },
+      { role: 'assistant', content: a.text! },
       { role: 'user', content: second },
     ];
     return { params: a.params!, messages };
@@ -221,28 +233,19 @@ describe('GGUF held turns that end or go before the next turn reads them (tiny)'
   }
 
   async function turn1(prefill: Worker, decode: Worker) {
-    const body = { messages: [{ role: 'user', content: FIRST }], max_tokens: 16, temperature: 0 };
-    const pre = await post(prefill.address, { ...body, kv_transfer_params: { do_remote_decode: true } });
-    const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
-    expect(dec.status).toBe(200);
-    expect(dec.json.kv_transfer_params).toBeDefined();
+    const a = await chatTurn(prefill, decode, [{ role: 'user', content: FIRST }], 16);
+    expect(a.params).toBeDefined();
     const messages = [
       { role: 'user', content: FIRST },
-      { role: 'assistant', content: dec.json.choices[0].message.content as string },
+      { role: 'assistant', content: a.text! },
       { role: 'user', content: 'What was the name of the dragon?' },
     ];
-    return { params: dec.json.kv_transfer_params as Json, messages };
+    return { params: a.params!, messages };
   }
 
   async function turn2(prefill: Worker, decode: Worker | undefined, messages: Message[], params: Json) {
-    const body = { messages, max_tokens: 12, temperature: 0 };
-    const pre = await post(prefill.address, { ...body, kv_transfer_params: params });
-    expect(pre.status, JSON.stringify(pre.json)).toBe(200);
-    const info = pre.json.nixl_node as Json;
-    if (!decode) return { info };
-    const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
-    expect(dec.status, JSON.stringify(dec.json)).toBe(200);
-    return { info, text: dec.json.choices[0].message.content as string };
+    const b = await chatTurn(prefill, decode, messages, 12, params);
+    return { info: b.prefill, text: b.text };
   }
 
   const reference = async (messages: Message[]) =>
@@ -283,30 +286,15 @@ describe.each([3_600_000, -3_600_000])('GGUF turns, the decode clock %d ms off t
     const prefill = await startWorker({ ...w, prefixCache: false });
     const decode = await startWorker({ ...w, clockSkewMs: skew });
     try {
-      const leg = async (messages: Message[], previous?: Json) => {
-        const body = { messages, max_tokens: 12, temperature: 0 };
-        const pre = await post(prefill.address, {
-          ...body,
-          kv_transfer_params: previous ?? { do_remote_decode: true },
-        });
-        expect(pre.status, JSON.stringify(pre.json)).toBe(200);
-        const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
-        expect(dec.status, JSON.stringify(dec.json)).toBe(200);
-        return {
-          pre: pre.json.nixl_node as Json,
-          text: dec.json.choices[0].message.content as string,
-          kv: dec.json.kv_transfer_params as Json,
-        };
-      };
-      const a = await leg([{ role: 'user', content: FIRST }]);
+      const a = await chatTurn(prefill, decode, [{ role: 'user', content: FIRST }], 12);
       const messages = [
         { role: 'user', content: FIRST },
-        { role: 'assistant', content: a.text },
+        { role: 'assistant', content: a.text! },
         { role: 'user', content: 'What was the name of the dragon?' },
       ];
-      const b = await leg(messages, a.kv);
-      expect(b.pre.kv_reuse_skipped).toBeUndefined();
-      expect(b.pre.kv_reused_tokens).toBeGreaterThan(0);
+      const b = await chatTurn(prefill, decode, messages, 12, a.params);
+      expect(b.prefill.kv_reuse_skipped).toBeUndefined();
+      expect(b.prefill.kv_reused_tokens).toBeGreaterThan(0);
       expect(b.text).toBe(
         (await ref.generate({ chat: true, text: messages[2].content, history: messages.slice(0, 2), maxTokens: 12 }))
           .text,
@@ -328,33 +316,18 @@ describe('GGUF turns near the end of the context (tiny, 256 tokens)', () => {
     const prefill = await startWorker({ ...w, prefixCache: false });
     const decode = await startWorker(w);
     try {
-      const leg = async (messages: Message[], maxTokens: number, previous?: Json) => {
-        const body = { messages, max_tokens: maxTokens, temperature: 0 };
-        const pre = await post(prefill.address, {
-          ...body,
-          kv_transfer_params: previous ?? { do_remote_decode: true },
-        });
-        expect(pre.status, JSON.stringify(pre.json)).toBe(200);
-        const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
-        expect(dec.status, JSON.stringify(dec.json)).toBe(200);
-        return {
-          pre: pre.json.nixl_node as Json,
-          text: dec.json.choices[0].message.content as string,
-          kv: dec.json.kv_transfer_params as Json,
-        };
-      };
       const first = 'Tell me a story about a dragon and a knight who meet at a river and become friends over time.';
-      const a = await leg([{ role: 'user', content: first }], 40);
+      const a = await chatTurn(prefill, decode, [{ role: 'user', content: first }], 40);
       let second = 'And then?';
       const messages = () => [
         { role: 'user', content: first },
-        { role: 'assistant', content: a.text },
+        { role: 'assistant', content: a.text! },
         { role: 'user', content: second },
       ];
       const length = () => prefill.model.promptTokenIds!({ chat: true, messages: messages() } as never).length;
       while (length() < 236) second += ' More, please.';
       expect(length()).toBeLessThanOrEqual(248);
-      const b = await leg(messages(), 6, a.kv);
+      const b = await chatTurn(prefill, decode, messages(), 6, a.params);
       const want = await ref.generate({ chat: true, text: second, history: messages().slice(0, 2), maxTokens: 6 });
       expect(b.text).toBe(want.text);
     } finally {
