@@ -42,6 +42,9 @@ Usage: nixl-node worker [options]
   --side-channel-port P  port of its prefill side channel (default 0: any free port)
   --blocks N           KV cache blocks (default 512)
   --lease-ms N         how long a prefill holds KV nobody read (default: the wire profile's, 30 s)
+  --kv-wait-ms N       how long a request waits for KV blocks while the cache is full, in order, before a
+                       503 kv_cache_full with Retry-After (default 30000; 0: refuse at once)
+  --kv-queue-max N     requests that may wait for blocks at once; past it a 503 kv_queue_full (default 1024)
   --wire W             v12 | v0.13 (default NIXL_WIRE, else v12)
   --kv-mode M          pull | push: how this worker's KV moves, as vLLM's NixlConnector or NixlPushConnector
                        (default pull; every worker behind one proxy uses the proxy's --kv-mode)
@@ -77,6 +80,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
       'zmq-addr': { type: 'string' },
       blocks: { type: 'string' },
       'lease-ms': { type: 'string' },
+      'kv-wait-ms': { type: 'string' },
+      'kv-queue-max': { type: 'string' },
       wire: { type: 'string' },
       'kv-mode': { type: 'string' },
       'stall-prefill-ms': { type: 'string' },
@@ -124,6 +129,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
     zmqAddr: v['zmq-addr'] as string | undefined,
     blocks: positiveInt(v, 'blocks', 512, 1 << 20),
     leaseMs: v['lease-ms'] === undefined ? undefined : positiveInt(v, 'lease-ms', 30_000, 86_400_000),
+    kvWaitMs: v['kv-wait-ms'] === undefined ? undefined : integer(String(v['kv-wait-ms']), 'kv-wait-ms'),
+    kvQueueMax: v['kv-queue-max'] === undefined ? undefined : integer(String(v['kv-queue-max']), 'kv-queue-max'),
     wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
     stallPrefillMs: v['stall-prefill-ms'] === undefined ? undefined : positiveInt(v, 'stall-prefill-ms', 0, 3_600_000),
     stallDecodeMs: v['stall-decode-ms'] === undefined ? undefined : positiveInt(v, 'stall-decode-ms', 0, 3_600_000),

@@ -27,8 +27,14 @@ export interface FrontHandler {
   readonly model: Pick<ServingModel, 'tokenizer'>;
   /** KV blocks free right now. */
   readonly freeBlocks: number;
-  /** What its health answers carry besides the status: name, model, context size, free blocks. */
-  healthInfo(): { name: string; model: string; max_model_len?: number; free_blocks: number };
+  /** What its health answers carry besides the status: name, model, context size, free blocks, requests waiting for blocks. */
+  healthInfo(): {
+    name: string;
+    model: string;
+    max_model_len?: number;
+    free_blocks: number;
+    num_requests_waiting: number;
+  };
   /** Why the worker cannot serve right now (its model cannot make a context), or undefined. */
   unhealthy(): string | undefined;
   /** Counters the fronts add to. */

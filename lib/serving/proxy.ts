@@ -24,6 +24,7 @@ import { hasDecodeFor, modelMismatch, sameModel, servedModels, serves } from './
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 import { type RoutingOptions, affinityKey } from './fleet/routing';
 import { newTransferId, pushPrefillAndDecode, pushPrefillParams } from './push-proxy';
+import { KV_BUSY_CODES, retryAfter } from './blocks';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -433,6 +434,7 @@ export class ServingProxy {
             request_id: label,
             ...(f.type ? { code: f.type } : {}),
           }),
+          retryAfter(f.type),
         );
       }
     } finally {
@@ -730,7 +732,7 @@ export class ServingProxy {
             throw f;
           }
           last = new StageFailure(
-            type === 'kv_expired' ? 503 : 502,
+            type === 'kv_expired' || KV_BUSY_CODES.has(type ?? '') ? 503 : 502,
             stage,
             w.address,
             `${stage} worker ${w.address} answered ${answer.status}: ${msg}`,

@@ -4,6 +4,7 @@
 import { randomUUID } from 'node:crypto';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
+import { KvBusy } from './blocks';
 import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
@@ -41,10 +42,10 @@ async function onRequest(
   req: http.IncomingMessage,
   res: http.ServerResponse,
 ): Promise<void> {
-  const json = (status: number, body: unknown) => {
+  const json = (status: number, body: unknown, more: Record<string, string | number> = {}) => {
     if (res.headersSent) return void res.end();
     const text = JSON.stringify(body);
-    res.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text) });
+    res.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text), ...more });
     res.end(text);
   };
   const path = (req.url ?? '').split('?')[0];
@@ -103,6 +104,10 @@ async function onRequest(
     );
   } catch (e) {
     const h = w.failed(e);
-    json(h.status, h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code, h.details));
+    json(
+      h.status,
+      h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code, h.details),
+      h instanceof KvBusy ? { 'retry-after': h.retryAfterS } : {},
+    );
   }
 }

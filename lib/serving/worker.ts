@@ -26,7 +26,7 @@ import { PrefillTracker, servePrefill } from '../kv/prefill';
 import type { KvLayout } from '../kv/layout';
 import { signKvTransferParams, verifyKvTransferParams } from '../kv/params-auth';
 import { type SpanLike, contextFromTraceparent, startSpan } from '../tracing';
-import { BlockPool } from './blocks';
+import { BlockPool, type BlockQueueOptions, checkBlockQueueOptions, tooLarge } from './blocks';
 import type { FrontHandler, RequestHints, Sink } from './front';
 import { HttpError, countImages } from './http';
 import { tamperEnvelope, type Tamper } from './models/kv-state';
@@ -59,7 +59,8 @@ import { DEFAULT_REUSE_HANDSHAKE_MS, type HeldTurn, type Reuse, TurnKv } from '.
 import { type KvMode, PushServing, pushBinding, pushHash } from './push-serving';
 
 /** Options of a worker. */
-export interface WorkerOptions {
+/** kvWaitMs, kvQueueMax: how long and how many requests wait for KV blocks when the cache is full (blocks.ts). */
+export interface WorkerOptions extends BlockQueueOptions {
   name?: string;
   transport?: 'http' | 'zmq';
   /** HTTP: interface and port of the API (default 127.0.0.1, any free port). */
@@ -269,7 +270,7 @@ export class Worker implements FrontHandler {
     this.name = o.name ?? `worker-${process.pid}-${randomUUID().slice(0, 8)}`;
     const { layers, blockBytes, tokensPerBlock } = model.geometry;
     const blocks = o.blocks ?? 512;
-    this.#blocks = new BlockPool(blocks);
+    this.#blocks = new BlockPool(blocks, o);
     this.#agent = new NixlAgent(this.name, { engine: o.engine });
     const regionBytes = blocks * blockBytes;
     this.#mem = allocate(layers * regionBytes);
@@ -347,13 +348,14 @@ export class Worker implements FrontHandler {
   }
 
   /** What /health (and a ZeroMQ HEALTH reply) says: the proxy pairs workers and checks max_tokens by it. */
-  healthInfo(): { name: string; model: string; max_model_len?: number; free_blocks: number } {
+  healthInfo(): ReturnType<FrontHandler['healthInfo']> {
     const len = this.model.contextSize;
     return {
       name: this.name,
       model: this.model.id,
       ...(len ? { max_model_len: len } : {}),
       free_blocks: this.freeBlocks,
+      num_requests_waiting: this.#blocks.waiting,
       ...this.#kvInfo(),
     };
   }
@@ -480,7 +482,8 @@ export class Worker implements FrontHandler {
       },
       totalBlocks: w.#blocks.size,
       get load() {
-        return w.#active + w.#held.size + (w.turns?.held ?? 0);
+        // A request waiting for blocks counts twice: in progress, and queued behind a full cache.
+        return w.#active + w.#blocks.waiting + w.#held.size + (w.turns?.held ?? 0);
       },
     };
   }
@@ -618,8 +621,7 @@ export class Worker implements FrontHandler {
     span.setAttribute('nixl_node.role', 'decode');
     this.#fitsContext(req, kvp);
     const n = known ?? remoteBlockCount(kvp, this.#o.wire);
-    this.#fits(n);
-    const ids = this.#take(n);
+    const ids = await this.#blocks.acquire(n, signal);
     let given = false;
     const give = () => {
       if (!given) this.#blocks.give(ids);
@@ -708,8 +710,7 @@ export class Worker implements FrontHandler {
   ) {
     // A model whose KV is one whole sized by the prompt's tokens (a GGUF's state) computes it.
     const n = known ?? this.#pushBlocks(req);
-    this.#fits(n);
-    const ids = this.#take(n);
+    const ids = await this.#blocks.acquire(n, signal);
     let given = false;
     const give = () => {
       if (!given) this.#blocks.give(ids);
@@ -795,8 +796,7 @@ export class Worker implements FrontHandler {
       ({ kv, reuse } = await this.turns.prefillFrom(kvIn!, req, signal, span));
     else kv = await this.model.prefill(req, signal);
     this.stats.prefillMs += performance.now() - t0;
-    this.#fits(kv.blocks);
-    const ids = this.#take(kv.blocks);
+    const ids = await this.#blocks.acquire(kv.blocks, signal);
     if (namesPreviousTurn(kvIn) && !reuse) {
       try {
         // A previous turn's KV: what is provably this prompt's prefix is read, the rest computed.
@@ -966,17 +966,9 @@ export class Worker implements FrontHandler {
       );
   }
 
-  /** 413 when a request's KV cannot fit this worker's cache even when empty. */
+  /** A 400 (kv_request_too_large) when a request's KV cannot fit this worker's cache even when empty. */
   #fits(n: number): void {
-    if (n > this.#blocks.size)
-      throw new HttpError(413, `the prompt's KV needs ${n} blocks; this worker's KV cache holds ${this.#blocks.size}`);
-  }
-
-  #take(n: number): number[] {
-    const ids = this.#blocks.take(n);
-    if (!ids)
-      throw new HttpError(503, `KV cache full: ${n} blocks wanted, ${this.#blocks.available} free`, 'kv_cache_full');
-    return ids;
+    if (n > this.#blocks.size) throw tooLarge(n, this.#blocks.size);
   }
 
   /** Stops: fronts closed, requests aborted, agent and model freed. */
@@ -985,6 +977,7 @@ export class Worker implements FrontHandler {
     this.#closed = true;
     // Out of the fleet first, then what is in progress (and KV held for a decode) finishes.
     await this.fleet?.leave(() => this.#active === 0 && this.#held.size === 0);
+    this.#blocks.close();
     this.#zmq?.close();
     if (this.#http) {
       this.#http.closeAllConnections();
@@ -1037,6 +1030,7 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   // A push worker serves push only, and push never reads a held turn: a decode would evaluate and save every
   // turn again for nobody (vLLM refuses the pair at startup too, #46473).
   checkTurnOptions(o);
+  checkBlockQueueOptions(o);
   if (o.bidirectionalKv && o.kvMode === 'push')
     throw new NixlError(
       'bidirectional KV (multi-turn) goes with pull mode only: push never reads a held turn (vLLM refuses it too)',

@@ -389,10 +389,10 @@ describe('the proxy carries the conversation', () => {
     const { proxy, decode } = await serveTrio(closers, { prefill: { ...both, blocks: 16 }, decode: both });
     const t1 = await ask(proxy.url, { prompt: HISTORY, max_tokens: 8, conversation_id: 'f' });
     expect(decode.turns!.held).toBe(1);
-    // More KV than the prefill's whole cache: a 413 before any read.
+    // More KV than the prefill's whole cache: a 400 (kv_request_too_large) before any read.
     const long = `${HISTORY}${t1.json.choices[0].text}\nuser: ${'more '.repeat(100)}\n`;
     const t2 = await ask(proxy.url, { prompt: long, max_tokens: 8, conversation_id: 'f' });
-    expect(t2.status).toBe(413);
+    expect(t2.status).toBe(400);
     await expect.poll(() => decode.turns!.held).toBe(0);
     expect(decode.stats.abortedHolds).toBe(1);
   });

@@ -144,7 +144,7 @@ describe('every client mistake is a 4xx and never counts against a worker', () =
         [chat, { messages: [{ role: 'user', content: 'hi' }], temperature: 'hot' }, 400],
         [`${proxy.url}/v1/completions`, { prompt: 'x', stop: [1] }, 400],
         [`${proxy.url}/v1/completions`, { prompt: 'x', max_tokens: 0 }, 400],
-        [`${proxy.url}/v1/completions`, { prompt: 'y'.repeat(64 * 16 + 1), max_tokens: 1 }, 413],
+        [`${proxy.url}/v1/completions`, { prompt: 'y'.repeat(64 * 16 + 1), max_tokens: 1 }, 400],
       ];
       for (const [url, body, status] of cases) {
         const r = await post(url, body);

@@ -139,7 +139,7 @@ describe('generate on a worker (synthetic model)', () => {
       [{ ...ok, features: { mm_hashes: {} } }, 400, /features/],
       [{ ...ok, model: 'no-such-model' }, 404, /does not exist/],
       // 200,000 ids: within the body limit, more than the KV cache holds.
-      [{ token_ids: Array(200_000).fill(97), sampling_params: { max_tokens: 1 } }, 413, /KV cache/],
+      [{ token_ids: Array(200_000).fill(97), sampling_params: { max_tokens: 1 } }, 400, /KV cache/],
       ['not json', 400, /JSON/],
       [[1, 2, 3], 400, /object/],
     ];

@@ -162,7 +162,7 @@ export interface ServingModel {
   readonly compatibilityHash: string;
   /** Tokens a request's prompt and answer may take together, when the model has such a bound (a 400 past it). */
   readonly contextSize?: number;
-  /** Blocks a prompt's KV takes when the model knows before evaluating it (a 413 before any work), else undefined. */
+  /** Blocks a prompt's KV takes when the model knows before evaluating it (a 400 before any work), else undefined. */
   blocksFor(req: GenerationRequest): number | undefined;
   /**
    * Push decode of a model whose blocksFor cannot tell: the blocks the
