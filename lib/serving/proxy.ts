@@ -622,7 +622,6 @@ export class ServingProxy {
       dec.answer = carryTurn(dec.answer, {
         conversation,
         conversations: this.conversations,
-        // By the hold's id, or by ours (the client left before the params came).
         release: (id) => {
           this.stats.holdsReleased++;
           const t = this.#transport;
