@@ -85,6 +85,14 @@ export class Conversations {
     return { params: { ...e.params, do_remote_decode: true, do_remote_prefill: false }, release: () => e.drop?.() };
   }
 
+  /** Drops the entry of `id` when it still is `params` (its turn's client left), freeing the decode's hold. */
+  forget(id: string, params: Record<string, unknown>): void {
+    const e = this.#m.get(id);
+    if (e?.params !== params) return;
+    this.#m.delete(id);
+    e.drop?.();
+  }
+
   /**
    * Keeps a turn's params; `holdMs`: how long the decode said it holds the KV
    * (else the default TTL); `drop`: frees the decode's hold when the entry
@@ -123,6 +131,9 @@ export function takeConversationId(body: Record<string, unknown>): string | unde
  * The decode's answer on its way to the client: the params of the KV it
  * holds for the next turn (top level, or the last chunk's) are kept for the
  * conversation, and nixl_node says how many tokens the prefill reused.
+ * A turn whose client left (`cut` aborts) before the answer ended is never
+ * read: its hold is freed at once, by the params when they came (the
+ * conversation's entry dropped), else by the request's id.
  */
 export function carryTurn(
   a: StageAnswer,
@@ -132,19 +143,32 @@ export function carryTurn(
     reusedTokens?: number;
     /** Why the prefill read nothing of the previous turn it was given (its kv_reuse_skipped). */
     reuseSkipped?: string;
-    /** Frees the hold the params name (a request without a conversation: no next turn will read it). */
-    release?: (params: Record<string, unknown>) => void;
+    /**
+     * Frees the decode's hold of the turn: the one its params name (a request
+     * without a conversation: no next turn will read it), or, given no id,
+     * whatever it holds for this request (its client left before the params came).
+     */
+    release?: (remoteRequestId?: string) => void;
+    /** The client's signal: aborted when it left before the answer ended. */
+    cut?: AbortSignal;
   },
 ): StageAnswer {
+  const free = (kvp: Record<string, unknown>) => {
+    if (typeof kvp.remote_request_id === 'string') o.release?.(kvp.remote_request_id);
+  };
+  let ended = false;
+  let kept: Record<string, unknown> | undefined;
   const see = (body: Record<string, unknown>) => {
+    ended = true;
     const info = body.nixl_node as Record<string, unknown> | undefined;
     const raw = body.kv_transfer_params;
     const kvp = raw && typeof raw === 'object' && !Array.isArray(raw) ? (raw as Record<string, unknown>) : undefined;
     // Only a decode's hold of its turn (a nixl-node decode says how long it holds it).
     const held = kvp !== undefined && info?.kv_hold_ms !== undefined;
-    if (o.conversation !== undefined && kvp)
-      o.conversations.put(o.conversation, kvp, info?.kv_hold_ms, held ? () => o.release?.(kvp) : undefined);
-    else if (held) o.release?.(kvp);
+    if (o.conversation !== undefined && kvp && !o.cut?.aborted) {
+      o.conversations.put(o.conversation, kvp, info?.kv_hold_ms, held ? () => free(kvp) : undefined);
+      kept = kvp;
+    } else if (held) free(kvp);
     if (o.reusedTokens !== undefined && (info || kvp !== undefined || body.usage !== undefined))
       body.nixl_node = {
         ...info,
@@ -153,6 +177,12 @@ export function carryTurn(
       };
   };
   if (a.json && a.status < 400) see(a.json);
+  const onCut = () => {
+    if (kept && o.conversation !== undefined) o.conversations.forget(o.conversation, kept);
+    else if (!ended) o.release?.();
+  };
+  if (o.cut?.aborted) onCut();
+  else o.cut?.addEventListener('abort', onCut, { once: true });
   const chunks = a.chunks;
   if (!chunks) return a;
   return {

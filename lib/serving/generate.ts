@@ -208,25 +208,52 @@ export async function handleGenerate(
         ? body.request_id
         : randomUUID();
   const id = `generate-tokens-${base}`;
-  await w.handle('/v1/completions', completion as Obj, id, signal, generateSink(sink, id, tok), traceparent, hints);
+  const out = generateSink(sink, id, tok, maxTokens);
+  await w.handle('/v1/completions', completion as Obj, id, signal, out, traceparent, hints);
 }
 
-/** Turns a worker's completion answer (whole or chunks) into generate's shape. */
-function generateSink(sink: Sink, id: string, tok: ModelTokenizer): Sink {
+/**
+ * Turns a worker's completion answer (whole or chunks) into generate's
+ * shape: the text in ids again, at most `maxTokens` of them (the model's
+ * text may encode to more ids than it generated tokens), and usage that
+ * counts the ids returned.
+ */
+function generateSink(sink: Sink, id: string, tok: ModelTokenizer, maxTokens: number): Sink {
+  let returned = 0;
+  let cut = false;
+  const idsOf = (text: unknown): number[] => {
+    if (typeof text !== 'string' || text.length === 0) return [];
+    const all = tok.encode(text);
+    const ids = all.slice(0, Math.max(0, maxTokens - returned));
+    cut ||= ids.length < all.length;
+    returned += ids.length;
+    return ids;
+  };
   const choicesOf = (b: Obj) =>
-    ((b.choices as Obj[] | undefined) ?? []).map((c) => ({
-      index: c.index ?? 0,
-      token_ids: typeof c.text === 'string' && c.text.length > 0 ? tok.encode(c.text) : [],
-      finish_reason: c.finish_reason ?? null,
-      logprobs: null,
-    }));
+    ((b.choices as Obj[] | undefined) ?? []).map((c) => {
+      const token_ids = idsOf(c.text);
+      const done = c.finish_reason ?? null;
+      return { index: c.index ?? 0, token_ids, finish_reason: cut && done !== null ? 'length' : done, logprobs: null };
+    });
+  const usageOf = (u: unknown) => {
+    if (!u || typeof u !== 'object') return u;
+    const prompt = Number((u as Obj).prompt_tokens ?? 0);
+    return { ...(u as Obj), completion_tokens: returned, total_tokens: prompt + returned };
+  };
   const extras = (b: Obj) => ({
-    ...(b.usage !== undefined ? { usage: b.usage } : {}),
+    ...(b.usage !== undefined ? { usage: usageOf(b.usage) } : {}),
     ...(b.kv_transfer_params !== undefined ? { kv_transfer_params: b.kv_transfer_params } : {}),
     ...(b.nixl_node !== undefined ? { nixl_node: b.nixl_node } : {}),
   });
   return {
-    chunk: (c) => sink.chunk({ request_id: id, choices: choicesOf(c), ...extras(c) }),
+    chunk: (c) => {
+      const choices = choicesOf(c);
+      // Past max_tokens a chunk of text alone says nothing any more.
+      const empty = choices.every((x) => x.token_ids.length === 0 && x.finish_reason === null);
+      if (cut && empty && c.usage === undefined && c.kv_transfer_params === undefined && c.nixl_node === undefined)
+        return;
+      sink.chunk({ request_id: id, choices, ...extras(c) });
+    },
     end: (status, b) => {
       if (!b || b.error !== undefined) return sink.end(status, b);
       const choices = choicesOf(b).map((c) => ({ ...c, finish_reason: c.finish_reason ?? 'stop' }));

@@ -18,7 +18,7 @@ export {
 } from './transports';
 export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './protocol';
 export { HttpError } from './http';
-export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn } from './turns';
+export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn, type TurnOwner } from './turns';
 export {
   CONVERSATION_KEY,
   Conversations,

@@ -624,11 +624,12 @@ export class ServingProxy {
       dec.answer = carryTurn(dec.answer, {
         conversation,
         conversations: this.conversations,
-        release: (kvp) => {
-          if (typeof kvp.remote_request_id !== 'string') return;
+        release: (id) => {
           this.stats.holdsReleased++;
-          void this.#transport.release(decodeWorker, kvp.remote_request_id);
+          const t = this.#transport;
+          void (id === undefined ? t.releaseRequest(decodeWorker, requestId) : t.release(decodeWorker, id));
         },
+        cut: signal,
         reuseSkipped: skipped,
         // A miss reused nothing; a prefill that read the previous turn and does not say (vLLM's): not known.
         reusedTokens:
@@ -747,9 +748,9 @@ export class ServingProxy {
       } catch (e) {
         release();
         if (e instanceof StageFailure) throw e;
-        // A prefill may have answered into the connection just cut: its hold's
-        // id never arrived, so it is released by our request id instead.
-        if (stage === 'prefill' && (clientSignal.aborted || timeout.aborted)) {
+        // A prefill (or a decode, of its turn) may have answered into the connection just
+        // cut: its hold's id never arrived, so it is released by our request id instead.
+        if (clientSignal.aborted ? stage !== 'encode' : stage === 'prefill' && timeout.aborted) {
           this.stats.holdsReleased++;
           void this.#transport.releaseRequest(w, requestId);
         }

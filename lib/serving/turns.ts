@@ -50,6 +50,8 @@ export interface TurnDeps {
   recomputeThreshold?: number;
   /** The handshake with the decode holding the previous turn: one attempt of this many ms. */
   reuseHandshakeMs?: number;
+  /** Whether a release of this request id (the proxy's) came before its turn was held: then none is. */
+  releasedEarly?(requestId: string): boolean;
   /** Test hook: damages a held turn's KV once written (its `n` blocks). */
   tamper?: (view: BlockView, n: number) => void;
 }
@@ -74,6 +76,17 @@ export interface HeldTurn {
   holdMs: number;
 }
 
+/**
+ * The request a turn is held for: the proxy's id, by which the proxy
+ * releases it when its client left before the params reached it; and the
+ * request's signal, aborted when the decode's own client left before the
+ * answer was written (no one got the params, so no one will read it).
+ */
+export interface TurnOwner {
+  requestId: string;
+  signal: AbortSignal;
+}
+
 /** What a prefill took of a previous turn. */
 export interface Reuse {
   tokens: number;
@@ -87,6 +100,8 @@ export class TurnKv {
   readonly stats: TurnStats = { turnsHeld: 0, turnsReused: 0, reusedTokens: 0, turnsRecomputed: 0 };
   /** Turns held here, by the id their params carry. */
   readonly #held = new Map<string, number[]>();
+  /** The turns held for each request id (TurnOwner). */
+  readonly #of = new Map<string, Set<string>>();
   #heldBlocks = 0;
   #seq = 0;
 
@@ -107,9 +122,11 @@ export class TurnKv {
    * name it (signed with the secret), or undefined when the model keeps no
    * such KV or the cache has no room (the next turn then recomputes).
    * `made`: the turn's KV as the model made it while decoding (GGUF), else
-   * the model makes it from the text.
+   * the model makes it from the text. `owner`: the request it is held for
+   * (the hold ends with it when its client leaves first).
    */
-  keep(req: GenerationRequest, text: string, made?: TurnKvState): HeldTurn | undefined {
+  keep(req: GenerationRequest, text: string, made?: TurnKvState, owner?: TurnOwner): HeldTurn | undefined {
+    if (owner && (owner.signal.aborted || this.d.releasedEarly?.(owner.requestId))) return undefined;
     const kv = made ?? this.d.model.turnKv?.(req, text);
     if (!kv || kv.tokens.length === 0) return undefined;
     if (this.#heldBlocks + kv.blocks > this.d.maxHeldBlocks) return undefined;
@@ -120,7 +137,9 @@ export class TurnKv {
     kv.writeTo(this.d.view(ids), { engineId: this.d.name, requestId: id, blockIds: ids });
     this.d.tamper?.(this.d.view(ids), ids.length);
     this.#held.set(id, ids);
+    const mine = owner && this.#own(id, owner);
     void this.d.tracker.expect(id, ids, { leaseMs: this.d.ttlMs, renewable: false }).then(() => {
+      mine?.();
       this.#held.delete(id);
       this.#heldBlocks -= ids.length;
       this.d.give(ids);
@@ -146,6 +165,26 @@ export class TurnKv {
     return {
       params: this.d.secret === undefined ? params : signKvTransferParams(params, this.d.secret),
       holdMs: this.d.ttlMs,
+    };
+  }
+
+  /** Frees the turns held for a request id now (its client left); how many. */
+  releaseRequest(requestId: string): number {
+    let n = 0;
+    for (const id of [...(this.#of.get(requestId) ?? [])]) if (this.d.tracker.abort(id)) n++;
+    return n;
+  }
+
+  /** Files turn `id` under its owner, freed when the owner's signal aborts; returns what unfiles it. */
+  #own(id: string, o: TurnOwner): () => void {
+    const set = this.#of.get(o.requestId) ?? new Set<string>();
+    this.#of.set(o.requestId, set.add(id));
+    const cut = () => this.d.tracker.abort(id);
+    o.signal.addEventListener('abort', cut, { once: true });
+    return () => {
+      o.signal.removeEventListener('abort', cut);
+      set.delete(id);
+      if (set.size === 0 && this.#of.get(o.requestId) === set) this.#of.delete(o.requestId);
     };
   }
 

@@ -48,6 +48,7 @@ import { chunkBody, completionBody, usageBody } from './openai';
 import { type RequestError, checkCompletionRequest } from './schema';
 import { PROMPT_TOKENS } from './generate';
 import { endAnswer } from './stream-end';
+import { ReleasedEarly } from './released-early';
 import { type Logger, silentLogger } from './log';
 import { ModelNotFound, normalizePrompt } from './openai';
 import { serveHttp } from './worker-http';
@@ -243,12 +244,8 @@ export class Worker implements FrontHandler {
    */
   readonly #holdsOf = new Map<string, Set<string>>();
   readonly #prefilling = new Map<string, Set<{ released: boolean }>>();
-  /**
-   * Request ids released before any prefill of theirs arrived (the release
-   * overtook the request on another connection), with when: a prefill of one
-   * gives its blocks up. A few seconds, at most 4096.
-   */
-  readonly #releasedEarly = new Map<string, number>();
+  /** Request ids released before any prefill (or held turn) of theirs was made here. */
+  readonly #releasedEarly = new ReleasedEarly();
   #side?: HandshakeServer;
   /** Push mode's receiver and sender (kvMode 'push'). */
   #push?: PushServing;
@@ -331,6 +328,7 @@ export class Worker implements FrontHandler {
         take: (n) => (n <= this.#blocks.available ? (this.#blocks.take(n) ?? undefined) : undefined),
         give: (ids) => this.#blocks.give(ids),
         view: (ids) => this.#view(ids),
+        releasedEarly: (id) => this.#releasedEarly.has(id),
         ttlMs: o.decoderKvTtlMs ?? DEFAULT_TURN_TTL_MS,
         maxHeldBlocks: Math.floor(share * this.#blocks.size),
         recomputeThreshold: o.kvRecomputeThreshold,
@@ -370,10 +368,10 @@ export class Worker implements FrontHandler {
   }
 
   /**
-   * Frees the holds a request (the proxy's request id) made here, and makes
-   * its prefills still running give theirs up: the proxy's client went away
-   * before the prefill's answer, with the hold's id, reached the proxy.
-   * Returns how many holds and prefills it found.
+   * Frees the holds a request (the proxy's request id) made here, its turn
+   * held for a next turn included, and makes its prefills still running give
+   * theirs up: the proxy's client went away before the answer, with the
+   * hold's id, reached the proxy. Returns how many holds and prefills it found.
    */
   releaseRequest(requestId: unknown): number {
     if (typeof requestId !== 'string') throw new HttpError(400, "'request_id' must be a string");
@@ -383,11 +381,8 @@ export class Worker implements FrontHandler {
       n++;
     }
     for (const id of [...(this.#holdsOf.get(requestId) ?? [])]) if (this.#abortHold(id)) n++;
-    if (n === 0) {
-      this.#releasedEarly.set(requestId, performance.now());
-      const [oldest] = this.#releasedEarly.keys();
-      if (this.#releasedEarly.size > 4096) this.#releasedEarly.delete(oldest);
-    }
+    n += this.turns?.releaseRequest(requestId) ?? 0;
+    if (n === 0) this.#releasedEarly.add(requestId);
     return n;
   }
 
@@ -593,7 +588,7 @@ export class Worker implements FrontHandler {
       try {
         const g = await this.#decode(req, held, answer, signal, () => {}, bindingOf(p));
         this.stats.decodes++;
-        const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole, g.turn);
+        const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole, g.turn, { requestId, signal });
         answer.finish(
           g,
           { worker: this.name, kv_blocks: held.length, kv_moved: false, kv_mode: 'pull', ...g.info },
@@ -666,7 +661,7 @@ export class Worker implements FrontHandler {
       const { layers, blockBytes } = this.model.geometry;
       // Bidirectional KV: this turn's KV stays here for the next turn's prefill.
       give();
-      const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole, g.turn);
+      const next = signal.aborted ? undefined : this.turns?.keep(req, answer.whole, g.turn, { requestId, signal });
       answer.finish(
         g,
         {
@@ -763,8 +758,7 @@ export class Worker implements FrontHandler {
     span: SpanLike,
     body: Record<string, unknown>,
   ) {
-    const early = this.#releasedEarly.get(requestId);
-    const me = { released: early !== undefined && performance.now() - early < 10_000 };
+    const me = { released: this.#releasedEarly.has(requestId) };
     const running = getOrAdd(this.#prefilling, requestId);
     running.add(me);
     try {

@@ -57,6 +57,9 @@ describe('generate with a GGUF worker pair behind the proxy', () => {
         expect(r.status, JSON.stringify(r.json)).toBe(200);
         const out = stream ? r.ids : (r.json.choices[0].token_ids as number[]);
         expect(ref.model.detokenize(out as never)).toBe(want);
+        // At most max_tokens ids, and usage counts those returned.
+        expect(out.length).toBeLessThanOrEqual(8);
+        if (!stream) expect(r.json.usage.completion_tokens).toBe(out.length);
         expect(r.json.nixl_node?.kv_moved).toBe(true);
       }
     }
@@ -96,5 +99,21 @@ describe('generate with a GGUF worker pair behind the proxy', () => {
     expect(r.status, JSON.stringify(r.json)).toBe(200);
     expect(r.json.usage.prompt_tokens).toBe(ids.length + 1);
     expect(r.json.usage.prompt_tokens + r.json.usage.completion_tokens).toBeLessThanOrEqual(64);
+    expect(r.json.usage.completion_tokens).toBe(r.json.choices[0].token_ids.length);
+    // max_tokens bounds the ids on a GGUF too, whatever its text encodes to again.
+    for (const n of [1, 3])
+      for (const stream of [false, true]) {
+        const c = await post(w.address, {
+          token_ids: ids,
+          sampling_params: { max_tokens: n, temperature: 0 },
+          stream,
+          ...(stream ? { stream_options: { include_usage: true } } : {}),
+        });
+        expect(c.status, JSON.stringify(c.json)).toBe(200);
+        const out = stream ? c.ids : (c.json.choices[0].token_ids as number[]);
+        expect(out.length).toBeGreaterThan(0);
+        expect(out.length).toBeLessThanOrEqual(n);
+        expect(c.json.usage.completion_tokens).toBe(out.length);
+      }
   }, 60_000);
 });

@@ -9,6 +9,8 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { buildKvTransferParams } from '../../lib/handshake/wire';
 import { startProxy, startWorker } from '../../lib/serving';
 import { expectedCompletion } from '../../lib/serving/models/synthetic-kv';
+import type { FrontHandler, Sink } from '../../lib/serving/front';
+import { handleGenerate } from '../../lib/serving/generate';
 import { serveTrio } from '../helpers';
 
 const closers: Array<() => unknown> = [];
@@ -40,6 +42,9 @@ async function post(url: string, body: unknown, headers: Record<string, string> 
   return { status: r.status, chunks: undefined, json: JSON.parse(raw) as Json };
 }
 
+/** What the synthetic model answers in ids: its tokens are bytes, so max_tokens bytes of its words. */
+const expectedIds = (prompt: string, maxTokens: number) =>
+  expectedCompletion(prompt, maxTokens).join(' ').slice(0, maxTokens);
 const tokensOf = (chunks: Array<Json>) => chunks.flatMap((c) => c.choices?.[0]?.token_ids ?? []);
 
 describe('generate on a worker (synthetic model)', () => {
@@ -54,7 +59,7 @@ describe('generate on a worker (synthetic model)', () => {
     );
     expect(r.status, JSON.stringify(r.json)).toBe(200);
     expect(r.json!.request_id).toBe('generate-tokens-abc');
-    expect(text(r.json!.choices[0].token_ids)).toBe(expectedCompletion(prompt, 5).join(' '));
+    expect(text(r.json!.choices[0].token_ids)).toBe(expectedIds(prompt, 5));
     expect(r.json!.choices[0].finish_reason).toBe('length');
     expect(r.json!.usage.prompt_tokens).toBe(ids(prompt).length);
     expect(r.json!.kv_transfer_params).toBeNull();
@@ -74,7 +79,7 @@ describe('generate on a worker (synthetic model)', () => {
       () => d.close(),
     );
     const prompt = 'a prompt long enough to take several blocks of sixteen tokens each';
-    const want = expectedCompletion(prompt, 7).join(' ');
+    const want = expectedIds(prompt, 7);
     const ask = { do_remote_decode: true, do_remote_prefill: false };
     for (const where of ['top', 'extra'] as const) {
       const place = (kv: object, sp: object) =>
@@ -105,7 +110,7 @@ describe('generate on a worker (synthetic model)', () => {
       kv_transfer_params: pre.json!.kv_transfer_params,
     });
     expect(dec.status, JSON.stringify(dec.json)).toBe(200);
-    expect(text(dec.json!.choices[0].token_ids)).toBe(expectedCompletion(prompt, 3).join(' '));
+    expect(text(dec.json!.choices[0].token_ids)).toBe(expectedIds(prompt, 3));
   });
 
   it('hostile or wrong input answers a typed 4xx and the worker keeps serving', async () => {
@@ -215,7 +220,7 @@ describe('generate through the proxy', () => {
     it(`P/D over ${transport}: the tokens a single worker gives, streamed or not`, async () => {
       const { proxy, prefill, decode } = await serveTrio(closers, { transport });
       const prompt = `disaggregated tokens over ${transport}, `.repeat(3);
-      const want = expectedCompletion(prompt, 6).join(' ');
+      const want = expectedIds(prompt, 6);
       const r = await post(proxy.url, { token_ids: ids(prompt), sampling_params: { max_tokens: 6 } });
       expect(r.status, JSON.stringify(r.json)).toBe(200);
       expect(text(r.json!.choices[0].token_ids)).toBe(want);
@@ -308,5 +313,77 @@ describe('generate through the proxy', () => {
     expect(dec.body.sampling_params.extra_args.kv_transfer_params).toEqual(pParams);
     expect(pre.rid).toBeDefined();
     expect(dec.rid).toBe(pre.rid);
+  });
+});
+
+describe('generate honours max_tokens in token ids', () => {
+  /** The ids an answer returns, and the completion tokens its usage counts. */
+  async function generated(url: string, maxTokens: number, stream: boolean) {
+    const r = await post(url, {
+      token_ids: ids('count my tokens, not my words: '.repeat(3)),
+      sampling_params: { max_tokens: maxTokens },
+      stream,
+      ...(stream ? { stream_options: { include_usage: true } } : {}),
+    });
+    expect(r.status, JSON.stringify(r.json)).toBe(200);
+    const out = stream ? tokensOf(r.chunks!) : (r.json!.choices[0].token_ids as number[]);
+    const usage = stream ? r.chunks!.at(-1)!.usage : r.json!.usage;
+    return { out, usage };
+  }
+
+  it('on a worker and through the proxy (HTTP, ZeroMQ), streamed or not: at most max_tokens ids, usage counts them', async () => {
+    const w = await startWorker({ name: 'GM' });
+    closers.push(() => w.close());
+    const targets: Array<[string, string]> = [['worker', w.address]];
+    for (const transport of ['http', 'zmq'] as const)
+      targets.push([`proxy ${transport}`, (await serveTrio(closers, { transport })).proxy.url]);
+    for (const [where, url] of targets)
+      for (const stream of [false, true])
+        for (const n of [1, 4, 9]) {
+          const { out, usage } = await generated(url, n, stream);
+          const what = `${where}, ${stream ? 'streamed' : 'whole'}, max_tokens ${n}`;
+          expect(out.length, what).toBeGreaterThan(0);
+          expect(out.length, what).toBeLessThanOrEqual(n);
+          expect(usage.completion_tokens, what).toBe(out.length);
+          expect(usage.total_tokens, what).toBe(usage.prompt_tokens + out.length);
+        }
+  }, 60_000);
+});
+
+describe('generate on a model whose text encodes to more ids than it sampled', () => {
+  it('the ids are cut at max_tokens (finish_reason length) and usage counts those returned', async () => {
+    // A tokenizer that spells each character twice: 'abc' (3 tokens sampled) encodes to 6 ids.
+    const tokenizer = {
+      vocabSize: 256,
+      encode: (t: string) => Array.from(Buffer.from(t.replace(/./g, '$&$&'))),
+      decode: (i: number[]) => Buffer.from(i).toString(),
+    };
+    const usage = { prompt_tokens: 2, completion_tokens: 3, total_tokens: 5 };
+    const w = {
+      modelId: 'm',
+      model: { tokenizer },
+      handle: async (_p: string, body: Json, _id: string, _s: AbortSignal, sink: Sink) => {
+        if (body.stream !== true)
+          return sink.end(200, { model: 'm', choices: [{ index: 0, text: 'abc', finish_reason: 'stop' }], usage });
+        sink.chunk({ choices: [{ index: 0, text: 'ab', finish_reason: null }] });
+        sink.chunk({ choices: [{ index: 0, text: 'c', finish_reason: null }] });
+        sink.chunk({ choices: [{ index: 0, text: '', finish_reason: 'stop' }] });
+        sink.chunk({ choices: [], usage });
+        sink.end(200);
+      },
+    } as unknown as FrontHandler;
+    for (const stream of [false, true]) {
+      const chunks: Json[] = [];
+      let whole: Json | undefined;
+      const sink: Sink = { chunk: (c) => chunks.push(c), end: (_s, b) => (whole = b) };
+      const body = { token_ids: [104, 105], sampling_params: { max_tokens: 4 }, stream };
+      await handleGenerate(w, body, 'x', new AbortController().signal, sink);
+      const out = stream ? tokensOf(chunks) : whole!.choices[0].token_ids;
+      expect(out, `stream ${stream}`).toEqual(ids('aabb'));
+      const last = stream ? chunks.at(-1)! : whole!;
+      expect(last.usage).toEqual({ prompt_tokens: 2, completion_tokens: 4, total_tokens: 6 });
+      const end = stream ? chunks.find((c) => c.choices[0]?.finish_reason) : whole;
+      expect(end!.choices[0].finish_reason).toBe('length');
+    }
   });
 });

@@ -95,7 +95,7 @@ export class SyntheticModel implements ServingModel {
     const bad = checkKv(tokens, this.spec, view);
     if (bad > 0) throw new KvRejected(`${bad} bytes of the KV differ from the prompt's`, 'mismatch', bad);
     const verified = n * this.spec.layers * this.spec.blockBytes;
-    return this.#emit(view, n, tokens.length, req.maxTokens, out, signal, { verified_bytes: verified }, blocksRead);
+    return this.#emit(view, n, tokens.length, req, out, signal, { verified_bytes: verified }, blocksRead);
   }
 
   async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
@@ -105,28 +105,37 @@ export class SyntheticModel implements ServingModel {
     const kv = Array.from({ length: n * spec.layers }, () => Buffer.alloc(spec.blockBytes));
     const view: BlockView = (b, l) => kv[b * spec.layers + l];
     computeKv(tokens, spec, view);
-    return this.#emit(view, n, tokens.length, req.maxTokens, out, signal, { verified_bytes: 0 });
+    return this.#emit(view, n, tokens.length, req, out, signal, { verified_bytes: 0 });
   }
 
+  /**
+   * Its answer: max_tokens words. A request in token ids (the generate
+   * endpoint) counts in its tokenizer's tokens, bytes: the words' first
+   * max_tokens bytes (ASCII), so the ids returned are what max_tokens allows.
+   */
   async #emit(
     view: BlockView,
     blocks: number,
     promptTokens: number,
-    maxTokens: number,
+    req: GenerationRequest,
     out: TextSink,
     signal: AbortSignal,
     info: Record<string, unknown>,
     blocksRead?: () => void,
   ): Promise<Generated> {
-    const words = generate(view, blocks, this.spec, maxTokens);
+    const words = generate(view, blocks, this.spec, req.maxTokens);
     blocksRead?.();
+    let left = req.promptTokens ? req.maxTokens : Number.POSITIVE_INFINITY;
     for (const [i, w] of words.entries()) {
-      if (signal.aborted) break;
-      out(i === 0 ? w : ` ${w}`);
+      if (signal.aborted || left <= 0) break;
+      const piece = (i === 0 ? w : ` ${w}`).slice(0, left);
+      left -= piece.length;
+      out(piece);
       // Streamed answers go out as they come, not in one burst at the end.
       if (i % 4 === 3) await new Promise((r) => setImmediate(r));
     }
-    return { completionTokens: words.length, promptTokens, finishReason: 'length', info };
+    const completionTokens = req.promptTokens ? req.maxTokens - left : words.length;
+    return { completionTokens, promptTokens, finishReason: 'length', info };
   }
 
   /** Nothing to free. */
