@@ -12,6 +12,7 @@ import { benchServing } from './serving';
 import { benchFleet } from './fleet';
 import { benchFleetGguf } from './fleet-gguf';
 import { benchTracing } from './tracing';
+import { proxySection } from './proxy';
 import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, type BwRow } from './loopback';
@@ -31,6 +32,7 @@ export const SECTIONS = [
   'coalesce',
   'handshake',
   'tracing',
+  'proxy',
   'serving',
   'multiturn',
   'push',
@@ -240,6 +242,8 @@ export async function runBench(o: BenchOptions): Promise<void> {
         bars: tr.rows.map((r) => ({ label: r.mode, value: r.ratio })),
       });
   }
+
+  if (only.includes('proxy')) result.proxy = await proxySection(quick, table, panels);
 
   if (only.includes('serving')) {
     const n = quick ? 5 : 15;
