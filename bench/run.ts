@@ -106,8 +106,8 @@ export async function runBench(o: BenchOptions): Promise<void> {
       );
     }
     table(
-      ['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio'],
-      bw.map((r) => [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio]),
+      ['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio', 'copy-only ratio'],
+      bw.map((r) => [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio, r.copyRatio ?? '-']),
     );
     result.bandwidth = bw;
     for (const key of new Set(bw.map((r) => `${r.engine}|${r.path}`))) {
