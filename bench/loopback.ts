@@ -5,7 +5,7 @@ import { once } from 'node:events';
 import * as path from 'node:path';
 import { DescList, type NixlAgent, allocate } from '../lib';
 import { benchAgent, type Engine } from './agents';
-import { median, nowNs } from './stats';
+import { fmtBytes, median, nowNs } from './stats';
 
 export const BLOCK_SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20];
 const POOL = 64 << 20;
@@ -27,6 +27,11 @@ export interface BwRow {
    */
   copyGbps?: number;
   copyRatio?: number;
+}
+
+/** A row as the bench's table prints it. */
+export function bwCells(r: BwRow): Array<string | number> {
+  return [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio, r.copyRatio ?? '-'];
 }
 
 function gbps(bytes: number, ns: bigint): number {

@@ -15,7 +15,7 @@ import { benchTracing } from './tracing';
 import { proxySection } from './proxy';
 import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
-import { benchBandwidth, type BwRow } from './loopback';
+import { benchBandwidth, bwCells, type BwRow } from './loopback';
 import { benchMultiturn } from './multiturn';
 import { benchMultiturnGguf } from './multiturn-gguf';
 import { benchDemo, DEMO_ROW, type DemoRow, type DemoRun } from './demo';
@@ -105,10 +105,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
         })),
       );
     }
-    table(
-      ['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio', 'copy-only ratio'],
-      bw.map((r) => [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio, r.copyRatio ?? '-']),
-    );
+    table(['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio', 'copy-only ratio'], bw.map(bwCells));
     result.bandwidth = bw;
     for (const key of new Set(bw.map((r) => `${r.engine}|${r.path}`))) {
       const [e, path] = key.split('|');
