@@ -4,7 +4,7 @@ import { NixlAgent } from '../lib';
 
 export type Engine = 'loopback' | 'nixl';
 
-export function benchAgent(name: string, engine: Engine): NixlAgent {
+export function benchAgent(name: string, engine: Engine, o: { captureTelemetry?: boolean } = {}): NixlAgent {
   if (engine === 'nixl') {
     process.env.UCX_TLS ??= 'sm,self';
     return new NixlAgent(name, {
@@ -14,5 +14,5 @@ export function benchAgent(name: string, engine: Engine): NixlAgent {
       backendParams: { UCX: { ucx_error_handling_mode: 'none' } },
     });
   }
-  return new NixlAgent(name, { engine });
+  return new NixlAgent(name, { engine, ...o });
 }

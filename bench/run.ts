@@ -12,9 +12,10 @@ import { benchServing } from './serving';
 import { benchFleet } from './fleet';
 import { benchFleetGguf } from './fleet-gguf';
 import { benchTracing } from './tracing';
+import { proxySection } from './proxy';
 import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
-import { benchBandwidth, type BwRow } from './loopback';
+import { benchBandwidth, bwCells, type BwRow } from './loopback';
 import { benchMultiturn } from './multiturn';
 import { benchMultiturnGguf } from './multiturn-gguf';
 import { benchDemo, DEMO_ROW, type DemoRow, type DemoRun } from './demo';
@@ -31,6 +32,7 @@ export const SECTIONS = [
   'coalesce',
   'handshake',
   'tracing',
+  'proxy',
   'serving',
   'multiturn',
   'push',
@@ -103,10 +105,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
         })),
       );
     }
-    table(
-      ['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio'],
-      bw.map((r) => [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio]),
-    );
+    table(['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio', 'copy-only ratio'], bw.map(bwCells));
     result.bandwidth = bw;
     for (const key of new Set(bw.map((r) => `${r.engine}|${r.path}`))) {
       const [e, path] = key.split('|');
@@ -240,6 +239,8 @@ export async function runBench(o: BenchOptions): Promise<void> {
         bars: tr.rows.map((r) => ({ label: r.mode, value: r.ratio })),
       });
   }
+
+  if (only.includes('proxy')) result.proxy = await proxySection(quick, table, panels);
 
   if (only.includes('serving')) {
     const n = quick ? 5 : 15;

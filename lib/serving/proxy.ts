@@ -19,6 +19,7 @@ import { HttpError, hasImages, readJson } from './http';
 import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt } from './openai';
 import { NixlError } from '../errors';
 import { checkWorkerAddress } from './addresses';
+import { StageTimeout } from './stage-signal';
 import { type Logger, silentLogger } from './log';
 import { hasDecodeFor, modelMismatch, sameModel, servedModels, serves } from './pairing';
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
@@ -687,8 +688,7 @@ export class ServingProxy {
         },
       });
       const timeoutMs = this.#o.timeoutMs?.[stage] ?? 60_000;
-      const timeout = AbortSignal.timeout(timeoutMs);
-      const signal = AbortSignal.any([clientSignal, timeout]);
+      const timeout = new StageTimeout(clientSignal, timeoutMs);
       const t0 = performance.now();
       w.outstanding++;
       let released = false;
@@ -697,7 +697,7 @@ export class ServingProxy {
         if (!released) {
           released = true;
           w.outstanding--;
-          if (streaming) span.end(); // a streamed answer's span lasts to its end
+          if (streaming) timeout.end(span); // a streamed answer's span and timeout last to its end
         }
       };
       const observe = (outcome: string) =>
@@ -709,7 +709,7 @@ export class ServingProxy {
           path,
           body,
           requestId,
-          signal,
+          signal: timeout.signal,
           stream,
           traceparent: span.traceparent(),
           decodeMaxTokens: o.decodeMaxTokens,
@@ -781,7 +781,7 @@ export class ServingProxy {
         );
         span.fail(last);
       } finally {
-        if (!streaming) span.end();
+        if (!streaming) timeout.end(span);
       }
     }
     throw last ?? new StageFailure(503, stage, undefined, `no healthy ${stage} worker`);
