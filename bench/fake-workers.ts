@@ -52,7 +52,7 @@ class FakeWorker implements FrontHandler {
   constructor(readonly name: 'prefill' | 'decode') {}
 
   healthInfo() {
-    return { name: this.name, model: FAKE_MODEL, free_blocks: this.freeBlocks };
+    return { name: this.name, model: FAKE_MODEL, free_blocks: this.freeBlocks, num_requests_waiting: 0 };
   }
   unhealthy(): string | undefined {
     return undefined;
