@@ -76,8 +76,8 @@ describe('push pairing', () => {
     expect(p.sender.resources().registrations).toBeLessThanOrEqual(8);
   });
 
-  it('the store: the seen set is capped (oldest forgotten), the waiting set refuses past its cap', () => {
-    const s = new RegistrationStore(4, 480_000, 16);
+  it('the store: the seen set is capped (oldest forgotten), the waiting set evicts past its cap', () => {
+    const s = new RegistrationStore(4, 480_000, 16, { max: 4, maxBytes: 1 << 20, perAgent: 4, perEngine: 4 });
     const r = (i: number, from = 'd0') => ({
       reg: { requestId: `r-${i}`, decodeEngineId: 'D', localBlockIds: [[i]] } as PushRegistration,
       from,
@@ -88,8 +88,11 @@ describe('push pairing', () => {
     expect(s.seen).toBe(16);
     expect(s.see(r(99))).toBe('duplicate');
     expect(s.see(r(99, 'd1'))).toBeUndefined();
-    for (let i = 0; i < 4; i++) expect(s.add(r(i))).toBeUndefined();
-    expect(s.add(r(4))).toBe('full');
+    for (let i = 0; i < 4; i++) expect(s.add(r(i))).toEqual({ evicted: [] });
+    // Full: the heaviest sender's (here the only one's) oldest makes room.
+    expect(s.add(r(4)).evicted.map((x) => x.r.reg.requestId)).toEqual(['r-0']);
+    expect(s.size).toBe(4);
     expect(s.candidate('r-2', performance.now())?.map((x) => x.reg.requestId)).toEqual(['r-2']);
+    expect(s.candidate('r-0', performance.now())).toBeUndefined();
   });
 });
