@@ -95,4 +95,40 @@ describe('push pairing', () => {
     expect(s.candidate('r-2', performance.now())?.map((x) => x.reg.requestId)).toEqual(['r-2']);
     expect(s.candidate('r-0', performance.now())).toBeUndefined();
   });
+
+  it('the store: a full store evicts the heaviest sender oldest first, never a lighter one', () => {
+    const s = new RegistrationStore(8, 480_000, 1024, { max: 8, maxBytes: 1 << 20, perAgent: 8, perEngine: 8 });
+    let n = 0;
+    const r = (from: string, engine = from) => ({
+      reg: { requestId: `r-${n++}`, decodeEngineId: engine, localBlockIds: [[1]] } as PushRegistration,
+      from,
+      at: performance.now(),
+      deadlineAt: Number.POSITIVE_INFINITY,
+    });
+    for (let i = 0; i < 2; i++) s.add(r('real'));
+    for (let i = 0; i < 6; i++) s.add(r('flooder'));
+    const gone = [0, 1, 2].flatMap(() => s.add(r('third')).evicted.map((x) => `${x.r.from}:${x.r.reg.requestId}`));
+    // The flooder (6, then 5, 4 against 'third''s 0, 1, 2) loses its three oldest; 'real' keeps both.
+    expect(gone).toEqual(['flooder:r-2', 'flooder:r-3', 'flooder:r-4']);
+    expect(s.candidate('r-0', performance.now())).toHaveLength(1);
+    expect(s.candidate('r-1', performance.now())).toHaveLength(1);
+  });
+
+  it('the store: an agent naming another decode engine fills that engine quota with its own, and loses its own', () => {
+    const s = new RegistrationStore(64, 480_000, 1024, { max: 64, maxBytes: 1 << 20, perAgent: 64, perEngine: 4 });
+    let n = 0;
+    const r = (from: string) => ({
+      reg: { requestId: `r-${n++}`, decodeEngineId: 'D', localBlockIds: [[1, 2, 3]] } as PushRegistration,
+      from,
+      at: performance.now(),
+      deadlineAt: Number.POSITIVE_INFINITY,
+    });
+    expect(s.add(r('d-rank0')).evicted).toEqual([]);
+    const gone = Array.from({ length: 10 }, () => s.add(r('spoofer')).evicted.map((x) => x.r.from)).flat();
+    expect(gone).toEqual(Array(7).fill('spoofer'));
+    expect(s.candidate('r-0', performance.now())).toHaveLength(1);
+    // The decode's own next registration evicts the spoofer's oldest, not its own.
+    expect(s.add(r('d-rank0')).evicted.map((x) => x.r.from)).toEqual(['spoofer']);
+    expect(s.size).toBe(4);
+  });
 });
