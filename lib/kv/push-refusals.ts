@@ -4,8 +4,10 @@
 // from a decode the prefill has not handshaked back to yet, and a
 // notification needs the peer's agent loaded: the prefill then handshakes
 // back to the decode the registration names (as it would to write), a few
-// decodes at a time, queued per decode. Only the agent that sent the
-// registration is told; vLLM decodes (no nixl_node_confirm) are never sent one.
+// decodes at a time and one per sending agent (a flooder naming unreachable
+// decodes holds one slot, not all), queued per decode. Only the agent that
+// sent the registration is told; vLLM decodes (no nixl_node_confirm) are never
+// sent one.
 import type { NixlAgent } from '../agent';
 import type { NixlError } from '../errors';
 import type { HandshakeLogger } from '../handshake/types';
@@ -31,6 +33,8 @@ export class Refusals {
   readonly #n: Counts;
   readonly #log: HandshakeLogger;
   readonly #queued = new Map<string, Array<[string, string]>>();
+  /** Sending agents with a handshake back under way for their refusals. */
+  readonly #connecting = new Set<string>();
   /** A flood is logged once a second at most: when, and how many were not logged since. */
   #loggedAt = Number.NEGATIVE_INFINITY;
   #unlogged = 0;
@@ -74,17 +78,19 @@ export class Refusals {
       return;
     }
     // A flooder may name many decodes: a bounded number of handshakes back, the rest are not told.
-    if (this.#queued.size >= MAX_CONNECTS) {
+    if (this.#queued.size >= MAX_CONNECTS || this.#connecting.has(r.from)) {
       this.#n.refusalsLost++;
       return;
     }
     this.#queued.set(k, [[r.from, msg]]);
+    this.#connecting.add(r.from);
     void this.#engines
       .get(ep)
       .catch(() => undefined)
       .then(() => {
         const all = this.#queued.get(k) ?? [];
         this.#queued.delete(k);
+        this.#connecting.delete(r.from);
         for (const [a, m] of all) if (!this.#send(a, m)) this.#n.refusalsLost++;
       });
   }
