@@ -142,6 +142,7 @@ export class RegistrationStore {
         `evicted: the prefill's registrations are full (${q.max} waiting, ${q.maxBytes} bytes) and agent '${x.from}' holds the most`,
       );
     }
+    this.#compact();
     this.#insert(r, cost);
     return { evicted };
   }
@@ -165,12 +166,19 @@ export class RegistrationStore {
     }
     e.add(r.from, rk, r, cost);
     this.#expiry.push({ at: Math.min(r.deadlineAt, r.at + this.#ttlMs), r });
-    // Entries of registrations taken since stay until their expiry: rebuilt from the live ones when they pile up.
-    if (this.#expiry.size > 2 * this.#q.max + 1024) {
-      this.#expiry.clear();
-      for (const g2 of this.#pending.values())
-        for (const x of g2.values()) this.#expiry.push({ at: Math.min(x.deadlineAt, x.at + this.#ttlMs), r: x });
-    }
+  }
+
+  /**
+   * Entries of registrations taken or evicted stay in the expiry heap, and
+   * hold their block lists, until their expiry: once they outnumber the live
+   * ones the heap is rebuilt from those (amortized O(1) a removal), so what
+   * is held follows what waits, not what went through.
+   */
+  #compact(): void {
+    if (this.#expiry.size <= 2 * this.#count + 64) return;
+    this.#expiry.clear();
+    for (const g of this.#pending.values())
+      for (const x of g.values()) this.#expiry.push({ at: Math.min(x.deadlineAt, x.at + this.#ttlMs), r: x });
   }
 
   /**
@@ -194,6 +202,7 @@ export class RegistrationStore {
     if (!g) return [];
     const rs = [...g.values()].sort((a, b) => a.at - b.at);
     for (const r of rs) this.#drop(r);
+    this.#compact();
     return rs;
   }
 
