@@ -2,6 +2,8 @@
 // id, rank) so distinct decodes sharing a base id are not conflated, a stored
 // registration never pairs while two live requests share its base id, and the
 // duplicate memory stays bounded under a flood of registrations.
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 import { afterEach, describe, expect, it } from 'vitest';
 import { PushError } from '../../lib';
 import { type PushRegistration, encodePushReg } from '../../lib/kv';
@@ -130,5 +132,28 @@ describe('push pairing', () => {
     // The decode's own next registration evicts the spoofer's oldest, not its own.
     expect(s.add(r('d-rank0')).evicted.map((x) => x.r.from)).toEqual(['spoofer']);
     expect(s.size).toBe(4);
+  });
+
+  it('the store: registrations taken or evicted are not held on (their block lists can be collected)', async () => {
+    setFlagsFromString('--expose-gc');
+    const gc = runInNewContext('gc') as () => void;
+    const s = new RegistrationStore(4096, 480_000);
+    const refs: WeakRef<object>[] = [];
+    for (let i = 0; i < 1000; i++) {
+      const r = {
+        reg: { requestId: `t-${i}`, decodeEngineId: `D${i}`, localBlockIds: [[i]] } as PushRegistration,
+        from: `d${i}`,
+        at: performance.now(),
+        deadlineAt: Number.POSITIVE_INFINITY,
+      };
+      s.add(r);
+      refs.push(new WeakRef(r));
+      s.take(`D${i}\0t-${i}`);
+    }
+    expect(s.size).toBe(0);
+    await new Promise((r) => setTimeout(r, 0));
+    gc();
+    // A few may wait for the next rebuild of the expiry queue; not all 1,000 for 480 s.
+    expect(refs.filter((w) => w.deref() !== undefined).length).toBeLessThan(100);
   });
 });
