@@ -13,18 +13,9 @@
 import { MinHeap } from './min-heap';
 import type { PushRegistration } from './push-reg';
 import { baseRequestId } from './push-reg';
-import { type RegQuota, Tally, oldest, regCost, regQuota, shareOf } from './push-reg-quota';
+import { type ReceivedReg, type RegQuota, Tally, oldest, regCost, regQuota, shareOf } from './push-reg-quota';
 
-/** A registration as received. @internal */
-export interface ReceivedReg {
-  reg: PushRegistration;
-  /** The agent that sent it (its decode's rank). */
-  from: string;
-  /** performance.now() at receipt. */
-  at: number;
-  /** Until when (performance.now() ms) the decode waits: no WRITE after. */
-  deadlineAt: number;
-}
+export type { ReceivedReg } from './push-reg-quota';
 
 /** Why a registration was not stored. @internal */
 export type RegRefusal = 'duplicate';

@@ -7,7 +7,18 @@
 // first: a flooder loses its own before anyone else loses one. The store
 // (push-pairing.ts) applies it; the sender refuses each one given up.
 import { MinHeap } from './min-heap';
-import type { ReceivedReg } from './push-pairing';
+import type { PushRegistration } from './push-reg';
+
+/** A registration as received. @internal */
+export interface ReceivedReg {
+  reg: PushRegistration;
+  /** The agent that sent it (its decode's rank). */
+  from: string;
+  /** performance.now() at receipt. */
+  at: number;
+  /** Until when (performance.now() ms) the decode waits: no WRITE after. */
+  deadlineAt: number;
+}
 
 /** Bounds on registrations waiting for their request (KvPushSender options, resolved). @internal */
 export interface RegQuota {
