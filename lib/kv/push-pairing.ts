@@ -7,23 +7,30 @@
 // id, sending rank): several decode ranks register one request with one
 // prefill rank (each is kept, its blocks are its own), the same rank's copy
 // again is a duplicate, and two decodes sharing an id are never conflated.
+// What waits is bounded per sending agent, per decode engine and in bytes
+// (push-reg-quota.ts): the heaviest sender's oldest registrations make room.
 // Every operation is O(log n) or better: no scan of all registrations.
+import { MinHeap } from './min-heap';
 import type { PushRegistration } from './push-reg';
 import { baseRequestId } from './push-reg';
+import { type ReceivedReg, type RegQuota, Tally, oldest, regCost, regQuota, shareOf } from './push-reg-quota';
 
-/** A registration as received. @internal */
-export interface ReceivedReg {
-  reg: PushRegistration;
-  /** The agent that sent it (its decode's rank). */
-  from: string;
-  /** performance.now() at receipt. */
-  at: number;
-  /** Until when (performance.now() ms) the decode waits: no WRITE after. */
-  deadlineAt: number;
-}
+export type { ReceivedReg } from './push-reg-quota';
 
 /** Why a registration was not stored. @internal */
-export type RegRefusal = 'duplicate' | 'full';
+export type RegRefusal = 'duplicate';
+
+/** A registration given up to make room for another (its sender is told), and why. @internal */
+export interface Evicted {
+  r: ReceivedReg;
+  why: string;
+}
+
+/** What add() did: the registration kept (else why not), and those given up for it. @internal */
+export interface Added {
+  refused?: string;
+  evicted: Evicted[];
+}
 
 /** One decode request: (decode engine, request id). @internal */
 export const decodeKey = (r: ReceivedReg): string => `${r.reg.decodeEngineId}\0${r.reg.requestId}`;
@@ -40,13 +47,17 @@ export class RegistrationStore {
   readonly #expiry = new MinHeap<{ at: number; r: ReceivedReg }>();
   /** Rank keys seen (waiting, paired or dropped), in arrival order (one TTL: expiry order), until when. */
   readonly #seen = new Map<string, number>();
-  readonly #max: number;
+  /** Waiting, by sending agent; and by decode engine, then sending agent. */
+  readonly #agents = new Tally();
+  readonly #engines = new Map<string, Tally>();
+  readonly #q: RegQuota;
   readonly #maxSeen: number;
   readonly #ttlMs: number;
   #count = 0;
 
-  constructor(max: number, ttlMs: number, maxSeen = Math.max(1024, 8 * max)) {
-    this.#max = max;
+  /** `quota`: as regQuota() resolves KvPushSender's options (default: regQuota of `max`). */
+  constructor(max: number, ttlMs: number, maxSeen = Math.max(1024, 8 * max), quota?: RegQuota) {
+    this.#q = quota ?? regQuota({ maxPendingRegistrations: max });
     this.#ttlMs = ttlMs;
     this.#maxSeen = maxSeen;
   }
@@ -55,6 +66,12 @@ export class RegistrationStore {
   get size(): number {
     this.#prune(performance.now());
     return this.#count;
+  }
+
+  /** What the waiting registrations cost, bytes (regCost). */
+  get bytes(): number {
+    this.#prune(performance.now());
+    return this.#agents.bytes;
   }
 
   /** Rank keys remembered as seen (bounded). */
@@ -73,10 +90,55 @@ export class RegistrationStore {
     return undefined;
   }
 
-  /** Stores a registration already seen; 'full' if too many wait. */
-  add(r: ReceivedReg): RegRefusal | undefined {
+  /**
+   * Stores a registration already seen, within the quota: over its agent's
+   * share that agent's oldest go, over its decode engine's share the oldest
+   * of that engine's heaviest agent, over the store's the oldest of the
+   * heaviest agent of all. Refused only when it alone is over an agent's share.
+   */
+  add(r: ReceivedReg): Added {
     this.#prune(r.at);
-    if (this.#count >= this.#max) return 'full';
+    const q = this.#q;
+    const cost = regCost(r);
+    const agentBytes = shareOf(q, q.perAgent);
+    const engineBytes = shareOf(q, q.perEngine);
+    if (cost > Math.min(agentBytes, engineBytes))
+      return {
+        refused: `its ${r.reg.localBlockIds[0].length} block ids cost ${cost} bytes, over the ${Math.min(agentBytes, engineBytes)} one sender may keep waiting`,
+        evicted: [],
+      };
+    // The same rank again (its earlier copy no longer remembered as seen): the newer one replaces it.
+    const same = this.#pending.get(decodeKey(r))?.get(r.from);
+    if (same) this.#drop(same);
+    const evicted: Evicted[] = [];
+    const evict = (x: ReceivedReg, why: string) => {
+      this.#drop(x);
+      evicted.push({ r: x, why });
+    };
+    const eid = r.reg.decodeEngineId;
+    for (let u = this.#agents.usage(r.from); u && (u.n >= q.perAgent || u.bytes + cost > agentBytes); ) {
+      evict(oldest(u), `evicted: agent '${r.from}' is over its quota (${q.perAgent} waiting, ${agentBytes} bytes)`);
+      u = this.#agents.usage(r.from);
+    }
+    for (let e = this.#engines.get(eid); e && (e.n >= q.perEngine || e.bytes + cost > engineBytes); ) {
+      const why = `evicted: decode engine '${eid}' is over its quota (${q.perEngine} waiting, ${engineBytes} bytes) and its agent '%s' holds the most`;
+      const x = e.heaviestOldest()!;
+      evict(x, why.replace('%s', x.from));
+      e = this.#engines.get(eid);
+    }
+    while (this.#count >= q.max || this.#agents.bytes + cost > q.maxBytes) {
+      const x = this.#agents.heaviestOldest()!;
+      evict(
+        x,
+        `evicted: the prefill's registrations are full (${q.max} waiting, ${q.maxBytes} bytes) and agent '${x.from}' holds the most`,
+      );
+    }
+    this.#compact();
+    this.#insert(r, cost);
+    return { evicted };
+  }
+
+  #insert(r: ReceivedReg, cost: number): void {
     const d = decodeKey(r);
     let g = this.#pending.get(d);
     if (!g) {
@@ -84,16 +146,30 @@ export class RegistrationStore {
       this.#pending.set(d, g);
       addTo(this.#byBase, baseRequestId(r.reg.requestId), d);
     }
-    if (!g.has(r.from)) this.#count++;
     g.set(r.from, r);
-    this.#expiry.push({ at: Math.min(r.deadlineAt, r.at + this.#ttlMs), r });
-    // Entries of registrations taken since stay until their expiry: rebuilt from the live ones when they pile up.
-    if (this.#expiry.size > 2 * this.#max + 1024) {
-      this.#expiry.clear();
-      for (const g2 of this.#pending.values())
-        for (const x of g2.values()) this.#expiry.push({ at: Math.min(x.deadlineAt, x.at + this.#ttlMs), r: x });
+    this.#count++;
+    const rk = rankKey(r);
+    this.#agents.add(r.from, rk, r, cost);
+    let e = this.#engines.get(r.reg.decodeEngineId);
+    if (!e) {
+      e = new Tally();
+      this.#engines.set(r.reg.decodeEngineId, e);
     }
-    return undefined;
+    e.add(r.from, rk, r, cost);
+    this.#expiry.push({ at: Math.min(r.deadlineAt, r.at + this.#ttlMs), r });
+  }
+
+  /**
+   * Entries of registrations taken or evicted stay in the expiry heap, and
+   * hold their block lists, until their expiry: once they outnumber the live
+   * ones the heap is rebuilt from those (amortized O(1) a removal), so what
+   * is held follows what waits, not what went through.
+   */
+  #compact(): void {
+    if (this.#expiry.size <= 2 * this.#count + 64) return;
+    this.#expiry.clear();
+    for (const g of this.#pending.values())
+      for (const x of g.values()) this.#expiry.push({ at: Math.min(x.deadlineAt, x.at + this.#ttlMs), r: x });
   }
 
   /**
@@ -116,9 +192,26 @@ export class RegistrationStore {
     const g = this.#pending.get(decode);
     if (!g) return [];
     const rs = [...g.values()].sort((a, b) => a.at - b.at);
-    this.#count -= g.size;
-    this.#unlink(decode, rs[0].reg.requestId);
+    for (const r of rs) this.#drop(r);
+    this.#compact();
     return rs;
+  }
+
+  /** Removes one waiting registration (false if it is not the one waiting). */
+  #drop(r: ReceivedReg): boolean {
+    const d = decodeKey(r);
+    const g = this.#pending.get(d);
+    if (g?.get(r.from) !== r) return false;
+    g.delete(r.from);
+    this.#count--;
+    if (g.size === 0) this.#unlink(d, r.reg.requestId);
+    const cost = regCost(r);
+    const rk = rankKey(r);
+    this.#agents.remove(r.from, rk, cost);
+    const e = this.#engines.get(r.reg.decodeEngineId);
+    e?.remove(r.from, rk, cost);
+    if (e?.n === 0) this.#engines.delete(r.reg.decodeEngineId);
+    return true;
   }
 
   #unlink(decode: string, requestId: string): void {
@@ -129,11 +222,7 @@ export class RegistrationStore {
   #prune(now: number): void {
     for (let top = this.#expiry.peek(); top && top.at <= now; top = this.#expiry.peek()) {
       this.#expiry.pop();
-      const g = this.#pending.get(decodeKey(top.r));
-      if (g?.get(top.r.from) !== top.r) continue;
-      g.delete(top.r.from);
-      this.#count--;
-      if (g.size === 0) this.#unlink(decodeKey(top.r), top.r.reg.requestId);
+      this.#drop(top.r);
     }
     for (const [k, until] of this.#seen) {
       if (until > now) break;
@@ -186,47 +275,4 @@ export function removeFrom<K, V>(m: Map<K, Set<V>>, k: K, v: V): void {
   const s = m.get(k);
   s?.delete(v);
   if (s?.size === 0) m.delete(k);
-}
-
-/** A binary min-heap on `at`. */
-class MinHeap<T extends { at: number }> {
-  #a: T[] = [];
-  get size(): number {
-    return this.#a.length;
-  }
-  clear(): void {
-    this.#a = [];
-  }
-  peek(): T | undefined {
-    return this.#a[0];
-  }
-  push(x: T): void {
-    const a = this.#a;
-    a.push(x);
-    for (let i = a.length - 1; i > 0; ) {
-      const p = (i - 1) >> 1;
-      if (a[p].at <= a[i].at) break;
-      [a[p], a[i]] = [a[i], a[p]];
-      i = p;
-    }
-  }
-  pop(): T | undefined {
-    const a = this.#a;
-    const top = a[0];
-    const last = a.pop();
-    if (a.length && last) {
-      a[0] = last;
-      for (let i = 0; ; ) {
-        const l = 2 * i + 1;
-        const r = l + 1;
-        let m = i;
-        if (l < a.length && a[l].at < a[m].at) m = l;
-        if (r < a.length && a[r].at < a[m].at) m = r;
-        if (m === i) break;
-        [a[m], a[i]] = [a[i], a[m]];
-        i = m;
-      }
-    }
-    return top;
-  }
 }

@@ -13,17 +13,17 @@
 // memory is touched. For a nixl-node decode (nixl_node_confirm) the
 // notification goes only after the WRITEs completed while the blocks were
 // still held, as a pull's lease board confirms a read.
-import type { NixlAgent, Notif, XferHandle } from '../agent';
+import type { Notif, XferHandle } from '../agent';
 import { NixlError } from '../errors';
 import { createHandshake } from '../handshake';
-import type { WireName, WireProfile } from '../handshake/model';
-import type { HandshakeLogger, HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../handshake/types';
+import type { WireProfile } from '../handshake/model';
+import type { HandshakeLogger, HandshakeStrategy } from '../handshake/types';
 import { defaultLogger } from '../handshake/types';
 import { wireProfile } from '../handshake/wire';
 import { blockDescIds, regionCounts } from './descs';
 import type { RemoteEndpoint } from './engine-connect';
-import { checkLayout, type KvLayout } from './layout';
-import { DEFAULT_LIMITS, type PullLimits, expandTail } from './limits';
+import { checkLayout } from './layout';
+import { DEFAULT_LIMITS, expandTail } from './limits';
 import { LocalDlists } from './local-dlists';
 import {
   type ReceivedReg,
@@ -34,59 +34,14 @@ import {
   removeFrom,
   sameRegistration,
 } from './push-pairing';
-import {
-  type PushRegLimits,
-  baseRequestId,
-  decodePushReg,
-  encodeRefusal,
-  isNotifId,
-  isPushReg,
-  writeNotif,
-} from './push-reg';
+import { baseRequestId, decodePushReg, isNotifId, isPushReg, writeNotif } from './push-reg';
+import { regQuota } from './push-reg-quota';
+import { Refusals } from './push-refusals';
+import type { KvPushSenderOptions, PushSenderStats, PushSent } from './push-types';
 import { expand } from './pull-params';
 import { type RemoteEngine, RemoteEngines } from './remote-engines';
 
-/** Options of a KvPushSender. */
-export interface KvPushSenderOptions {
-  agent: NixlAgent;
-  /** This prefill rank's KV cache (its engineId is what registrations must name). */
-  layout: KvLayout;
-  handshake?: HandshakeStrategy | HandshakeMethod;
-  /** Default: NIXL_WIRE, else v12 (push needs v12). */
-  wire?: WireName | WireProfile;
-  /** The push compatibility hash: a decode answering another is refused. Undefined skips the check. */
-  expectedHash?: string;
-  /** kv_lease_duration: blocks of an offered request are held at most this long (heartbeats extend). Default 30 s. */
-  leaseMs?: number;
-  /** No WRITE is posted closer than this to the lease end or the decode's deadline. Default 50 ms. */
-  marginMs?: number;
-  /** Require registrations signed with this KV secret. */
-  secret?: string | Buffer;
-  regLimits?: PushRegLimits;
-  /** Registrations kept waiting for their request. Default 4096. */
-  maxPendingRegistrations?: number;
-  /** How long an unpaired registration is kept. Default 480 s (vLLM's decoder_kv_blocks_ttl). */
-  registrationTtlMs?: number;
-  limits?: PullLimits;
-  handshakeTimeoutMs?: number;
-  tls?: TlsClientOptions;
-  bearerToken?: string;
-  logger?: HandshakeLogger;
-}
-
-/** How an offered request ended: written, lease over, aborted, or its push failed (not retried). */
-export interface PushSent {
-  requestId: string;
-  blockIds: number[];
-  reason: 'written' | 'expired' | 'aborted' | 'failed';
-  /** The decode request written to, once paired. */
-  decodeRequestId?: string;
-  bytes: number;
-  /** WRITEs posted. */
-  writes: number;
-  /** Why it failed (reason 'failed'). */
-  error?: NixlError;
-}
+export type { KvPushSenderOptions, PushSenderStats, PushSent } from './push-types';
 
 interface Posted {
   h: XferHandle;
@@ -112,20 +67,6 @@ interface Offer {
   settled: boolean;
 }
 
-/** Counters of a KvPushSender. */
-export interface PushSenderStats {
-  registrations: number;
-  refused: number;
-  duplicates: number;
-  /** Registrations whose blocks disagree with another rank's of the same request (that rank not written). */
-  mismatched: number;
-  written: number;
-  failed: number;
-  expired: number;
-  bytes: number;
-  heartbeats: number;
-}
-
 const HEARTBEAT = /^HB:(.*)$/s;
 
 /** The prefill side of push mode: pairs registrations with finished requests and WRITEs their KV. */
@@ -133,6 +74,9 @@ export class KvPushSender {
   readonly stats: PushSenderStats = {
     registrations: 0,
     refused: 0,
+    evicted: 0,
+    refusalsSent: 0,
+    refusalsLost: 0,
     duplicates: 0,
     mismatched: 0,
     written: 0,
@@ -150,6 +94,7 @@ export class KvPushSender {
   /** Offered request ids by base id (pairing by base id without a scan). */
   readonly #offerBase = new Map<string, Set<string>>();
   readonly #regs: RegistrationStore;
+  readonly #refusals: Refusals;
   readonly #abort = new AbortController();
   readonly #log: HandshakeLogger;
   readonly #handles = new Set<XferHandle>();
@@ -178,7 +123,9 @@ export class KvPushSender {
       local: this.#local,
       leaseBoards: false,
     });
-    this.#regs = new RegistrationStore(o.maxPendingRegistrations ?? 4096, o.registrationTtlMs ?? 480_000);
+    const q = regQuota(o);
+    this.#regs = new RegistrationStore(q.max, o.registrationTtlMs ?? 480_000, undefined, q);
+    this.#refusals = new Refusals(o.agent, this.#engines, this.stats, this.#log);
     this.#start();
   }
 
@@ -186,9 +133,9 @@ export class KvPushSender {
     return this.#o.leaseMs ?? this.#wire.defaultLeaseMs;
   }
 
-  /** Requests offered and not yet settled; registrations waiting for their request. */
-  get pending(): { offers: number; registrations: number } {
-    return { offers: this.#offers.size, registrations: this.#regs.size };
+  /** Requests offered and not yet settled; registrations waiting for their request, and their cost in bytes. */
+  get pending(): { offers: number; registrations: number; registrationBytes: number } {
+    return { offers: this.#offers.size, registrations: this.#regs.size, registrationBytes: this.#regs.bytes };
   }
 
   /** When an offered request's lease ends (performance.now() ms), or undefined. */
@@ -325,10 +272,24 @@ export class KvPushSender {
       m.offer.wake?.();
     } else if (m && m.offer.decode === undefined) {
       void this.#push(m.offer, [...this.#regs.take(d), r]);
-    } else if (this.#regs.add(r) === 'full') {
+    } else this.#store(r);
+  }
+
+  /** Keeps a registration until its request comes, within the quotas; each one not kept is refused at once. */
+  #store(r: ReceivedReg): void {
+    const { refused, evicted } = this.#regs.add(r);
+    if (refused !== undefined) {
       this.stats.refused++;
-      this.#log.warn(`push: registration '${r.reg.requestId}' refused: too many registrations waiting`);
+      this.#turnAway(r, `refused: ${refused}`);
     }
+    this.stats.evicted += evicted.length;
+    for (const x of evicted) this.#turnAway(x.r, x.why);
+  }
+
+  #turnAway(r: ReceivedReg, why: string): void {
+    const e = new NixlError(`registration '${r.reg.requestId}' not kept waiting: ${why}`, 'NIXL_ERR_NOT_ALLOWED');
+    this.#refusals.warn(e.message);
+    this.#refusals.tell(r, e);
   }
 
   /** A registration fit for this engine, or why it is refused (nothing else is touched). */
@@ -453,8 +414,7 @@ export class KvPushSender {
       this.#log.warn(`push of '${o.requestId}' to '${reg.requestId}' failed (not retried): ${e.message}`);
       // A nixl-node decode rank not written would otherwise wait out its deadline for a notification that cannot come.
       const written = new Set(posted.filter((_, i) => done[i]?.status === 'fulfilled').map((x) => x.to));
-      for (const [name, r] of o.regs)
-        if (r.reg.confirm && ranks.has(name) && !written.has(name)) this.#refuse(name, r.reg.requestId, e);
+      for (const [name, r] of o.regs) if (ranks.has(name) && !written.has(name)) this.#refusals.tell(r, e);
       o.settle({ reason: 'failed', decodeRequestId: reg.requestId, bytes: 0, writes: posted.length, error: e });
     } finally {
       for (const { h } of posted) {
@@ -473,15 +433,6 @@ export class KvPushSender {
     await this.#o.agent.wait(h, { timeoutMs: Math.max(1, o.leaseEnd - performance.now()) });
     // Held through the WRITE (the lease did not end under it): only now is the KV the decode's.
     if (confirmTo !== undefined && !o.settled) this.#o.agent.sendNotif(confirmTo, notif);
-  }
-
-  /** Tells a nixl-node decode rank its push failed here and will not be written (best effort). */
-  #refuse(agentName: string, requestId: string, e: NixlError): void {
-    try {
-      this.#o.agent.sendNotif(agentName, encodeRefusal({ requestId, code: e.code, reason: e.message }));
-    } catch {
-      // the decode is gone: its deadline ends its wait
-    }
   }
 
   /** A rank's registration must name the blocks (and decode) the request's first one names. */
@@ -560,6 +511,7 @@ export class KvPushSender {
   resources(): {
     offers: number;
     registrations: number;
+    registrationBytes: number;
     seenRegistrations: number;
     xferHandles: number;
     engines: number;
@@ -568,6 +520,7 @@ export class KvPushSender {
     return {
       offers: this.#offers.size,
       registrations: this.#regs.size,
+      registrationBytes: this.#regs.bytes,
       seenRegistrations: this.#regs.seen,
       xferHandles: this.#handles.size,
       engines: this.#engines.size,

@@ -1,7 +1,13 @@
 // What push mode's two sides are asked and answer: the public shapes of
 // KvPushReceiver (decode) and KvPushSender (prefill).
+import type { NixlAgent } from '../agent';
 import { NixlError } from '../errors';
+import type { WireName, WireProfile } from '../handshake/model';
+import type { HandshakeLogger, HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../handshake/types';
 import type { TraceContext } from '../tracing';
+import type { KvLayout } from './layout';
+import type { PullLimits } from './limits';
+import type { PushRegLimits } from './push-reg';
 
 /**
  * Why a push receive failed. `timeout`: not every WRITE notification came
@@ -68,4 +74,77 @@ export interface PushReceived {
   /** The prefill agents that wrote. */
   writers: string[];
   waitedMs: number;
+}
+
+/** Options of a KvPushSender. */
+export interface KvPushSenderOptions {
+  agent: NixlAgent;
+  /** This prefill rank's KV cache (its engineId is what registrations must name). */
+  layout: KvLayout;
+  handshake?: HandshakeStrategy | HandshakeMethod;
+  /** Default: NIXL_WIRE, else v12 (push needs v12). */
+  wire?: WireName | WireProfile;
+  /** The push compatibility hash: a decode answering another is refused. Undefined skips the check. */
+  expectedHash?: string;
+  /** kv_lease_duration: blocks of an offered request are held at most this long (heartbeats extend). Default 30 s. */
+  leaseMs?: number;
+  /** No WRITE is posted closer than this to the lease end or the decode's deadline. Default 50 ms. */
+  marginMs?: number;
+  /** Require registrations signed with this KV secret. */
+  secret?: string | Buffer;
+  regLimits?: PushRegLimits;
+  /**
+   * Registrations kept waiting for their request (one that came before the
+   * request's offer). Default 4096. When a bound below is reached the
+   * heaviest sender's oldest make room, each refused to its sender
+   * (docs/kv-push.md, "Registrations waiting").
+   */
+  maxPendingRegistrations?: number;
+  /** What those may cost in all, bytes (1 KiB + 16 bytes a block id each). Default 64 MiB. */
+  maxPendingRegistrationBytes?: number;
+  /** How many one sending agent (a decode rank) may keep waiting; the same share of the bytes. Default 1/4 of the store. */
+  maxPendingRegistrationsPerAgent?: number;
+  /** How many may name one decode engine; the same share of the bytes. Default 1/2 of the store. */
+  maxPendingRegistrationsPerEngine?: number;
+  /** How long an unpaired registration is kept. Default 480 s (vLLM's decoder_kv_blocks_ttl). */
+  registrationTtlMs?: number;
+  limits?: PullLimits;
+  handshakeTimeoutMs?: number;
+  tls?: TlsClientOptions;
+  bearerToken?: string;
+  logger?: HandshakeLogger;
+}
+
+/** How an offered request ended: written, lease over, aborted, or its push failed (not retried). */
+export interface PushSent {
+  requestId: string;
+  blockIds: number[];
+  reason: 'written' | 'expired' | 'aborted' | 'failed';
+  /** The decode request written to, once paired. */
+  decodeRequestId?: string;
+  bytes: number;
+  /** WRITEs posted. */
+  writes: number;
+  /** Why it failed (reason 'failed'). */
+  error?: NixlError;
+}
+
+/** Counters of a KvPushSender. */
+export interface PushSenderStats {
+  registrations: number;
+  /** Registrations not kept: malformed, forged, not for this engine, or alone over a sender's byte share. */
+  refused: number;
+  /** Registrations given up while waiting, to keep the quotas (the heaviest sender's oldest first). */
+  evicted: number;
+  /** NIXL_NODE_PUSH_REFUSED notifications sent, and those that could not be (decode unreachable, too many at once). */
+  refusalsSent: number;
+  refusalsLost: number;
+  duplicates: number;
+  /** Registrations whose blocks disagree with another rank's of the same request (that rank not written). */
+  mismatched: number;
+  written: number;
+  failed: number;
+  expired: number;
+  bytes: number;
+  heartbeats: number;
 }

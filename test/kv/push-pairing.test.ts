@@ -2,6 +2,8 @@
 // id, rank) so distinct decodes sharing a base id are not conflated, a stored
 // registration never pairs while two live requests share its base id, and the
 // duplicate memory stays bounded under a flood of registrations.
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 import { afterEach, describe, expect, it } from 'vitest';
 import { PushError } from '../../lib';
 import { type PushRegistration, encodePushReg } from '../../lib/kv';
@@ -76,8 +78,8 @@ describe('push pairing', () => {
     expect(p.sender.resources().registrations).toBeLessThanOrEqual(8);
   });
 
-  it('the store: the seen set is capped (oldest forgotten), the waiting set refuses past its cap', () => {
-    const s = new RegistrationStore(4, 480_000, 16);
+  it('the store: the seen set is capped (oldest forgotten), the waiting set evicts past its cap', () => {
+    const s = new RegistrationStore(4, 480_000, 16, { max: 4, maxBytes: 1 << 20, perAgent: 4, perEngine: 4 });
     const r = (i: number, from = 'd0') => ({
       reg: { requestId: `r-${i}`, decodeEngineId: 'D', localBlockIds: [[i]] } as PushRegistration,
       from,
@@ -88,8 +90,70 @@ describe('push pairing', () => {
     expect(s.seen).toBe(16);
     expect(s.see(r(99))).toBe('duplicate');
     expect(s.see(r(99, 'd1'))).toBeUndefined();
-    for (let i = 0; i < 4; i++) expect(s.add(r(i))).toBeUndefined();
-    expect(s.add(r(4))).toBe('full');
+    for (let i = 0; i < 4; i++) expect(s.add(r(i))).toEqual({ evicted: [] });
+    // Full: the heaviest sender's (here the only one's) oldest makes room.
+    expect(s.add(r(4)).evicted.map((x) => x.r.reg.requestId)).toEqual(['r-0']);
+    expect(s.size).toBe(4);
     expect(s.candidate('r-2', performance.now())?.map((x) => x.reg.requestId)).toEqual(['r-2']);
+    expect(s.candidate('r-0', performance.now())).toBeUndefined();
+  });
+
+  it('the store: a full store evicts the heaviest sender oldest first, never a lighter one', () => {
+    const s = new RegistrationStore(8, 480_000, 1024, { max: 8, maxBytes: 1 << 20, perAgent: 8, perEngine: 8 });
+    let n = 0;
+    const r = (from: string, engine = from) => ({
+      reg: { requestId: `r-${n++}`, decodeEngineId: engine, localBlockIds: [[1]] } as PushRegistration,
+      from,
+      at: performance.now(),
+      deadlineAt: Number.POSITIVE_INFINITY,
+    });
+    for (let i = 0; i < 2; i++) s.add(r('real'));
+    for (let i = 0; i < 6; i++) s.add(r('flooder'));
+    const gone = [0, 1, 2].flatMap(() => s.add(r('third')).evicted.map((x) => `${x.r.from}:${x.r.reg.requestId}`));
+    // The flooder (6, then 5, 4 against 'third''s 0, 1, 2) loses its three oldest; 'real' keeps both.
+    expect(gone).toEqual(['flooder:r-2', 'flooder:r-3', 'flooder:r-4']);
+    expect(s.candidate('r-0', performance.now())).toHaveLength(1);
+    expect(s.candidate('r-1', performance.now())).toHaveLength(1);
+  });
+
+  it('the store: an agent naming another decode engine fills that engine quota with its own, and loses its own', () => {
+    const s = new RegistrationStore(64, 480_000, 1024, { max: 64, maxBytes: 1 << 20, perAgent: 64, perEngine: 4 });
+    let n = 0;
+    const r = (from: string) => ({
+      reg: { requestId: `r-${n++}`, decodeEngineId: 'D', localBlockIds: [[1, 2, 3]] } as PushRegistration,
+      from,
+      at: performance.now(),
+      deadlineAt: Number.POSITIVE_INFINITY,
+    });
+    expect(s.add(r('d-rank0')).evicted).toEqual([]);
+    const gone = Array.from({ length: 10 }, () => s.add(r('spoofer')).evicted.map((x) => x.r.from)).flat();
+    expect(gone).toEqual(Array(7).fill('spoofer'));
+    expect(s.candidate('r-0', performance.now())).toHaveLength(1);
+    // The decode's own next registration evicts the spoofer's oldest, not its own.
+    expect(s.add(r('d-rank0')).evicted.map((x) => x.r.from)).toEqual(['spoofer']);
+    expect(s.size).toBe(4);
+  });
+
+  it('the store: registrations taken or evicted are not held on (their block lists can be collected)', async () => {
+    setFlagsFromString('--expose-gc');
+    const gc = runInNewContext('gc') as () => void;
+    const s = new RegistrationStore(4096, 480_000);
+    const refs: WeakRef<object>[] = [];
+    for (let i = 0; i < 1000; i++) {
+      const r = {
+        reg: { requestId: `t-${i}`, decodeEngineId: `D${i}`, localBlockIds: [[i]] } as PushRegistration,
+        from: `d${i}`,
+        at: performance.now(),
+        deadlineAt: Number.POSITIVE_INFINITY,
+      };
+      s.add(r);
+      refs.push(new WeakRef(r));
+      s.take(`D${i}\0t-${i}`);
+    }
+    expect(s.size).toBe(0);
+    await new Promise((r) => setTimeout(r, 0));
+    gc();
+    // A few may wait for the next rebuild of the expiry queue; not all 1,000 for 480 s.
+    expect(refs.filter((w) => w.deref() !== undefined).length).toBeLessThan(100);
   });
 });

@@ -6,6 +6,9 @@ import { spawn, spawnSync } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
+import { NixlAgent } from '../../lib';
+import { createHandshake } from '../../lib/handshake';
+import { type PushRegistration, encodePushReg } from '../../lib/kv';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
 import { ROOT } from '../helpers';
@@ -124,6 +127,41 @@ describe.each(['http', 'zmq'] as const)('push serving over %s', (transport) => {
 });
 
 describe('push serving faults', () => {
+  it('a PUSH_REG flood on the prefill (4,100 for requests that never come) does not lock real requests out', async () => {
+    // A prefill slower than its decode: every registration reaches it before its offer and must wait there.
+    const c = await cluster('http', 'push', { stallPrefillMs: 300, pushTimeoutMs: 5000 });
+    const h = c.prefill.healthInfo() as Json;
+    const fetched = await createHandshake().fetch({ host: '127.0.0.1', port: h.kv_port, tpRank: 0 });
+    const flooder = new NixlAgent('push-flooder');
+    cleanup.push(() => flooder.close());
+    const prefillAgent = flooder.addRemoteAgent(fetched.metadata.agentMetadata);
+    for (let i = 0; i < 4100; i++) {
+      const reg: PushRegistration = {
+        requestId: `flood-${i}`,
+        decodeEngineId: 'flooder',
+        decodeHost: '127.0.0.1',
+        decodePort: 9,
+        decodeTpSize: 1,
+        localBlockIds: [[i % 256]],
+        remoteEngineId: h.kv_engine_id,
+        remoteHost: '127.0.0.1',
+        remotePort: h.kv_port,
+        remoteTpSize: 1,
+        remotePpSize: 1,
+      };
+      flooder.sendNotif(prefillAgent, encodePushReg(reg));
+      if (i % 200 === 199) await new Promise((r) => setTimeout(r, 1));
+    }
+    // Each registration waits for its offer (300 ms) and is paired: before, each waited out the decode's 5 s
+    // deadline (502, decode 504 kv_push_timeout).
+    for (const [i, p] of PROMPTS.entries()) {
+      const { status, json } = await ask(c.proxy.url, `${p} after the flood ${i}`);
+      expect(status, JSON.stringify(json)).toBe(200);
+      expect(json.nixl_node).toMatchObject({ kv_moved: true, kv_mode: 'push' });
+    }
+    expect(await freeAgain(c.decode, 256, 5000)).toBe(256);
+  }, 60_000);
+
   it('a decode whose prefill never writes fails typed by its deadline; its blocks wait out the quarantine', async () => {
     const c = await cluster('http', 'push', { pushTimeoutMs: 400, leaseMs: 300 });
     const t0 = performance.now();
