@@ -52,15 +52,24 @@ export function oneOf<T extends string>(
   return v as T;
 }
 
+let failureLog: { fatal(fields: object, msg?: string): void } | undefined;
+
+/** Where run() reports a command's failure once the command has a logger (its JSON lines), not plain text. */
+export function reportFailuresTo(log: { fatal(fields: object, msg?: string): void }): void {
+  failureLog = log;
+}
+
 /** Runs a command's main: a UsageError (or a NixlError of bad input) is one line and exit 2. */
 export function run(what: string, main: () => Promise<void>): void {
   main().catch((e: Error & { code?: string }) => {
-    if (e instanceof UsageError || e?.code === 'NIXL_ERR_INVALID_PARAM' || e?.code === 'NIXL_ERR_NOT_SUPPORTED') {
-      process.stderr.write(`nixl-node ${what}: ${e.message}\n`);
-      process.exit(2);
-    }
-    process.stderr.write(`nixl-node ${what} failed: ${e?.code ? `${e.code}: ` : ''}${e?.message ?? e}\n`);
-    process.exit(1);
+    const usage =
+      e instanceof UsageError || e?.code === 'NIXL_ERR_INVALID_PARAM' || e?.code === 'NIXL_ERR_NOT_SUPPORTED';
+    const msg = usage
+      ? `nixl-node ${what}: ${e.message}`
+      : `nixl-node ${what} failed: ${e?.code ? `${e.code}: ` : ''}${e?.message ?? e}`;
+    if (failureLog) failureLog.fatal({ ...(e?.code ? { code: e.code } : {}), exit_code: usage ? 2 : 1 }, msg);
+    else process.stderr.write(`${msg}\n`);
+    process.exit(usage ? 2 : 1);
   });
 }
 

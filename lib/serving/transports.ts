@@ -53,6 +53,8 @@ export interface WorkerTransport {
   call(c: StageCall): Promise<StageAnswer>;
   /** True when the worker answers a health check in time. */
   health(w: WorkerRef, timeoutMs: number): Promise<boolean>;
+  /** A health check, and why it failed: ECONNREFUSED, a timeout, the status and reason the worker gave. */
+  healthCheck(w: WorkerRef, timeoutMs: number): Promise<HealthResult>;
   /**
    * Tells a prefill worker to free the KV blocks it holds for a request now
    * (its decode failed or its client went away). Best effort: the lease frees
@@ -128,15 +130,22 @@ export class HttpTransport implements WorkerTransport {
     }
   }
 
-  /** GET /health. */
   async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
+    return (await this.healthCheck(w, timeoutMs)).ok;
+  }
+
+  /** GET /health. */
+  async healthCheck(w: WorkerRef, timeoutMs: number): Promise<HealthResult> {
     try {
       const r = await fetch(`${w.address}/health`, { signal: AbortSignal.timeout(timeoutMs) });
       const text = await r.text();
-      if (r.ok) healthFields(w, parseObject(text));
-      return r.ok;
-    } catch {
-      return false;
+      const body = parseObject(text);
+      if (r.ok) healthFields(w, body);
+      return r.ok ? { ok: true } : { ok: false, cause: `HTTP ${r.status}${reasonOf(body)}` };
+    } catch (e) {
+      const err = e as Error;
+      if (err?.name === 'TimeoutError') return { ok: false, cause: `no answer in ${timeoutMs} ms (timeout)` };
+      return { ok: false, cause: causeOf(e) };
     }
   }
 
@@ -164,6 +173,19 @@ export class HttpTransport implements WorkerTransport {
 
   /** Nothing to close (fetch keeps no state here). */
   async close(): Promise<void> {}
+}
+
+/** What a health check found. */
+export interface HealthResult {
+  ok: boolean;
+  /** Why not, when not ok. */
+  cause?: string;
+}
+
+/** ': <reason>' from a worker's unhealthy answer (nixl-node: reason; vLLM: error.message), or ''. */
+function reasonOf(body: Record<string, unknown> | undefined): string {
+  const r = body?.reason ?? (body?.error as { message?: unknown } | undefined)?.message;
+  return typeof r === 'string' && r.length > 0 ? `: ${r.slice(0, 200)}` : '';
 }
 
 function causeOf(e: unknown): string {
@@ -331,24 +353,34 @@ export class ZmqTransport implements WorkerTransport {
     }
   }
 
-  /** A HEALTH message, answered in time. */
   async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
+    return (await this.healthCheck(w, timeoutMs)).ok;
+  }
+
+  /** A HEALTH message, answered in time. */
+  async healthCheck(w: WorkerRef, timeoutMs: number): Promise<HealthResult> {
     const msgId = `health/${randomUUID()}`;
-    return new Promise<boolean>((resolve) => {
-      const t = setTimeout(() => finish(false), timeoutMs);
-      const finish = (ok: boolean) => {
+    return new Promise<HealthResult>((resolve) => {
+      const t = setTimeout(
+        () => finish({ ok: false, cause: `no HEALTH answer in ${timeoutMs} ms (timeout)` }),
+        timeoutMs,
+      );
+      const finish = (r: HealthResult) => {
         clearTimeout(t);
         this.#pending.delete(msgId);
-        resolve(ok);
+        resolve(r);
       };
       this.#pending.set(msgId, {
         push: (tag, body) => {
           if (tag === 'HEALTH') healthFields(w, body);
-          finish(tag === 'HEALTH' && body.ok === true);
+          if (tag === 'HEALTH' && body.ok === true) finish({ ok: true });
+          else finish({ ok: false, cause: tag === 'HEALTH' ? `unhealthy${reasonOf(body)}` : `answered ${tag}` });
         },
-        fail: () => finish(false),
+        fail: (e) => finish({ ok: false, cause: e.message }),
       });
-      this.#send(w.address, 'HEALTH', { msg_id: msgId, reply_to: this.replyAddress }).catch(() => finish(false));
+      this.#send(w.address, 'HEALTH', { msg_id: msgId, reply_to: this.replyAddress }).catch((e: Error) =>
+        finish({ ok: false, cause: causeOf(e) }),
+      );
     });
   }
 
