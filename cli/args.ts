@@ -2,6 +2,7 @@
 // works), --help everywhere, and a bad value is one line on stderr and exit
 // code 2, never a stack trace. Command-line code: it may exit the process, so
 // only cli/ uses it (demo/ and bench/ take parsed options).
+import { writeSync } from 'node:fs';
 import { parseArgs, type ParseArgsConfig } from 'node:util';
 import { setUcxNetDevices } from '../lib/ucx';
 
@@ -54,7 +55,7 @@ export function oneOf<T extends string>(
 
 let failureLog: { fatal(fields: object, msg?: string): void } | undefined;
 
-/** Where run() reports a command's failure once the command has a logger (its JSON lines), not plain text. */
+/** Where run() reports a command's failure (exit 1) once the command has a logger: a JSON line, not plain text. */
 export function reportFailuresTo(log: { fatal(fields: object, msg?: string): void }): void {
   failureLog = log;
 }
@@ -67,8 +68,10 @@ export function run(what: string, main: () => Promise<void>): void {
     const msg = usage
       ? `nixl-node ${what}: ${e.message}`
       : `nixl-node ${what} failed: ${e?.code ? `${e.code}: ` : ''}${e?.message ?? e}`;
-    if (failureLog) failureLog.fatal({ ...(e?.code ? { code: e.code } : {}), exit_code: usage ? 2 : 1 }, msg);
-    else process.stderr.write(`${msg}\n`);
+    // A bad option or value is one plain line whichever check finds it (some come before the logger).
+    if (failureLog && !usage) failureLog.fatal({ ...(e?.code ? { code: e.code } : {}), exit_code: 1 }, msg);
+    // Straight to fd 2: process.stderr may be the logger's capture (cli/log.ts).
+    else writeSync(2, `${msg}\n`);
     process.exit(usage ? 2 : 1);
   });
 }
