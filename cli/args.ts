@@ -2,6 +2,7 @@
 // works), --help everywhere, and a bad value is one line on stderr and exit
 // code 2, never a stack trace. Command-line code: it may exit the process, so
 // only cli/ uses it (demo/ and bench/ take parsed options).
+import { writeSync } from 'node:fs';
 import { parseArgs, type ParseArgsConfig } from 'node:util';
 import { setUcxNetDevices } from '../lib/ucx';
 
@@ -52,15 +53,26 @@ export function oneOf<T extends string>(
   return v as T;
 }
 
+let failureLog: { fatal(fields: object, msg?: string): void } | undefined;
+
+/** Where run() reports a command's failure (exit 1) once the command has a logger: a JSON line, not plain text. */
+export function reportFailuresTo(log: { fatal(fields: object, msg?: string): void }): void {
+  failureLog = log;
+}
+
 /** Runs a command's main: a UsageError (or a NixlError of bad input) is one line and exit 2. */
 export function run(what: string, main: () => Promise<void>): void {
   main().catch((e: Error & { code?: string }) => {
-    if (e instanceof UsageError || e?.code === 'NIXL_ERR_INVALID_PARAM' || e?.code === 'NIXL_ERR_NOT_SUPPORTED') {
-      process.stderr.write(`nixl-node ${what}: ${e.message}\n`);
-      process.exit(2);
-    }
-    process.stderr.write(`nixl-node ${what} failed: ${e?.code ? `${e.code}: ` : ''}${e?.message ?? e}\n`);
-    process.exit(1);
+    const usage =
+      e instanceof UsageError || e?.code === 'NIXL_ERR_INVALID_PARAM' || e?.code === 'NIXL_ERR_NOT_SUPPORTED';
+    const msg = usage
+      ? `nixl-node ${what}: ${e.message}`
+      : `nixl-node ${what} failed: ${e?.code ? `${e.code}: ` : ''}${e?.message ?? e}`;
+    // A bad option or value is one plain line whichever check finds it (some come before the logger).
+    if (failureLog && !usage) failureLog.fatal({ ...(e?.code ? { code: e.code } : {}), exit_code: 1 }, msg);
+    // Straight to fd 2: process.stderr may be the logger's capture (cli/log.ts).
+    else writeSync(2, `${msg}\n`);
+    process.exit(usage ? 2 : 1);
   });
 }
 

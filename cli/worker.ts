@@ -170,8 +170,10 @@ export async function workerCommand(argv: string[]): Promise<void> {
   const stop = untilSignal();
   // Stats on request (SIGUSR2), so a supervisor can read them without stopping the worker.
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));
-  log.info({ name: w.name, address: w.address, model: w.modelId }, 'worker ready');
-  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, etcd: w.fleet?.key }));
+  // `name` is the logger's (nixl-node-worker): the worker's own name goes under `worker`.
+  const fleet = w.fleet && { etcd: w.fleet.key, etcd_registered: w.fleet.registered };
+  log.info({ worker: w.name, address: w.address, model: w.modelId, ...fleet }, 'worker ready');
+  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, ...fleet }));
   await stop;
   const stats = { ...w.stats };
   await w.close();

@@ -205,3 +205,36 @@ export async function serveTrio(
   );
   return { prefill, decode, proxy };
 }
+
+/**
+ * The keys one JSON object text repeats (in any object of it). JSON.parse
+ * keeps the last of a repeated key and says nothing, as jq and most log
+ * shippers do, so this reads the raw text. Throws when the text is not JSON.
+ */
+export function repeatedJsonKeys(text: string): string[] {
+  JSON.parse(text);
+  const repeated: string[] = [];
+  const objects: Array<Set<string> | undefined> = [];
+  let i = 0;
+  while (i < text.length) {
+    const c = text[i];
+    if (c === '{') objects.push(new Set());
+    else if (c === '[') objects.push(undefined);
+    else if (c === '}' || c === ']') objects.pop();
+    else if (c === '"') {
+      let j = i + 1;
+      while (text[j] !== '"') j += text[j] === '\\' ? 2 : 1;
+      const s = JSON.parse(text.slice(i, j + 1)) as string;
+      let k = j + 1;
+      while (/\s/.test(text[k] ?? '')) k++;
+      const keys = objects[objects.length - 1];
+      if (text[k] === ':' && keys) {
+        if (keys.has(s)) repeated.push(s);
+        keys.add(s);
+      }
+      i = j;
+    }
+    i++;
+  }
+  return repeated;
+}

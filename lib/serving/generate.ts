@@ -172,7 +172,7 @@ export async function handleGenerate(
   try {
     checkGenerateRequest(body, { kvTransferParams: 'object' });
   } catch (e) {
-    throw new HttpError((e as RequestError).status ?? 400, (e as Error).message);
+    throw e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
   }
   if (typeof body.model === 'string' && body.model !== w.modelId)
     throw new HttpError(404, `The model \`${body.model.slice(0, 200)}\` does not exist.`, 'NotFoundError');

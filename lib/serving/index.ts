@@ -9,6 +9,7 @@ export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';
 export { WorkerPool, type Policy, type Stage, type WorkerRef } from './pool';
 export {
+  type HealthResult,
   HttpTransport,
   ZmqTransport,
   TransportError,

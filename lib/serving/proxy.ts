@@ -14,6 +14,7 @@ import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
 import { checkCompletionRequest } from './schema';
+import { API_ROUTES, PROXY_ROUTES, routeMiss } from './routes';
 import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
 import { HttpError, hasImages, readJson } from './http';
 import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt } from './openai';
@@ -80,7 +81,6 @@ export interface ProxyOptions {
   kvMode?: 'pull' | 'push';
 }
 
-const ROUTES = new Set(['/v1/completions', '/v1/chat/completions', GENERATE_PATH]);
 const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
 
 /** prom-client, when installed (an optional peer dependency). */
@@ -214,7 +214,7 @@ export class ServingProxy {
         }),
       };
     }
-    if (o.etcd) this.fleet = new FleetDiscovery(this.pools, o.transport ?? 'http', o.etcd, this.#prom?.registry);
+    if (o.etcd) this.fleet = new FleetDiscovery(this.pools, kind, o.etcd, this.#prom?.registry, this.#log);
   }
 
   /** Listens; resolves once the proxy takes requests. */
@@ -246,7 +246,7 @@ export class ServingProxy {
     const all = Object.values(this.pools).flatMap((p) => p.workers.map((w) => ({ p, w })));
     await Promise.all(
       all.map(async ({ p, w }) => {
-        const ok = await this.#transport.health(w, 1000);
+        const { ok, cause } = await this.#transport.healthCheck(w, 1000);
         if (o.learnOnly && !ok) return;
         // Read after the check: rounds may overlap, and only the one that changes the state logs it.
         const was = w.healthy;
@@ -256,7 +256,7 @@ export class ServingProxy {
           if (!was) this.#log.info(fields, 'worker healthy again');
         } else {
           p.markFailed(w);
-          if (was) this.#log.warn(fields, 'worker unhealthy: its health check failed');
+          if (was) this.#log.warn({ ...fields, cause }, 'worker unhealthy: its health check failed');
         }
         this.#prom?.healthy.set({ stage: w.stage, worker: w.address }, ok ? 1 : 0);
       }),
@@ -306,7 +306,7 @@ export class ServingProxy {
     const label = typeof incoming === 'string' && REQUEST_ID.test(incoming) ? incoming : requestId;
     res.setHeader('x-request-id', label);
     const send = (status: number, body: unknown, headers: Record<string, string> = {}) => {
-      this.#prom?.requests.inc({ route: ROUTES.has(path) ? path : 'other', status: String(status) });
+      this.#prom?.requests.inc({ route: API_ROUTES.has(path) ? path : 'other', status: String(status) });
       if (res.headersSent) return void res.end();
       const text = JSON.stringify(body);
       res.writeHead(status, {
@@ -316,6 +316,8 @@ export class ServingProxy {
       });
       res.end(text);
     };
+    const miss = routeMiss(PROXY_ROUTES, req.method, path);
+    if (miss) return send(miss.status, miss.body, miss.headers);
     if (req.method === 'GET' && path === '/health') {
       const healthy = (s: Stage) => this.pools[s].workers.filter((w) => w.healthy).length;
       const mismatch = modelMismatch(this.pools.prefill, this.pools.decode);
@@ -355,8 +357,6 @@ export class ServingProxy {
       res.end(text);
       return;
     }
-    if (!ROUTES.has(path)) return send(404, errorBody(`no route ${path.slice(0, 100)}`, 'not_found'));
-    if (req.method !== 'POST') return send(405, errorBody('use POST', 'invalid_request_error'), { allow: 'POST' });
     if (this.#o.bearerToken !== undefined && req.headers.authorization !== `Bearer ${this.#o.bearerToken}`)
       return send(401, errorBody('missing or wrong bearer token', 'authentication_error'), {
         'www-authenticate': 'Bearer',
@@ -377,7 +377,7 @@ export class ServingProxy {
       const h = e as HttpError;
       return send(
         h.status ?? 400,
-        errorBody(h.message, 'invalid_request_error'),
+        errorBody(h.message, 'invalid_request_error', h.details),
         h.status === 413 ? { connection: 'close' } : {},
       );
     }

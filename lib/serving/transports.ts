@@ -54,6 +54,8 @@ export interface WorkerTransport {
   call(c: StageCall): Promise<StageAnswer>;
   /** True when the worker answers a health check in time. */
   health(w: WorkerRef, timeoutMs: number): Promise<boolean>;
+  /** A health check, and why it failed: ECONNREFUSED, a timeout, the status and reason the worker gave. */
+  healthCheck(w: WorkerRef, timeoutMs: number): Promise<HealthResult>;
   /**
    * Tells a prefill worker to free the KV blocks it holds for a request now
    * (its decode failed or its client went away). Best effort: the lease frees
@@ -135,20 +137,25 @@ export class HttpTransport implements WorkerTransport {
     }
   }
 
-  /** GET /health. */
   async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
+    return (await this.healthCheck(w, timeoutMs)).ok;
+  }
+
+  /** GET /health. */
+  async healthCheck(w: WorkerRef, timeoutMs: number): Promise<HealthResult> {
     try {
-      const r = await this.#agent.request({
-        ...target(w.address, '/health'),
-        method: 'GET',
-        signal: AbortSignal.timeout(timeoutMs),
-      });
+      const signal = AbortSignal.timeout(timeoutMs);
+      const r = await this.#agent.request({ ...target(w.address, '/health'), method: 'GET', signal });
       const text = await r.body.text();
+      const body = parseObject(text);
       const ok = r.statusCode >= 200 && r.statusCode < 300;
-      if (ok) healthFields(w, parseObject(text));
-      return ok;
-    } catch {
-      return false;
+      if (ok) healthFields(w, body);
+      return ok ? { ok: true } : { ok: false, cause: `HTTP ${r.statusCode}${reasonOf(body)}` };
+    } catch (e) {
+      const err = e as Error;
+      if (err?.name === 'TimeoutError' || (err as { cause?: Error })?.cause?.name === 'TimeoutError')
+        return { ok: false, cause: `no answer in ${timeoutMs} ms (timeout)` };
+      return { ok: false, cause: causeOf(e) };
     }
   }
 
@@ -193,6 +200,19 @@ function target(address: string, path: string): { origin: string; path: string }
     targets.set(address, t);
   }
   return { origin: t.origin, path: t.base + path };
+}
+
+/** What a health check found. */
+export interface HealthResult {
+  ok: boolean;
+  /** Why not, when not ok. */
+  cause?: string;
+}
+
+/** ': <reason>' from a worker's unhealthy answer (nixl-node: reason; vLLM: error.message), or ''. */
+function reasonOf(body: Record<string, unknown> | undefined): string {
+  const r = body?.reason ?? (body?.error as { message?: unknown } | undefined)?.message;
+  return typeof r === 'string' && r.length > 0 ? `: ${r.slice(0, 200)}` : '';
 }
 
 function causeOf(e: unknown): string {
@@ -362,24 +382,34 @@ export class ZmqTransport implements WorkerTransport {
     }
   }
 
-  /** A HEALTH message, answered in time. */
   async health(w: WorkerRef, timeoutMs: number): Promise<boolean> {
+    return (await this.healthCheck(w, timeoutMs)).ok;
+  }
+
+  /** A HEALTH message, answered in time. */
+  async healthCheck(w: WorkerRef, timeoutMs: number): Promise<HealthResult> {
     const msgId = `health/${randomUUID()}`;
-    return new Promise<boolean>((resolve) => {
-      const t = setTimeout(() => finish(false), timeoutMs);
-      const finish = (ok: boolean) => {
+    return new Promise<HealthResult>((resolve) => {
+      const t = setTimeout(
+        () => finish({ ok: false, cause: `no HEALTH answer in ${timeoutMs} ms (timeout)` }),
+        timeoutMs,
+      );
+      const finish = (r: HealthResult) => {
         clearTimeout(t);
         this.#pending.delete(msgId);
-        resolve(ok);
+        resolve(r);
       };
       this.#pending.set(msgId, {
         push: (tag, body) => {
           if (tag === 'HEALTH') healthFields(w, body);
-          finish(tag === 'HEALTH' && body.ok === true);
+          if (tag === 'HEALTH' && body.ok === true) finish({ ok: true });
+          else finish({ ok: false, cause: tag === 'HEALTH' ? `unhealthy${reasonOf(body)}` : `answered ${tag}` });
         },
-        fail: () => finish(false),
+        fail: (e) => finish({ ok: false, cause: e.message }),
       });
-      this.#send(w.address, 'HEALTH', { msg_id: msgId, reply_to: this.replyAddress }).catch(() => finish(false));
+      this.#send(w.address, 'HEALTH', { msg_id: msgId, reply_to: this.replyAddress }).catch((e: Error) =>
+        finish({ ok: false, cause: causeOf(e) }),
+      );
     });
   }
 

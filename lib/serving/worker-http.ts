@@ -9,6 +9,7 @@ import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
+import { WORKER_ROUTES, routeMiss } from './routes';
 
 export interface HttpFrontOptions {
   host: string;
@@ -49,7 +50,9 @@ async function onRequest(
     res.end(text);
   };
   const path = (req.url ?? '').split('?')[0];
-  if (req.method === 'GET' && path === '/health') {
+  const miss = routeMiss(WORKER_ROUTES, req.method, path);
+  if (miss) return json(miss.status, miss.body, miss.headers);
+  if (path === '/health') {
     const sick = w.unhealthy();
     return json(sick ? 503 : 200, {
       status: sick ? 'unavailable' : 'ok',
@@ -57,8 +60,7 @@ async function onRequest(
       ...w.healthInfo(),
     });
   }
-  if (req.method === 'GET' && path === '/v1/models') return json(200, modelList([w.modelId]));
-  if (req.method !== 'POST') return json(405, errorBody('only POST', 'invalid_request_error'));
+  if (path === '/v1/models') return json(200, modelList([w.modelId]));
   if (path === '/v1/kv/release') {
     try {
       const b = await readJson(req, 4096);

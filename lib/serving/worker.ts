@@ -45,7 +45,7 @@ import {
   type ServingModel,
 } from './models/types';
 import { chunkBody, completionBody, usageBody } from './openai';
-import { type RequestError, checkCompletionRequest } from './schema';
+import { checkCompletionRequest } from './schema';
 import { PROMPT_TOKENS } from './generate';
 import { endAnswer } from './stream-end';
 import { ReleasedEarly } from './released-early';
@@ -355,6 +355,7 @@ export class Worker implements FrontHandler {
       free_blocks: this.freeBlocks,
       num_requests_waiting: this.#blocks.waiting,
       ...this.#kvInfo(),
+      ...this.fleet?.health(),
     };
   }
 
@@ -460,7 +461,7 @@ export class Worker implements FrontHandler {
       this.#zmq = await ZmqFront.bind(this, this.#o.zmqAddr ?? `tcp://${host}:*`, maxBodyBytes);
       this.address = this.#zmq.address;
     }
-    if (this.#o.etcd) this.fleet = await new FleetRegistration(this.#fleetView(), this.#o.etcd).join();
+    if (this.#o.etcd) this.fleet = await new FleetRegistration(this.#fleetView(), this.#o.etcd, this.#o.logger).join();
     return this;
   }
 
@@ -539,12 +540,9 @@ export class Worker implements FrontHandler {
   ) {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
-    try {
-      if (path === '/v1/completions') normalizePrompt(body);
-      checkCompletionRequest(path, body, { kvTransferParams: 'object' });
-    } catch (e) {
-      throw new HttpError((e as RequestError).status ?? 400, (e as Error).message);
-    }
+    // Both throw HttpError: a 400 naming the field (param).
+    if (path === '/v1/completions') normalizePrompt(body);
+    checkCompletionRequest(path, body, { kvTransferParams: 'object' });
     if (typeof body.model === 'string' && body.model !== this.model.id)
       throw new ModelNotFound(body.model, [this.model.id]);
     const req = generationRequest(path, body);

@@ -1,8 +1,9 @@
 // The proxy through OpenAI's official Node client (issue 37): what the
 // client reads from streamed chunks (id, created, model), usage in a last
 // chunk with no choices, vLLM's 404 for a model nobody serves, the list forms
-// of `prompt`, /v1/models filled once startProxy resolves, and a max_tokens
-// that cannot fit the model's context refused before any prefill.
+// of `prompt`, /v1/models filled once startProxy resolves, a max_tokens
+// that cannot fit the model's context and fields not served (JSON output,
+// tools, logprobs) refused before any prefill.
 import OpenAI from 'openai';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import {
@@ -124,6 +125,40 @@ describe.each(['http', 'zmq'] as const)('the official OpenAI client against the 
       .create({ model: MODEL_NAME, prompt: [1, 2, 3], max_tokens: 3 })
       .catch((x) => x);
     expect(ids).toBeInstanceOf(OpenAI.BadRequestError);
+  });
+
+  it('JSON output, tool calls or logprobs asked for: BadRequestError naming the field, before any prefill', async () => {
+    const prefills = workers.reduce((n, w) => n + w.stats.prefills, 0);
+    const messages = [{ role: 'user' as const, content: 'give me JSON' }];
+    for (const [param, extra] of [
+      ['response_format', { response_format: { type: 'json_object' as const } }],
+      ['tools', { tools: [{ type: 'function' as const, function: { name: 'lookup', parameters: {} } }] }],
+      ['logprobs', { logprobs: true, top_logprobs: 2 }],
+    ] as const) {
+      const e = await client.chat.completions
+        .create({ model: MODEL_NAME, messages, max_tokens: 3, ...extra })
+        .catch((x) => x);
+      expect(e, param).toBeInstanceOf(OpenAI.BadRequestError);
+      expect(e.param).toBe(param);
+      expect(e.code).toBe('unsupported_parameter');
+      expect(e.type).toBe('invalid_request_error');
+    }
+    const c = await client.completions
+      .create({ model: MODEL_NAME, prompt: 'x', max_tokens: 2, logprobs: 1 })
+      .catch((x) => x);
+    expect(c.param).toBe('logprobs');
+    expect(workers.reduce((n, w) => n + w.stats.prefills, 0)).toBe(prefills);
+    // What asks for nothing is served.
+    const ok = await client.chat.completions.create({
+      model: MODEL_NAME,
+      messages,
+      max_tokens: 3,
+      logprobs: false,
+      tools: [],
+      tool_choice: 'none',
+      response_format: { type: 'text' },
+    });
+    expect(ok.choices[0].message.content).toBeTruthy();
   });
 
   it('a max_tokens that cannot fit the context is a 400 before any prefill', async () => {

@@ -1,6 +1,8 @@
 // What a hostile or careless client or peer sends the proxy and the workers
 // (issue 30): fields we do not serve, oversized headers, reply addresses a
-// ZeroMQ worker cannot use, clients that hang up during the prefill.
+// ZeroMQ worker cannot use, clients that hang up during the prefill; issue
+// 44: OpenAI fields not served are refused by name, and unknown paths and
+// methods get one answer from the proxy and the workers.
 import * as fs from 'node:fs';
 import * as net from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
@@ -77,6 +79,122 @@ describe('one choice per request', () => {
       }
     }
     expect(proxy.pools.decode.workers[0].healthy).toBe(true);
+  });
+});
+
+describe('OpenAI fields that are not served (issue 44)', () => {
+  const chat = { messages: [{ role: 'user', content: 'fields' }], max_tokens: 3 };
+  const completion = { prompt: 'fields', max_tokens: 3 };
+  // What asks for something not served: a 400 naming the field, from the proxy and from a worker.
+  const refused: Array<[string, unknown, 'chat' | 'completion' | 'both']> = [
+    ['logprobs', true, 'chat'],
+    ['logprobs', 2, 'completion'],
+    ['logprobs', 0, 'completion'],
+    ['top_logprobs', 3, 'chat'],
+    ['tools', [{ type: 'function', function: { name: 'f', parameters: {} } }], 'chat'],
+    ['tool_choice', 'required', 'chat'],
+    ['tool_choice', { type: 'function', function: { name: 'f' } }, 'chat'],
+    ['response_format', { type: 'json_object' }, 'both'],
+    ['response_format', { type: 'json_schema', json_schema: { name: 'x', schema: {} } }, 'chat'],
+    ['logit_bias', { '50256': -100 }, 'both'],
+    ['frequency_penalty', 0.5, 'both'],
+    ['presence_penalty', -1, 'both'],
+    ['echo', true, 'completion'],
+    ['best_of', 3, 'completion'],
+    ['suffix', 'tail', 'completion'],
+    ['top_k', 5, 'both'],
+    ['ignore_eos', true, 'both'],
+    ['min_tokens', 2, 'both'],
+    ['guided_json', { type: 'object' }, 'both'],
+    ['modalities', ['text', 'audio'], 'chat'],
+  ];
+  // What asks for nothing: OpenAI's and vLLM's defaults, sent by clients that always send every field.
+  const harmless: Record<string, unknown> = {
+    logprobs: false,
+    top_logprobs: 0,
+    tools: [],
+    tool_choice: 'none',
+    response_format: { type: 'text' },
+    logit_bias: {},
+    frequency_penalty: 0,
+    presence_penalty: 0,
+    top_k: -1,
+    ignore_eos: false,
+    n: 1,
+    user: 'someone',
+    metadata: { team: 'x' },
+    parallel_tool_calls: true,
+    seed: 7,
+    stop: ['never-in-the-answer'],
+  };
+
+  it('a field that asks for what is not served is a 400 naming it (param); its no-op values are served', async () => {
+    const { proxy, decode } = await serveTrio(closers);
+    for (const base of [proxy.url, decode.address]) {
+      for (const [field, value, where] of refused) {
+        for (const [route, body] of [
+          ['/v1/chat/completions', chat],
+          ['/v1/completions', completion],
+        ] as const) {
+          if (where !== 'both' && (where === 'chat') !== route.includes('chat')) continue;
+          const r = await post(`${base}${route}`, { ...body, [field]: value });
+          const what = `${base}${route} ${field}=${JSON.stringify(value)}`;
+          expect(r.status, what).toBe(400);
+          expect(r.json.error, what).toMatchObject({
+            type: 'invalid_request_error',
+            param: field,
+            code: 'unsupported_parameter',
+            message: expect.stringContaining(`'${field}'`),
+          });
+        }
+      }
+      for (const [route, body] of [
+        ['/v1/chat/completions', chat],
+        ['/v1/completions', { ...completion, logprobs: null, echo: false, best_of: 1, suffix: null }],
+      ] as const) {
+        const r = await post(`${base}${route}`, { ...body, ...harmless });
+        expect(r.status, `${base}${route} ${JSON.stringify(r.json)}`).toBe(200);
+        // tool_choice 'auto' with no tools asks for nothing either.
+        expect((await post(`${base}${route}`, { ...body, tool_choice: 'auto' })).status).toBe(200);
+      }
+    }
+    // A client's 400 never takes a worker out of the pool.
+    expect(proxy.pools.decode.workers[0].healthy).toBe(true);
+  });
+});
+
+describe('unknown paths and wrong methods (issue 44)', () => {
+  it('the proxy and a worker answer alike: 404 for a path neither serves, 405 with Allow for another method', async () => {
+    const { proxy, decode } = await serveTrio(closers);
+    for (const base of [proxy.url, decode.address]) {
+      for (const [method, path] of [
+        ['GET', '/nope'],
+        ['POST', '/nope'],
+        ['GET', '/v2/completions'],
+        ['DELETE', '/v1'],
+      ]) {
+        const r = await fetch(`${base}${path}`, { method });
+        expect(r.status, `${base} ${method} ${path}`).toBe(404);
+        expect(((await r.json()) as { error: { message: string } }).error.message).toMatch(/no route/);
+      }
+      for (const [method, path, allow] of [
+        ['GET', '/v1/completions', 'POST'],
+        ['PUT', '/v1/chat/completions', 'POST'],
+        ['GET', '/inference/v1/generate', 'POST'],
+        ['POST', '/health', 'GET'],
+        ['DELETE', '/v1/models', 'GET'],
+      ]) {
+        const r = await fetch(`${base}${path}`, { method });
+        expect(r.status, `${base} ${method} ${path}`).toBe(405);
+        expect(r.headers.get('allow')).toBe(allow);
+        const e = ((await r.json()) as { error: { message: string; type: string } }).error;
+        expect(e.type).toBe('invalid_request_error');
+        expect(e.message).toContain(allow);
+      }
+    }
+    // /metrics is the proxy's (Prometheus); a worker has none.
+    expect((await fetch(`${decode.address}/metrics`)).status).toBe(404);
+    expect((await fetch(`${proxy.url}/metrics`, { method: 'POST' })).headers.get('allow')).toBe('GET');
   });
 });
 

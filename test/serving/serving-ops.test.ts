@@ -5,13 +5,14 @@
 // paired.
 import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
+import * as http from 'node:http';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
 import { NixlAgent } from '../../lib';
 import { HttpTransport, startProxy, startWorker, SyntheticModel, Worker, ZmqTransport } from '../../lib/serving';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
-import { freePort, ROOT } from '../helpers';
+import { freePort, repeatedJsonKeys, ROOT } from '../helpers';
 
 const BIN = path.join(ROOT, 'bin', 'nixl-node.js');
 const closers: Array<() => unknown> = [];
@@ -30,6 +31,8 @@ function command(args: string[]) {
   procs.push(p);
   const out: Array<Record<string, unknown>> = [];
   const log: Array<Record<string, unknown>> = [];
+  /** stderr as it came, line by line. */
+  const raw: string[] = [];
   const json = (into: typeof out) => (l: string) => {
     try {
       into.push(JSON.parse(l));
@@ -38,9 +41,12 @@ function command(args: string[]) {
     }
   };
   readline.createInterface({ input: p.stdout! }).on('line', json(out));
-  readline.createInterface({ input: p.stderr! }).on('line', json(log));
+  readline.createInterface({ input: p.stderr! }).on('line', (l) => {
+    raw.push(l);
+    json(log)(l);
+  });
   const exited = new Promise<number | null>((r) => p.once('exit', (c) => r(c)));
-  return { p, out, log, exited };
+  return { p, out, log, raw, exited };
 }
 
 describe('worker addresses are checked when the proxy starts', () => {
@@ -317,6 +323,76 @@ describe('logs: pino JSON lines on stderr, with request ids', () => {
     expect(r2.stderr).toBe('');
     void NixlAgent;
   }, 20_000);
+});
+
+describe('log lines are JSON a log shipper keeps whole (issue 44)', () => {
+  it('every stderr line of a worker and of a proxy is one JSON object with no key twice', async () => {
+    const w = command(['worker', '--name', 'prefill-0', '--log-level', 'debug']);
+    await expect.poll(() => w.out.find((l) => l.ready), { timeout: 10_000 }).toBeTruthy();
+    const address = String(w.out.find((l) => l.ready)!.address);
+    const p = command(['proxy', '--port', '0', '--pd-addrs', address, '--health-ms', '100', '--log-level', 'debug']);
+    await expect.poll(() => p.out.find((l) => l.ready), { timeout: 10_000 }).toBeTruthy();
+    const url = String(p.out.find((l) => l.ready)!.url);
+    expect(
+      (await fetch(`${url}/v1/completions`, { method: 'POST', body: '{"prompt":"x","max_tokens":2}' })).status,
+    ).toBe(200);
+    expect(
+      (await fetch(`${address}/v1/completions`, { method: 'POST', body: '{"prompt":"x","model":"no"}' })).status,
+    ).toBe(404);
+    await expect.poll(() => w.raw.some((l) => l.includes('request refused')), { timeout: 5000 }).toBe(true);
+    w.p.kill('SIGTERM');
+    await w.exited;
+    await expect.poll(() => p.raw.some((l) => l.includes('worker unhealthy')), { timeout: 5000 }).toBe(true);
+    p.p.kill('SIGTERM');
+    await p.exited;
+    for (const [who, lines] of [
+      ['worker', w.raw],
+      ['proxy', p.raw],
+    ] as const) {
+      expect(lines.length).toBeGreaterThan(2);
+      for (const line of lines) expect(repeatedJsonKeys(line), `${who}: ${line}`).toEqual([]);
+    }
+    // The worker's own name has a key of its own; `name` is the logger's.
+    const ready = JSON.parse(w.raw.find((l) => l.includes('worker ready'))!);
+    expect(ready).toMatchObject({ name: 'nixl-node-worker', worker: 'prefill-0', address });
+  }, 30_000);
+});
+
+describe('a failed health check says why (issue 44)', () => {
+  it('ECONNREFUSED, a timeout, the status and reason a worker answered', async () => {
+    const lines: Array<{ fields: Record<string, unknown>; msg?: string }> = [];
+    const at = (fields: object, msg?: string) => void lines.push({ fields: fields as Record<string, unknown>, msg });
+    const logger = { debug: at, info: at, warn: at, error: at };
+    const silent = http.createServer(() => {}); // takes the request, never answers
+    const sick = http.createServer((_req, res) => {
+      res.writeHead(503, { 'content-type': 'application/json' });
+      res.end(JSON.stringify({ status: 'unavailable', reason: 'no context can be made' }));
+    });
+    for (const s of [silent, sick]) {
+      await new Promise<void>((r) => s.listen(0, '127.0.0.1', r));
+      closers.push(() => {
+        s.closeAllConnections();
+        return new Promise((r) => s.close(r));
+      });
+    }
+    const urlOf = (s: http.Server) => `http://127.0.0.1:${(s.address() as import('node:net').AddressInfo).port}`;
+    const dec = await startWorker();
+    closers.push(() => dec.close());
+    const refused = `http://127.0.0.1:${await freePort()}`;
+    const p = await startProxy({
+      prefill: [refused, urlOf(silent), urlOf(sick)],
+      decode: [dec.address],
+      healthIntervalMs: 0,
+      logger,
+    });
+    closers.push(() => p.close());
+    await p.checkHealth();
+    const cause = (worker: string) =>
+      lines.find((l) => l.msg?.startsWith('worker unhealthy') && l.fields.worker === worker)?.fields.cause;
+    expect(cause(refused)).toBe('ECONNREFUSED');
+    expect(cause(urlOf(silent))).toMatch(/timeout/);
+    expect(cause(urlOf(sick))).toBe('HTTP 503: no context can be made');
+  });
 });
 
 /** The synthetic model under another name: the proxy must not pair it with the default one. */

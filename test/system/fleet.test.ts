@@ -11,13 +11,20 @@ import type * as Etcd3 from 'etcd3';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../../lib/serving';
 import { etcdClient } from '../../lib/serving/fleet/etcd-client';
 import { ETCD_MISSING, EtcdServer } from '../etcd-server';
+import { repeatedJsonKeys } from '../helpers';
 
 const TTL = 2;
 const BIN = path.join(__dirname, '..', '..', 'bin', 'nixl-node.js');
 
 /** The command, up to its ready line. */
-async function command(args: string[]): Promise<{ p: ChildProcess; ready: Record<string, unknown>; stderr: string[] }> {
-  const p = spawn(process.execPath, [BIN, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+async function command(
+  args: string[],
+  env: Record<string, string> = {},
+): Promise<{ p: ChildProcess; ready: Record<string, unknown>; stderr: string[] }> {
+  const p = spawn(process.execPath, [BIN, ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    env: { ...process.env, ...env },
+  });
   const stderr: string[] = [];
   readline.createInterface({ input: p.stderr! }).on('line', (l) => stderr.push(l));
   const ready = await new Promise<Record<string, unknown>>((resolve, reject) => {
@@ -151,7 +158,7 @@ describe.skipIf(ETCD_MISSING !== '')(`fleet through etcd${ETCD_MISSING}`, () => 
     logs.length = 0;
     await etcd.stop();
     await until('the proxy to notice', () => !proxy.fleet!.connected, 3000);
-    expect(logs.some((x) => /etcd unreachable .*serving the last known 2 fleet worker/.test(x))).toBe(true);
+    expect(logs.some((x) => /etcd unreachable.*serving the last known 2 fleet worker/.test(x))).toBe(true);
     const metrics = await (await fetch(`${proxy.url}/metrics`)).text();
     expect(metrics).toMatch(/^nixl_node_proxy_etcd_connected 0$/m);
     let before = l.ok;
@@ -275,6 +282,89 @@ describe.skipIf(ETCD_MISSING !== '')(`fleet through etcd${ETCD_MISSING}`, () => 
     await proxy.close();
     await Promise.all([good.close(), other.close()]);
   });
+
+  it('the commands with etcd stopped: every stderr line is JSON with no key twice, the etcd client included', async () => {
+    const down = await new EtcdServer().start();
+    const p = '/json-logs/';
+    // gRPC's own diagnostics (console.error in @grpc/grpc-js) turned up: they must come out as JSON too.
+    const grpc = { GRPC_VERBOSITY: 'DEBUG', GRPC_TRACE: 'subchannel' };
+    const worker = await command(
+      ['worker', '--etcd', down.url, '--etcd-prefix', p, '--etcd-ttl', '2', '--name', 'w-0'],
+      grpc,
+    );
+    const proxy = await command(['proxy', '--etcd', down.url, '--etcd-prefix', p, '--port', '0', '--health-ms', '200']);
+    try {
+      expect(worker.ready.etcd_registered).toBe(true);
+      await down.stop();
+      await until(
+        'the proxy to say etcd is unreachable',
+        () => proxy.stderr.some((l) => l.includes('etcd unreachable')),
+        15_000,
+      );
+      await until(
+        'the worker to lose its lease',
+        () => worker.stderr.some((l) => l.includes('etcd lease lost')),
+        15_000,
+      );
+      // Attempts to register again, each a warning.
+      await until(
+        'two failed attempts',
+        () => worker.stderr.filter((l) => l.includes('registration failed')).length >= 2,
+        15_000,
+      );
+    } finally {
+      await stop(worker.p);
+      await stop(proxy.p);
+      await down.destroy();
+    }
+    for (const [who, lines] of [
+      ['worker', worker.stderr],
+      ['proxy', proxy.stderr],
+    ] as const)
+      for (const line of lines) {
+        expect(() => JSON.parse(line), `${who}: ${line}`).not.toThrow();
+        expect(repeatedJsonKeys(line), `${who}: ${line}`).toEqual([]);
+        expect(JSON.parse(line).name, line).toBe(`nixl-node-${who}`);
+      }
+    expect(worker.stderr.some((l) => JSON.parse(l).source === 'stderr' && l.includes('subchannel'))).toBe(true);
+    const lost = JSON.parse(worker.stderr.find((l) => l.includes('etcd lease lost'))!);
+    expect(lost).toMatchObject({ level: 40, worker: 'w-0', etcd_key: `${p}workers/w-0` });
+  }, 60_000);
+
+  it('a worker started before etcd: unregistered in its ready line and /health, a warning per attempt, registered once etcd answers', async () => {
+    const late = await new EtcdServer().start();
+    await late.stop(); // its address is known, nothing answers there yet
+    const p = '/late/';
+    const worker = await command([
+      'worker',
+      '--etcd',
+      late.url,
+      '--etcd-prefix',
+      p,
+      '--etcd-ttl',
+      '3',
+      '--name',
+      'w-late',
+    ]);
+    const c: Etcd3.Etcd3 = etcdClient({ endpoints: [late.url] });
+    try {
+      expect(worker.ready).toMatchObject({ etcd: `${p}workers/w-late`, etcd_registered: false });
+      const health = async () => (await fetch(`${worker.ready.address}/health`)).json();
+      expect(await health()).toMatchObject({ status: 'ok', etcd: `${p}workers/w-late`, etcd_registered: false });
+      const failed = () => worker.stderr.filter((l) => l.includes('etcd registration failed'));
+      await until('two failed attempts', () => failed().length >= 2, 10_000);
+      expect(JSON.parse(failed()[1])).toMatchObject({ level: 40, attempt: 2, etcd_key: `${p}workers/w-late` });
+      await late.start();
+      // Retries back off to 5 s at most.
+      await until('the worker to register', async () => (await health()).etcd_registered === true, 15_000);
+      expect((await c.get(`${p}workers/w-late`).string()) ?? '').toContain(String(worker.ready.address));
+      expect(worker.stderr.some((l) => l.includes('registered in etcd'))).toBe(true);
+    } finally {
+      c.close();
+      await stop(worker.p);
+      await late.destroy();
+    }
+  }, 60_000);
 
   it('the command: nixl-node worker --etcd registers, nixl-node proxy --etcd finds it, SIGTERM deregisters', async () => {
     const p = '/command/';

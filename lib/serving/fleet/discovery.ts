@@ -2,25 +2,25 @@
 // once, then followed through a watch. Each record becomes a worker of the
 // pools its role names; a deleted key (lease ended or revoked) takes it out.
 // With etcd unreachable the last known set keeps serving (health checks and
-// request failures still take dead workers out); the proxy says so on stderr
-// and in a metric, and reads everything again once etcd answers.
+// request failures still take dead workers out); the proxy says so in its
+// log and in a metric, and reads everything again once etcd answers.
 import type * as Etcd3 from 'etcd3';
 import type { Stage, WorkerPool } from '../pool';
 import { type EtcdOptions, fleetPrefix } from './etcd';
 import { etcdClient } from './etcd-client';
 import { type WorkerRecord, parseRecord } from './record';
+import { type Logger, silentLogger } from '../log';
+import { lineLogger } from './line-logger';
 
 /** The proxy's fleet options (ProxyOptions.etcd). */
 export interface FleetWatchOptions extends EtcdOptions {
   /** A full read this often even while the watch is fine, ms (default 10 s): a safety net, and how etcd being down is noticed without a watch event. */
   resyncMs?: number;
-  /** Where it says what happens (default: a line on stderr). */
+  /** Where it says what happens, as text lines (default: the proxy's logger, fields and a message). */
   log?: (line: string) => void;
 }
 
 type Gauge = import('prom-client').Gauge<string>;
-
-const stderr = (line: string) => process.stderr.write(`${line}\n`);
 
 /** Which pools a role joins. */
 function stagesOf(r: WorkerRecord): Stage[] {
@@ -38,7 +38,7 @@ export class FleetDiscovery {
   readonly #prefix: string;
   readonly #transport: 'http' | 'zmq';
   readonly #o: FleetWatchOptions;
-  readonly #log: (line: string) => void;
+  readonly #log: Logger;
   /** Key -> the record applied and the etcd revision it came from. */
   readonly #known = new Map<string, { record?: WorkerRecord; rev: bigint }>();
   /** Keys whose bad value was already reported (once per revision). */
@@ -54,11 +54,13 @@ export class FleetDiscovery {
     transport: 'http' | 'zmq',
     o: FleetWatchOptions,
     registry?: import('prom-client').Registry,
+    /** The proxy's (o.log, when given, takes the lines instead). */
+    logger: Logger = silentLogger,
   ) {
     this.#pools = pools;
     this.#transport = transport;
     this.#o = o;
-    this.#log = o.log ?? stderr;
+    this.#log = o.log ? lineLogger(o.log, 'nixl-node proxy') : logger;
     this.#prefix = `${fleetPrefix(o)}workers/`;
     this.#client = etcdClient(o);
     if (registry) {
@@ -139,11 +141,12 @@ export class FleetDiscovery {
     if (up === this.connected) return;
     this.connected = up;
     const n = this.#known.size;
-    this.#log(
-      up
-        ? `nixl-node proxy: etcd reachable: following ${n} fleet worker(s)`
-        : `nixl-node proxy: etcd unreachable (${why.slice(0, 200)}): serving the last known ${n} fleet worker(s)`,
-    );
+    if (up) this.#log.info({ fleet_workers: n }, `etcd reachable: following ${n} fleet worker(s)`);
+    else
+      this.#log.warn(
+        { fleet_workers: n, error: why.slice(0, 300) },
+        `etcd unreachable: serving the last known ${n} fleet worker(s)`,
+      );
   }
 
   /** A put (value) or delete (no value) at revision `rev`; older news than what is known is dropped. */
@@ -172,7 +175,7 @@ export class FleetDiscovery {
     if (this.#warned.get(key) === rev) return;
     if (this.#warned.size > 10_000) this.#warned.clear();
     this.#warned.set(key, rev);
-    this.#log(`nixl-node proxy: ignoring etcd key ${JSON.stringify(key.slice(0, 200))}: ${why}`);
+    this.#log.warn({ etcd_key: key.slice(0, 200), reason: why }, 'ignoring etcd key');
   }
 
   #add(r: WorkerRecord): void {
