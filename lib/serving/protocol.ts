@@ -59,6 +59,19 @@ export function encodeMessage(tag: Tag, body: ZmqRequest | ZmqReply): [Buffer, B
   return [Buffer.from(tag, 'ascii'), packr.pack(body)];
 }
 
+/** A msgpack map, or undefined for anything else (bytes msgpack cannot read, an array, a scalar). */
+export function unpackMap(frame: Buffer): Record<string, unknown> | undefined {
+  let v: unknown;
+  try {
+    v = packr.unpack(frame);
+  } catch {
+    return undefined;
+  }
+  return typeof v === 'object' && v !== null && !Array.isArray(v) && !Buffer.isBuffer(v)
+    ? (v as Record<string, unknown>)
+    : undefined;
+}
+
 /** Reads a two-frame message; anything else is an Error with a message. */
 export function decodeMessage(frames: Buffer[]): { tag: Tag; body: Record<string, unknown> } {
   if (frames.length !== 2) throw new Error(`expected 2 frames (tag, msgpack map), got ${frames.length}`);
