@@ -42,7 +42,7 @@ export class ZmqDispatch {
   }
 
   /** One message off the PULL socket. */
-  onMessage(frames: Buffer[]): void {
+  onMessage(frames: Buffer[]) {
     const drop = () => void this.#w.stats.messagesDropped++;
     if (frames.length !== 2) return drop();
     const body = unpackMap(frames[1]);
@@ -93,7 +93,7 @@ export class ZmqDispatch {
     replyTo: string | undefined,
     b: Record<string, unknown>,
     refuse: (message: string, code?: string) => void,
-  ): void {
+  ) {
     if (replyTo === undefined) return void this.#w.stats.messagesDropped++;
     if (b.path !== undefined && !str(b.path, MAX_ID)) return refuse('path must be a string');
     if (b.request_id !== undefined && !str(b.request_id, MAX_ID))
