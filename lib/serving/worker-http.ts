@@ -2,11 +2,12 @@
 // /v1/chat/completions (JSON or SSE), /v1/models, /health, and
 // /v1/kv/release for the proxy.
 import { randomUUID } from 'node:crypto';
-import * as http from 'node:http';
+import type * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
+import { createLimitedServer } from './http-server';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
 
 export interface HttpFrontOptions {
@@ -15,19 +16,13 @@ export interface HttpFrontOptions {
   maxBodyBytes: number;
   /** A request whose headers and body have not all arrived by then is cut. */
   requestTimeoutMs: number;
+  /** Open connections at most (default 4096). */
+  maxConnections?: number;
 }
 
 /** Listens; resolves with the server and its base URL. */
 export async function serveHttp(w: FrontHandler, o: HttpFrontOptions): Promise<{ server: http.Server; url: string }> {
-  const server = http.createServer(
-    // A body that trickles in is cut after requestTimeout, checked every second.
-    {
-      requestTimeout: o.requestTimeoutMs,
-      headersTimeout: Math.min(o.requestTimeoutMs, 10_000),
-      connectionsCheckingInterval: 1000,
-    },
-    (req, res) => void onRequest(w, o, req, res),
-  );
+  const server = createLimitedServer(o, (req, res) => void onRequest(w, o, req, res));
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject);
     server.listen(o.port, o.host, () => resolve());
