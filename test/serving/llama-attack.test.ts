@@ -187,7 +187,7 @@ describe('GGUF push params, fuzzed (seed 4404, 16 decode legs and 8 prefill legs
 
   it('either leg hostile: each ends in time, 200 with the right answer or a typed 4xx; then a good pair answers, every block free', async () => {
     const want = (await ref.generate({ chat: true, text: body.messages[0].content, maxTokens: 4 })).text;
-    const pair = async (id: string, d: unknown, p: unknown) => {
+    const pair = async (_id: string, d: unknown, p: unknown) => {
       const t0 = performance.now();
       const [dec, pre] = await Promise.all([
         post(decode.address, { ...body, kv_transfer_params: d }),

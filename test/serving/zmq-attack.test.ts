@@ -5,12 +5,11 @@
 // a usable reply_to gets a 400 FAILURE with a code; nothing crashes or hangs,
 // and afterwards a normal request answers as before with every KV block free.
 import * as fs from 'node:fs';
-import fc from 'fast-check';
 import { Packr } from 'msgpackr';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import { startWorker } from '../../lib/serving';
-import { TAGS, decodeMessage, encodeMessage, unpackMap } from '../../lib/serving/protocol';
+import { decodeMessage, encodeMessage, unpackMap } from '../../lib/serving/protocol';
 import { ZmqDispatch } from '../../lib/serving/zmq-dispatch';
 import { ZmqFront } from '../../lib/serving/worker-zmq';
 import { messages, silentCount } from './zmq-mutations';
@@ -217,7 +216,7 @@ describe('the ZeroMQ front over sockets', () => {
   }, 30_000);
 
   it('reply addresses that never read or do not answer: sends to them stay bounded, other proxies are answered at once', async () => {
-    const { w, front, to, push, normal } = await rig();
+    const { w, front, push, normal } = await rig();
     const before = await normal('before');
     // A PULL that is bound but never reads, and a port nobody listens on.
     const deaf = new zmq.Pull({ linger: 0, receiveHighWaterMark: 10 });
