@@ -16,8 +16,6 @@ export interface HttpFrontOptions {
   maxBodyBytes: number;
   /** A request whose headers and body have not all arrived by then is cut. */
   requestTimeoutMs: number;
-  /** Open connections at most (default 4096). */
-  maxConnections?: number;
 }
 
 /** Listens; resolves with the server and its base URL. */

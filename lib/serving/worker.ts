@@ -111,8 +111,6 @@ export interface WorkerOptions {
   maxBodyBytes?: number;
   /** HTTP: a request whose headers and body have not all arrived by then is cut (default 30 s). */
   requestTimeoutMs?: number;
-  /** HTTP: open connections at most (default 4096). */
-  maxConnections?: number;
   /**
    * A secret shared by the deployment's workers: prefills sign the
    * kv_transfer_params they return, decodes refuse unsigned or forged ones
@@ -461,7 +459,6 @@ export class Worker implements FrontHandler {
         port: this.#o.port ?? 0,
         maxBodyBytes,
         requestTimeoutMs: this.#o.requestTimeoutMs ?? 30_000,
-        maxConnections: this.#o.maxConnections,
       });
       this.#http = h.server;
       this.address = h.url;

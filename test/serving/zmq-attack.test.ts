@@ -12,6 +12,7 @@ import { startWorker } from '../../lib/serving';
 import { decodeMessage, encodeMessage, unpackMap } from '../../lib/serving/protocol';
 import { ZmqDispatch } from '../../lib/serving/zmq-dispatch';
 import { ZmqFront } from '../../lib/serving/worker-zmq';
+import { ZmqTransport } from '../../lib/serving/transports';
 import { messages, silentCount } from './zmq-mutations';
 import type { ZmqReply } from '../../lib/serving/protocol';
 
@@ -242,5 +243,37 @@ describe('the ZeroMQ front over sockets', () => {
     expect(pending).toBeLessThanOrEqual(2 * 1024);
     expect(w.stats.repliesDropped).toBeGreaterThan(0);
     front.close();
+  }, 60_000);
+});
+
+describe("the proxy's reply socket", () => {
+  it('1,000 mutated replies (seed 4402) and a frame past 64 MiB: dropped and counted, the next call answered', async () => {
+    const w = await startWorker({ transport: 'zmq', blocks: BLOCKS });
+    closers.push(() => w.close());
+    const t = await new ZmqTransport().bind();
+    closers.push(() => t.close());
+    const call = async () => {
+      const a = await t.call({
+        stage: 'decode',
+        worker: { address: w.address } as never,
+        path: '/v1/completions',
+        body: { prompt: 'the lazy dog', max_tokens: 6, temperature: 0 },
+        requestId: `r-${Math.random()}`,
+        signal: AbortSignal.timeout(10_000),
+        stream: false,
+      });
+      expect(a.status).toBe(200);
+      return (a.json as { choices: Array<{ text: string }> }).choices[0].text;
+    };
+    const before = await call();
+    const evil = new zmq.Push({ linger: 0 });
+    closers.push(() => evil.close());
+    evil.connect(t.replyAddress);
+    const all = messages(1000, 4402, 'tcp://127.0.0.1:1');
+    for (const m of all) await evil.send(m.frames);
+    await evil.send([Buffer.from('GENERATION'), Buffer.alloc(65 << 20, 1)]);
+    expect(await call()).toBe(before);
+    await expect.poll(() => t.repliesDropped, { timeout: 5000 }).toBeGreaterThan(100);
+    console.log(`proxy: ${t.repliesDropped} of 1,000 mutated replies dropped (the rest name no call)`);
   }, 60_000);
 });
