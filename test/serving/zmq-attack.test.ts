@@ -98,6 +98,34 @@ describe('the ZeroMQ serving codec and handler, in process', () => {
   }, 120_000);
 });
 
+describe('msgpack bombs', () => {
+  it('huge declared lengths, 1 MiB of nesting, 65,535 keys, extension types: dropped and counted, or refused 400, at once', async () => {
+    const w = await startWorker({ transport: 'zmq', blocks: BLOCKS });
+    closers.push(() => w.close());
+    const replies: ZmqReply[] = [];
+    const d = new ZmqDispatch(w, (_, __, r) => replies.push(r));
+    const keys = [Buffer.from([0xde, 0xff, 0xff])];
+    for (let i = 0; i < 65535; i++) keys.push(Buffer.from([0xcd, i >> 8, i & 255, 0xc0]));
+    const bombs = [
+      Buffer.from([0xdd, 0xff, 0xff, 0xff, 0xff]), // array32 of 4 G entries, none there
+      Buffer.from([0xdf, 0xff, 0xff, 0xff, 0xff]), // map32 likewise
+      Buffer.from([0xdb, 0xff, 0xff, 0xff, 0xff, 0x41]), // str32 of 4 GB
+      Buffer.from([0xc6, 0xff, 0xff, 0xff, 0xff]), // bin32 of 4 GB
+      Buffer.alloc(1 << 20, 0x91), // a million nested arrays
+      Buffer.concat(Array.from({ length: 300_000 }, () => Buffer.from([0x81, 0xa1, 0x61]))), // nested maps
+      Buffer.from([0xc7, 0x10, 0x65, ...Buffer.alloc(16, 0x41)]), // an extension type
+      Buffer.concat(keys), // a map of 65,535 integer keys and no msg_id
+    ];
+    const t0 = performance.now();
+    for (const b of bombs) expect(() => d.onMessage([Buffer.from('GENERATION'), b])).not.toThrow();
+    const ms = performance.now() - t0;
+    console.log(`${bombs.length} bombs in ${ms.toFixed(0)} ms`);
+    expect(w.stats.messagesDropped).toBe(bombs.length);
+    expect(replies).toEqual([]);
+    expect(ms).toBeLessThan(10_000);
+  });
+});
+
 describe('the ZeroMQ front over sockets', () => {
   const fds = () => fs.readdirSync('/proc/self/fd').length;
 
