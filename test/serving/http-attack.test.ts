@@ -5,10 +5,10 @@
 // with every KV block free.
 import { spawn } from 'node:child_process';
 import * as fs from 'node:fs';
-import * as net from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import { DEFAULT_MAX_CONNECTIONS } from '../../lib/serving/http-server';
 import { serveTrio } from '../helpers';
+import { cut as cutAnswer, cutPoints, raw as rawConnection } from './http-cuts';
 
 const closers: Array<() => unknown> = [];
 afterEach(async () => {
@@ -43,20 +43,7 @@ async function trio(o: { maxConnections?: number } = {}, transport: 'http' | 'zm
   return { ...t, fronts, normal, allFree };
 }
 
-/** A raw connection: what it received, and when the server closed it. */
-function raw(url: string) {
-  const u = new URL(url);
-  const s = net.connect(Number(u.port), u.hostname);
-  const got: Buffer[] = [];
-  const t0 = performance.now();
-  const closed = new Promise<{ ms: number; text: string }>((resolve) => {
-    s.on('close', () => resolve({ ms: performance.now() - t0, text: Buffer.concat(got).toString('latin1') }));
-  });
-  s.on('data', (d) => got.push(d));
-  s.on('error', () => {});
-  closers.push(() => s.destroy());
-  return { s, closed, got, host: u.host };
-}
+const raw = (url: string) => rawConnection(url, closers);
 
 describe('slow clients (a byte a second)', () => {
   it('headers or a body that trickle in are cut after requestTimeout, by the proxy and by a worker', async () => {
@@ -211,29 +198,15 @@ describe.each(['http', 'zmq'] as const)('streams cut at every point (workers ove
     });
     const request = (host: string) =>
       `POST /v1/completions HTTP/1.1\r\nHost: ${host}\r\nContent-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`;
-    /** Sends the request (or its first `sendBytes`), then cuts once `cutAt` bytes came (or the last chunk). */
-    const cut = async (url: string, sendBytes: number | undefined, cutAt: number | 'end' | 'never') => {
-      const c = raw(url);
-      const req = request(c.host);
-      c.s.write(req.slice(0, sendBytes ?? req.length));
-      if (cutAt === 0) c.s.destroy();
-      let n = 0;
-      c.s.on('data', (d) => {
-        n += d.length;
-        const text = Buffer.concat(c.got).toString('latin1');
-        if ((cutAt === 'end' && text.endsWith('0\r\n\r\n')) || (typeof cutAt === 'number' && n >= cutAt)) c.s.destroy();
-      });
-      if (sendBytes !== undefined) setTimeout(() => c.s.destroy(), 50);
-      if (cutAt === 'never') setTimeout(() => c.s.destroy(), 3000);
-      return c.closed;
-    };
+    const cut = (url: string, sendBytes: number | undefined, cutAt: number | 'end' | 'never') =>
+      cutAnswer(closers, url, '/v1/completions', body, sendBytes, cutAt);
     for (const [name, url] of fronts) {
       // The whole answer, for its length.
       const whole = await cut(url, undefined, 'end');
       expect(whole.text).toMatch(/^HTTP\/1\.1 200/);
       expect(whole.text).toContain('data: [DONE]');
       const L = whole.text.length;
-      const points = [0, ...Array.from({ length: 16 }, (_, i) => Math.max(1, Math.floor(((i + 0.5) * L) / 16)))];
+      const points = cutPoints(L, 16);
       await cut(url, 40, 'never');
       await cut(url, Buffer.byteLength(request('x')) - 10, 'never');
       for (const p of points) await cut(url, undefined, p);

@@ -15,6 +15,8 @@ import { modelPath } from '../../lib/serving/models/test-models';
 import { type ZmqReply, encodeMessage } from '../../lib/serving/protocol';
 import { pushDecodeParams } from '../../lib/serving/push-proxy';
 import { ZmqDispatch } from '../../lib/serving/zmq-dispatch';
+import { serveTrio } from '../helpers';
+import { cut, cutPoints } from './http-cuts';
 import { messages, silentCount } from './zmq-mutations';
 
 const CTX = { contextSize: 1024, threads: 1, batchSize: 16 };
@@ -279,4 +281,34 @@ describe('the ZeroMQ protocol in front of a GGUF worker (seed 4406, 1,000 mutate
       await w.close();
     }
   }, 600_000);
+});
+
+describe('GGUF streams through the proxy cut at every point', () => {
+  it('mid-request, before the first byte, at 8 points of the answer, after the last chunk: every block free, the next answer node-llama-cpp alone', async () => {
+    const closers: Array<() => unknown> = [];
+    const gguf = modelPath('tiny', dir);
+    const ref = await OneProcess.load(gguf, CTX);
+    closers.push(() => ref.close());
+    try {
+      const w = { model: gguf, ...CTX, parallel: 1, blocks: BLOCKS };
+      const { prefill, decode, proxy } = await serveTrio(closers, { prefill: w, decode: w });
+      const messages = [{ role: 'user', content: 'Tell me about the rain over the hills, in a few words.' }];
+      const body = JSON.stringify({ messages, max_tokens: 12, temperature: 0, stream: true });
+      const route = '/v1/chat/completions';
+      const whole = await cut(closers, proxy.url, route, body, undefined, 'end');
+      expect(whole.text).toContain('data: [DONE]');
+      await cut(closers, proxy.url, route, body, 60, 'never');
+      for (const p of cutPoints(whole.text.length, 8)) await cut(closers, proxy.url, route, body, undefined, p);
+      await cut(closers, proxy.url, route, body, undefined, 'end');
+      await expect.poll(() => prefill.freeBlocks, { timeout: 10_000 }).toBe(BLOCKS);
+      await expect.poll(() => decode.freeBlocks, { timeout: 10_000 }).toBe(BLOCKS);
+      const r = await post(proxy.url, { messages, max_tokens: 12, temperature: 0 });
+      expect(r.status).toBe(200);
+      expect(r.json.choices[0].message.content).toBe(
+        (await ref.generate({ chat: true, text: messages[0].content, maxTokens: 12 })).text,
+      );
+    } finally {
+      for (const c of closers.splice(0).reverse()) await c();
+    }
+  }, 300_000);
 });
