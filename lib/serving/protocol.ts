@@ -94,8 +94,9 @@ export class SerialSender {
 
   constructor(readonly socket: { send(frames: Buffer[]): Promise<void>; close(): void }) {}
 
-  send(frames: Buffer[]): Promise<void> {
-    const p = this.#tail.then(() => this.socket.send(frames));
+  /** Sends after the sends before it; `skip`, asked then, withholds this one (it rejects). */
+  send(frames: Buffer[], skip?: () => boolean): Promise<void> {
+    const p = this.#tail.then(() => (skip?.() ? Promise.reject(new Error('withheld')) : this.socket.send(frames)));
     this.#tail = p.catch(() => {});
     return p;
   }

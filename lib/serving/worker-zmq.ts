@@ -16,16 +16,16 @@ export class ZmqFront {
   private constructor(w: FrontHandler, pull: zmq.Pull) {
     this.#pull = pull;
     this.#replies = new ReplySockets(64, () => w.stats.repliesDropped++);
-    this.#dispatch = new ZmqDispatch(w, (to, tag, r) => {
-      if (this.#closed) return;
+    this.#dispatch = new ZmqDispatch(w, (to, tag, r, skip) => {
+      if (this.#closed) return false;
       let frames: Buffer[];
       try {
         frames = encodeMessage(tag, r);
       } catch {
         w.stats.repliesDropped++;
-        return;
+        return false;
       }
-      void this.#replies.send(to, frames);
+      return this.#replies.send(to, frames, skip);
     });
   }
 

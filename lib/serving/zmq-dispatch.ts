@@ -9,13 +9,24 @@ import { TAGS, type Tag, type ZmqReply, unpackMap } from './protocol';
 import type { FrontHandler } from './front';
 
 export type ReplyTag = 'ENCODE' | 'GENERATION' | 'FAILURE' | 'HEALTH';
-/** Sends one answer to a reply_to address; never throws. */
-export type ReplyFn = (to: string, tag: ReplyTag, r: ZmqReply) => void;
+/**
+ * Sends one answer to a reply_to address; never throws. It may say whether
+ * the answer went out (false: dropped), and is given `skip`, asked just before
+ * the send, for answers queued behind one that was dropped.
+ */
+export type ReplyFn = (
+  to: string,
+  tag: ReplyTag,
+  r: ZmqReply,
+  skip?: () => boolean,
+) => boolean | undefined | Promise<boolean | undefined>;
 
 /** The codes of a FAILURE for a message the worker could read but not use. */
 export const MESSAGE_ERRORS = {
   invalid: 'invalid_message',
   duplicate: 'duplicate_msg_id',
+  /** An answer of the call could not be sent (the reply socket's queue was full, or a send timed out). */
+  dropped: 'reply_dropped',
 } as const;
 
 /** Longest msg_id, request_id and path a worker takes. */
@@ -104,7 +115,33 @@ export class ZmqDispatch {
     if (this.#aborts.has(msgId)) return refuse(`msg_id ${msgId} is in flight`, MESSAGE_ERRORS.duplicate);
     const ac = new AbortController();
     this.#aborts.set(msgId, ac);
-    const reply = (t: ReplyTag, r: ZmqReply) => this.#reply(replyTo, t, r);
+    // A chunk that could not be sent leaves a gap the proxy cannot see:
+    // everything of the call after it is withheld, the call aborted, and a
+    // FAILURE sent instead, so the proxy fails the call rather than answer
+    // with a hole (an end that could not be sent: the proxy times it out).
+    let lost = false;
+    let failed = false;
+    const fail = (status: number, error: { message: string; code: string } & Record<string, unknown>) => {
+      if (failed) return;
+      failed = true;
+      void this.#reply(replyTo, 'FAILURE', { msg_id: msgId, status, error });
+    };
+    const onLost = (chunk: boolean) => {
+      if (lost) return;
+      lost = true;
+      ac.abort();
+      if (chunk)
+        fail(503, {
+          message: `an answer to ${replyTo} could not be sent; the call is failed`,
+          code: MESSAGE_ERRORS.dropped,
+        });
+    };
+    const reply = (r: ZmqReply) => {
+      if (lost) return;
+      void Promise.resolve(this.#reply(replyTo, tag, r, () => lost)).then((ok) => {
+        if (ok === false) onLost(r.done === false);
+      });
+    };
     void (async () => {
       try {
         await serveRoute(
@@ -114,19 +151,15 @@ export class ZmqDispatch {
           (b.request_id as string | undefined) ?? msgId,
           ac.signal,
           {
-            chunk: (c) => reply(tag, { msg_id: msgId, chunk: c, done: false }),
-            end: (status, body) => reply(tag, { msg_id: msgId, status, payload: body, done: true }),
+            chunk: (c) => reply({ msg_id: msgId, chunk: c, done: false }),
+            end: (status, body) => reply({ msg_id: msgId, status, payload: body, done: true }),
           },
           b.traceparent,
           { decodeMaxTokens: b.decode_max_tokens },
         );
       } catch (e) {
         const h = this.#w.failed(e);
-        reply('FAILURE', {
-          msg_id: msgId,
-          status: h.status,
-          error: { message: h.message, code: h.code, ...h.details },
-        });
+        if (!lost) fail(h.status, { message: h.message, code: h.code, ...h.details });
       } finally {
         this.#aborts.delete(msgId);
       }

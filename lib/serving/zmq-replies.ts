@@ -42,18 +42,26 @@ export class ReplySockets {
     return n;
   }
 
-  /** Sends an answer to `to`; never throws (a proxy that is gone times the request out). */
-  async send(to: string, frames: Buffer[]): Promise<void> {
-    if (this.#closed) return;
+  /**
+   * Sends an answer to `to`: true once sent, false when it was dropped (or
+   * withheld: `skip` said so when its turn came). Never throws (a proxy that
+   * is gone times the request out).
+   */
+  async send(to: string, frames: Buffer[], skip?: () => boolean): Promise<boolean> {
+    if (this.#closed) return false;
     const waiting = this.#waiting.get(to) ?? 0;
-    if (waiting >= this.maxPending) return this.dropped(to, `${waiting} answers already wait for it`);
+    if (waiting >= this.maxPending) {
+      this.dropped(to, `${waiting} answers already wait for it`);
+      return false;
+    }
     const s = this.#socket(to);
-    if (!s) return;
+    if (!s) return false;
     this.#waiting.set(to, waiting + 1);
     try {
-      await s.send(frames);
+      await s.send(frames, skip);
+      return true;
     } catch {
-      /* the proxy is gone, or the socket was closed meanwhile */
+      return false; // the proxy is gone, the send timed out, or the socket was closed meanwhile
     } finally {
       const left = (this.#waiting.get(to) ?? 1) - 1;
       if (left > 0) this.#waiting.set(to, left);

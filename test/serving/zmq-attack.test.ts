@@ -98,6 +98,44 @@ describe('the ZeroMQ serving codec and handler, in process', () => {
   }, 120_000);
 });
 
+describe('an answer that cannot be sent', () => {
+  it('a chunk of a stream dropped: nothing after it goes out, the call ends in a FAILURE reply_dropped, not an answer with a hole', async () => {
+    const w = await startWorker({ transport: 'zmq', blocks: BLOCKS });
+    closers.push(() => w.close());
+    const sent: Array<{ tag: string; r: ZmqReply }> = [];
+    let chunks = 0;
+    // As the reply sockets do: each send goes out later, in order, unless withheld by then; the third chunk is dropped.
+    const d = new ZmqDispatch(w, (_, tag, r, skip) => {
+      if (tag === 'GENERATION' && r.done === false && ++chunks === 3) return false;
+      return new Promise<boolean>((resolve) =>
+        setImmediate(() => {
+          if (skip?.()) return resolve(false);
+          sent.push({ tag, r });
+          resolve(true);
+        }),
+      );
+    });
+    d.onMessage(
+      encodeMessage('GENERATION', {
+        msg_id: 'streamed',
+        reply_to: 'tcp://127.0.0.1:5999',
+        path: '/v1/completions',
+        payload: { prompt: 'the lazy dog', max_tokens: 24, temperature: 0, stream: true },
+      }),
+    );
+    await expect.poll(() => sent.find((x) => x.tag === 'FAILURE'), { timeout: 5000 }).toBeTruthy();
+    await expect.poll(() => d.inFlight, { timeout: 5000 }).toBe(0);
+    await new Promise((r) => setTimeout(r, 100));
+    const last = sent.at(-1)!;
+    expect(last.tag).toBe('FAILURE');
+    expect(last.r).toMatchObject({ msg_id: 'streamed', status: 503, error: { code: 'reply_dropped' } });
+    expect(sent.filter((x) => x.tag === 'GENERATION' && x.r.done !== false)).toEqual([]);
+    // Chunks still queued when the drop was known are withheld too: the call is failed either way.
+    expect(sent.filter((x) => x.tag === 'GENERATION').length).toBeLessThanOrEqual(2);
+    expect(w.freeBlocks).toBe(BLOCKS);
+  });
+});
+
 describe('msgpack bombs', () => {
   it('huge declared lengths, 1 MiB of nesting, 65,535 keys, extension types: dropped and counted, or refused 400, at once', async () => {
     const w = await startWorker({ transport: 'zmq', blocks: BLOCKS });
