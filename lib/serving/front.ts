@@ -38,7 +38,7 @@ export interface FrontHandler {
   /** Why the worker cannot serve right now (its model cannot make a context), or undefined. */
   unhealthy(): string | undefined;
   /** Counters the fronts add to. */
-  readonly stats: { repliesDropped: number };
+  readonly stats: { repliesDropped: number; messagesDropped: number };
   /** Frees the blocks a prefilled request holds (the proxy says its decode will not read them). */
   releaseHold(remoteRequestId: unknown): boolean;
   /** Frees the holds of a request by the proxy's request id (its prefill answer may not have arrived). */

@@ -4,7 +4,7 @@
 // max_tokens 1), then a decode worker with the kv_transfer_params the prefill
 // returned, and passes the decode's answer back, streamed (SSE) or not.
 import { randomUUID } from 'node:crypto';
-import * as http from 'node:http';
+import type * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { WireName } from '../handshake/model';
 import { parseKvTransferParams, prefillRequestParams, wireProfile } from '../handshake/wire';
@@ -17,6 +17,7 @@ import { checkCompletionRequest } from './schema';
 import { API_ROUTES, PROXY_ROUTES, routeMiss } from './routes';
 import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
 import { HttpError, hasImages, readJson } from './http';
+import { createLimitedServer } from './http-server';
 import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt } from './openai';
 import { NixlError } from '../errors';
 import { checkWorkerAddress } from './addresses';
@@ -66,6 +67,8 @@ export interface ProxyOptions {
   zmqReplyAddr?: string;
   /** A request whose headers and body have not all arrived by then is cut (default 30 s). */
   requestTimeoutMs?: number;
+  /** Open client connections at most (default 4096; lib/serving/http-server.ts). */
+  maxConnections?: number;
   /**
    * Where the proxy logs (pino, or anything with its `(fields, message)`
    * methods): a line per request, and one when a worker goes unhealthy, is
@@ -170,19 +173,10 @@ export class ServingProxy {
       decode: new WorkerPool('decode', checked('decode', o.decode), policy, o.routing),
     };
     this.#transport = kind === 'zmq' ? new ZmqTransport() : new HttpTransport();
-    const requestTimeout = o.requestTimeoutMs ?? 30_000;
-    this.#server = http.createServer(
-      // A body that trickles in is cut after requestTimeout (checked every
-      // second); streaming answers are not bounded by it.
-      { requestTimeout, headersTimeout: Math.min(requestTimeout, 10_000), connectionsCheckingInterval: 1000 },
+    this.#server = createLimitedServer(
+      { requestTimeoutMs: o.requestTimeoutMs ?? 30_000, maxConnections: o.maxConnections },
       (req, res) => void this.#onRequest(req, res),
     );
-    this.#server.on('clientError', (e: Error & { code?: string }, socket) => {
-      // Headers past Node's limit (16 KiB) are 431, as Node itself answers; anything else unparsable is 400.
-      const status = e.code === 'HPE_HEADER_OVERFLOW' ? '431 Request Header Fields Too Large' : '400 Bad Request';
-      if (socket.writable) socket.end(`HTTP/1.1 ${status}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n`);
-      else socket.destroy();
-    });
     const prom = loadProm();
     if (prom) {
       const registry = new prom.Registry();

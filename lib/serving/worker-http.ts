@@ -2,12 +2,13 @@
 // /v1/chat/completions (JSON or SSE), /v1/models, /health, and
 // /v1/kv/release for the proxy.
 import { randomUUID } from 'node:crypto';
-import * as http from 'node:http';
+import type * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { KvBusy } from './blocks';
 import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
+import { createLimitedServer } from './http-server';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
 import { WORKER_ROUTES, routeMiss } from './routes';
 
@@ -21,15 +22,7 @@ export interface HttpFrontOptions {
 
 /** Listens; resolves with the server and its base URL. */
 export async function serveHttp(w: FrontHandler, o: HttpFrontOptions): Promise<{ server: http.Server; url: string }> {
-  const server = http.createServer(
-    // A body that trickles in is cut after requestTimeout, checked every second.
-    {
-      requestTimeout: o.requestTimeoutMs,
-      headersTimeout: Math.min(o.requestTimeoutMs, 10_000),
-      connectionsCheckingInterval: 1000,
-    },
-    (req, res) => void onRequest(w, o, req, res),
-  );
+  const server = createLimitedServer(o, (req, res) => void onRequest(w, o, req, res));
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject);
     server.listen(o.port, o.host, () => resolve());

@@ -179,6 +179,8 @@ export interface WorkerStats {
   failedPushes: number;
   /** ZeroMQ: answers dropped because their reply_to is not an address a PUSH socket can connect to. */
   repliesDropped: number;
+  /** ZeroMQ: messages dropped unanswered: unreadable (not two frames, not a msgpack map) or with no usable reply_to. */
+  messagesDropped: number;
   /** Time spent taking KV out of the model into blocks (prefill), pulling it (decode), putting it back in (decode), ms. */
   kvSaveMs: number;
   kvPullMs: number;
@@ -215,6 +217,7 @@ export class Worker implements FrontHandler {
     abortedHolds: 0,
     failedPushes: 0,
     repliesDropped: 0,
+    messagesDropped: 0,
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
