@@ -16,7 +16,8 @@ import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } f
 import { checkCompletionRequest } from './schema';
 import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
 import { HttpError, hasImages, readJson } from './http';
-import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt } from './openai';
+import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt, withClientId } from './openai';
+import { ProxyMetrics } from './proxy-metrics';
 import { NixlError } from '../errors';
 import { checkWorkerAddress } from './addresses';
 import { type Logger, silentLogger } from './log';
@@ -82,16 +83,6 @@ export interface ProxyOptions {
 const ROUTES = new Set(['/v1/completions', '/v1/chat/completions', GENERATE_PATH]);
 const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
 
-/** prom-client, when installed (an optional peer dependency). */
-type Prom = typeof import('prom-client');
-function loadProm(): Prom | undefined {
-  try {
-    return require('prom-client') as Prom;
-  } catch {
-    return undefined;
-  }
-}
-
 class StageFailure extends Error {
   constructor(
     readonly status: number,
@@ -145,13 +136,9 @@ export class ServingProxy {
   fleet?: FleetDiscovery;
   /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
   readonly #affinity = new Map<string, string>();
-  readonly #prom?: {
-    registry: import('prom-client').Registry;
-    requests: import('prom-client').Counter<string>;
-    stageSeconds: import('prom-client').Histogram<string>;
-    inflight: import('prom-client').Gauge<string>;
-    healthy: import('prom-client').Gauge<string>;
-  };
+  readonly #prom = ProxyMetrics.create();
+  /** The X-Request-Id a client sent, by our request id: its answer's id is made of it. */
+  readonly #clientIds = new Map<string, string>();
 
   constructor(o: ProxyOptions) {
     this.#o = o;
@@ -182,37 +169,6 @@ export class ServingProxy {
       if (socket.writable) socket.end(`HTTP/1.1 ${status}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n`);
       else socket.destroy();
     });
-    const prom = loadProm();
-    if (prom) {
-      const registry = new prom.Registry();
-      this.#prom = {
-        registry,
-        requests: new prom.Counter({
-          name: 'nixl_node_proxy_requests_total',
-          help: 'Requests by route and status',
-          labelNames: ['route', 'status'],
-          registers: [registry],
-        }),
-        stageSeconds: new prom.Histogram({
-          name: 'nixl_node_proxy_stage_seconds',
-          help: 'Time of each stage, to the answer (decode: to the first byte)',
-          labelNames: ['stage', 'outcome'],
-          buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
-          registers: [registry],
-        }),
-        inflight: new prom.Gauge({
-          name: 'nixl_node_proxy_inflight_requests',
-          help: 'Requests in flight',
-          registers: [registry],
-        }),
-        healthy: new prom.Gauge({
-          name: 'nixl_node_proxy_worker_healthy',
-          help: '1 when a worker passes its health check',
-          labelNames: ['stage', 'worker'],
-          registers: [registry],
-        }),
-      };
-    }
     if (o.etcd) this.fleet = new FleetDiscovery(this.pools, o.transport ?? 'http', o.etcd, this.#prom?.registry);
   }
 
@@ -394,6 +350,8 @@ export class ServingProxy {
       },
     });
     this.#traces.set(requestId, span.context);
+    if (label !== requestId) this.#clientIds.set(requestId, label);
+    this.#prom?.timeAnswer(path, res);
     const key = this.pools.prefill.policy === 'load' ? affinityKey(body, this.#o.routing) : undefined;
     if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
@@ -441,6 +399,7 @@ export class ServingProxy {
       this.#inflight.delete(ac);
       this.#prom?.inflight.dec();
       this.#traces.delete(requestId);
+      this.#clientIds.delete(requestId);
       this.#affinity.delete(requestId);
       span.setAttribute('http.response.status_code', status);
       span.end();
@@ -528,13 +487,14 @@ export class ServingProxy {
       }
     }
     const a = dec.answer;
+    const clientId = this.#clientIds.get(requestId);
     if (!a.chunks) {
-      send(a.status, a.json);
+      send(a.status, withClientId(a.json, clientId));
       return;
     }
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
     try {
-      for await (const c of a.chunks) res.write(`data: ${JSON.stringify(c)}\n\n`);
+      for await (const c of a.chunks) res.write(`data: ${JSON.stringify(withClientId(c, clientId))}\n\n`);
     } catch (e) {
       if (signal.aborted) throw e;
       // Mid-stream: the status line is gone; say so in the stream, then end it.

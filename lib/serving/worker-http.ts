@@ -57,7 +57,8 @@ async function onRequest(
       ...w.healthInfo(),
     });
   }
-  if (req.method === 'GET' && path === '/v1/models') return json(200, modelList([w.modelId]));
+  if (req.method === 'GET' && path === '/v1/models') return json(200, modelList(w.servedModelNames ?? [w.modelId]));
+  if (req.method === 'GET' && path === '/metrics') return serveMetrics(w, res, json);
   if (req.method !== 'POST') return json(405, errorBody('only POST', 'invalid_request_error'));
   if (path === '/v1/kv/release') {
     try {
@@ -110,4 +111,16 @@ async function onRequest(
       h instanceof KvBusy ? { 'retry-after': h.retryAfterS } : {},
     );
   }
+}
+
+/** GET /metrics: vLLM's series and nixl-node's (vllm-metrics.ts); 501 naming the package without prom-client. */
+async function serveMetrics(
+  w: FrontHandler,
+  res: http.ServerResponse,
+  json: (status: number, body: unknown) => void,
+): Promise<void> {
+  const m = await w.metrics?.();
+  if (!m) return json(501, errorBody('/metrics needs prom-client: npm install prom-client@15', 'not_implemented'));
+  res.writeHead(200, { 'content-type': m.contentType });
+  res.end(m.text);
 }
