@@ -110,7 +110,9 @@ export function parseKvTransferConfig(json: string): KvTransferConfigOptions {
     if (k === 'kv_connector') continue;
     if (k === 'kv_role') {
       if (typeof v !== 'string' || !(v in ROLES))
-        throw bad(`--kv-transfer-config: kv_role must be kv_producer, kv_consumer or kv_both, got ${JSON.stringify(v)}`);
+        throw bad(
+          `--kv-transfer-config: kv_role must be kv_producer, kv_consumer or kv_both, got ${JSON.stringify(v)}`,
+        );
       out.role = ROLES[v];
     } else if (k === 'engine_id') {
       if (v === null) continue;
@@ -173,7 +175,7 @@ export function applyVllmFlags(
     v[key] = value;
   };
   const names = v['served-model-name'] as string[] | undefined;
-  if (names !== undefined && names.some((n) => n.length === 0 || n.length > 256))
+  if (names?.some((n) => n.length === 0 || n.length > 256))
     throw bad('--served-model-name: each name must be 1 to 256 characters');
   if (v['max-model-len'] !== undefined) {
     const n = maxModelLen(String(v['max-model-len']));
@@ -182,7 +184,8 @@ export function applyVllmFlags(
   }
   if (v['block-size'] !== undefined) {
     const s = String(v['block-size']);
-    if (!/^\d{1,4}$/.test(s) || Number(s) < 1) throw bad(`--block-size must be tokens per block, 1 to 9999, got '${s}'`);
+    if (!/^\d{1,4}$/.test(s) || Number(s) < 1)
+      throw bad(`--block-size must be tokens per block, 1 to 9999, got '${s}'`);
     if (v.model !== undefined)
       notes.push('--block-size: a GGUF worker cuts its KV state into blocks of bytes (--block-kib): ignored');
   }
@@ -200,7 +203,8 @@ export function applyVllmFlags(
         );
     }
     if (c.bidirectionalKv === true) v['bidirectional-kv'] = true;
-    if (c.decoderKvTtlS !== undefined) set('decoder-kv-ttl', String(Math.ceil(c.decoderKvTtlS)), 'decoder_kv_blocks_ttl');
+    if (c.decoderKvTtlS !== undefined)
+      set('decoder-kv-ttl', String(Math.ceil(c.decoderKvTtlS)), 'decoder_kv_blocks_ttl');
     if (c.kvRecomputeThreshold !== undefined)
       set('kv-recompute-threshold', String(c.kvRecomputeThreshold), 'kv_recompute_threshold');
     if (c.leaseS !== undefined) set('lease-ms', String(Math.round(c.leaseS * 1000)), 'kv_lease_duration');

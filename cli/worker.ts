@@ -120,7 +120,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
   applyUcxNetDevices(v);
   const vllm = applyVllmFlags(v, process.env);
   const log = commandLogger('worker', logLevel(v));
-  if (vllm.notes.length) log.info({ vllm_flags: vllm.notes }, `vLLM settings that differ here: ${vllm.notes.join('; ')}`);
+  if (vllm.notes.length)
+    log.info({ vllm_flags: vllm.notes }, `vLLM settings that differ here: ${vllm.notes.join('; ')}`);
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
   const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker', log);
@@ -150,8 +151,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
     ...bidirectionalOptions(v),
     clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
     model:
-      gguf ??
-      (v['block-size'] === undefined ? undefined : { ...DEFAULT_MODEL, blockSize: Number(v['block-size']) }),
+      gguf ?? (v['block-size'] === undefined ? undefined : { ...DEFAULT_MODEL, blockSize: Number(v['block-size']) }),
     servedModelNames: vllm.servedModelNames,
     sideChannelHost: vllm.sideChannelHost,
     threads: optional('threads', 1024),

@@ -57,8 +57,8 @@ export interface FrontHandler {
   ): Promise<void>;
   /** Counts a failed request; the error as the front answers it. */
   failed(e: unknown): HttpError;
-  /** GET /metrics: Prometheus text, or undefined without prom-client. */
-  metrics?(): Promise<{ contentType: string; text: string } | undefined>;
+  /** GET /metrics: Prometheus text; undefined without prom-client. */
+  readonly metrics?: { scrape(): Promise<{ contentType: string; text: string }> };
   /** Every name it serves under (vLLM --served-model-name); modelId is the first. */
   readonly servedModelNames?: readonly string[];
 }

@@ -253,9 +253,10 @@ export class ServingProxy {
 
   async #onRequest(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
     const path = (req.url ?? '').split('?')[0];
-    // Our own id goes to the workers; the client's is only a label, given
-    // back as it came (it never reaches a notification, where 'HB:...' or ','
-    // would change what the prefill reads).
+    // Our own id goes to the workers (unique in flight: prefills free holds
+    // by it); the client's is a label, given back as it came in the header
+    // and the answer's id (it never reaches a notification, where 'HB:...'
+    // or ',' would change what the prefill reads).
     const incoming = req.headers['x-request-id'];
     const requestId = randomUUID();
     const label = typeof incoming === 'string' && REQUEST_ID.test(incoming) ? incoming : requestId;

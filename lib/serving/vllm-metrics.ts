@@ -5,12 +5,14 @@
 // and buckets are vLLM's: vllm/v1/metrics/loggers.py (PrometheusStatLogger)
 // and the NIXL connector's NixlPromMetrics. prom-client is an optional
 // dependency, loaded only here.
-import type { Counter, Gauge, Histogram, Registry } from 'prom-client';
+import type { Counter, Histogram, Registry } from 'prom-client';
 import { NixlError } from '../errors';
 import { registerKvMetrics } from '../kv/metrics';
 import type { PrefillTracker } from '../kv/prefill';
 import type { KvPuller } from '../kv/puller';
+import type { BlockPool } from './blocks';
 import type { Sink } from './front';
+import type { WorkerStats } from './worker';
 
 type Prom = typeof import('prom-client');
 
@@ -33,8 +35,8 @@ export const VLLM_BUCKETS = {
   ],
   itl: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
   e2e: [
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
-    7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
   ],
   /** nixl_post_time_seconds; nixl_xfer_time_seconds takes all but the first (buckets[1:] in vLLM). */
   nixlTime: [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0],
@@ -54,6 +56,21 @@ export interface WorkerMetricsView {
   /** Prompt tokens looked up in the prefix cache, and tokens found there. */
   prefixQueries(): number;
   prefixHits(): number;
+}
+
+/** The worker's parts the view reads. */
+function workerView(
+  blocks: Pick<BlockPool, 'waiting' | 'available' | 'size'>,
+  stats: Pick<WorkerStats, 'prefixReusedTokens' | 'prefillEvaluatedTokens'>,
+  active: () => number,
+): WorkerMetricsView {
+  return {
+    active,
+    waiting: () => blocks.waiting,
+    kvUsage: () => 1 - blocks.available / blocks.size,
+    prefixQueries: () => stats.prefixReusedTokens + stats.prefillEvaluatedTokens,
+    prefixHits: () => stats.prefixReusedTokens,
+  };
 }
 
 /** The times of one request, for TTFT, ITL and end-to-end latency. */
@@ -92,20 +109,21 @@ export class WorkerMetrics {
   readonly #stops: Array<() => void> = [];
 
   /** Undefined when prom-client is not installed (then /metrics answers 501 and says so). */
-  static create(o: {
-    modelName: string;
-    engine?: string;
-    puller: KvPuller;
-    tracker: PrefillTracker;
-    view: WorkerMetricsView;
-  }): WorkerMetrics | undefined {
+  static create(
+    modelName: string,
+    puller: KvPuller,
+    tracker: PrefillTracker,
+    blocks: Pick<BlockPool, 'waiting' | 'available' | 'size'>,
+    stats: Pick<WorkerStats, 'prefixReusedTokens' | 'prefillEvaluatedTokens'>,
+    active: () => number,
+  ): WorkerMetrics | undefined {
     let prom: Prom;
     try {
       prom = loadPromClient();
     } catch {
       return undefined;
     }
-    return new WorkerMetrics(prom, o);
+    return new WorkerMetrics(prom, { modelName, puller, tracker, view: workerView(blocks, stats, active) });
   }
 
   private constructor(
@@ -117,11 +135,18 @@ export class WorkerMetrics {
     const labels = { model_name: o.modelName, engine: o.engine ?? '0' };
     this.#labels = labels;
     const labelNames = Object.keys(labels);
-    const histogram = (name: string, help: string, buckets: readonly number[]) =>
-      new prom.Histogram({ name, help, labelNames, buckets: [...buckets], registers: [registry] });
+    // Each series starts at 0 under its labels, as vLLM's per-engine ones do, so a scrape lists every name.
+    const histogram = (name: string, help: string, buckets: readonly number[]) => {
+      const h = new prom.Histogram({ name, help, labelNames, buckets: [...buckets], registers: [registry] });
+      h.zero(labels);
+      return h;
+    };
     // prom-client writes counters under the name given; vLLM's Python client adds _total.
-    const counter = (name: string, help: string) =>
-      new prom.Counter({ name: `${name}_total`, help, labelNames, registers: [registry] });
+    const counter = (name: string, help: string) => {
+      const c = new prom.Counter({ name: `${name}_total`, help, labelNames, registers: [registry] });
+      c.inc(labels, 0);
+      return c;
+    };
     const gauge = (name: string, help: string, read: () => number) =>
       new prom.Gauge({
         name,
@@ -168,7 +193,11 @@ export class WorkerMetrics {
     this.#nixl(o.puller, o.tracker, histogram, counter);
     // nixl-node's own series (what registerKvMetrics exports), beside vLLM's.
     this.#stops.push(
-      registerKvMetrics(registry as never, { puller: o.puller, tracker: o.tracker, labels: { engine_id: o.engine ?? '0' } }),
+      registerKvMetrics(registry as never, {
+        puller: o.puller,
+        tracker: o.tracker,
+        labels: { engine_id: o.engine ?? '0' },
+      }),
     );
   }
 

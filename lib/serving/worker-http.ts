@@ -119,7 +119,7 @@ async function serveMetrics(
   res: http.ServerResponse,
   json: (status: number, body: unknown) => void,
 ): Promise<void> {
-  const m = await w.metrics?.();
+  const m = await w.metrics?.scrape();
   if (!m) return json(501, errorBody('/metrics needs prom-client: npm install prom-client@15', 'not_implemented'));
   res.writeHead(200, { 'content-type': m.contentType });
   res.end(m.text);

@@ -264,8 +264,8 @@ export class Worker implements FrontHandler {
   fleet?: FleetRegistration;
   /** Bidirectional KV: turns held here and read from elsewhere (bidirectionalKv). */
   readonly turns?: TurnKv;
-  /** vLLM's Prometheus series and nixl-node's; undefined without prom-client. */
-  readonly #metrics?: WorkerMetrics;
+  /** GET /metrics: vLLM's Prometheus series and nixl-node's; undefined without prom-client. */
+  readonly metrics?: WorkerMetrics;
 
   /** A worker around a loaded model (startWorker loads it from the options). */
   constructor(o: WorkerOptions, model: ServingModel = new SyntheticModel(DEFAULT_MODEL)) {
@@ -322,18 +322,8 @@ export class Worker implements FrontHandler {
       unrecognized: () => {},
       lateRead: () => this.stats.lateReads++,
     });
-    this.#metrics = WorkerMetrics.create({
-      modelName: this.modelId,
-      puller: this.#puller,
-      tracker: this.#tracker,
-      view: {
-        active: () => this.#active,
-        waiting: () => this.#blocks.waiting,
-        kvUsage: () => 1 - this.#blocks.available / this.#blocks.size,
-        prefixQueries: () => this.stats.prefixReusedTokens + this.stats.prefillEvaluatedTokens,
-        prefixHits: () => this.stats.prefixReusedTokens,
-      },
-    });
+    const active = () => this.#active;
+    this.metrics = WorkerMetrics.create(this.modelId, this.#puller, this.#tracker, this.#blocks, this.stats, active);
     const share = o.heldTurnsShare ?? 0.5; // checked by startWorker
     if (o.bidirectionalKv)
       this.turns = new TurnKv({
@@ -367,11 +357,6 @@ export class Worker implements FrontHandler {
   /** Every name it answers to. */
   get servedModelNames(): readonly string[] {
     return this.#o.servedModelNames?.length ? this.#o.servedModelNames : [this.model.id];
-  }
-
-  /** GET /metrics (vllm-metrics.ts). */
-  async metrics(): Promise<{ contentType: string; text: string } | undefined> {
-    return this.#metrics?.scrape();
   }
 
   /** What /health (and a ZeroMQ HEALTH reply) says: the proxy pairs workers and checks max_tokens by it. */
@@ -542,7 +527,7 @@ export class Worker implements FrontHandler {
     const t0 = performance.now();
     const fields = () => ({ request_id: requestId, route: path, ms: Math.round(performance.now() - t0) });
     try {
-      await this.#serve(path, body, requestId, signal, this.#metrics?.track(sink) ?? sink, span, hints);
+      await this.#serve(path, body, requestId, signal, this.metrics?.track(sink) ?? sink, span, hints);
       log.debug({ ...fields(), status: 200 }, 'request');
     } catch (e) {
       const h = asHttpError(e, signal);
@@ -1004,7 +989,7 @@ export class Worker implements FrontHandler {
     // Out of the fleet first, then what is in progress (and KV held for a decode) finishes.
     await this.fleet?.leave(() => this.#active === 0 && this.#held.size === 0);
     this.#blocks.close();
-    this.#metrics?.close();
+    this.metrics?.close();
     this.#zmq?.close();
     if (this.#http) {
       this.#http.closeAllConnections();

@@ -118,7 +118,11 @@ afterAll(() => {
 });
 
 const post = (url: string, body: unknown, headers: Record<string, string> = {}) =>
-  fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) });
+  fetch(url, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...headers },
+    body: JSON.stringify(body),
+  });
 
 describe('a worker started with vLLM flags', () => {
   it('serves under --served-model-name: every name answers, the first is the one reported', async () => {
@@ -195,7 +199,9 @@ describe('a worker started with vLLM flags', () => {
       expect(f.get(name)!.labels).toEqual(new Set(['route']));
     }
     expect(
-      f.get('nixl_node_proxy_e2e_request_latency_seconds')!.samples.get('nixl_node_proxy_e2e_request_latency_seconds_count'),
+      f
+        .get('nixl_node_proxy_e2e_request_latency_seconds')!
+        .samples.get('nixl_node_proxy_e2e_request_latency_seconds_count'),
     ).toBeGreaterThan(0);
   });
 });

@@ -3,12 +3,7 @@
 // job, contradictions and bad input are errors with a code, and settings that
 // mean something else here come back as notes.
 import { describe, expect, it } from 'vitest';
-import {
-  applyVllmFlags,
-  expandServedModelName,
-  maxModelLen,
-  parseKvTransferConfig,
-} from '../../cli/vllm-flags';
+import { applyVllmFlags, expandServedModelName, maxModelLen, parseKvTransferConfig } from '../../cli/vllm-flags';
 
 describe('--kv-transfer-config', () => {
   it('NixlConnector is pull, NixlPushConnector push; kv_role, engine_id and the extra config keys map', () => {
@@ -47,7 +42,11 @@ describe('--kv-transfer-config', () => {
     ['{kv_connector:', 'NIXL_ERR_INVALID_PARAM', /is not JSON/],
     ['[1]', 'NIXL_ERR_INVALID_PARAM', /must be a JSON object/],
     ['{"kv_role":"kv_both"}', 'NIXL_ERR_NOT_SUPPORTED', /kv_connector null is not supported/],
-    ['{"kv_connector":"LMCacheConnectorV1"}', 'NIXL_ERR_NOT_SUPPORTED', /"LMCacheConnectorV1" is not supported.*NixlConnector/],
+    [
+      '{"kv_connector":"LMCacheConnectorV1"}',
+      'NIXL_ERR_NOT_SUPPORTED',
+      /"LMCacheConnectorV1" is not supported.*NixlConnector/,
+    ],
     ['{"kv_connector":"NixlConnector","kv_role":"producer"}', 'NIXL_ERR_INVALID_PARAM', /kv_role must be/],
     ['{"kv_connector":"NixlConnector","kv_rol":"kv_both"}', 'NIXL_ERR_INVALID_PARAM', /unknown field 'kv_rol'/],
     [
@@ -74,26 +73,15 @@ describe('--kv-transfer-config', () => {
 
 describe('the other flags and the environment', () => {
   it('--served-model-name takes several names after one flag, as vLLM does', () => {
-    expect(expandServedModelName(['--served-model-name', 'a', 'b', '--port', '0', '--served-model-name', 'c'])).toEqual([
-      '--served-model-name',
-      'a',
-      '--served-model-name',
-      'b',
-      '--port',
-      '0',
-      '--served-model-name',
-      'c',
-    ]);
+    expect(expandServedModelName(['--served-model-name', 'a', 'b', '--port', '0', '--served-model-name', 'c'])).toEqual(
+      ['--served-model-name', 'a', '--served-model-name', 'b', '--port', '0', '--served-model-name', 'c'],
+    );
   });
 
   it('--max-model-len reads as vLLM reads it and becomes --context-size', () => {
-    expect([maxModelLen('4096'), maxModelLen('4k'), maxModelLen('4K'), maxModelLen('auto'), maxModelLen('-1')]).toEqual([
-      4096,
-      4000,
-      4096,
-      undefined,
-      undefined,
-    ]);
+    expect([maxModelLen('4096'), maxModelLen('4k'), maxModelLen('4K'), maxModelLen('auto'), maxModelLen('-1')]).toEqual(
+      [4096, 4000, 4096, undefined, undefined],
+    );
     expect(() => maxModelLen('lots')).toThrow(expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }));
     const v: Record<string, unknown> = { 'max-model-len': '2K', model: 'x.gguf' };
     expect(applyVllmFlags(v, {}).notes).toEqual([]);
