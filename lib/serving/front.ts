@@ -58,7 +58,10 @@ export interface FrontHandler {
   /** Counts a failed request; the error as the front answers it. */
   failed(e: unknown): HttpError;
   /** GET /metrics: Prometheus text; undefined without prom-client. */
-  readonly metrics?: { scrape(): Promise<{ contentType: string; text: string }> };
+  readonly metrics?: {
+    /** The exposition text and its content type. */
+    scrape(): Promise<{ contentType: string; text: string }>;
+  };
   /** Every name it serves under (vLLM --served-model-name); modelId is the first. */
   readonly servedModelNames?: readonly string[];
 }

@@ -12,7 +12,6 @@ import type { PrefillTracker } from '../kv/prefill';
 import type { KvPuller } from '../kv/puller';
 import type { BlockPool } from './blocks';
 import type { Sink } from './front';
-import type { WorkerStats } from './worker';
 
 type Prom = typeof import('prom-client');
 
@@ -58,10 +57,13 @@ export interface WorkerMetricsView {
   prefixHits(): number;
 }
 
+/** A worker's prefix-cache counts (WorkerStats). */
+type PrefixCounts = { prefixReusedTokens: number; prefillEvaluatedTokens: number };
+
 /** The worker's parts the view reads. */
 function workerView(
   blocks: Pick<BlockPool, 'waiting' | 'available' | 'size'>,
-  stats: Pick<WorkerStats, 'prefixReusedTokens' | 'prefillEvaluatedTokens'>,
+  stats: PrefixCounts,
   active: () => number,
 ): WorkerMetricsView {
   return {
@@ -114,7 +116,7 @@ export class WorkerMetrics {
     puller: KvPuller,
     tracker: PrefillTracker,
     blocks: Pick<BlockPool, 'waiting' | 'available' | 'size'>,
-    stats: Pick<WorkerStats, 'prefixReusedTokens' | 'prefillEvaluatedTokens'>,
+    stats: PrefixCounts,
     active: () => number,
   ): WorkerMetrics | undefined {
     let prom: Prom;

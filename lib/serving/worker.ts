@@ -264,7 +264,7 @@ export class Worker implements FrontHandler {
   fleet?: FleetRegistration;
   /** Bidirectional KV: turns held here and read from elsewhere (bidirectionalKv). */
   readonly turns?: TurnKv;
-  /** GET /metrics: vLLM's Prometheus series and nixl-node's; undefined without prom-client. */
+  /** GET /metrics: vLLM's Prometheus series and nixl-node's; undefined without prom-client. @internal */
   readonly metrics?: WorkerMetrics;
 
   /** A worker around a loaded model (startWorker loads it from the options). */

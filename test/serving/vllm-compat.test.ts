@@ -5,7 +5,7 @@
 // from vLLM's source: vllm/v1/metrics/loggers.py PrometheusStatLogger and the
 // NIXL connector's NixlPromMetrics); answer ids carry OpenAI's prefixes, and
 // the client's X-Request-Id is kept through the proxy.
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -236,5 +236,32 @@ describe("OpenAI's conventions through the proxy", () => {
     const id = ((await plain.json()) as { id: string }).id;
     expect(id).toMatch(/^chatcmpl-[0-9a-f-]{36}$/);
     expect(plain.headers.get('x-request-id')).toBe(id.slice('chatcmpl-'.length));
+  });
+});
+
+describe('without prom-client', () => {
+  it('a worker still serves; its /metrics is a 501 naming the package', () => {
+    // In a process of its own, where requiring prom-client fails as it does when it is not installed.
+    const script = `
+      const Module = require('node:module');
+      const resolve = Module._resolveFilename;
+      Module._resolveFilename = function (name, ...rest) {
+        if (name === 'prom-client') throw Object.assign(new Error('Cannot find module'), { code: 'MODULE_NOT_FOUND' });
+        return resolve.call(this, name, ...rest);
+      };
+      const { startWorker } = require(${JSON.stringify(path.join(ROOT, 'dist/lib/serving'))});
+      (async () => {
+        const w = await startWorker();
+        const m = await fetch(w.address + '/metrics');
+        const c = await fetch(w.address + '/v1/completions', { method: 'POST', body: JSON.stringify({ prompt: 'x', max_tokens: 1 }) });
+        console.log(JSON.stringify({ metrics: m.status, body: await m.json(), completion: c.status }));
+        await w.close();
+      })();`;
+    const r = spawnSync(process.execPath, ['-e', script], { encoding: 'utf8', timeout: 20_000 });
+    expect(JSON.parse(r.stdout), r.stderr).toEqual({
+      metrics: 501,
+      body: { error: { message: expect.stringMatching(/npm install prom-client/), type: 'not_implemented' } },
+      completion: 200,
+    });
   });
 });
