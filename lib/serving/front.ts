@@ -10,6 +10,8 @@ export type Sink = {
   chunk(c: Record<string, unknown>): void;
   /** The whole answer (not streamed), or the end of a stream. */
   end(status: number, body?: Record<string, unknown>): void;
+  /** A piece of the answer's text was made, streamed or not (the metrics time tokens by it). */
+  token?(): void;
 };
 
 /** What a request's front passes besides its body. */
@@ -55,4 +57,11 @@ export interface FrontHandler {
   ): Promise<void>;
   /** Counts a failed request; the error as the front answers it. */
   failed(e: unknown): HttpError;
+  /** GET /metrics: Prometheus text; undefined without prom-client. */
+  readonly metrics?: {
+    /** The exposition text and its content type. */
+    scrape(): Promise<{ contentType: string; text: string }>;
+  };
+  /** Every name it serves under (vLLM --served-model-name); modelId is the first. */
+  readonly servedModelNames?: readonly string[];
 }

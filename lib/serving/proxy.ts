@@ -18,7 +18,8 @@ import { API_ROUTES, PROXY_ROUTES, routeMiss } from './routes';
 import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
 import { HttpError, hasImages, readJson } from './http';
 import { createLimitedServer } from './http-server';
-import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt } from './openai';
+import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt, withClientId } from './openai';
+import { ProxyMetrics } from './proxy-metrics';
 import { NixlError } from '../errors';
 import { checkWorkerAddress } from './addresses';
 import { StageTimeout } from './stage-signal';
@@ -86,16 +87,6 @@ export interface ProxyOptions {
 
 const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
 
-/** prom-client, when installed (an optional peer dependency). */
-type Prom = typeof import('prom-client');
-function loadProm(): Prom | undefined {
-  try {
-    return require('prom-client') as Prom;
-  } catch {
-    return undefined;
-  }
-}
-
 class StageFailure extends Error {
   constructor(
     readonly status: number,
@@ -149,13 +140,9 @@ export class ServingProxy {
   fleet?: FleetDiscovery;
   /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
   readonly #affinity = new Map<string, string>();
-  readonly #prom?: {
-    registry: import('prom-client').Registry;
-    requests: import('prom-client').Counter<string>;
-    stageSeconds: import('prom-client').Histogram<string>;
-    inflight: import('prom-client').Gauge<string>;
-    healthy: import('prom-client').Gauge<string>;
-  };
+  readonly #prom = ProxyMetrics.create();
+  /** The X-Request-Id a client sent, by our request id: its answer's id is made of it. */
+  readonly #clientIds = new Map<string, string>();
 
   constructor(o: ProxyOptions) {
     this.#o = o;
@@ -177,37 +164,6 @@ export class ServingProxy {
       { requestTimeoutMs: o.requestTimeoutMs ?? 30_000, maxConnections: o.maxConnections },
       (req, res) => void this.#onRequest(req, res),
     );
-    const prom = loadProm();
-    if (prom) {
-      const registry = new prom.Registry();
-      this.#prom = {
-        registry,
-        requests: new prom.Counter({
-          name: 'nixl_node_proxy_requests_total',
-          help: 'Requests by route and status',
-          labelNames: ['route', 'status'],
-          registers: [registry],
-        }),
-        stageSeconds: new prom.Histogram({
-          name: 'nixl_node_proxy_stage_seconds',
-          help: 'Time of each stage, to the answer (decode: to the first byte)',
-          labelNames: ['stage', 'outcome'],
-          buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
-          registers: [registry],
-        }),
-        inflight: new prom.Gauge({
-          name: 'nixl_node_proxy_inflight_requests',
-          help: 'Requests in flight',
-          registers: [registry],
-        }),
-        healthy: new prom.Gauge({
-          name: 'nixl_node_proxy_worker_healthy',
-          help: '1 when a worker passes its health check',
-          labelNames: ['stage', 'worker'],
-          registers: [registry],
-        }),
-      };
-    }
     if (o.etcd) this.fleet = new FleetDiscovery(this.pools, kind, o.etcd, this.#prom?.registry, this.#log);
   }
 
@@ -292,9 +248,10 @@ export class ServingProxy {
 
   async #onRequest(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
     const path = (req.url ?? '').split('?')[0];
-    // Our own id goes to the workers; the client's is only a label, given
-    // back as it came (it never reaches a notification, where 'HB:...' or ','
-    // would change what the prefill reads).
+    // Our own id goes to the workers (unique in flight: prefills free holds
+    // by it); the client's is a label, given back as it came in the header
+    // and the answer's id (it never reaches a notification, where 'HB:...'
+    // or ',' would change what the prefill reads).
     const incoming = req.headers['x-request-id'];
     const requestId = randomUUID();
     const label = typeof incoming === 'string' && REQUEST_ID.test(incoming) ? incoming : requestId;
@@ -389,6 +346,8 @@ export class ServingProxy {
       },
     });
     this.#traces.set(requestId, span.context);
+    if (label !== requestId) this.#clientIds.set(requestId, label);
+    this.#prom?.timeAnswer(path, res);
     const key = this.pools.prefill.policy === 'load' ? affinityKey(body, this.#o.routing) : undefined;
     if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
@@ -436,6 +395,7 @@ export class ServingProxy {
       this.#inflight.delete(ac);
       this.#prom?.inflight.dec();
       this.#traces.delete(requestId);
+      this.#clientIds.delete(requestId);
       this.#affinity.delete(requestId);
       span.setAttribute('http.response.status_code', status);
       span.end();
@@ -523,13 +483,14 @@ export class ServingProxy {
       }
     }
     const a = dec.answer;
+    const clientId = this.#clientIds.get(requestId);
     if (!a.chunks) {
-      send(a.status, a.json);
+      send(a.status, withClientId(a.json, clientId));
       return;
     }
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
     try {
-      for await (const c of a.chunks) res.write(`data: ${JSON.stringify(c)}\n\n`);
+      for await (const c of a.chunks) res.write(`data: ${JSON.stringify(withClientId(c, clientId))}\n\n`);
     } catch (e) {
       if (signal.aborted) throw e;
       // Mid-stream: the status line is gone; say so in the stream, then end it.

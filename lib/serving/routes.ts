@@ -15,14 +15,15 @@ const API: Array<[string, readonly string[]]> = [
   [GENERATE_PATH, POST],
   ['/v1/models', GET],
   ['/health', GET],
+  ['/metrics', GET],
 ];
 
 /** The API's POST routes: what the proxy sends on to workers. */
 export const API_ROUTES: ReadonlySet<string> = new Set(API.filter(([, m]) => m === POST).map(([p]) => p));
-/** A worker's routes: the API, and the proxy's KV release. */
+/** A worker's routes: the API, Prometheus' /metrics, and the proxy's KV release. */
 export const WORKER_ROUTES: RouteTable = new Map([...API, ['/v1/kv/release', POST]]);
-/** The proxy's routes: the API, and Prometheus' /metrics. */
-export const PROXY_ROUTES: RouteTable = new Map([...API, ['/metrics', GET]]);
+/** The proxy's routes: the API and Prometheus' /metrics. */
+export const PROXY_ROUTES: RouteTable = new Map(API);
 
 /** What to answer instead of serving, or undefined when `method` serves `path`. */
 export function routeMiss(

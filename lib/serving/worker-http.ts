@@ -53,7 +53,8 @@ async function onRequest(
       ...w.healthInfo(),
     });
   }
-  if (path === '/v1/models') return json(200, modelList([w.modelId]));
+  if (path === '/v1/models') return json(200, modelList(w.servedModelNames ?? [w.modelId]));
+  if (path === '/metrics') return serveMetrics(w, res, json);
   if (path === '/v1/kv/release') {
     try {
       const b = await readJson(req, 4096);
@@ -105,4 +106,16 @@ async function onRequest(
       h instanceof KvBusy ? { 'retry-after': h.retryAfterS } : {},
     );
   }
+}
+
+/** GET /metrics: vLLM's series and nixl-node's (vllm-metrics.ts); 501 naming the package without prom-client. */
+async function serveMetrics(
+  w: FrontHandler,
+  res: http.ServerResponse,
+  json: (status: number, body: unknown) => void,
+): Promise<void> {
+  const m = await w.metrics?.scrape();
+  if (!m) return json(501, errorBody('/metrics needs prom-client: npm install prom-client@15', 'not_implemented'));
+  res.writeHead(200, { 'content-type': m.contentType });
+  res.end(m.text);
 }
