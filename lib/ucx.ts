@@ -81,6 +81,26 @@ export function explainLoadFailure(e: unknown, mode: string | undefined): unknow
   );
 }
 
+/**
+ * Refuses, before loading them, remote ranks that said (nixl-node's v12 key)
+ * they run another ucx_error_handling_mode than this agent: UCX could not
+ * connect the two. Ranks that did not say (vLLM's) pass: a mismatch with them
+ * shows when loading (explainLoadFailure) or not at all on this side.
+ */
+export function checkPeerUcxMode(
+  agent: { engine: string; getBackendParams(backend: string): { params: Record<string, string> } },
+  metas: readonly { engineId: string; nixlNodeUcxErrorHandlingMode?: string }[],
+): void {
+  if (agent.engine !== 'nixl') return;
+  const mine = ucxErrorMode(agent);
+  const theirs = metas.find((m) => m.nixlNodeUcxErrorHandlingMode && m.nixlNodeUcxErrorHandlingMode !== mine);
+  if (mine === undefined || theirs === undefined) return;
+  throw new NixlError(
+    `remote engine '${theirs.engineId}' runs ucx_error_handling_mode ${theirs.nixlNodeUcxErrorHandlingMode}: ${ucxModeHint(mine)}`,
+    'NIXL_ERR_MISMATCH',
+  );
+}
+
 // UCX device names: mlx5_0:1, eth0, bond0.100, ib0; 'all' is UCX's default.
 const NET_DEVICE = /^[A-Za-z0-9_.:-]+$/;
 

@@ -8,7 +8,7 @@
 // fails, the decode as soon as the prefill that failed it is unreachable.
 // Skipped, saying why, without NIXL.
 import { afterEach, describe, expect, it } from 'vitest';
-import { KvPushReceiver, KvPushSender, NixlAgent, allocate, servePrefill, type KvLayout } from '../../lib';
+import { KvPushReceiver, KvPushSender, NixlAgent, allocate, engines, servePrefill, type KvLayout } from '../../lib';
 import type { HandshakeServer } from '../../lib/handshake';
 import { pyPeer, pythonNixlMissing } from './nixl-py-peer';
 import { BLOCKS, BLOCK, PUSH_HASH, REGIONS, fill, quiet, rankLayout } from './push-helpers';
@@ -34,8 +34,12 @@ async function rank(
   name: string,
   engineId: string,
   seed: number,
+  mode?: string,
 ): Promise<{ agent: NixlAgent; layout: KvLayout; server: HandshakeServer }> {
-  const agent = new NixlAgent(name, { engine: 'nixl' });
+  const agent = new NixlAgent(name, {
+    engine: 'nixl',
+    backendParams: mode ? { UCX: { ucx_error_handling_mode: mode } } : undefined,
+  });
   open.push(() => agent.close());
   const mem = allocate(REGIONS * BLOCKS * BLOCK);
   fill(mem, seed);
@@ -121,6 +125,62 @@ describe.skipIf(why !== undefined)('push over UCX TCP with a peer on another ucx
       expect(err?.message).toMatch(/ucx_error_handling_mode cannot connect \(this agent: peer/);
       // Failed once the prefill could not be reached, not at the deadline.
       expect(ms).toBeLessThan(DEADLINE_MS / 2);
+    },
+    2 * DEADLINE_MS,
+  );
+});
+
+describe.skipIf(!engines.includes('nixl'))('push over UCX TCP between nixl-node ranks on different modes', () => {
+  it(
+    'the decode (none) refuses the prefill (peer) at the handshake, naming the setting, before registering',
+    async () => {
+      const p = await rank('mode2-p', 'P', 3);
+      const d = await rank('mode2-d', 'D', 0, 'none');
+      const sender = new KvPushSender({
+        agent: p.agent,
+        layout: p.layout,
+        expectedHash: PUSH_HASH,
+        leaseMs: DEADLINE_MS,
+        logger: quiet,
+      });
+      open.push(() => sender.close());
+      const receiver = new KvPushReceiver({
+        agent: d.agent,
+        layout: d.layout,
+        decodeHost: '127.0.0.1',
+        decodePort: d.server.basePort,
+        expectedHash: PUSH_HASH,
+        kvLeaseMs: DEADLINE_MS,
+        timeoutMs: DEADLINE_MS,
+      });
+      open.push(() => receiver.close());
+      const offered = sender.offer('cmpl-mode2-0a1b2c3d', [1, 2]);
+      const t0 = performance.now();
+      const err = await receiver
+        .receive(
+          {
+            do_remote_prefill: true,
+            remote_engine_id: 'P',
+            remote_request_id: 'cmpl-mode2-0a1b2c3d',
+            remote_host: '127.0.0.1',
+            remote_port: p.server.basePort,
+            tp_size: 1,
+            pp_size: 1,
+          },
+          { requestId: 'cmpl-mode2-0a1b2c3d', localBlockIds: [5, 6] },
+        )
+        .then(
+          () => undefined,
+          (e: Error) => e,
+        );
+      expect(err).toMatchObject({ name: 'PushError', kind: 'mismatch', code: 'NIXL_ERR_MISMATCH' });
+      expect(err?.message).toMatch(/runs ucx_error_handling_mode peer: .*\(this agent: none;/);
+      expect(performance.now() - t0).toBeLessThan(DEADLINE_MS / 2);
+      // Nothing registered: no blocks in quarantine, and the prefill never saw a registration.
+      expect(receiver.resources()).toMatchObject({ receiving: 0, quarantined: 0 });
+      expect(sender.pending.registrations).toBe(0);
+      expect(sender.abort('cmpl-mode2-0a1b2c3d')).toBe(true);
+      expect((await offered).reason).toBe('aborted');
     },
     2 * DEADLINE_MS,
   );
