@@ -34,7 +34,22 @@ export interface AgentOptions {
   listenPort?: number;
   /** @internal Tests: the loopback worker waits this long before each transfer. */
   testDelayUs?: number;
+  /**
+   * Transfers of at most this many bytes are posted on the calling thread,
+   * as NIXL's Python API posts: a copy this small costs less than the hop to
+   * the engine's thread and the completion's way back, and one that finishes
+   * inside the post (UCX's cma on one host, the loopback engine) is DONE when
+   * transfer() returns, with no event to wait for. Larger transfers go through
+   * the engine's thread, so a long copy never blocks the event loop. Only a
+   * transfer with nothing posted before it still queued is posted inline (no
+   * transfer or notification overtakes another). 0 posts every transfer from
+   * the engine's thread. Default 256 KiB (DEFAULT_INLINE_POST_MAX_BYTES).
+   */
+  inlinePostMaxBytes?: number;
 }
+
+/** The default of AgentOptions.inlinePostMaxBytes. */
+export const DEFAULT_INLINE_POST_MAX_BYTES = 256 << 10;
 
 /** How long a wait may take, and what cancels it. */
 export interface WaitOptions {
@@ -138,6 +153,7 @@ export class NixlAgent {
         captureTelemetry: options.captureTelemetry,
         listenPort: options.listenPort,
         testDelayUs: options.testDelayUs,
+        inlinePostMaxBytes: options.inlinePostMaxBytes ?? DEFAULT_INLINE_POST_MAX_BYTES,
       },
       (done, notif) => this.#onEvents(done, notif),
     );
@@ -453,10 +469,11 @@ export class NixlAgent {
       return Promise.reject(e);
     }
     const state = stateOf(s);
-    if (state === 'DONE') return Promise.resolve();
+    if (state === 'DONE') return settledNow();
     if (state === 'ERR') {
       const [st, msg] = s as [number, string];
-      return Promise.reject(NixlError.fromStatus(st, st === -1 ? 'wait: transfer was never posted' : msg));
+      const err = NixlError.fromStatus(st, st === -1 ? 'wait: transfer was never posted' : msg);
+      return settledNow().then(() => Promise.reject(err));
     }
     return new Promise<void>((resolve, reject) => {
       const cleanup = guardWait(opts, reject, () => this.#removeWaiter(handle.id, w), 'transfer');
@@ -657,6 +674,34 @@ export class NixlAgent {
       else i++;
     }
   }
+}
+
+// Transfers that finish inside their post (inlinePostMaxBytes) settle their
+// waits at once, as microtasks: a loop of `transfer(); await wait()` would
+// then never let the event loop turn. So settle at once only while such
+// settlements have run for less than SYNC_SETTLE_BUDGET_MS since the loop last
+// turned; past it, they wait for the next turn (setImmediate) and are released
+// together there. One budget for the process: there is one loop.
+const SYNC_SETTLE_BUDGET_MS = 1;
+let streakStart = -1;
+let deferred: Array<() => void> = [];
+
+function endStreak(): void {
+  streakStart = -1;
+  const d = deferred;
+  deferred = [];
+  for (const release of d) release();
+}
+
+function settledNow(): Promise<void> {
+  const now = performance.now();
+  if (streakStart < 0) {
+    streakStart = now;
+    setImmediate(endStreak);
+  } else if (now - streakStart >= SYNC_SETTLE_BUDGET_MS) {
+    return new Promise<void>((resolve) => deferred.push(resolve));
+  }
+  return Promise.resolve();
 }
 
 function errorOf(status: number | [number, string]): NixlError | undefined {

@@ -13,6 +13,7 @@ export interface NativeAgentOptions {
   captureTelemetry?: boolean;
   listenPort?: number;
   testDelayUs?: number;
+  inlinePostMaxBytes?: number;
 }
 
 /** A finished transfer's telemetry: when it started, how long posting and the transfer took, bytes and descriptors. */
