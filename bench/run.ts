@@ -407,7 +407,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
   }
 
   if (only.includes('layerwise')) {
-    const rounds = quick ? 5 : 15;
+    const rounds = quick ? 15 : 41;
     const sizes = quick
       ? [4 << 10, 64 << 10].map((blockBytes) => ({ blockBytes, blocksPerLayer: 8 }))
       : [4 << 10, 16 << 10, 64 << 10, 256 << 10].map((blockBytes) => ({ blockBytes, blocksPerLayer: 8 }));

@@ -43,13 +43,16 @@ export interface AgentOptions {
    * the engine's thread, so a long copy never blocks the event loop. Only a
    * transfer with nothing posted before it still queued is posted inline (no
    * transfer or notification overtakes another). 0 posts every transfer from
-   * the engine's thread. Default 256 KiB (DEFAULT_INLINE_POST_MAX_BYTES).
+   * the engine's thread. Default 1 MiB (DEFAULT_INLINE_POST_MAX_BYTES). Inline
+   * work (posts and the settling of waits they finished) runs for at most
+   * 1 ms per turn of the event loop: past that, posts go through the
+   * engine's thread until the loop has turned.
    */
   inlinePostMaxBytes?: number;
 }
 
 /** The default of AgentOptions.inlinePostMaxBytes. */
-export const DEFAULT_INLINE_POST_MAX_BYTES = 256 << 10;
+export const DEFAULT_INLINE_POST_MAX_BYTES = 1 << 20;
 
 /** How long a wait may take, and what cancels it. */
 export interface WaitOptions {
@@ -419,7 +422,7 @@ export class NixlAgent {
       const s = this.#native.getXferStatus(handle.id);
       if (stateOf(s) !== 'PROC') this.#settle(handle.id, errorOf(s));
     }
-    return stateOf(this.#native.postXferReq(handle.id, notifMsg));
+    return stateOf(this.#native.postXferReq(handle.id, notifMsg, inlineBudgetLeft()));
   }
 
   /** A posted transfer's state (NIXL check_xfer_state); throws if it was never posted. */
@@ -442,7 +445,8 @@ export class NixlAgent {
   /** Releases a transfer request; a wait on it rejects with NIXL_ERR_CANCELED. */
   releaseXferHandle(handle: XferHandle): void {
     this.#native.releaseXferReq(handle.id);
-    this.#settle(handle.id, new NixlError('transfer handle was released', 'NIXL_ERR_CANCELED'));
+    if (this.#waiters.has(handle.id))
+      this.#settle(handle.id, new NixlError('transfer handle was released', 'NIXL_ERR_CANCELED'));
   }
 
   /** Releases a prepared descriptor list (NIXL release_dlist_handle). */
@@ -676,32 +680,40 @@ export class NixlAgent {
   }
 }
 
-// Transfers that finish inside their post (inlinePostMaxBytes) settle their
-// waits at once, as microtasks: a loop of `transfer(); await wait()` would
-// then never let the event loop turn. So settle at once only while such
-// settlements have run for less than SYNC_SETTLE_BUDGET_MS since the loop last
-// turned; past it, they wait for the next turn (setImmediate) and are released
-// together there. One budget for the process: there is one loop.
-const SYNC_SETTLE_BUDGET_MS = 1;
-let streakStart = -1;
+// Work done inline on the event loop's thread is bounded per turn of the
+// loop. Transfers posted inline (inlinePostMaxBytes) copy on this thread, and
+// their waits settle at once, as microtasks: a loop of `transfer(); await
+// wait()` would never let the event loop turn, and a burst of posts would
+// hold it for all their copies. So both happen inline only while such work
+// has run for less than TURN_BUDGET_MS since the first of it in this turn;
+// past it, posts go through the engine's thread and settlements wait for the
+// next turn (setImmediate), released together there. One budget for the
+// process: there is one loop.
+const TURN_BUDGET_MS = 1;
+let turnStart = -1;
 let deferred: Array<() => void> = [];
 
-function endStreak(): void {
-  streakStart = -1;
+function endTurn(): void {
+  turnStart = -1;
   const d = deferred;
   deferred = [];
   for (const release of d) release();
 }
 
-function settledNow(): Promise<void> {
+/** Whether this turn of the loop may still do inline work. */
+function inlineBudgetLeft(): boolean {
   const now = performance.now();
-  if (streakStart < 0) {
-    streakStart = now;
-    setImmediate(endStreak);
-  } else if (now - streakStart >= SYNC_SETTLE_BUDGET_MS) {
-    return new Promise<void>((resolve) => deferred.push(resolve));
+  if (turnStart < 0) {
+    turnStart = now;
+    setImmediate(endTurn);
+    return true;
   }
-  return Promise.resolve();
+  return now - turnStart < TURN_BUDGET_MS;
+}
+
+function settledNow(): Promise<void> {
+  if (inlineBudgetLeft()) return Promise.resolve();
+  return new Promise<void>((resolve) => deferred.push(resolve));
 }
 
 function errorOf(status: number | [number, string]): NixlError | undefined {

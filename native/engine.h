@@ -139,10 +139,11 @@ class Engine {
                                const std::vector<Desc>& remote, MemType remoteType, const std::string& remoteAgent,
                                const std::string* notif) = 0;
   // notif: nullptr keeps the request's message; otherwise replaces it.
+  // mayInline: false sends it through the engine's thread whatever its size.
   // IN_PROG: onComplete follows, once, for this posting. SUCCESS or an error
   // status (its message from getXferStatus): the transfer finished inside the
   // call (posted inline, see EngineConfig::inlineMaxBytes) and nothing follows.
-  virtual int postXferReq(Handle req, const std::string* notif) = 0;
+  virtual int postXferReq(Handle req, const std::string* notif, bool mayInline = true) = 0;
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
   virtual void releaseXferReq(Handle req) = 0;
   virtual Telemetry getXferTelemetry(Handle req) = 0;

@@ -414,13 +414,15 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     return Napi::Number::New(env, h);
   }
 
-  // -> IN_PROG (a completion event follows), or the final status of a
-  // transfer that finished inside the post (no event follows).
+  // postXferReq(handle, notif?, mayInline?) -> IN_PROG (a completion event
+  // follows), or the final status of a transfer that finished inside the post
+  // (no event follows).
   Napi::Value PostXferReq(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     Handle h = args::handle(env, info[0], "transfer handle");
     auto notif = args::optBlob(env, info[1], "notification message");
-    int s = E(env).postXferReq(h, notif ? &*notif : nullptr);
+    bool mayInline = args::optBoolean(env, info[2], "mayInline").value_or(true);
+    int s = E(env).postXferReq(h, notif ? &*notif : nullptr, mayInline);
     if (s == IN_PROG) {
       ++inflight_;
       UpdateRef(env);

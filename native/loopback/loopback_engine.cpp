@@ -387,7 +387,7 @@ class LoopbackEngine final : public Engine {
     return newRequest(op, R.remote, std::move(L.entries), std::move(R.entries), notif);
   }
 
-  int postXferReq(Handle h, const std::string* notif) override {
+  int postXferReq(Handle h, const std::string* notif, bool mayInline) override {
     checkOpen();
     RequestP req = lookup(requests_, h, "postXferReq", "transfer handle");
     if (req->status.load() == IN_PROG)
@@ -406,7 +406,7 @@ class LoopbackEngine final : public Engine {
     req->tel = Telemetry{nowEpochUs(), 0, 0, req->totalBytes, req->local.size()};
     req->postedAt = t0;
     req->status.store(IN_PROG);
-    if (postInline(*req)) {
+    if (mayInline && postInline(*req)) {
       // A small copy costs less than the worker's wake-up and the completion's
       // way back: run it here, as NIXL's UCX cma does inside postXferReq. Only
       // when the worker has nothing queued or running, so no transfer or

@@ -407,7 +407,7 @@ class NixlEngine final : public Engine {
     return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent], bytes);
   }
 
-  int postXferReq(Handle h, const std::string* notif) override {
+  int postXferReq(Handle h, const std::string* notif, bool mayInline) override {
     checkOpen();
     RequestP req = find(h);
     if (req->status.load() == IN_PROG)
@@ -423,8 +423,8 @@ class NixlEngine final : public Engine {
       // overtakes one posted before it): post it here, as NIXL's Python API
       // does. UCX's cma finishes a one-host transfer inside postXferReq, so
       // most return done, with no hop to the poller and none back.
-      bool inlinePost =
-          req->totalBytes <= cfg_.inlineMaxBytes && cfg_.inlineMaxBytes > 0 && toPost_.empty() && !posting_;
+      bool inlinePost = mayInline && req->totalBytes <= cfg_.inlineMaxBytes && cfg_.inlineMaxBytes > 0 &&
+                        toPost_.empty() && !posting_;
       if (!inlinePost) {
         if (notif) {
           req->hasNotif = true;

@@ -12,6 +12,8 @@ function agent(name: string, opts = {}): NixlAgent {
   return a;
 }
 let peer: Peer | undefined;
+/** A fresh turn of the event loop: its inline budget (1 ms of inline work per turn) is whole again. */
+const freshTurn = () => new Promise<void>((r) => setImmediate(r));
 afterEach(async () => {
   for (const a of open.splice(0)) a.close();
   if (peer && peer.proc.exitCode === null) peer.kill();
@@ -37,12 +39,14 @@ describe('inline posting (loopback engine)', () => {
     const size = 2 * DEFAULT_INLINE_POST_MAX_BYTES;
     const { a, local, remote } = pair(size);
     const small = a.initializeXfer('READ', local.subarray(0, 4096), remote.subarray(0, 4096), 'inl-b');
+    await freshTurn();
     expect(a.transfer(small)).toBe('DONE');
     expect(a.checkXferState(small)).toBe('DONE');
     expect(checkPattern(local.subarray(0, 4096), 7)).toBe(true);
     await a.wait(small); // settles with no event to wait for
     // a re-post of it finishes inline too, each posting its own
     local.fill(0, 0, 4096);
+    await freshTurn();
     expect(a.transfer(small)).toBe('DONE');
     expect(checkPattern(local.subarray(0, 4096), 7)).toBe(true);
     a.releaseXferHandle(small);
@@ -52,6 +56,7 @@ describe('inline posting (loopback engine)', () => {
       remote.subarray(0, DEFAULT_INLINE_POST_MAX_BYTES),
       'inl-b',
     );
+    await freshTurn();
     expect(a.transfer(limit)).toBe('DONE');
     a.releaseXferHandle(limit);
     local.fill(0);
@@ -60,6 +65,20 @@ describe('inline posting (loopback engine)', () => {
     await a.wait(large, { timeoutMs: 10_000 });
     expect(checkPattern(local, 7)).toBe(true);
     a.releaseXferHandle(large);
+  });
+
+  it('past 1 ms of inline work in one turn of the loop, posts go through the engine thread until it turns', async () => {
+    const { a, local, remote } = pair(4096);
+    const h = a.initializeXfer('READ', local, remote, 'inl-b');
+    await freshTurn();
+    expect(a.transfer(h)).toBe('DONE');
+    const until = performance.now() + 2;
+    while (performance.now() < until) {} // this turn's budget spent
+    expect(a.transfer(h)).toBe('PROC');
+    await a.wait(h, { timeoutMs: 10_000 });
+    await freshTurn();
+    expect(a.transfer(h)).toBe('DONE');
+    a.releaseXferHandle(h);
   });
 
   it('inlinePostMaxBytes: 0 posts every transfer through the engine thread', async () => {
@@ -95,6 +114,7 @@ describe('inline posting (loopback engine)', () => {
       expect(got).toEqual(['first', 'second']);
     }
     // Idle again: the small one goes inline.
+    await freshTurn();
     expect(a.transfer(small)).toBe('DONE');
     expect((await b.waitForNotif({ agent: 'inl-a' }, { timeoutMs: 10_000 })).msg.toString()).toBe('second');
   });
@@ -113,10 +133,12 @@ describe('inline posting (loopback engine)', () => {
     });
     a.addRemoteAgent(Buffer.from(init.md));
     const h = a.initializeXfer('READ', mem.subarray(0, 4096), DescList.from([{ addr: init.addr, len: 4096 }]), 'child');
+    await freshTurn();
     expect(a.transfer(h)).toBe('DONE');
     expect(checkPattern(mem.subarray(0, 4096), 2)).toBe(true);
     peer.kill();
     await peer.exit();
+    await freshTurn();
     expect(a.transfer(h)).toBe('ERR');
     expect(a.getXferError(h)?.code).toBe('NIXL_ERR_REMOTE_DISCONNECT');
     await expect(a.wait(h)).rejects.toMatchObject({ code: 'NIXL_ERR_REMOTE_DISCONNECT' });
@@ -126,6 +148,7 @@ describe('inline posting (loopback engine)', () => {
   it('telemetry of an inline transfer: its post took the whole transfer', async () => {
     const { a, local, remote } = pair(4096, { captureTelemetry: true });
     const h = a.initializeXfer('WRITE', local, remote, 'inl-b');
+    await freshTurn();
     expect(a.transfer(h)).toBe('DONE');
     const t = a.getXferTelemetry(h);
     expect(t.totalBytes).toBe(4096);
