@@ -43,7 +43,7 @@ export interface AgentOptions {
    * the engine's thread, so a long copy never blocks the event loop. Only a
    * transfer with nothing posted before it still queued is posted inline (no
    * transfer or notification overtakes another). 0 posts every transfer from
-   * the engine's thread. Default 1 MiB (DEFAULT_INLINE_POST_MAX_BYTES). Inline
+   * the engine's thread. Default 1 MiB. Inline
    * work (posts and the settling of waits they finished) runs for at most
    * 1 ms per turn of the event loop: past that, posts go through the
    * engine's thread until the loop has turned.
@@ -51,7 +51,7 @@ export interface AgentOptions {
   inlinePostMaxBytes?: number;
 }
 
-/** The default of AgentOptions.inlinePostMaxBytes. */
+/** @internal The default of AgentOptions.inlinePostMaxBytes. */
 export const DEFAULT_INLINE_POST_MAX_BYTES = 1 << 20;
 
 /** How long a wait may take, and what cancels it. */

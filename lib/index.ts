@@ -1,14 +1,7 @@
 // nixl-node: the Agent API, and the names most programs need from the side
 // channels, the KV path and serving. The rest of each is on its subpath:
 // nixl-node/handshake, nixl-node/kv, nixl-node/serving.
-export {
-  NixlAgent,
-  RegisteredMemory,
-  DlistHandle,
-  XferHandle,
-  engines,
-  DEFAULT_INLINE_POST_MAX_BYTES,
-} from './agent';
+export { NixlAgent, RegisteredMemory, DlistHandle, XferHandle, engines } from './agent';
 export type {
   AgentOptions,
   BackendParams,

@@ -2,7 +2,8 @@
 // DONE when transfer() returns, no overtaking of what was posted before them,
 // failures reported by the post itself, and never at the event loop's cost.
 import { afterEach, describe, expect, it } from 'vitest';
-import { DEFAULT_INLINE_POST_MAX_BYTES, DescList, NixlAgent, allocate } from '../../lib';
+import { DescList, NixlAgent, allocate } from '../../lib';
+import { DEFAULT_INLINE_POST_MAX_BYTES } from '../../lib/agent';
 import { Peer, checkPattern, pattern } from '../helpers';
 
 const open: NixlAgent[] = [];
