@@ -41,6 +41,8 @@ Usage: nixl-node worker [options]
   --host H             interface (default 127.0.0.1)
   --port P             HTTP port (default 0: any free port)
   --zmq-addr A         zmq: PULL address to bind (default tcp://<host>:<any port>)
+  --metrics-port P     an HTTP port of its own on --host for GET /metrics and /health (0: any free port;
+                       default none): how a zmq worker is scraped; an http worker serves both on --port too
   --side-channel-port P  port of its prefill side channel (default 0: any free port)
   --blocks N           KV cache blocks (default 512)
   --lease-ms N         how long a prefill holds KV nobody read (default: the wire profile's, 30 s)
@@ -81,6 +83,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       host: { type: 'string' },
       port: { type: 'string' },
       'zmq-addr': { type: 'string' },
+      'metrics-port': { type: 'string' },
       blocks: { type: 'string' },
       'lease-ms': { type: 'string' },
       'kv-wait-ms': { type: 'string' },
@@ -134,6 +137,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
     host: v.host as string | undefined,
     port: port(v, 0),
     zmqAddr: v['zmq-addr'] as string | undefined,
+    metricsPort: v['metrics-port'] === undefined ? undefined : portNumber(String(v['metrics-port']), 'metrics-port'),
     blocks: positiveInt(v, 'blocks', 512, 1 << 20),
     leaseMs: v['lease-ms'] === undefined ? undefined : positiveInt(v, 'lease-ms', 30_000, 86_400_000),
     kvWaitMs: v['kv-wait-ms'] === undefined ? undefined : integer(String(v['kv-wait-ms']), 'kv-wait-ms'),
@@ -172,7 +176,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
     },
     logger: log,
   }).catch((e) => {
-    throw inUse(e, '--host, --port, --side-channel-port or --zmq-addr');
+    throw inUse(e, '--host, --port, --side-channel-port, --zmq-addr or --metrics-port');
   });
   if (!process.env.NIXL_NODE_ENGINE && !engines.includes('nixl'))
     log.info({ engine: 'loopback' }, 'NIXL is not compiled in: the loopback engine moves KV on this host only');
@@ -182,7 +186,8 @@ export async function workerCommand(argv: string[]): Promise<void> {
   process.on('SIGUSR2', () => console.log(JSON.stringify({ stats: w.stats, freeBlocks: w.freeBlocks })));
   // `name` is the logger's (nixl-node-worker): the worker's own name goes under `worker`.
   const fleet = w.fleet && { etcd: w.fleet.key, etcd_registered: w.fleet.registered };
-  log.info({ worker: w.name, address: w.address, model: w.modelId, ...fleet }, 'worker ready');
+  const metrics = w.metricsUrl && { metrics_url: w.metricsUrl };
+  log.info({ worker: w.name, address: w.address, model: w.modelId, ...metrics, ...fleet }, 'worker ready');
   console.log(
     JSON.stringify({
       ready: true,
@@ -190,6 +195,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       address: w.address,
       model: w.modelId,
       served_model_names: w.servedModelNames,
+      ...metrics,
       ...fleet,
     }),
   );

@@ -364,20 +364,21 @@ export class KvPushSender {
             );
           const { local, remote } = this.#blockIds(engine, o, r.reg.localBlockIds[0]);
           this.#checkTime(o, r);
-          const h = this.#o.agent.makePreppedXfer(
-            'WRITE',
-            this.#local.get(p.read),
-            blockDescIds(regionCounts(p.read.local.length, this.#o.layout.numBlocks), local),
-            p.rank.dlist,
-            blockDescIds(p.rank.counts, remote),
-            r.reg.confirm ? undefined : notif,
+          const t0 = performance.now();
+          const localDescs = blockDescIds(regionCounts(p.read.local.length, this.#o.layout.numBlocks), local);
+          const x = this.#post(posted, name, () =>
+            this.#o.agent.makePreppedXfer(
+              'WRITE',
+              this.#local.get(p.read),
+              localDescs,
+              p.rank.dlist,
+              blockDescIds(p.rank.counts, remote),
+              r.reg.confirm ? undefined : notif,
+            ),
           );
-          const x: Posted = { h, to: name, done: Promise.resolve() };
-          posted.push(x);
-          this.#handles.add(h);
-          this.#o.agent.transfer(h);
-          x.done = this.#written(o, h, r.reg.confirm ? name : undefined, notif);
-          bytes += p.blockBytes * local.length;
+          const size = { bytes: p.blockBytes * local.length, descriptors: localDescs.length };
+          x.done = this.#timed(this.#written(o, x.h, r.reg.confirm ? name : undefined, notif), t0, size);
+          bytes += size.bytes;
         }
         if (!targets.size) break;
         await this.#nextReg(o, first, [...targets.keys()]);
@@ -426,6 +427,38 @@ export class KvPushSender {
         }
       }
     }
+  }
+
+  /**
+   * Makes and posts one WRITE. WRITEs are counted in the transfer stats
+   * (transferStats), as vLLM's push prefill counts them (the side that posts
+   * a transfer records it): one that fails to post or to complete is a failed
+   * transfer; one done, its post time, time to completion, bytes, descriptors.
+   */
+  #post(posted: Posted[], to: string, make: () => XferHandle): Posted {
+    try {
+      const x: Posted = { h: make(), to, done: Promise.resolve() };
+      posted.push(x);
+      this.#handles.add(x.h);
+      this.#o.agent.transfer(x.h);
+      return x;
+    } catch (e) {
+      this.#o.transferStats?.recordFailedTransfer();
+      throw e;
+    }
+  }
+
+  /** The WRITE posted at t0 (see #post) ending in `done`: counted, its post time being until now. */
+  async #timed(done: Promise<void>, t0: number, size: { bytes: number; descriptors: number }): Promise<void> {
+    const stats = this.#o.transferStats;
+    const postMs = performance.now() - t0;
+    try {
+      await done;
+    } catch (e) {
+      stats?.recordFailedTransfer();
+      throw e;
+    }
+    stats?.recordTransfer(size.bytes, size.descriptors, postMs, performance.now() - t0 - postMs);
   }
 
   /** One WRITE done; a nixl-node rank (confirm) is told only now, while the blocks are still held. */

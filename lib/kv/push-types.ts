@@ -6,6 +6,7 @@ import type { WireName, WireProfile } from '../handshake/model';
 import type { HandshakeLogger, HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../handshake/types';
 import type { TraceContext } from '../tracing';
 import type { KvLayout } from './layout';
+import type { KvStats } from './stats';
 import type { PullLimits } from './limits';
 import type { PushRegLimits } from './push-reg';
 
@@ -113,6 +114,12 @@ export interface KvPushSenderOptions {
   tls?: TlsClientOptions;
   bearerToken?: string;
   logger?: HandshakeLogger;
+  /**
+   * Where each WRITE is counted (post and transfer time, bytes, descriptors,
+   * failures): vLLM's push prefill records its WRITEs in its NIXL transfer
+   * stats (the vllm:nixl_* series), the side that posts a transfer records it.
+   */
+  transferStats?: KvStats;
 }
 
 /** How an offered request ended: written, lease over, aborted, or its push failed (not retried). */

@@ -36,6 +36,10 @@ export interface FrontHandler {
     max_model_len?: number;
     free_blocks: number;
     num_requests_waiting: number;
+    /** Every name it serves (vLLM --served-model-name): the proxy routes a request for any of them here. */
+    served_model_names?: string[];
+    /** Where its metrics listener serves /metrics and /health, when it has one (--metrics-port). */
+    metrics_url?: string;
   };
   /** Why the worker cannot serve right now (its model cannot make a context), or undefined. */
   unhealthy(): string | undefined;

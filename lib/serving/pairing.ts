@@ -11,7 +11,12 @@ export function sameModel(a: string | undefined, b: string | undefined): boolean
 
 /** Whether a worker serves `model` (a request that names none takes any). */
 export function serves(w: WorkerRef, model: string | undefined): boolean {
-  return model === undefined || sameModel(w.model, model);
+  return model === undefined || w.model === undefined || namesOf(w).includes(model);
+}
+
+/** Every name a worker serves under, as far as the proxy knows (none when it does not know its model). */
+export function namesOf(w: WorkerRef): readonly string[] {
+  return w.models ?? (w.model === undefined ? [] : [w.model]);
 }
 
 /** A healthy decode worker pairs with this prefill (and serves `model`). */
@@ -21,7 +26,7 @@ export function hasDecodeFor(pre: WorkerRef, decode: WorkerPool, model?: string)
 
 /** The models the healthy decode workers say they serve. */
 export function servedModels(decode: WorkerPool): string[] {
-  return [...new Set(decode.workers.filter((w) => w.healthy && w.model).map((w) => w.model!))];
+  return [...new Set(decode.workers.filter((w) => w.healthy).flatMap(namesOf))];
 }
 
 /**

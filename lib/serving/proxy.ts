@@ -24,7 +24,7 @@ import { NixlError } from '../errors';
 import { checkWorkerAddress } from './addresses';
 import { StageTimeout } from './stage-signal';
 import { type Logger, silentLogger } from './log';
-import { hasDecodeFor, modelMismatch, sameModel, servedModels, serves } from './pairing';
+import { hasDecodeFor, modelMismatch, namesOf, sameModel, servedModels, serves } from './pairing';
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 import { type RoutingOptions, affinityKey } from './fleet/routing';
 import { newTransferId, pushPrefillAndDecode, pushPrefillParams } from './push-proxy';
@@ -232,7 +232,7 @@ export class ServingProxy {
     const model = typeof body.model === 'string' ? body.model : undefined;
     const all = this.pools.decode.workers;
     if (model !== undefined && !all.some((w) => serves(w, model)))
-      throw new ModelNotFound(model, [...new Set(all.filter((w) => w.model).map((w) => w.model!))]);
+      throw new ModelNotFound(model, [...new Set(all.flatMap(namesOf))]);
     const decodes = all.filter((w) => w.healthy && serves(w, model));
     const max = body.max_tokens ?? body.max_completion_tokens;
     if (typeof max !== 'number' || decodes.length === 0 || decodes.some((w) => !w.maxModelLen)) return;
@@ -296,7 +296,7 @@ export class ServingProxy {
     if (req.method === 'GET' && path === '/v1/models') {
       // What the healthy decode workers serve, as their health answers said.
       const data = servedModels(this.pools.decode).map((id) => {
-        const len = this.pools.decode.workers.find((w) => w.model === id && w.maxModelLen)?.maxModelLen;
+        const len = this.pools.decode.workers.find((w) => namesOf(w).includes(id) && w.maxModelLen)?.maxModelLen;
         return { id, object: 'model', owned_by: 'nixl-node', ...(len ? { max_model_len: len } : {}) };
       });
       return send(200, { object: 'list', data });

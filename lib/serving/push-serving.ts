@@ -9,6 +9,7 @@ import type { NixlAgent } from '../agent';
 import type { WireName } from '../handshake/model';
 import { buildKvTransferParams } from '../handshake/wire';
 import type { KvLayout } from '../kv/layout';
+import type { KvStats } from '../kv/stats';
 import { KvPushReceiver } from '../kv/push-decode';
 import { KvPushSender, type PushSent } from '../kv/push-prefill';
 import { baseRequestId, isNotifId, parsePushParams, type PushParams } from '../kv/push-reg';
@@ -32,6 +33,8 @@ export interface PushServingOptions {
   /** A decode's deadline for every WRITE, ms (default 30 s). */
   receiveTimeoutMs?: number;
   secret?: string;
+  /** Where the prefill's WRITEs are counted (the worker's transfer stats, behind vllm:nixl_*). */
+  transferStats?: KvStats;
 }
 
 /** A push worker's side-channel hash: the model's, marked push (a pull peer is refused at the handshake). */
@@ -66,7 +69,12 @@ export class PushServing {
       kvLeaseMs: o.leaseMs,
       timeoutMs: o.receiveTimeoutMs ?? 30_000,
     });
-    this.sender = new KvPushSender({ ...common, leaseMs: o.leaseMs, logger: { warn() {} } as never });
+    this.sender = new KvPushSender({
+      ...common,
+      leaseMs: o.leaseMs,
+      logger: { warn() {} } as never,
+      transferStats: o.transferStats,
+    });
   }
 
   /**

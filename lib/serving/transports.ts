@@ -451,9 +451,18 @@ function parseObject(text: string): Record<string, unknown> | undefined {
 /** What a nixl-node worker's health answer says of its model: its name and context size. */
 function healthFields(w: WorkerRef, h: Record<string, unknown> | undefined): void {
   if (typeof h?.model === 'string' && h.model.length <= 256) w.model = h.model;
+  w.models = servedNames(h, w.model) ?? w.models;
   const len = h?.max_model_len;
   if (Number.isSafeInteger(len) && (len as number) > 0) w.maxModelLen = len as number;
   w.push = pushFields(h);
+}
+
+/** The names a health answer lists (served_model_names), model first; undefined when it lists none that fit. */
+function servedNames(h: Record<string, unknown> | undefined, model: string | undefined): string[] | undefined {
+  const names = h?.served_model_names;
+  if (model === undefined || !Array.isArray(names) || names.length > 64) return undefined;
+  const ok = names.filter((n): n is string => typeof n === 'string' && n.length > 0 && n.length <= 256);
+  return [...new Set([model, ...ok])];
 }
 
 /** A push worker's KV coordinates from its health answer, or undefined. */

@@ -9,6 +9,7 @@ import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
 import { createLimitedServer } from './http-server';
+import { healthAnswer, sendMetrics } from './metrics-port';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
 import { WORKER_ROUTES, routeMiss } from './routes';
 
@@ -46,15 +47,11 @@ async function onRequest(
   const miss = routeMiss(WORKER_ROUTES, req.method, path);
   if (miss) return json(miss.status, miss.body, miss.headers);
   if (path === '/health') {
-    const sick = w.unhealthy();
-    return json(sick ? 503 : 200, {
-      status: sick ? 'unavailable' : 'ok',
-      ...(sick ? { reason: sick } : {}),
-      ...w.healthInfo(),
-    });
+    const h = healthAnswer(w);
+    return json(h.status, h.body);
   }
   if (path === '/v1/models') return json(200, modelList(w.servedModelNames ?? [w.modelId]));
-  if (path === '/metrics') return serveMetrics(w, res, json);
+  if (path === '/metrics') return sendMetrics(w, res, json);
   if (path === '/v1/kv/release') {
     try {
       const b = await readJson(req, 4096);
@@ -106,16 +103,4 @@ async function onRequest(
       h instanceof KvBusy ? { 'retry-after': h.retryAfterS } : {},
     );
   }
-}
-
-/** GET /metrics: vLLM's series and nixl-node's (vllm-metrics.ts); 501 naming the package without prom-client. */
-async function serveMetrics(
-  w: FrontHandler,
-  res: http.ServerResponse,
-  json: (status: number, body: unknown) => void,
-): Promise<void> {
-  const m = await w.metrics?.scrape();
-  if (!m) return json(501, errorBody('/metrics needs prom-client: npm install prom-client@15', 'not_implemented'));
-  res.writeHead(200, { 'content-type': m.contentType });
-  res.end(m.text);
 }

@@ -14,6 +14,8 @@ export interface WorkerRef {
   failures: number;
   /** The model it serves, when its health answer said (nixl-node workers do). */
   model?: string;
+  /** Every name it serves (model first; vLLM --served-model-name), when its health answer or record said. */
+  models?: string[];
   /** Tokens of its model's context (prompt and answer), when its health answer said. */
   maxModelLen?: number;
   /** Its name in etcd, when the fleet brought it (not the command line). */

@@ -59,6 +59,7 @@ import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
 import { DEFAULT_REUSE_HANDSHAKE_MS, type HeldTurn, type Reuse, TurnKv } from './turns';
 import { type KvMode, PushServing, pushBinding, pushHash } from './push-serving';
 import { WorkerMetrics } from './vllm-metrics';
+import { MetricsPort } from './metrics-port';
 
 /** Options of a worker. */
 /** kvWaitMs, kvQueueMax: how long and how many requests wait for KV blocks when the cache is full (blocks.ts). */
@@ -75,6 +76,8 @@ export interface WorkerOptions extends BlockQueueOptions {
   port?: number;
   /** ZMQ: the PULL address to bind (tcp://host:port, tcp://127.0.0.1:0 for any port, or ipc://path). */
   zmqAddr?: string;
+  /** An HTTP port of its own for GET /metrics and /health, on host (0: any free port; default: none). */
+  metricsPort?: number;
   /** Side channel of this worker's prefill KV (default: host, any free port). */
   sideChannelPort?: number;
   /** KV cache blocks (default 512). */
@@ -259,6 +262,7 @@ export class Worker implements FrontHandler {
   #push?: PushServing;
   #http?: http.Server;
   #zmq?: ZmqFront;
+  #metricsPort?: MetricsPort;
   #seq = 0;
   #closed = false;
   /** Requests in progress (what it reports as its load). */
@@ -357,6 +361,11 @@ export class Worker implements FrontHandler {
     return this.servedModelNames[0];
   }
 
+  /** Where its metrics listener serves /metrics and /health (metricsPort), or undefined. */
+  get metricsUrl(): string | undefined {
+    return this.#metricsPort?.url;
+  }
+
   /** Every name it answers to. */
   get servedModelNames(): readonly string[] {
     return this.#o.servedModelNames?.length ? this.#o.servedModelNames : [this.model.id];
@@ -371,6 +380,8 @@ export class Worker implements FrontHandler {
       ...(len ? { max_model_len: len } : {}),
       free_blocks: this.freeBlocks,
       num_requests_waiting: this.#blocks.waiting,
+      served_model_names: [...this.servedModelNames],
+      ...(this.metricsUrl ? { metrics_url: this.metricsUrl } : {}),
       ...this.#kvInfo(),
       ...this.fleet?.health(),
     };
@@ -464,6 +475,7 @@ export class Worker implements FrontHandler {
         leaseMs: this.#o.leaseMs,
         receiveTimeoutMs: this.#o.pushTimeoutMs,
         secret: this.#secret,
+        transferStats: this.#puller.stats,
       });
     const maxBodyBytes = this.#o.maxBodyBytes ?? 1 << 20;
     if ((this.#o.transport ?? 'http') === 'http') {
@@ -479,6 +491,7 @@ export class Worker implements FrontHandler {
       this.#zmq = await ZmqFront.bind(this, this.#o.zmqAddr ?? `tcp://${host}:*`, maxBodyBytes);
       this.address = this.#zmq.address;
     }
+    this.#metricsPort = await MetricsPort.open(this, host, this.#o);
     if (this.#o.etcd) this.fleet = await new FleetRegistration(this.#fleetView(), this.#o.etcd, this.#o.logger).join();
     return this;
   }
@@ -491,6 +504,7 @@ export class Worker implements FrontHandler {
       address: w.address,
       transport: w.#o.transport ?? 'http',
       modelId: w.modelId,
+      servedModelNames: w.servedModelNames,
       get freeBlocks() {
         return w.freeBlocks;
       },
@@ -996,6 +1010,7 @@ export class Worker implements FrontHandler {
       this.#http.closeAllConnections();
       await new Promise((r) => this.#http!.close(r));
     }
+    await this.#metricsPort?.close();
     await this.#side?.close();
     await this.#push?.close();
     await this.#puller.close();

@@ -130,6 +130,27 @@ describe.skipIf(ETCD_MISSING !== '')(`fleet through etcd${ETCD_MISSING}`, () => 
     await Promise.all([first[0].close(), first[1].close()]);
   });
 
+  it("a worker's aliases come with its record: a request for any of them is routed, before any health check", async () => {
+    const p = '/aliases/';
+    const names = ['acme/llm-7b', 'acme-llm'];
+    const w = await startWorker({
+      blocks: 64,
+      servedModelNames: names,
+      etcd: { endpoints: [etcd.url], prefix: p, role: 'both', ttlSec: TTL, drainMs: 3000, log },
+    });
+    // No health round: what the proxy knows of the worker's names is its record's.
+    const proxy = await proxyFor(p, { healthIntervalMs: 0 });
+    expect(proxy.pools.decode.workers[0]).toMatchObject({ model: names[0], models: names });
+    const r = await fetch(`${proxy.url}/v1/completions`, {
+      method: 'POST',
+      body: JSON.stringify({ model: 'acme-llm', prompt: 'by its other name', max_tokens: 2 }),
+    });
+    expect(r.status).toBe(200);
+    expect(((await r.json()) as { model: string }).model).toBe('acme-llm');
+    await proxy.close();
+    await w.close();
+  });
+
   it('a worker that dies (no leave) vanishes when its lease ends; the static flags work with etcd', async () => {
     const p = '/crash/';
     const stat = await startWorker({ blocks: 64 });

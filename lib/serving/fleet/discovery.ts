@@ -189,6 +189,7 @@ export class FleetDiscovery {
       }
       if (w.fleet !== undefined) w.reported = { load: r.load, freeBlocks: r.freeBlocks, totalBlocks: r.totalBlocks };
       w.model ??= r.model;
+      if (w.model === r.model && r.servedModelNames) w.models ??= r.servedModelNames;
     }
   }
 

@@ -14,6 +14,12 @@ export interface WorkerRecord {
   name: string;
   role: FleetRole;
   model: string;
+  /**
+   * Every name it serves (vLLM --served-model-name), model first; absent when
+   * it has no aliases, or when they would not fit the record (its /health
+   * still lists them).
+   */
+  servedModelNames?: string[];
   /** HTTP base URL, or ZeroMQ address. */
   address: string;
   transport: 'http' | 'zmq';
@@ -27,6 +33,20 @@ export interface WorkerRecord {
 /** The largest value a proxy reads; anything longer is ignored unread. */
 export const MAX_RECORD_BYTES = 4096;
 const MAX_COUNT = 2 ** 31;
+/** Served names a record lists at most. */
+const MAX_NAMES = 32;
+/** What the names may take of a record, bytes: the rest of it stays well under MAX_RECORD_BYTES. */
+const MAX_NAMES_BYTES = 2048;
+
+/**
+ * The record's servedModelNames field: the names when there are aliases and
+ * they fit (at most MAX_NAMES printable ones, MAX_NAMES_BYTES in all), else
+ * nothing (a proxy then learns them from the worker's /health).
+ */
+export function servedNamesField(names: readonly string[] | undefined): { servedModelNames?: string[] } {
+  if (!names || names.length < 2 || names.length > MAX_NAMES || !names.every((n) => isText(n, 256))) return {};
+  return Buffer.byteLength(JSON.stringify(names)) > MAX_NAMES_BYTES ? {} : { servedModelNames: [...names] };
+}
 
 function isCount(x: unknown): x is number {
   return typeof x === 'number' && Number.isInteger(x) && x >= 0 && x < MAX_COUNT;
@@ -71,6 +91,9 @@ export function parseRecord(value: Buffer | string): WorkerRecord | string {
   if (!isText(r.name, 128)) return "'name' is not a short printable string";
   if (!FLEET_ROLES.includes(r.role as FleetRole)) return `'role' is not one of ${FLEET_ROLES.join(', ')}`;
   if (!isText(r.model, 256)) return "'model' is not a short printable string";
+  const names = r.servedModelNames;
+  if (names !== undefined && !(Array.isArray(names) && names.length <= MAX_NAMES && names.every((n) => isText(n, 256))))
+    return `'servedModelNames' is not a list of at most ${MAX_NAMES} short printable strings`;
   if (r.transport !== 'http' && r.transport !== 'zmq') return "'transport' is not http or zmq";
   if (!isText(r.address, 512) || !isAddress(r.address, r.transport)) return `'address' is not a ${r.transport} address`;
   for (const k of ['freeBlocks', 'totalBlocks', 'load'] as const) if (!isCount(r[k])) return `'${k}' is not a count`;
@@ -80,6 +103,7 @@ export function parseRecord(value: Buffer | string): WorkerRecord | string {
     name: r.name,
     role: r.role as FleetRole,
     model: r.model,
+    ...(names === undefined ? {} : { servedModelNames: names as string[] }),
     address: r.address.replace(/\/+$/, ''),
     transport: r.transport,
     freeBlocks: r.freeBlocks as number,

@@ -9,7 +9,7 @@
 import type * as Etcd3 from 'etcd3';
 import { type EtcdOptions, fleetPrefix } from './etcd';
 import { etcdClient } from './etcd-client';
-import { type FleetRole, type WorkerRecord, encodeRecord } from './record';
+import { type FleetRole, type WorkerRecord, encodeRecord, servedNamesField } from './record';
 import { type Logger, silentLogger } from '../log';
 import { lineLogger } from './line-logger';
 
@@ -33,6 +33,8 @@ export interface FleetMember {
   readonly address: string;
   readonly transport: 'http' | 'zmq';
   readonly modelId: string;
+  /** Every name it serves (modelId first), when it has aliases. */
+  readonly servedModelNames?: readonly string[];
   readonly freeBlocks: number;
   readonly totalBlocks: number;
   /** Requests in progress. */
@@ -91,6 +93,7 @@ export class FleetRegistration {
       name: m.name,
       role: this.role,
       model: m.modelId,
+      ...servedNamesField(m.servedModelNames),
       address: m.address,
       transport: m.transport,
       freeBlocks: m.freeBlocks,
