@@ -53,14 +53,6 @@ export {
 export { FleetRegistration, joinFleet, type FleetJoinOptions, type FleetMember } from './fleet/registry';
 export { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 export { type RoutingOptions, affinityKey, pickByLoad } from './fleet/routing';
-export { type WorkerRecord, type FleetRole, parseRecord } from './fleet/record';
+export { type WorkerRecord, type FleetRole, type RecordKvEvents, parseRecord } from './fleet/record';
 export { type EtcdOptions, ETCD3 } from './fleet/etcd';
-export {
-  KvEvents,
-  type KvEventsConfig,
-  type KvEventsInfo,
-  parseKvEventsConfig,
-  bindsEndpoint,
-} from './kv-events';
-export { blockDigests, noneHash, wireHash, sha256Cbor, canonicalCbor, DEFAULT_HASH_SEED } from './kv-events/block-hash';
-export { encodeBatch, type KvEvent } from './kv-events/encode';
+export type { KvEventsConfig, KvEventsInfo } from './kv-events';

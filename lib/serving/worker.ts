@@ -268,7 +268,7 @@ export class Worker implements FrontHandler {
   #active = 0;
   /** Its record in etcd, when given `etcd`. */
   fleet?: FleetRegistration;
-  /** Its KV events publisher, when kvEvents enables one. */
+  /** Its KV events publisher, when kvEvents enables one. @internal */
   kvEvents?: KvEvents;
   /** Bidirectional KV: turns held here and read from elsewhere (bidirectionalKv). */
   readonly turns?: TurnKv;

@@ -112,12 +112,13 @@ export class SyntheticModel implements ServingModel {
   async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
     const tokens = this.#tokens(req);
     const { spec } = this;
-    this.#cache?.prefill(Array.from(tokens));
+    const hit = this.#cache?.prefill(Array.from(tokens));
     const n = numBlocks(tokens.length, spec);
     const kv = Array.from({ length: n * spec.layers }, () => Buffer.alloc(spec.blockBytes));
     const view: BlockView = (b, l) => kv[b * spec.layers + l];
     computeKv(tokens, spec, view);
-    return this.#emit(view, n, tokens.length, req, out, signal, { verified_bytes: 0 });
+    const info = hit === undefined ? {} : { prefix_reused_tokens: hit };
+    return this.#emit(view, n, tokens.length, req, out, signal, { verified_bytes: 0, ...info });
   }
 
   /**
