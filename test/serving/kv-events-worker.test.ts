@@ -41,7 +41,9 @@ describe('worker options', () => {
     const w = await startWorker({ kvEvents: { endpoint: `ipc://${dir}/off` } });
     try {
       expect(w.kvEvents).toBeUndefined();
-      expect(((await (await fetch(`${w.address}/health`)).json()) as Record<string, unknown>).kv_events).toBeUndefined();
+      expect(
+        ((await (await fetch(`${w.address}/health`)).json()) as Record<string, unknown>).kv_events,
+      ).toBeUndefined();
     } finally {
       await w.close();
     }
@@ -95,6 +97,12 @@ describe('synthetic worker: /tokenize, /detokenize', () => {
       expect(w.kvEvents!.announced().sort()).toEqual(want.sort());
       const again = await post(w, '/v1/completions', { prompt, max_tokens: 1 });
       expect((again.body.nixl_node as Record<string, unknown>).prefix_reused_tokens).toBe(want.length * 16);
+      // A reset forgets the cache and says so: nothing announced, nothing reused.
+      w.kvEvents!.reset();
+      expect(w.kvEvents!.announced()).toEqual([]);
+      const after = await post(w, '/v1/completions', { prompt, max_tokens: 1 });
+      expect((after.body.nixl_node as Record<string, unknown>).prefix_reused_tokens).toBe(0);
+      expect(w.kvEvents!.announced().sort()).toEqual(want.sort());
     } finally {
       await w.close();
     }

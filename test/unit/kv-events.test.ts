@@ -5,13 +5,7 @@
 // announcer emits as holders take and let go of prefixes.
 import { describe, expect, it } from 'vitest';
 import { BlockAnnouncer } from '../../lib/serving/kv-events/announcer';
-import {
-  blockDigests,
-  canonicalCbor,
-  noneHash,
-  sha256Cbor,
-  wireHash,
-} from '../../lib/serving/kv-events/block-hash';
+import { blockDigests, canonicalCbor, noneHash, sha256Cbor, wireHash } from '../../lib/serving/kv-events/block-hash';
 import { bindsEndpoint, parseKvEventsConfig } from '../../lib/serving/kv-events/config';
 import { type KvEvent, encodeBatch } from '../../lib/serving/kv-events/encode';
 import { SyntheticPrefixCache } from '../../lib/serving/kv-events/synthetic-cache';
@@ -104,7 +98,8 @@ describe('--kv-events-config', () => {
   });
 
   it('binds where vLLM binds, connects elsewhere', () => {
-    for (const a of ['tcp://*:5557', 'tcp://[::]:5557', 'ipc:///tmp/x', 'inproc://x']) expect(bindsEndpoint(a)).toBe(true);
+    for (const a of ['tcp://*:5557', 'tcp://[::]:5557', 'ipc:///tmp/x', 'inproc://x'])
+      expect(bindsEndpoint(a)).toBe(true);
     for (const a of ['tcp://127.0.0.1:5557', 'tcp://collector:5557']) expect(bindsEndpoint(a)).toBe(false);
   });
 
@@ -170,7 +165,7 @@ describe('BlockAnnouncer', () => {
     expect(events[2]).toEqual({ type: 'BlockRemoved', blockHashes: [w[2], w[1]] });
   });
 
-  it("the synthetic cache evicts its oldest prompts past its capacity, and reports its hits", () => {
+  it('the synthetic cache evicts its oldest prompts past its capacity, and reports its hits', () => {
     const { a, events } = announcer();
     const cache = new SyntheticPrefixCache(a, 4, 4);
     expect(cache.prefill(range(1, 8))).toBe(0);

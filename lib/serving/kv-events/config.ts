@@ -60,7 +60,8 @@ function bad(msg: string): NixlError {
 
 function count(o: Record<string, unknown>, k: string, dflt: number, min: number): number {
   const v = o[k] ?? dflt;
-  if (!Number.isSafeInteger(v) || (v as number) < min) throw bad(`'${k}' must be an integer >= ${min}, not ${String(v)}`);
+  if (!Number.isSafeInteger(v) || (v as number) < min)
+    throw bad(`'${k}' must be an integer >= ${min}, not ${String(v)}`);
   return v as number;
 }
 

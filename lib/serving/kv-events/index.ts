@@ -19,6 +19,7 @@ export class KvEvents {
   private constructor(
     readonly settings: KvEventsSettings,
     readonly publisher: KvEventPublisher,
+    readonly model: ServingModel,
   ) {}
 
   /**
@@ -34,8 +35,8 @@ export class KvEvents {
   ): Promise<KvEvents | undefined> {
     const settings = parseKvEventsConfig(config);
     if (!settings.enabled || settings.publisher === 'null') return undefined;
-    const k = new KvEvents(settings, await KvEventPublisher.open(settings, host));
-    k.reset();
+    const k = new KvEvents(settings, await KvEventPublisher.open(settings, host), model);
+    k.#emit({ type: 'AllBlocksCleared' });
     model.watchPrefixCache?.((blockSize) => {
       k.#announcer = new BlockAnnouncer(blockSize, settings.hashSeed, (e) => k.#emit(e));
       return k.#announcer;
@@ -59,8 +60,9 @@ export class KvEvents {
     return { kv_events: this.info };
   }
 
-  /** The cache was dropped (start, reset): AllBlocksCleared. */
+  /** Resets the model's prefix cache (vLLM's reset_prefix_cache) and says so: AllBlocksCleared. */
   reset(): void {
+    this.model.resetPrefixCache?.();
     if (this.#announcer) this.#announcer.clear();
     else this.#emit({ type: 'AllBlocksCleared' });
   }

@@ -73,9 +73,14 @@ export class KvEventPublisher {
     } catch (e) {
       p.#pub.close();
       p.#router?.close();
-      throw new NixlError(`KV events: cannot open ${settings.endpoint}: ${(e as Error).message}`, 'NIXL_ERR_BACKEND', undefined, {
-        cause: e,
-      });
+      throw new NixlError(
+        `KV events: cannot open ${settings.endpoint}: ${(e as Error).message}`,
+        'NIXL_ERR_BACKEND',
+        undefined,
+        {
+          cause: e,
+        },
+      );
     }
   }
 

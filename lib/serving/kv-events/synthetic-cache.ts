@@ -15,6 +15,11 @@ export class SyntheticPrefixCache {
     readonly capacityBlocks: number,
   ) {}
 
+  /** Forgets every prompt (the announcer is cleared by its owner). */
+  clear(): void {
+    this.#lru.clear();
+  }
+
   /** Records a prefilled prompt; returns the tokens of it that were cached before (whole blocks). */
   prefill(tokens: readonly number[]): number {
     const full = Math.min(Math.floor(tokens.length / this.blockSize), this.capacityBlocks);

@@ -125,6 +125,11 @@ export class ContextPool {
     this.#hand(ctx);
   }
 
+  /** Makes the free contexts' kept prompts unusable (a prefix-cache reset); busy ones keep what they make. */
+  forgetPrefixes(): void {
+    for (const ctx of this.#free) exactTokens.set(ctx, 0);
+  }
+
   /**
    * Throws a context away (a request may have left cells in it that a clear
    * does not remove) and makes another for whoever waits, so that one bad

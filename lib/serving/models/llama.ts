@@ -214,6 +214,10 @@ export class LlamaModel implements ServingModel {
     if (this.#o.prefixCache !== false) this.#pool.listener = l(this.#batch || (this.#o.batchSize ?? 512));
   }
 
+  resetPrefixCache(): void {
+    this.#pool.forgetPrefixes();
+  }
+
   /**
    * Learns what this model's states look like: its metadata (layers, K / V
    * widths, vocabulary) and a state its own llama.cpp saves (cache types, V

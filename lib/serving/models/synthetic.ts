@@ -80,6 +80,10 @@ export class SyntheticModel implements ServingModel {
     this.#cache = new SyntheticPrefixCache(l(this.spec.blockSize), this.spec.blockSize, capacityBlocks);
   }
 
+  resetPrefixCache(): void {
+    this.#cache?.clear();
+  }
+
   async prefill(req: GenerationRequest): Promise<PrefilledKv> {
     const tokens = this.#tokens(req);
     const spec = this.spec;

@@ -230,6 +230,8 @@ export interface ServingModel {
    * `capacityBlocks`: what a model without a cache of its own may keep.
    */
   watchPrefixCache?(l: (blockSize: number) => PrefixCacheListener, capacityBlocks: number): void;
+  /** Forgets every cached prefix (no later prompt reuses one), as vLLM's prefix-cache reset. */
+  resetPrefixCache?(): void;
   /** Frees the model. */
   close(): Promise<void>;
 }
