@@ -56,6 +56,37 @@ describe('worker options', () => {
   });
 });
 
+describe('replay endpoint', () => {
+  it('ignores malformed requests and answers the next good one, topic frame included', async () => {
+    const zmq = await import('zeromq');
+    const w = await startWorker({ kvEvents: on('rp', { replay_endpoint: `ipc://${dir}/rp-replay`, topic: 'tp' }) });
+    const d = new zmq.Dealer({ receiveTimeout: 5000, linger: 0 });
+    try {
+      d.connect(`ipc://${dir}/rp-replay`);
+      const start = Buffer.alloc(8);
+      for (const bad of [
+        [Buffer.alloc(0), Buffer.from('abc')],
+        [Buffer.from('x'), start],
+        [Buffer.alloc(0), start, start],
+      ])
+        await d.send(bad);
+      await d.send([Buffer.alloc(0), start]);
+      const first = await d.receive();
+      expect(first.map((f) => f.toString('hex')).slice(0, 3)).toEqual([
+        '',
+        Buffer.from('tp').toString('hex'),
+        '0'.repeat(16),
+      ]);
+      const end = await d.receive();
+      expect(end.map((f) => f.toString('hex'))).toEqual(['', '', 'f'.repeat(16), '']);
+      expect(w.kvEvents!.publisher.stats).toMatchObject({ replays: 1, badReplays: 3 });
+    } finally {
+      d.close();
+      await w.close();
+    }
+  });
+});
+
 describe('etcd record', () => {
   const base = {
     v: 1,
