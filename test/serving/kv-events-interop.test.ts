@@ -68,7 +68,7 @@ class PyPeer {
   }
 
   ready(): Promise<string> {
-    return this.#line((l) => l === 'READY');
+    return this.#line((l) => l === 'READY', 30_000);
   }
 
   async cmd(c: string): Promise<Record<string, unknown>> {
