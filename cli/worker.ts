@@ -45,6 +45,8 @@ Usage: nixl-node worker [options]
                        default none): how a zmq worker is scraped; an http worker serves both on --port too
   --side-channel-port P  port of its prefill side channel (default 0: any free port)
   --blocks N           KV cache blocks (default 512)
+  --kv-events-config J vLLM's KVEventsConfig as JSON: publish the prefix cache's blocks as vLLM's KV events
+                       (ZeroMQ PUB + replay; keys and defaults as vLLM's; docs/kv-events.md)
   --lease-ms N         how long a prefill holds KV nobody read (default: the wire profile's, 30 s)
   --kv-wait-ms N       how long a request waits for KV blocks while the cache is full, in order, before a
                        503 kv_cache_full with Retry-After (default 30000; 0: refuse at once)
@@ -107,6 +109,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       parallel: { type: 'string' },
       'batch-size': { type: 'string' },
       'no-prefix-cache': { type: 'boolean' },
+      'kv-events-config': { type: 'string' },
       'block-kib': { type: 'string' },
       'state-dir': { type: 'string' },
       'tamper-kv': { type: 'string' },
@@ -163,6 +166,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
     parallel: optional('parallel', 256),
     batchSize: optional('batch-size', 1 << 20),
     prefixCache: v['no-prefix-cache'] !== true,
+    kvEvents: v['kv-events-config'] as string | undefined,
     blockBytes: v['block-kib'] === undefined ? undefined : positiveInt(v, 'block-kib', 64, 1 << 20) * 1024,
     stateDir: v['state-dir'] as string | undefined,
     tamperKv:
@@ -196,6 +200,7 @@ export async function workerCommand(argv: string[]): Promise<void> {
       model: w.modelId,
       served_model_names: w.servedModelNames,
       ...metrics,
+      ...w.kvEvents?.health(),
       ...fleet,
     }),
   );

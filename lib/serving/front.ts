@@ -26,7 +26,7 @@ export interface FrontHandler {
   /** The model's name in answers and /v1/models. */
   readonly modelId: string;
   /** The model's tokenizer, for requests in token ids (vLLM's generate endpoint). */
-  readonly model: Pick<ServingModel, 'tokenizer'>;
+  readonly model: Pick<ServingModel, 'tokenizer' | 'promptTokenIds'>;
   /** KV blocks free right now. */
   readonly freeBlocks: number;
   /** What its health answers carry besides the status: name, model, context size, free blocks, requests waiting for blocks. */

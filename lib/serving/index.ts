@@ -48,9 +48,11 @@ export {
   type BlockView,
   type TextSink,
   type ModelTokenizer,
+  type PrefixCacheListener,
 } from './models/types';
 export { FleetRegistration, joinFleet, type FleetJoinOptions, type FleetMember } from './fleet/registry';
 export { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 export { type RoutingOptions, affinityKey, pickByLoad } from './fleet/routing';
-export { type WorkerRecord, type FleetRole, parseRecord } from './fleet/record';
+export { type WorkerRecord, type FleetRole, type RecordKvEvents, parseRecord } from './fleet/record';
 export { type EtcdOptions, ETCD3 } from './fleet/etcd';
+export type { KvEventsConfig, KvEventsInfo } from './kv-events';

@@ -20,8 +20,13 @@ const API: Array<[string, readonly string[]]> = [
 
 /** The API's POST routes: what the proxy sends on to workers. */
 export const API_ROUTES: ReadonlySet<string> = new Set(API.filter(([, m]) => m === POST).map(([p]) => p));
-/** A worker's routes: the API, Prometheus' /metrics, and the proxy's KV release. */
-export const WORKER_ROUTES: RouteTable = new Map([...API, ['/v1/kv/release', POST]]);
+/** A worker's routes: the API, Prometheus' /metrics, the proxy's KV release, and vLLM's (de)tokenize for routers. */
+export const WORKER_ROUTES: RouteTable = new Map([
+  ...API,
+  ['/v1/kv/release', POST],
+  ['/tokenize', POST],
+  ['/detokenize', POST],
+]);
 /** The proxy's routes: the API and Prometheus' /metrics. */
 export const PROXY_ROUTES: RouteTable = new Map(API);
 

@@ -12,6 +12,7 @@ import { createLimitedServer } from './http-server';
 import { healthAnswer, sendMetrics } from './metrics-port';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
 import { WORKER_ROUTES, routeMiss } from './routes';
+import { detokenizeBody, tokenizeBody } from './tokenize';
 
 export interface HttpFrontOptions {
   host: string;
@@ -52,6 +53,15 @@ async function onRequest(
   }
   if (path === '/v1/models') return json(200, modelList(w.servedModelNames ?? [w.modelId]));
   if (path === '/metrics') return sendMetrics(w, res, json);
+  if (path === '/tokenize' || path === '/detokenize') {
+    try {
+      const b = await readJson(req, o.maxBodyBytes);
+      return json(200, path === '/tokenize' ? tokenizeBody(w, b) : detokenizeBody(w, b));
+    } catch (e) {
+      const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
+      return json(h.status, h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code));
+    }
+  }
   if (path === '/v1/kv/release') {
     try {
       const b = await readJson(req, 4096);

@@ -58,6 +58,7 @@ import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
 import { DEFAULT_REUSE_HANDSHAKE_MS, type HeldTurn, type Reuse, TurnKv } from './turns';
 import { type KvMode, PushServing, pushBinding, pushHash } from './push-serving';
+import { KvEvents, type KvEventsConfig, parseKvEventsConfig } from './kv-events';
 import { WorkerMetrics } from './vllm-metrics';
 import { MetricsPort } from './metrics-port';
 
@@ -162,6 +163,8 @@ export interface WorkerOptions extends BlockQueueOptions {
   kvMode?: KvMode;
   /** Push: a decode's deadline for every WRITE, ms (default 30 s). */
   pushTimeoutMs?: number;
+  /** Publishes its prefix cache as vLLM's KV events (vLLM --kv-events-config; docs/kv-events.md). */
+  kvEvents?: KvEventsConfig | string;
 }
 
 /** A worker's counters. */
@@ -269,6 +272,8 @@ export class Worker implements FrontHandler {
   #active = 0;
   /** Its record in etcd, when given `etcd`. */
   fleet?: FleetRegistration;
+  /** Its KV events publisher, when kvEvents enables one. @internal */
+  kvEvents?: KvEvents;
   /** Bidirectional KV: turns held here and read from elsewhere (bidirectionalKv). */
   readonly turns?: TurnKv;
   /** GET /metrics: vLLM's Prometheus series and nixl-node's; undefined without prom-client. @internal */
@@ -383,6 +388,7 @@ export class Worker implements FrontHandler {
       served_model_names: [...this.servedModelNames],
       ...(this.metricsUrl ? { metrics_url: this.metricsUrl } : {}),
       ...this.#kvInfo(),
+      ...this.kvEvents?.health(),
       ...this.fleet?.health(),
     };
   }
@@ -477,6 +483,7 @@ export class Worker implements FrontHandler {
         secret: this.#secret,
         transferStats: this.#puller.stats,
       });
+    this.kvEvents = await KvEvents.start(this.#o.kvEvents, this.model, host, this.#blocks.size);
     const maxBodyBytes = this.#o.maxBodyBytes ?? 1 << 20;
     if ((this.#o.transport ?? 'http') === 'http') {
       const h = await serveHttp(this, {
@@ -509,6 +516,7 @@ export class Worker implements FrontHandler {
         return w.freeBlocks;
       },
       totalBlocks: w.#blocks.size,
+      kvEvents: w.kvEvents?.info,
       get load() {
         // A request waiting for blocks counts twice: in progress, and queued behind a full cache.
         return w.#active + w.#blocks.waiting + w.#held.size + (w.turns?.held ?? 0);
@@ -1016,6 +1024,7 @@ export class Worker implements FrontHandler {
     await this.#puller.close();
     await this.#tracker.close();
     this.#agent.close();
+    await this.kvEvents?.close();
     await this.model.close();
   }
 }
@@ -1059,6 +1068,7 @@ export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   // turn again for nobody (vLLM refuses the pair at startup too, #46473).
   checkTurnOptions(o);
   checkBlockQueueOptions(o);
+  parseKvEventsConfig(o.kvEvents); // a bad config fails before anything starts
   if (o.bidirectionalKv && o.kvMode === 'push')
     throw new NixlError(
       'bidirectional KV (multi-turn) goes with pull mode only: push never reads a held turn (vLLM refuses it too)',

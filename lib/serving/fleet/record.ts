@@ -28,6 +28,35 @@ export interface WorkerRecord {
   totalBlocks: number;
   /** Requests in progress (prefills, decodes, held KV not yet read). */
   load: number;
+  /** Where it publishes vLLM's KV events, when it does (docs/kv-events.md). */
+  kv_events?: RecordKvEvents;
+}
+
+/** A worker's KV events: its PUB and replay addresses, topic, and the block size it announces. */
+export interface RecordKvEvents {
+  endpoint: string;
+  replay_endpoint: string | null;
+  topic: string;
+  block_size?: number;
+}
+
+/** The kv_events field, or why it is not one. */
+function parseKvEvents(x: unknown): RecordKvEvents | string {
+  if (typeof x !== 'object' || x === null || Array.isArray(x)) return "'kv_events' is not an object";
+  const k = x as Record<string, unknown>;
+  const zmqAddr = (a: unknown) => isText(a, 512) && /^(tcp|ipc):\/\/\S+$/.test(a);
+  if (!zmqAddr(k.endpoint)) return "'kv_events.endpoint' is not a ZeroMQ address";
+  if (k.replay_endpoint !== null && !zmqAddr(k.replay_endpoint))
+    return "'kv_events.replay_endpoint' is not a ZeroMQ address or null";
+  if (typeof k.topic !== 'string' || k.topic.length > 512) return "'kv_events.topic' is not a string";
+  if (k.block_size !== undefined && !(isCount(k.block_size) && k.block_size > 0))
+    return "'kv_events.block_size' is not a count";
+  return {
+    endpoint: k.endpoint as string,
+    replay_endpoint: k.replay_endpoint as string | null,
+    topic: k.topic,
+    ...(k.block_size !== undefined ? { block_size: k.block_size as number } : {}),
+  };
 }
 
 /** The largest value a proxy reads; anything longer is ignored unread. */
@@ -98,6 +127,8 @@ export function parseRecord(value: Buffer | string): WorkerRecord | string {
   if (!isText(r.address, 512) || !isAddress(r.address, r.transport)) return `'address' is not a ${r.transport} address`;
   for (const k of ['freeBlocks', 'totalBlocks', 'load'] as const) if (!isCount(r[k])) return `'${k}' is not a count`;
   if ((r.freeBlocks as number) > (r.totalBlocks as number)) return "'freeBlocks' is more than 'totalBlocks'";
+  const kvEvents = r.kv_events === undefined ? undefined : parseKvEvents(r.kv_events);
+  if (typeof kvEvents === 'string') return kvEvents;
   return {
     v: 1,
     name: r.name,
@@ -109,5 +140,6 @@ export function parseRecord(value: Buffer | string): WorkerRecord | string {
     freeBlocks: r.freeBlocks as number,
     totalBlocks: r.totalBlocks as number,
     load: r.load as number,
+    ...(kvEvents ? { kv_events: kvEvents } : {}),
   };
 }

@@ -9,7 +9,7 @@
 import type * as Etcd3 from 'etcd3';
 import { type EtcdOptions, fleetPrefix } from './etcd';
 import { etcdClient } from './etcd-client';
-import { type FleetRole, type WorkerRecord, encodeRecord, servedNamesField } from './record';
+import { type FleetRole, type RecordKvEvents, type WorkerRecord, encodeRecord, servedNamesField } from './record';
 import { type Logger, silentLogger } from '../log';
 import { lineLogger } from './line-logger';
 
@@ -39,6 +39,8 @@ export interface FleetMember {
   readonly totalBlocks: number;
   /** Requests in progress. */
   readonly load: number;
+  /** Where it publishes KV events, when it does. */
+  readonly kvEvents?: RecordKvEvents;
 }
 
 /** The longest wait between two registration attempts while etcd does not answer, ms. */
@@ -99,6 +101,7 @@ export class FleetRegistration {
       freeBlocks: m.freeBlocks,
       totalBlocks: m.totalBlocks,
       load: m.load,
+      ...(m.kvEvents ? { kv_events: m.kvEvents } : {}),
     };
   }
 

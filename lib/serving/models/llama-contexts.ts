@@ -8,7 +8,7 @@
 // made the pool says so (a worker's /health).
 import type * as Nlc from 'node-llama-cpp';
 import { reusableTokens } from './llama-prefix';
-import { ModelRequestError } from './types';
+import { ModelRequestError, type PrefixCacheListener } from './types';
 
 const sequences = new WeakMap<Nlc.LlamaContext, Nlc.LlamaContextSequence>();
 /** Leading tokens of a context's sequence a later prompt may reuse (evaluated in whole batches from 0). */
@@ -37,6 +37,8 @@ export class ContextPool {
   readonly all: Nlc.LlamaContext[] = [];
   /** Contexts thrown away since the start. */
   discarded = 0;
+  /** Told which whole batches each free context keeps (KV events): a context taken or thrown away keeps none. */
+  listener?: PrefixCacheListener;
 
   constructor(
     readonly max: number,
@@ -55,6 +57,12 @@ export class ContextPool {
    * one free the longest.
    */
   async acquire(signal: AbortSignal, prompt?: readonly Nlc.Token[]): Promise<Nlc.LlamaContext> {
+    const ctx = await this.#take(signal, prompt);
+    this.listener?.drop(ctx);
+    return ctx;
+  }
+
+  async #take(signal: AbortSignal, prompt?: readonly Nlc.Token[]): Promise<Nlc.LlamaContext> {
     let best = -1;
     let most = 0;
     if (prompt)
@@ -113,7 +121,13 @@ export class ContextPool {
       } catch {
         return this.discard(ctx);
       }
+    else this.listener?.hold(ctx, sequenceOf(ctx).contextTokens.slice(0, exact));
     this.#hand(ctx);
+  }
+
+  /** Makes the free contexts' kept prompts unusable (a prefix-cache reset); busy ones keep what they make. */
+  forgetPrefixes(): void {
+    for (const ctx of this.#free) exactTokens.set(ctx, 0);
   }
 
   /**
@@ -122,6 +136,7 @@ export class ContextPool {
    * request never reaches a later one.
    */
   async discard(ctx: Nlc.LlamaContext): Promise<void> {
+    this.listener?.drop(ctx);
     this.discarded++;
     this.#created--;
     this.all.splice(this.all.indexOf(ctx), 1);

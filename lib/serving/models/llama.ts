@@ -48,6 +48,7 @@ import {
   type KvGeometry,
   ModelRequestError,
   type PrefilledKv,
+  type PrefixCacheListener,
   type PreviousTurn,
   type ServingModel,
   type TextSink,
@@ -206,6 +207,15 @@ export class LlamaModel implements ServingModel {
       fs.rmSync(stateDir, { recursive: true, force: true });
       throw e;
     }
+  }
+
+  /** KV events: the whole batches its contexts keep (none without the prefix cache: nothing is reused then). */
+  watchPrefixCache(l: (blockSize: number) => PrefixCacheListener): void {
+    if (this.#o.prefixCache !== false) this.#pool.listener = l(this.#batch || (this.#o.batchSize ?? 512));
+  }
+
+  resetPrefixCache(): void {
+    this.#pool.forgetPrefixes();
   }
 
   /**

@@ -1,6 +1,7 @@
 // The synthetic model behind the ServingModel boundary: no weights, every
 // byte checkable (synthetic-kv.ts). A decode checks each byte of the KV it
 // was given against the prompt's before it "generates".
+import { SyntheticPrefixCache } from '../kv-events/synthetic-cache';
 import {
   DEFAULT_MODEL,
   MODEL_NAME,
@@ -20,6 +21,7 @@ import {
   KvRejected,
   type ModelTokenizer,
   type PrefilledKv,
+  type PrefixCacheListener,
   type ServingModel,
   type TextSink,
   type TurnKvState,
@@ -36,6 +38,9 @@ export class SyntheticModel implements ServingModel {
     encode: (text) => Array.from(tokenize(text)),
     decode: (ids) => Buffer.from(ids).toString('utf8'),
   };
+
+  /** Its prefix cache: kept only while KV events watch it (it computes every block either way). */
+  #cache?: SyntheticPrefixCache;
 
   constructor(readonly spec: SyntheticModelSpec = DEFAULT_MODEL) {
     this.geometry = { layers: spec.layers, blockBytes: spec.blockBytes, tokensPerBlock: spec.blockSize };
@@ -71,13 +76,23 @@ export class SyntheticModel implements ServingModel {
     return numBlocks(this.#tokens(req).length, this.spec);
   }
 
+  watchPrefixCache(l: (blockSize: number) => PrefixCacheListener, capacityBlocks: number): void {
+    this.#cache = new SyntheticPrefixCache(l(this.spec.blockSize), this.spec.blockSize, capacityBlocks);
+  }
+
+  resetPrefixCache(): void {
+    this.#cache?.clear();
+  }
+
   async prefill(req: GenerationRequest): Promise<PrefilledKv> {
     const tokens = this.#tokens(req);
     const spec = this.spec;
+    const hit = this.#cache?.prefill(Array.from(tokens));
     return {
       blocks: numBlocks(tokens.length, spec),
       promptTokens: tokens.length,
       writeTo: (view, _binding, fromBlock) => computeKv(tokens, spec, view, fromBlock),
+      ...(hit !== undefined ? { info: { prefix_reused_tokens: hit } } : {}),
     };
   }
 
@@ -101,11 +116,13 @@ export class SyntheticModel implements ServingModel {
   async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
     const tokens = this.#tokens(req);
     const { spec } = this;
+    const hit = this.#cache?.prefill(Array.from(tokens));
     const n = numBlocks(tokens.length, spec);
     const kv = Array.from({ length: n * spec.layers }, () => Buffer.alloc(spec.blockBytes));
     const view: BlockView = (b, l) => kv[b * spec.layers + l];
     computeKv(tokens, spec, view);
-    return this.#emit(view, n, tokens.length, req, out, signal, { verified_bytes: 0 });
+    const info = hit === undefined ? {} : { prefix_reused_tokens: hit };
+    return this.#emit(view, n, tokens.length, req, out, signal, { verified_bytes: 0, ...info });
   }
 
   /**

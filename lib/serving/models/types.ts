@@ -151,6 +151,22 @@ export interface ModelTokenizer {
   decode(ids: readonly number[]): string;
 }
 
+/**
+ * Where a model reports what its prefix cache holds (KV events,
+ * kv-events/announcer.ts): each holder (a context, a cache entry) holds the
+ * full blocks of some tokens from position 0, until it holds others or none.
+ */
+export interface PrefixCacheListener {
+  /** `owner` now holds the whole blocks of `tokens` (and nothing it held before). */
+  hold(owner: unknown, tokens: readonly number[]): void;
+  /** `owner` holds nothing any more. */
+  drop(owner: unknown): void;
+  /** Tokens of `tokens` some holder holds from its start (whole blocks). */
+  cachedTokens(tokens: readonly number[]): number;
+  /** Distinct blocks held. */
+  readonly size: number;
+}
+
 /** What a worker needs of a model (synthetic, or a GGUF through node-llama-cpp). */
 export interface ServingModel {
   /** Token ids in and out (generate endpoint); a model without one answers it 400. */
@@ -208,6 +224,14 @@ export interface ServingModel {
   unhealthy?(): string | undefined;
   /** Evaluates and generates here (an aggregated worker). */
   generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated>;
+  /**
+   * Reports its prefix cache's changes to `l` from now on (KV events);
+   * `l` is given its reuse granularity in tokens (the events' block_size).
+   * `capacityBlocks`: what a model without a cache of its own may keep.
+   */
+  watchPrefixCache?(l: (blockSize: number) => PrefixCacheListener, capacityBlocks: number): void;
+  /** Forgets every cached prefix (no later prompt reuses one), as vLLM's prefix-cache reset. */
+  resetPrefixCache?(): void;
   /** Frees the model. */
   close(): Promise<void>;
 }
