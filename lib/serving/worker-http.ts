@@ -5,6 +5,7 @@ import { randomUUID } from 'node:crypto';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { KvBusy } from './blocks';
+import { checkBody } from './body-schemas';
 import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
@@ -64,12 +65,13 @@ async function onRequest(
   if (path === '/v1/kv/release') {
     try {
       const b = await readJson(req, 4096);
+      checkBody('kv-release-request', b);
       if (b.remote_request_id === undefined && b.request_id !== undefined)
         return json(200, { released: w.releaseRequest(b.request_id) > 0 });
       return json(200, { released: w.releaseHold(b.remote_request_id) });
     } catch (e) {
       const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
-      return json(h.status, errorBody(h.message, h.code));
+      return json(h.status, errorBody(h.message, h.code, h.details));
     }
   }
   const ac = new AbortController();
