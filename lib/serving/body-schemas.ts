@@ -61,6 +61,11 @@ function validators(): Map<BodySchemaName, ValidateFunction> {
   return m;
 }
 
+/** The schema `name`'s body is checked against, as compiled (for the house test: it is the docs file). */
+export function bodySchema(name: BodySchemaName): unknown {
+  return validators().get(name)!.schema;
+}
+
 /** '/messages/0/content' -> 'messages[0].content' (OpenAI's param). */
 function paramOf(pointer: string): string {
   let out = '';

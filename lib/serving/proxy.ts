@@ -13,11 +13,11 @@ import { namesPreviousTurn } from '../kv/turn-params';
 import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
-import { checkCompletionRequest } from './schema';
+import { checkRequestBody } from './request-checks';
 import { API_ROUTES, PROXY_ROUTES, routeMiss } from './routes';
-import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
+import { GENERATE_PATH, generateDecodeBody, generatePrefillBody } from './generate';
 import { HttpError, hasImages, readJson } from './http';
-import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt } from './openai';
+import { ModelNotFound, errorBody, modelNotFoundBody } from './openai';
 import { NixlError } from '../errors';
 import { checkWorkerAddress } from './addresses';
 import { StageTimeout } from './stage-signal';
@@ -366,11 +366,7 @@ export class ServingProxy {
     try {
       body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
       conversation = takeConversationId(body);
-      if (path === GENERATE_PATH) checkGenerateRequest(body, { kvTransferParams: 'refuse' });
-      else {
-        if (path === '/v1/completions') normalizePrompt(body);
-        checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
-      }
+      checkRequestBody(PROXY_ROUTES, path, body, 'proxy');
       this.#checkModel(body);
     } catch (e) {
       if (e instanceof ModelNotFound) return send(404, modelNotFoundBody(e));

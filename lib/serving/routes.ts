@@ -1,26 +1,38 @@
-// Which method each path of the proxy and of a worker serves, and the one
-// answer both give otherwise: 404 for a path neither serves, 405 with
-// `Allow` for a known path asked with another method (as HTTP says).
+// The routes of the proxy and of a worker, in one table each: the methods a
+// path serves and the JSON Schema its body is checked against (docs/, read
+// by body-schemas.ts; request-checks.ts checks it). Both fronts answer the
+// same otherwise: 404 for a path neither serves, 405 with `Allow` for a
+// known path asked with another method (as HTTP says).
+import type { BodySchemaName } from './body-schemas';
 import { GENERATE_PATH } from './generate';
 import { errorBody } from './openai';
 
-/** Path -> the methods it serves. */
-export type RouteTable = ReadonlyMap<string, readonly string[]>;
+export interface Route {
+  readonly methods: readonly string[];
+  /** The body's schema, docs/<body>.schema.json; none: the route takes no body. */
+  readonly body?: BodySchemaName;
+}
+
+/** Path -> what it serves. */
+export type RouteTable = ReadonlyMap<string, Route>;
 
 const POST = ['POST'] as const;
-const GET = ['GET'] as const;
-const API: Array<[string, readonly string[]]> = [
-  ['/v1/completions', POST],
-  ['/v1/chat/completions', POST],
-  [GENERATE_PATH, POST],
+const GET = { methods: ['GET'] } as const;
+const API: Array<[string, Route]> = [
+  ['/v1/completions', { methods: POST, body: 'completions-request' }],
+  ['/v1/chat/completions', { methods: POST, body: 'chat-completions-request' }],
+  [GENERATE_PATH, { methods: POST, body: 'generate-request' }],
   ['/v1/models', GET],
   ['/health', GET],
 ];
 
 /** The API's POST routes: what the proxy sends on to workers. */
-export const API_ROUTES: ReadonlySet<string> = new Set(API.filter(([, m]) => m === POST).map(([p]) => p));
+export const API_ROUTES: ReadonlySet<string> = new Set(API.filter(([, r]) => r.methods === POST).map(([p]) => p));
 /** A worker's routes: the API, and the proxy's KV release. */
-export const WORKER_ROUTES: RouteTable = new Map([...API, ['/v1/kv/release', POST]]);
+export const WORKER_ROUTES: RouteTable = new Map([
+  ...API,
+  ['/v1/kv/release', { methods: POST, body: 'kv-release-request' }],
+]);
 /** The proxy's routes: the API, and Prometheus' /metrics. */
 export const PROXY_ROUTES: RouteTable = new Map([...API, ['/metrics', GET]]);
 
@@ -30,7 +42,7 @@ export function routeMiss(
   method: string | undefined,
   path: string,
 ): { status: number; body: Record<string, unknown>; headers: Record<string, string> } | undefined {
-  const allowed = routes.get(path);
+  const allowed = routes.get(path)?.methods;
   const shown = JSON.stringify(path.slice(0, 100));
   if (!allowed)
     return { status: 404, body: errorBody(`no route ${shown}`, 'not_found', { code: 'not_found' }), headers: {} };

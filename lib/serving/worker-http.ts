@@ -5,11 +5,11 @@ import { randomUUID } from 'node:crypto';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { KvBusy } from './blocks';
-import { checkBody } from './body-schemas';
 import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
+import { checkRequestBody } from './request-checks';
 import { WORKER_ROUTES, routeMiss } from './routes';
 
 export interface HttpFrontOptions {
@@ -65,7 +65,7 @@ async function onRequest(
   if (path === '/v1/kv/release') {
     try {
       const b = await readJson(req, 4096);
-      checkBody('kv-release-request', b);
+      checkRequestBody(WORKER_ROUTES, path, b, 'worker');
       if (b.remote_request_id === undefined && b.request_id !== undefined)
         return json(200, { released: w.releaseRequest(b.request_id) > 0 });
       return json(200, { released: w.releaseHold(b.remote_request_id) });

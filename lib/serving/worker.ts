@@ -45,12 +45,13 @@ import {
   type ServingModel,
 } from './models/types';
 import { chunkBody, completionBody, usageBody } from './openai';
-import { checkCompletionRequest } from './schema';
+import { checkRequestBody } from './request-checks';
 import { PROMPT_TOKENS } from './generate';
 import { endAnswer } from './stream-end';
 import { ReleasedEarly } from './released-early';
 import { type Logger, silentLogger } from './log';
-import { ModelNotFound, normalizePrompt } from './openai';
+import { ModelNotFound } from './openai';
+import { WORKER_ROUTES } from './routes';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
 import { NixlError } from '../errors';
@@ -540,9 +541,8 @@ export class Worker implements FrontHandler {
   ) {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
-    // Both throw HttpError: a 400 naming the field (param).
-    if (path === '/v1/completions') normalizePrompt(body);
-    checkCompletionRequest(path, body, { kvTransferParams: 'object' });
+    // Throws HttpError: a 400 naming the field (param).
+    checkRequestBody(WORKER_ROUTES, path, body, 'worker');
     if (typeof body.model === 'string' && body.model !== this.model.id)
       throw new ModelNotFound(body.model, [this.model.id]);
     const req = generationRequest(path, body);
