@@ -1,8 +1,8 @@
 // The request bodies' JSON Schemas, one per endpoint that takes a body. The
 // files published in docs/ are the ones checked against (read from the
-// package, compiled by ajv once per process, on first use), so the docs
-// cannot drift from what is served. ajv's first error becomes the 400 the
-// hand checks gave: OpenAI's invalid_request_error naming the field (param)
+// package, compiled by ajv once per process as the proxy or a worker
+// starts), so the docs cannot drift from what is served. ajv's first error
+// becomes a 400: OpenAI's invalid_request_error naming the field (param),
 // with the schema's own `x-error` text.
 import * as fs from 'node:fs';
 import * as path from 'node:path';
@@ -49,6 +49,11 @@ export function bodySchemaPath(name: BodySchemaName): string {
 }
 
 let compiled: Map<BodySchemaName, ValidateFunction> | undefined;
+
+/** Reads and compiles the schemas, once per process (the proxy and the workers call it as they start). */
+export function compileBodySchemas(): void {
+  validators();
+}
 
 function validators(): Map<BodySchemaName, ValidateFunction> {
   if (compiled) return compiled;

@@ -13,7 +13,7 @@ import { namesPreviousTurn } from '../kv/turn-params';
 import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
-import { checkRequestBody } from './request-checks';
+import { checkRequestBody, compileBodySchemas } from './request-checks';
 import { API_ROUTES, PROXY_ROUTES, routeMiss } from './routes';
 import { GENERATE_PATH, generateDecodeBody, generatePrefillBody } from './generate';
 import { HttpError, hasImages, readJson } from './http';
@@ -796,5 +796,6 @@ export class ServingProxy {
 
 /** Starts a serving proxy. */
 export async function startProxy(o: ProxyOptions): Promise<ServingProxy> {
+  compileBodySchemas(); // at startup, not on the first request (a missing or broken docs/ schema fails here)
   return new ServingProxy(o).start();
 }

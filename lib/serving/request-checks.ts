@@ -4,6 +4,8 @@
 // kv_transfer_params) and a worker (the fields it does not honour). One
 // place for the proxy and the workers (HTTP and ZeroMQ fronts alike).
 import { type BodySchemaName, checkBody } from './body-schemas';
+
+export { compileBodySchemas } from './body-schemas';
 import { checkGenerateRequest } from './generate';
 import { normalizePrompt } from './openai';
 import type { RouteTable } from './routes';

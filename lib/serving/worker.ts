@@ -45,7 +45,7 @@ import {
   type ServingModel,
 } from './models/types';
 import { chunkBody, completionBody, usageBody } from './openai';
-import { checkRequestBody } from './request-checks';
+import { checkRequestBody, compileBodySchemas } from './request-checks';
 import { PROMPT_TOKENS } from './generate';
 import { endAnswer } from './stream-end';
 import { ReleasedEarly } from './released-early';
@@ -541,7 +541,6 @@ export class Worker implements FrontHandler {
   ) {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
-    // Throws HttpError: a 400 naming the field (param).
     checkRequestBody(WORKER_ROUTES, path, body, 'worker');
     if (typeof body.model === 'string' && body.model !== this.model.id)
       throw new ModelNotFound(body.model, [this.model.id]);
@@ -1019,6 +1018,7 @@ function checkTurnOptions(o: WorkerOptions): void {
 /** Loads the model the options name, then starts the worker. */
 export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   wireProfile(o.wire); // a bad profile fails before anything starts
+  compileBodySchemas(); // at startup, not on the first request
   // A push worker serves push only, and push never reads a held turn: a decode would evaluate and save every
   // turn again for nobody (vLLM refuses the pair at startup too, #46473).
   checkTurnOptions(o);
