@@ -48,7 +48,7 @@ class FakeWorker implements FrontHandler {
   readonly modelId = FAKE_MODEL;
   readonly model = { tokenizer: undefined as never };
   readonly freeBlocks = 1 << 20;
-  readonly stats = { repliesDropped: 0, served: 0, refused: 0 };
+  readonly stats = { repliesDropped: 0, messagesDropped: 0, served: 0, refused: 0 };
   constructor(readonly name: 'prefill' | 'decode') {}
 
   healthInfo() {

@@ -8,7 +8,7 @@ import { benchCoalesce } from './coalesce';
 import { benchHandshake } from './handshake';
 import { benchGrid, gridCells, NIXLBENCH_DEFAULTS, QUICK, type GridCold, type GridOptions, type GridRow } from './grid';
 import { benchNative, nativeGrid } from './native';
-import { benchServing } from './serving';
+import { benchServing, servingFigures, servingPanels } from './serving';
 import { benchFleet } from './fleet';
 import { benchFleetGguf } from './fleet-gguf';
 import { benchTracing } from './tracing';
@@ -266,6 +266,13 @@ export async function runBench(o: BenchOptions): Promise<void> {
       console.log(
         `model ${sv.model}; disaggregated TTFT spent on the KV (medians): saving ${(sv.shareSave * 100).toFixed(1)}%, moving ${(sv.shareMove * 100).toFixed(1)}%, loading ${(sv.shareLoad * 100).toFixed(1)}%; ${sv.kvBytesPerToken} KV bytes per token; ${sv.identical}/${sv.requests} answers the same text both ways`,
       );
+      const f = servingFigures(sv.rows);
+      console.log("\nAs vLLM's serving benchmark gives them (TPOT excludes the first token; ITL pools every gap):");
+      table(f.head, f.cells);
+      for (const r of sv.rows)
+        console.log(
+          `${r.config}: ${r.completed} requests in ${r.duration.toFixed(2)} s of its own: request throughput ${r.request_throughput.toFixed(2)} req/s, output token throughput ${r.output_throughput.toFixed(2)} tok/s`,
+        );
       result.serving = sv;
       panels.push({
         title: 'Disaggregated / co-located (real model)',
@@ -277,6 +284,7 @@ export async function runBench(o: BenchOptions): Promise<void> {
             { label: 'decode tok/s', value: r.decodeRatio },
           ]),
       });
+      panels.push(...servingPanels(sv.rows));
     }
   }
 

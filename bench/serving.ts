@@ -6,17 +6,27 @@
 // request so that both see the same machine. Reported: time to first token
 // and decode tokens/s (medians, ranges, ratios to co-located), the share of
 // the disaggregated time to first token spent saving, moving and loading
-// the KV, KV bytes per token, and whether both answered the same text.
+// the KV, KV bytes per token, and whether both answered the same text; and
+// per configuration the figures vLLM's serving benchmark gives (TTFT, TPOT,
+// ITL and E2EL mean/median/std/p50/p90/p99, request and output-token
+// throughput: bench/serving-metrics.ts), under vLLM's JSON names.
 import * as os from 'node:os';
 import { type Worker, startProxy, startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
+import type { Panel } from './svg';
+import { PERCENTILES, type RequestTiming, type ServingMetrics, servingMetrics } from './serving-metrics';
 import { median } from './stats';
 
-export interface ServingRow {
+/** The earlier keys, then vLLM's (mean_ttft_ms, p99_itl_ms, request_throughput, ...: ServingMetrics). */
+export type ServingRow = ServingRowBase & ServingMetrics;
+
+interface ServingRowBase {
   config: 'co-located' | 'disaggregated';
+  /** Median, min and max TTFT, ms. */
   ttftMs: number;
   ttftMin: number;
   ttftMax: number;
+  /** Median over requests of (output tokens - 1) / (E2EL - TTFT): 1000 / the request's TPOT. */
   decodeTokensPerSecond: number;
   /** TTFT / co-located TTFT; tokens/s / co-located tokens/s. */
   ttftRatio: number;
@@ -37,14 +47,15 @@ export interface ServingResult {
   note?: string;
 }
 
-interface Sample {
-  ttftMs: number;
+interface Sample extends RequestTiming {
   tokensPerSecond: number;
+  /** Send to the end of the stream, ms: what the request held the server for. */
+  wallMs: number;
   text: string;
   info: Record<string, number>;
 }
 
-/** One streamed request: time to the first text, then tokens/s of the rest. */
+/** One streamed request: time to the first text, the gaps between text chunks, tokens/s after the first. */
 export async function stream(url: string, prompt: string, maxTokens: number): Promise<Sample> {
   const t0 = performance.now();
   const res = await fetch(`${url}/v1/completions`, {
@@ -61,8 +72,10 @@ export async function stream(url: string, prompt: string, maxTokens: number): Pr
   if (!res.ok || !res.body) throw new Error(`HTTP ${res.status}: ${await res.text()}`);
   let first = 0;
   let last = 0;
+  const itlMs: number[] = [];
   let text = '';
   let tokens = 0;
+  let promptTokens = 0;
   let info: Record<string, number> = {};
   let buf = '';
   const decoder = new TextDecoder();
@@ -77,14 +90,31 @@ export async function stream(url: string, prompt: string, maxTokens: number): Pr
       const c = JSON.parse(line.slice(6));
       if (c.error) throw new Error(c.error.message);
       const piece = c.choices?.[0]?.text ?? '';
-      if (piece && !first) first = performance.now() - t0;
-      if (piece) last = performance.now() - t0;
+      if (piece) {
+        const now = performance.now() - t0;
+        if (!first) first = now;
+        else itlMs.push(now - last);
+        last = now;
+      }
       text += piece;
-      if (c.usage) tokens = c.usage.completion_tokens;
+      if (c.usage) {
+        tokens = c.usage.completion_tokens;
+        promptTokens = c.usage.prompt_tokens ?? 0;
+      }
       if (c.nixl_node) info = c.nixl_node;
     }
   }
-  return { ttftMs: first, tokensPerSecond: tokens > 1 ? ((tokens - 1) * 1000) / (last - first) : 0, text, info };
+  return {
+    ttftMs: first,
+    e2elMs: last,
+    outputTokens: tokens,
+    promptTokens,
+    itlMs,
+    tokensPerSecond: tokens > 1 ? ((tokens - 1) * 1000) / (last - first) : 0,
+    wallMs: performance.now() - t0,
+    text,
+    info,
+  };
 }
 
 export async function benchServing(requests: number, maxTokens: number): Promise<ServingResult> {
@@ -154,6 +184,10 @@ export async function benchServing(requests: number, maxTokens: number): Promise
         decodeTokensPerSecond: round(median(s.map((x) => x.tokensPerSecond))),
         ttftRatio: round(median(s.map((x, i) => x.ttftMs / base[i].ttftMs))),
         decodeRatio: round(median(s.map((x, i) => x.tokensPerSecond / base[i].tokensPerSecond))),
+        ...roundAll(
+          // One request at a time, the configurations alternating: a configuration's duration is the sum of its own requests' times.
+          servingMetrics(s, s.reduce((a, x) => a + x.wallMs, 0) / 1000),
+        ),
       };
     });
     return {
@@ -173,4 +207,49 @@ export async function benchServing(requests: number, maxTokens: number): Promise
 
 function round(x: number): number {
   return Math.round(x * 1000) / 1000;
+}
+
+function roundAll<T extends Record<string, number>>(o: T): T {
+  return Object.fromEntries(Object.entries(o).map(([k, v]) => [k, round(v)])) as T;
+}
+
+const COLORS: Record<ServingRow['config'], string> = { 'co-located': '#4c78a8', disaggregated: '#f58518' };
+
+/** vLLM's serving figures as a table: a row per configuration and metric, the columns `vllm bench serve` gives. */
+export function servingFigures(rows: readonly ServingRow[]): { head: string[]; cells: Array<Array<string | number>> } {
+  const head = ['config', 'ms', 'mean', 'median', 'std', ...PERCENTILES.map((p) => `p${p}`)];
+  const cells = rows.flatMap((r) =>
+    (['ttft', 'tpot', 'itl', 'e2el'] as const).map((m) => [
+      r.config,
+      m.toUpperCase(),
+      r[`mean_${m}_ms`],
+      r[`median_${m}_ms`],
+      r[`std_${m}_ms`],
+      ...PERCENTILES.map((p) => r[`p${p}_${m}_ms`]),
+    ]),
+  );
+  return { head, cells };
+}
+
+/** The chart's serving panels: TTFT, TPOT and ITL percentiles (ms), then the two throughputs; a colour per configuration. */
+export function servingPanels(rows: readonly ServingRow[]): Panel[] {
+  const pct = (m: 'ttft' | 'tpot' | 'itl', name: string) =>
+    rows.flatMap((r) =>
+      PERCENTILES.map((p) => ({
+        label: `${r.config} ${name} p${p}`,
+        value: r[`p${p}_${m}_ms`],
+        color: COLORS[r.config],
+      })),
+    );
+  const per = (k: 'request_throughput' | 'output_throughput') =>
+    rows.map((r) => ({ label: r.config, value: r[k], color: COLORS[r.config] }));
+  return [
+    { title: 'Serving a real model: time to first token, ms (lower is better)', bars: pct('ttft', 'TTFT') },
+    {
+      title: 'Serving: time per output token (excl. 1st) and inter-token latency, ms (lower is better)',
+      bars: [...pct('tpot', 'TPOT'), ...pct('itl', 'ITL')],
+    },
+    { title: 'Serving: request throughput, req/s (one request at a time)', bars: per('request_throughput') },
+    { title: 'Serving: output token throughput, tok/s', bars: per('output_throughput') },
+  ];
 }

@@ -2,6 +2,8 @@
 export interface Bar {
   label: string;
   value: number;
+  /** Fill; default blue. Bars of one series (a configuration) share a colour. */
+  color?: string;
 }
 
 export interface Panel {
@@ -32,7 +34,9 @@ export function barChart(title: string, panels: Panel[], subtitle = ''): string 
     for (const b of p.bars) {
       const w = Math.max(1, b.value * scale);
       parts.push(`<text x="10" y="${y + barH - 4}">${esc(b.label)}</text>`);
-      parts.push(`<rect x="${labelW}" y="${y}" width="${w.toFixed(1)}" height="${barH}" fill="#4c78a8"/>`);
+      parts.push(
+        `<rect x="${labelW}" y="${y}" width="${w.toFixed(1)}" height="${barH}" fill="${b.color ?? '#4c78a8'}"/>`,
+      );
       parts.push(`<text x="${labelW + w + 4}" y="${y + barH - 4}">${b.value.toFixed(2)}</text>`);
       y += barH + gap;
     }

@@ -21,6 +21,8 @@ import { startTracing } from './otel';
 import { commandLogger, logLevel } from './log';
 
 import { etcdOptions, inUse, integer, port, portNumber } from './serving-args';
+import { applyVllmFlags, expandServedModelName, VLLM_WORKER_HELP, VLLM_WORKER_OPTIONS } from './vllm-flags';
+import { DEFAULT_MODEL } from '../lib/serving/models/synthetic-kv';
 
 const WORKER_HELP = `nixl-node worker: a Node inference worker: a GGUF model (llama.cpp) or the synthetic one
 
@@ -67,11 +69,12 @@ Usage: nixl-node worker [options]
   --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
   --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
   --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
-${UCX_NET_DEVICES_HELP}`;
+${UCX_NET_DEVICES_HELP}
+${VLLM_WORKER_HELP}`;
 
 export async function workerCommand(argv: string[]): Promise<void> {
   const v = parse(
-    argv,
+    expandServedModelName(argv),
     {
       name: { type: 'string' },
       transport: { type: 'string' },
@@ -110,11 +113,15 @@ export async function workerCommand(argv: string[]): Promise<void> {
       role: { type: 'string' },
       'etcd-ttl': { type: 'string' },
       'log-level': { type: 'string' },
+      ...VLLM_WORKER_OPTIONS,
     },
     WORKER_HELP,
   );
   applyUcxNetDevices(v);
+  const vllm = applyVllmFlags(v, process.env);
   const log = commandLogger('worker', logLevel(v));
+  if (vllm.notes.length)
+    log.info({ vllm_flags: vllm.notes }, `vLLM settings that differ here: ${vllm.notes.join('; ')}`);
   const gguf = v.model === undefined ? undefined : modelPath(String(v.model));
   const optional = (name: string, max: number) => (v[name] === undefined ? undefined : positiveInt(v, name, 1, max));
   const stopTracing = startTracing(v['otlp-endpoint'] as string | undefined, 'nixl-node-worker', log);
@@ -143,7 +150,10 @@ export async function workerCommand(argv: string[]): Promise<void> {
     kvMode: oneOf(v, 'kv-mode', ['pull', 'push'] as const, 'pull'),
     ...bidirectionalOptions(v),
     clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
-    model: gguf,
+    model:
+      gguf ?? (v['block-size'] === undefined ? undefined : { ...DEFAULT_MODEL, blockSize: Number(v['block-size']) }),
+    servedModelNames: vllm.servedModelNames,
+    sideChannelHost: vllm.sideChannelHost,
     threads: optional('threads', 1024),
     contextSize: optional('context-size', 1 << 20),
     parallel: optional('parallel', 256),
@@ -173,7 +183,16 @@ export async function workerCommand(argv: string[]): Promise<void> {
   // `name` is the logger's (nixl-node-worker): the worker's own name goes under `worker`.
   const fleet = w.fleet && { etcd: w.fleet.key, etcd_registered: w.fleet.registered };
   log.info({ worker: w.name, address: w.address, model: w.modelId, ...fleet }, 'worker ready');
-  console.log(JSON.stringify({ ready: true, name: w.name, address: w.address, model: w.modelId, ...fleet }));
+  console.log(
+    JSON.stringify({
+      ready: true,
+      name: w.name,
+      address: w.address,
+      model: w.modelId,
+      served_model_names: w.servedModelNames,
+      ...fleet,
+    }),
+  );
   await stop;
   const stats = { ...w.stats };
   await w.close();

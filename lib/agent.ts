@@ -2,7 +2,7 @@
 // camelCase; promise forms (wait/read/write/waitForNotif) are resolved from
 // the addon's batched completion events.
 import { markAsUntransferable } from 'node:worker_threads';
-import { prepareUcxEnv, ucxBackendParams } from './ucx';
+import { explainLoadFailure, prepareUcxEnv, ucxBackendParams, ucxErrorMode } from './ucx';
 import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
@@ -231,7 +231,11 @@ export class NixlAgent {
   /** Loads a peer's metadata; returns its agent name. */
   addRemoteAgent(metadata: Uint8Array): string {
     if (!(metadata instanceof Uint8Array)) throw invalidParam('addRemoteAgent expects the metadata Buffer');
-    return this.#native.loadRemoteMD(metadata);
+    try {
+      return this.#native.loadRemoteMD(metadata);
+    } catch (e) {
+      throw this.engine === 'nixl' ? explainLoadFailure(e, ucxErrorMode(this)) : e;
+    }
   }
 
   /** Forgets a peer's metadata (NIXL remove_remote_agent); its transfers fail from then on. */

@@ -32,6 +32,75 @@ export function ucxBackendParams(env: NodeJS.ProcessEnv = process.env): Record<s
   return { ucx_error_handling_mode: 'none' };
 }
 
+/** What UCX logs when it refuses an endpoint because the two agents' error handling differs. */
+const UCX_MISMATCH_LOG = 'error handling level mismatch';
+
+/**
+ * The ucx_error_handling_mode of an agent's UCX backend: the one it was
+ * created with, else NIXL's default (peer); undefined without a UCX backend.
+ */
+export function ucxErrorMode(agent: {
+  getBackendParams(backend: string): { params: Record<string, string> };
+}): string | undefined {
+  try {
+    return agent.getBackendParams('UCX').params.ucx_error_handling_mode ?? 'peer';
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * Why a peer that loaded fine cannot be reached over UCX: agents whose UCX
+ * backends run different ucx_error_handling_mode cannot connect (UCX refuses
+ * the second endpoint between them: "asymmetric endpoint configuration is not
+ * supported, error handling level mismatch"), and NIXL reports only
+ * NIXL_ERR_BACKEND or NIXL_ERR_REMOTE_DISCONNECT. `mode` is this agent's.
+ */
+export function ucxModeHint(mode: string | undefined): string {
+  return (
+    `agents whose UCX backends run different ucx_error_handling_mode cannot connect (this agent: ${mode ?? 'no UCX backend'}; ` +
+    `NIXL's default and vLLM's agents: peer; UCX logs "${UCX_MISMATCH_LOG}" then): ` +
+    'give both the same, e.g. backendParams { UCX: { ucx_error_handling_mode } }'
+  );
+}
+
+/**
+ * The error of a loadRemoteMD that NIXL's UCX backend failed (NIXL_ERR_BACKEND:
+ * it could not make an endpoint to the peer), naming the setting behind it
+ * between two working peers. Other errors pass through.
+ */
+export function explainLoadFailure(e: unknown, mode: string | undefined): unknown {
+  if (!(e instanceof NixlError) || e.code !== 'NIXL_ERR_BACKEND') return e;
+  return new NixlError(
+    `${e.message}: NIXL's UCX backend could not connect to this peer; ${ucxModeHint(mode)}`,
+    e.code,
+    e.status,
+    {
+      cause: e,
+    },
+  );
+}
+
+/**
+ * Refuses, before loading them, remote ranks that said (nixl-node's v12 key)
+ * they run another ucx_error_handling_mode than this agent: UCX could not
+ * connect the two. Ranks that did not say (vLLM's) pass: a mismatch with them
+ * shows when loading (explainLoadFailure) or not at all on this side.
+ */
+export function checkPeerUcxMode(
+  agent: { engine: string; getBackendParams(backend: string): { params: Record<string, string> } },
+  metas: readonly { engineId: string; nixlNodeUcxErrorHandlingMode?: string }[],
+): void {
+  if (agent.engine !== 'nixl') return;
+  const mine = ucxErrorMode(agent);
+  const theirs = metas.find((m) => m.nixlNodeUcxErrorHandlingMode && m.nixlNodeUcxErrorHandlingMode !== mine);
+  if (mine === undefined || theirs === undefined) return;
+  throw new NixlError(
+    `remote engine '${theirs.engineId}' runs ucx_error_handling_mode ${theirs.nixlNodeUcxErrorHandlingMode}: ${ucxModeHint(mine)}`,
+    'NIXL_ERR_MISMATCH',
+  );
+}
+
 // UCX device names: mlx5_0:1, eth0, bond0.100, ib0; 'all' is UCX's default.
 const NET_DEVICE = /^[A-Za-z0-9_.:-]+$/;
 

@@ -41,6 +41,8 @@ export interface NixlAgentMetadata {
    * or absent otherwise.
    */
   nixlNodeLeaseBoard?: bigint[];
+  /** nixl-node ranks on NIXL only (v12, a key vLLM ignores): their UCX backend's ucx_error_handling_mode. */
+  nixlNodeUcxErrorHandlingMode?: string;
 }
 
 /** What a field means when a format does not carry it (a fresh object each call). */

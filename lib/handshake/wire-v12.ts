@@ -50,6 +50,15 @@ const METADATA: readonly FieldSpec[] = [
   // rank publishes whether it still holds each request's blocks, [address,
   // slots] (lib/kv/lease-board.ts). Absent from vLLM's metadata.
   { key: 'nixl_node_lease_board', prop: 'nixlNodeLeaseBoard', type: 'u64[]', default: [], omitIfDefault: true },
+  // The ucx_error_handling_mode of a nixl-node rank's UCX backend: a peer on
+  // another cannot connect to it (lib/ucx.ts), and says so before loading.
+  {
+    key: 'nixl_node_ucx_error_handling_mode',
+    prop: 'nixlNodeUcxErrorHandlingMode',
+    type: 'str',
+    default: '',
+    omitIfDefault: true,
+  },
 ];
 
 const KV_PARAMS: readonly FieldSpec[] = [

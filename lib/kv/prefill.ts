@@ -16,6 +16,7 @@ import type {
 import { defaultLogger } from '../handshake/types';
 import { encodeAgentMetadata, wireProfile } from '../handshake/wire';
 import { DescList } from '../descriptors';
+import { ucxErrorMode } from '../ucx';
 import { type KvLayout, toAgentMetadata } from './layout';
 import { type LeaseBoard, SlotState, registerBoard } from './lease-board';
 import { notifsToWaitFor } from './tp';
@@ -59,6 +60,8 @@ export async function servePrefill(o: ServePrefillOptions): Promise<HandshakeSer
     const board = leaseBoard
       ? { nixlNodeLeaseBoard: [DescList.from(leaseBoard.mem).addr(0), BigInt(leaseBoard.slots)] }
       : {};
+    const mode = agent.engine === 'nixl' ? ucxErrorMode(agent) : undefined;
+    if (mode !== undefined) Object.assign(board, { nixlNodeUcxErrorHandlingMode: mode });
     return {
       ppRank: layout.ppRank ?? 0,
       tpRank: layout.tpRank,

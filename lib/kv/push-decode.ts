@@ -34,6 +34,7 @@ import {
 } from './push-reg';
 import { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './push-types';
 import { type RemoteEngine, RemoteEngines } from './remote-engines';
+import { ucxErrorMode, ucxModeHint } from '../ucx';
 
 /** Options of a KvPushReceiver. */
 export interface KvPushReceiverOptions {
@@ -74,6 +75,8 @@ interface Waiting {
 }
 
 const WRITE_NOTIF = /^(.+):(\d+)$/s;
+/** The first probe of the prefill's agents after a registration, ms (then doubling; see #probe). */
+const PROBE_FIRST_MS = 100;
 /** What the deadline a nixl-node prefill is told falls short of ours, ms (covers the registration's transit). */
 const DEADLINE_SLACK_MS = 50;
 
@@ -175,6 +178,7 @@ export class KvPushReceiver {
     let registered = false;
     const attempt = this.#engines.attempt(ep);
     let engine: RemoteEngine | undefined;
+    let stopProbe = () => {};
     try {
       engine = await this.#withDeadline(attempt.promise, deadline, opts.signal);
       const expected = expectedWrites(p.ppSize, p.tpSize, this.#o.layout.tpSize);
@@ -184,6 +188,7 @@ export class KvPushReceiver {
       waiting.catch(() => undefined);
       registered = true;
       this.#register(engine, opts.requestId, logical, p, deadline);
+      stopProbe = this.#probe(engine, p.remoteRequestId);
       const w = await waiting;
       return {
         requestId: opts.requestId,
@@ -202,6 +207,7 @@ export class KvPushReceiver {
       this.#gaveUp.set(opts.requestId, until + 10 * this.#leaseMs);
       throw fail(kind, e, until);
     } finally {
+      stopProbe();
       release();
       this.#waiting.get(opts.requestId)?.done(new NixlError('receive ended', 'NIXL_ERR_CANCELED'));
       this.#waiting.delete(opts.requestId);
@@ -428,9 +434,46 @@ export class KvPushReceiver {
     try {
       this.#o.agent.sendNotif(agentName, msg);
       return true;
-    } catch {
+    } catch (e) {
+      if ((e as NixlError).code === 'NIXL_ERR_REMOTE_DISCONNECT') this.#unreachable(agentName, e as NixlError);
       return false;
     }
+  }
+
+  /**
+   * Heartbeats to the prefill's agents soon after the registration (100 ms,
+   * doubling up to the heartbeat interval), which extend its lease as the
+   * periodic ones do. A prefill that could not connect back to us leaves our
+   * endpoint to it failed and will never WRITE: a send then fails the receive
+   * at once (#unreachable), not at its deadline.
+   */
+  #probe(engine: RemoteEngine, remoteRequestId: string): () => void {
+    if (!this.#wire.heartbeats) return () => {};
+    const every = Math.floor(this.#leaseMs / 6);
+    let delay = PROBE_FIRST_MS;
+    let t: NodeJS.Timeout | undefined;
+    const tick = () => {
+      for (const name of engine.agentNames()) this.#send(name, `HB:${remoteRequestId}`);
+      delay *= 2;
+      if (delay < every) t = setTimeout(tick, delay);
+    };
+    t = setTimeout(tick, delay);
+    return () => clearTimeout(t);
+  }
+
+  /** A prefill agent our sends no longer reach: the receives waiting on it fail now. */
+  #unreachable(agentName: string, e: NixlError): void {
+    for (const w of [...this.#waiting.values()])
+      if (w.agents.has(agentName))
+        w.done(
+          new NixlError(
+            `prefill agent '${agentName}' cannot be reached since the registration (${e.message}): it is gone, or it ` +
+              `could not connect back to this agent; ${ucxModeHint(ucxErrorMode(this.#o.agent))}`,
+            'NIXL_ERR_REMOTE_DISCONNECT',
+            undefined,
+            { cause: e },
+          ),
+        );
   }
 
   /** What the receiver holds right now (tests check nothing leaks). */

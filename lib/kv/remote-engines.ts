@@ -2,6 +2,7 @@
 // key (engine-connect.ts), its remote agents loaded once however many keys
 // reach them, and a restarted engine (same engine id, new agents) replacing
 // its older self once that one's transfers end.
+import { checkPeerUcxMode } from '../ucx';
 import { DlistHandle, type NixlAgent } from '../agent';
 import { DescList } from '../descriptors';
 import { NixlError } from '../errors';
@@ -128,6 +129,7 @@ export class RemoteEngines {
     const metas = fetched.map((f) => f.metadata);
     const plans = steps.run('handshake', () => {
       checkAgreement(ep, targets, metas);
+      checkPeerUcxMode(this.#o.agent, metas);
       return geometry ? planPipeline(layout, ep, metas) : [{ tpRatio: 0, replicated: false, reads: [] }];
     });
     // A restarted prefill (same engine id, new agents) replaces what we hold

@@ -10,6 +10,8 @@ export type Sink = {
   chunk(c: Record<string, unknown>): void;
   /** The whole answer (not streamed), or the end of a stream. */
   end(status: number, body?: Record<string, unknown>): void;
+  /** A piece of the answer's text was made, streamed or not (the metrics time tokens by it). */
+  token?(): void;
 };
 
 /** What a request's front passes besides its body. */
@@ -38,7 +40,7 @@ export interface FrontHandler {
   /** Why the worker cannot serve right now (its model cannot make a context), or undefined. */
   unhealthy(): string | undefined;
   /** Counters the fronts add to. */
-  readonly stats: { repliesDropped: number };
+  readonly stats: { repliesDropped: number; messagesDropped: number };
   /** Frees the blocks a prefilled request holds (the proxy says its decode will not read them). */
   releaseHold(remoteRequestId: unknown): boolean;
   /** Frees the holds of a request by the proxy's request id (its prefill answer may not have arrived). */
@@ -55,4 +57,11 @@ export interface FrontHandler {
   ): Promise<void>;
   /** Counts a failed request; the error as the front answers it. */
   failed(e: unknown): HttpError;
+  /** GET /metrics: Prometheus text; undefined without prom-client. */
+  readonly metrics?: {
+    /** The exposition text and its content type. */
+    scrape(): Promise<{ contentType: string; text: string }>;
+  };
+  /** Every name it serves under (vLLM --served-model-name); modelId is the first. */
+  readonly servedModelNames?: readonly string[];
 }

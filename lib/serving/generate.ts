@@ -146,7 +146,7 @@ export async function handleGenerate(
   } catch (e) {
     throw e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
   }
-  if (typeof body.model === 'string' && body.model !== w.modelId)
+  if (typeof body.model === 'string' && !(w.servedModelNames ?? [w.modelId]).includes(body.model))
     throw new HttpError(404, `The model \`${body.model.slice(0, 200)}\` does not exist.`, 'NotFoundError');
   const tok = w.model.tokenizer;
   if (!tok) throw new HttpError(400, `model ${w.modelId} has no tokenizer: token ids are not supported`);

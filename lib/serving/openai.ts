@@ -25,6 +25,27 @@ export function usageBody(u: Usage): Record<string, number> {
   return { prompt_tokens: u.prompt, completion_tokens: u.completion, total_tokens: u.prompt + u.completion };
 }
 
+/**
+ * The id of an answer to request `requestId`, as OpenAI and vLLM give it:
+ * chatcmpl-... for chat, cmpl-... for completions (vLLM: the prefix, then
+ * the X-Request-Id it was given). @internal
+ */
+export function responseId(requestId: string, chat: boolean): string {
+  return `${chat ? 'chatcmpl' : 'cmpl'}-${requestId}`;
+}
+
+/**
+ * The proxy's answer to a client that sent its own X-Request-Id: the same
+ * answer, its id made of the client's (the workers were given the proxy's
+ * own id, unique in flight). @internal
+ */
+export function withClientId<T>(body: T, clientId: string | undefined): T {
+  const b = body as Record<string, unknown> | undefined;
+  if (clientId === undefined || typeof b?.id !== 'string') return body;
+  const m = /^(chatcmpl|cmpl)-/.exec(b.id);
+  return m ? ({ ...b, id: `${m[1]}-${clientId}` } as T) : body;
+}
+
 /** A whole answer: chat.completion or text_completion. @internal */
 export function completionBody(
   id: string,
@@ -35,6 +56,7 @@ export function completionBody(
   usage: Usage,
 ): Record<string, unknown> {
   const created = Math.floor(Date.now() / 1000);
+  id = responseId(id, chat);
   return chat
     ? {
         id,
@@ -63,6 +85,7 @@ export function chunkBody(
   text: string,
   finish: string | null,
 ): Record<string, unknown> {
+  id = responseId(id, chat);
   return chat
     ? {
         id,

@@ -59,6 +59,19 @@ export function encodeMessage(tag: Tag, body: ZmqRequest | ZmqReply): [Buffer, B
   return [Buffer.from(tag, 'ascii'), packr.pack(body)];
 }
 
+/** A msgpack map, or undefined for anything else (bytes msgpack cannot read, an array, a scalar). */
+export function unpackMap(frame: Buffer): Record<string, unknown> | undefined {
+  let v: unknown;
+  try {
+    v = packr.unpack(frame);
+  } catch {
+    return undefined;
+  }
+  return typeof v === 'object' && v !== null && !Array.isArray(v) && !Buffer.isBuffer(v)
+    ? (v as Record<string, unknown>)
+    : undefined;
+}
+
 /** Reads a two-frame message; anything else is an Error with a message. */
 export function decodeMessage(frames: Buffer[]): { tag: Tag; body: Record<string, unknown> } {
   if (frames.length !== 2) throw new Error(`expected 2 frames (tag, msgpack map), got ${frames.length}`);
@@ -81,8 +94,9 @@ export class SerialSender {
 
   constructor(readonly socket: { send(frames: Buffer[]): Promise<void>; close(): void }) {}
 
-  send(frames: Buffer[]): Promise<void> {
-    const p = this.#tail.then(() => this.socket.send(frames));
+  /** Sends after the sends before it; `skip`, asked then, withholds this one (it rejects). */
+  send(frames: Buffer[], skip?: () => boolean): Promise<void> {
+    const p = this.#tail.then(() => (skip?.() ? Promise.reject(new Error('withheld')) : this.socket.send(frames)));
     this.#tail = p.catch(() => {});
     return p;
   }

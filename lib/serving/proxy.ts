@@ -4,7 +4,7 @@
 // max_tokens 1), then a decode worker with the kv_transfer_params the prefill
 // returned, and passes the decode's answer back, streamed (SSE) or not.
 import { randomUUID } from 'node:crypto';
-import * as http from 'node:http';
+import type * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { WireName } from '../handshake/model';
 import { parseKvTransferParams, prefillRequestParams, wireProfile } from '../handshake/wire';
@@ -17,7 +17,9 @@ import { checkRequestBody, compileBodySchemas } from './request-checks';
 import { API_ROUTES, PROXY_ROUTES, routeMiss } from './routes';
 import { GENERATE_PATH, generateDecodeBody, generatePrefillBody } from './generate';
 import { HttpError, hasImages, readJson } from './http';
-import { ModelNotFound, errorBody, modelNotFoundBody } from './openai';
+import { createLimitedServer } from './http-server';
+import { ModelNotFound, errorBody, modelNotFoundBody, withClientId } from './openai';
+import { ProxyMetrics } from './proxy-metrics';
 import { NixlError } from '../errors';
 import { checkWorkerAddress } from './addresses';
 import { StageTimeout } from './stage-signal';
@@ -66,6 +68,8 @@ export interface ProxyOptions {
   zmqReplyAddr?: string;
   /** A request whose headers and body have not all arrived by then is cut (default 30 s). */
   requestTimeoutMs?: number;
+  /** Open client connections at most (default 4096; lib/serving/http-server.ts). */
+  maxConnections?: number;
   /**
    * Where the proxy logs (pino, or anything with its `(fields, message)`
    * methods): a line per request, and one when a worker goes unhealthy, is
@@ -82,16 +86,6 @@ export interface ProxyOptions {
 }
 
 const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
-
-/** prom-client, when installed (an optional peer dependency). */
-type Prom = typeof import('prom-client');
-function loadProm(): Prom | undefined {
-  try {
-    return require('prom-client') as Prom;
-  } catch {
-    return undefined;
-  }
-}
 
 class StageFailure extends Error {
   constructor(
@@ -146,13 +140,9 @@ export class ServingProxy {
   fleet?: FleetDiscovery;
   /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
   readonly #affinity = new Map<string, string>();
-  readonly #prom?: {
-    registry: import('prom-client').Registry;
-    requests: import('prom-client').Counter<string>;
-    stageSeconds: import('prom-client').Histogram<string>;
-    inflight: import('prom-client').Gauge<string>;
-    healthy: import('prom-client').Gauge<string>;
-  };
+  readonly #prom = ProxyMetrics.create();
+  /** The X-Request-Id a client sent, by our request id: its answer's id is made of it. */
+  readonly #clientIds = new Map<string, string>();
 
   constructor(o: ProxyOptions) {
     this.#o = o;
@@ -170,50 +160,10 @@ export class ServingProxy {
       decode: new WorkerPool('decode', checked('decode', o.decode), policy, o.routing),
     };
     this.#transport = kind === 'zmq' ? new ZmqTransport() : new HttpTransport();
-    const requestTimeout = o.requestTimeoutMs ?? 30_000;
-    this.#server = http.createServer(
-      // A body that trickles in is cut after requestTimeout (checked every
-      // second); streaming answers are not bounded by it.
-      { requestTimeout, headersTimeout: Math.min(requestTimeout, 10_000), connectionsCheckingInterval: 1000 },
+    this.#server = createLimitedServer(
+      { requestTimeoutMs: o.requestTimeoutMs ?? 30_000, maxConnections: o.maxConnections },
       (req, res) => void this.#onRequest(req, res),
     );
-    this.#server.on('clientError', (e: Error & { code?: string }, socket) => {
-      // Headers past Node's limit (16 KiB) are 431, as Node itself answers; anything else unparsable is 400.
-      const status = e.code === 'HPE_HEADER_OVERFLOW' ? '431 Request Header Fields Too Large' : '400 Bad Request';
-      if (socket.writable) socket.end(`HTTP/1.1 ${status}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n`);
-      else socket.destroy();
-    });
-    const prom = loadProm();
-    if (prom) {
-      const registry = new prom.Registry();
-      this.#prom = {
-        registry,
-        requests: new prom.Counter({
-          name: 'nixl_node_proxy_requests_total',
-          help: 'Requests by route and status',
-          labelNames: ['route', 'status'],
-          registers: [registry],
-        }),
-        stageSeconds: new prom.Histogram({
-          name: 'nixl_node_proxy_stage_seconds',
-          help: 'Time of each stage, to the answer (decode: to the first byte)',
-          labelNames: ['stage', 'outcome'],
-          buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
-          registers: [registry],
-        }),
-        inflight: new prom.Gauge({
-          name: 'nixl_node_proxy_inflight_requests',
-          help: 'Requests in flight',
-          registers: [registry],
-        }),
-        healthy: new prom.Gauge({
-          name: 'nixl_node_proxy_worker_healthy',
-          help: '1 when a worker passes its health check',
-          labelNames: ['stage', 'worker'],
-          registers: [registry],
-        }),
-      };
-    }
     if (o.etcd) this.fleet = new FleetDiscovery(this.pools, kind, o.etcd, this.#prom?.registry, this.#log);
   }
 
@@ -298,9 +248,10 @@ export class ServingProxy {
 
   async #onRequest(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
     const path = (req.url ?? '').split('?')[0];
-    // Our own id goes to the workers; the client's is only a label, given
-    // back as it came (it never reaches a notification, where 'HB:...' or ','
-    // would change what the prefill reads).
+    // Our own id goes to the workers (unique in flight: prefills free holds
+    // by it); the client's is a label, given back as it came in the header
+    // and the answer's id (it never reaches a notification, where 'HB:...'
+    // or ',' would change what the prefill reads).
     const incoming = req.headers['x-request-id'];
     const requestId = randomUUID();
     const label = typeof incoming === 'string' && REQUEST_ID.test(incoming) ? incoming : requestId;
@@ -391,6 +342,8 @@ export class ServingProxy {
       },
     });
     this.#traces.set(requestId, span.context);
+    if (label !== requestId) this.#clientIds.set(requestId, label);
+    this.#prom?.timeAnswer(path, res);
     const key = this.pools.prefill.policy === 'load' ? affinityKey(body, this.#o.routing) : undefined;
     if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
@@ -438,6 +391,7 @@ export class ServingProxy {
       this.#inflight.delete(ac);
       this.#prom?.inflight.dec();
       this.#traces.delete(requestId);
+      this.#clientIds.delete(requestId);
       this.#affinity.delete(requestId);
       span.setAttribute('http.response.status_code', status);
       span.end();
@@ -525,13 +479,14 @@ export class ServingProxy {
       }
     }
     const a = dec.answer;
+    const clientId = this.#clientIds.get(requestId);
     if (!a.chunks) {
-      send(a.status, a.json);
+      send(a.status, withClientId(a.json, clientId));
       return;
     }
     res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache', connection: 'keep-alive' });
     try {
-      for await (const c of a.chunks) res.write(`data: ${JSON.stringify(c)}\n\n`);
+      for await (const c of a.chunks) res.write(`data: ${JSON.stringify(withClientId(c, clientId))}\n\n`);
     } catch (e) {
       if (signal.aborted) throw e;
       // Mid-stream: the status line is gone; say so in the stream, then end it.

@@ -24,17 +24,18 @@ const API: Array<[string, Route]> = [
   [GENERATE_PATH, { methods: POST, body: 'generate-request' }],
   ['/v1/models', GET],
   ['/health', GET],
+  ['/metrics', GET],
 ];
 
 /** The API's POST routes: what the proxy sends on to workers. */
 export const API_ROUTES: ReadonlySet<string> = new Set(API.filter(([, r]) => r.methods === POST).map(([p]) => p));
-/** A worker's routes: the API, and the proxy's KV release. */
+/** A worker's routes: the API, Prometheus' /metrics, and the proxy's KV release. */
 export const WORKER_ROUTES: RouteTable = new Map([
   ...API,
   ['/v1/kv/release', { methods: POST, body: 'kv-release-request' }],
 ]);
-/** The proxy's routes: the API, and Prometheus' /metrics. */
-export const PROXY_ROUTES: RouteTable = new Map([...API, ['/metrics', GET]]);
+/** The proxy's routes: the API and Prometheus' /metrics. */
+export const PROXY_ROUTES: RouteTable = new Map(API);
 
 /** What to answer instead of serving, or undefined when `method` serves `path`. */
 export function routeMiss(

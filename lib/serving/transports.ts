@@ -236,6 +236,8 @@ export class ZmqTransport implements WorkerTransport {
   readonly #push = new Map<string, { sender: SerialSender; connected: Promise<boolean> }>();
   readonly #pending = new Map<string, Pending>();
   replyAddress = '';
+  /** Replies dropped because they could not be read (not two frames, not a msgpack map, no msg_id). */
+  repliesDropped = 0;
   #closed = false;
 
   /** Binds the PULL socket workers answer on. */
@@ -258,7 +260,7 @@ export class ZmqTransport implements WorkerTransport {
         const { tag, body } = decodeMessage(frames);
         this.#pending.get(body.msg_id as string)?.push(tag, body);
       } catch {
-        /* garbage from a worker: dropped */
+        this.repliesDropped++; // garbage from a worker (or whoever reached this socket)
       }
     }
   }

@@ -2,12 +2,13 @@
 // /v1/chat/completions (JSON or SSE), /v1/models, /health, and
 // /v1/kv/release for the proxy.
 import { randomUUID } from 'node:crypto';
-import * as http from 'node:http';
+import type * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { KvBusy } from './blocks';
 import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
+import { createLimitedServer } from './http-server';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
 import { checkRequestBody } from './request-checks';
 import { WORKER_ROUTES, routeMiss } from './routes';
@@ -22,15 +23,7 @@ export interface HttpFrontOptions {
 
 /** Listens; resolves with the server and its base URL. */
 export async function serveHttp(w: FrontHandler, o: HttpFrontOptions): Promise<{ server: http.Server; url: string }> {
-  const server = http.createServer(
-    // A body that trickles in is cut after requestTimeout, checked every second.
-    {
-      requestTimeout: o.requestTimeoutMs,
-      headersTimeout: Math.min(o.requestTimeoutMs, 10_000),
-      connectionsCheckingInterval: 1000,
-    },
-    (req, res) => void onRequest(w, o, req, res),
-  );
+  const server = createLimitedServer(o, (req, res) => void onRequest(w, o, req, res));
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject);
     server.listen(o.port, o.host, () => resolve());
@@ -61,7 +54,8 @@ async function onRequest(
       ...w.healthInfo(),
     });
   }
-  if (path === '/v1/models') return json(200, modelList([w.modelId]));
+  if (path === '/v1/models') return json(200, modelList(w.servedModelNames ?? [w.modelId]));
+  if (path === '/metrics') return serveMetrics(w, res, json);
   if (path === '/v1/kv/release') {
     try {
       const b = await readJson(req, 4096);
@@ -114,4 +108,16 @@ async function onRequest(
       h instanceof KvBusy ? { 'retry-after': h.retryAfterS } : {},
     );
   }
+}
+
+/** GET /metrics: vLLM's series and nixl-node's (vllm-metrics.ts); 501 naming the package without prom-client. */
+async function serveMetrics(
+  w: FrontHandler,
+  res: http.ServerResponse,
+  json: (status: number, body: unknown) => void,
+): Promise<void> {
+  const m = await w.metrics?.scrape();
+  if (!m) return json(501, errorBody('/metrics needs prom-client: npm install prom-client@15', 'not_implemented'));
+  res.writeHead(200, { 'content-type': m.contentType });
+  res.end(m.text);
 }

@@ -59,11 +59,16 @@ import { type FleetJoinOptions, FleetRegistration } from './fleet/registry';
 import { DEFAULT_TURN_TTL_MS, namesPreviousTurn } from '../kv/turn-params';
 import { DEFAULT_REUSE_HANDSHAKE_MS, type HeldTurn, type Reuse, TurnKv } from './turns';
 import { type KvMode, PushServing, pushBinding, pushHash } from './push-serving';
+import { WorkerMetrics } from './vllm-metrics';
 
 /** Options of a worker. */
 /** kvWaitMs, kvQueueMax: how long and how many requests wait for KV blocks when the cache is full (blocks.ts). */
 export interface WorkerOptions extends BlockQueueOptions {
   name?: string;
+  /** The names it answers to (vLLM --served-model-name); the first is the one it reports. Default: the model's. */
+  servedModelNames?: string[];
+  /** Interface of the side channel (vLLM VLLM_NIXL_SIDE_CHANNEL_HOST; default: host). */
+  sideChannelHost?: string;
   transport?: 'http' | 'zmq';
   /** HTTP: interface and port of the API (default 127.0.0.1, any free port). */
   host?: string;
@@ -180,6 +185,8 @@ export interface WorkerStats {
   failedPushes: number;
   /** ZeroMQ: answers dropped because their reply_to is not an address a PUSH socket can connect to. */
   repliesDropped: number;
+  /** ZeroMQ: messages dropped unanswered: unreadable (not two frames, not a msgpack map) or with no usable reply_to. */
+  messagesDropped: number;
   /** Time spent taking KV out of the model into blocks (prefill), pulling it (decode), putting it back in (decode), ms. */
   kvSaveMs: number;
   kvPullMs: number;
@@ -216,6 +223,7 @@ export class Worker implements FrontHandler {
     abortedHolds: 0,
     failedPushes: 0,
     repliesDropped: 0,
+    messagesDropped: 0,
     kvSaveMs: 0,
     kvPullMs: 0,
     kvLoadMs: 0,
@@ -260,6 +268,8 @@ export class Worker implements FrontHandler {
   fleet?: FleetRegistration;
   /** Bidirectional KV: turns held here and read from elsewhere (bidirectionalKv). */
   readonly turns?: TurnKv;
+  /** GET /metrics: vLLM's Prometheus series and nixl-node's; undefined without prom-client. @internal */
+  readonly metrics?: WorkerMetrics;
 
   /** A worker around a loaded model (startWorker loads it from the options). */
   constructor(o: WorkerOptions, model: ServingModel = new SyntheticModel(DEFAULT_MODEL)) {
@@ -316,6 +326,8 @@ export class Worker implements FrontHandler {
       unrecognized: () => {},
       lateRead: () => this.stats.lateReads++,
     });
+    const active = () => this.#active;
+    this.metrics = WorkerMetrics.create(this.modelId, this.#puller, this.#tracker, this.#blocks, this.stats, active);
     const share = o.heldTurnsShare ?? 0.5; // checked by startWorker
     if (o.bidirectionalKv)
       this.turns = new TurnKv({
@@ -343,7 +355,12 @@ export class Worker implements FrontHandler {
 
   /** The model's name in answers and /v1/models. */
   get modelId(): string {
-    return this.model.id;
+    return this.servedModelNames[0];
+  }
+
+  /** Every name it answers to. */
+  get servedModelNames(): readonly string[] {
+    return this.#o.servedModelNames?.length ? this.#o.servedModelNames : [this.model.id];
   }
 
   /** What /health (and a ZeroMQ HEALTH reply) says: the proxy pairs workers and checks max_tokens by it. */
@@ -351,7 +368,7 @@ export class Worker implements FrontHandler {
     const len = this.model.contextSize;
     return {
       name: this.name,
-      model: this.model.id,
+      model: this.modelId,
       ...(len ? { max_model_len: len } : {}),
       free_blocks: this.freeBlocks,
       num_requests_waiting: this.#blocks.waiting,
@@ -425,11 +442,12 @@ export class Worker implements FrontHandler {
   /** Serves: the side channel, then the HTTP or ZeroMQ front. */
   async start(): Promise<this> {
     const host = this.#o.host ?? '127.0.0.1';
+    const sideHost = this.#o.sideChannelHost ?? host;
     this.#side = await servePrefill({
       ranks: [{ agent: this.#agent, layout: this.#layout, leaseBoard: this.#tracker.board }],
       compatibilityHash:
         this.#o.kvMode === 'push' ? pushHash(this.model.compatibilityHash) : this.model.compatibilityHash,
-      host,
+      host: sideHost,
       port: this.#o.sideChannelPort ?? 0,
       wire: this.#o.wire,
       logger: { warn() {} },
@@ -441,7 +459,7 @@ export class Worker implements FrontHandler {
         agent: this.#agent,
         layout: this.#layout,
         hash: pushHash(this.model.compatibilityHash),
-        host,
+        host: sideHost,
         port: this.#side.basePort,
         wire: this.#o.wire,
         leaseMs: this.#o.leaseMs,
@@ -514,7 +532,7 @@ export class Worker implements FrontHandler {
     const t0 = performance.now();
     const fields = () => ({ request_id: requestId, route: path, ms: Math.round(performance.now() - t0) });
     try {
-      await this.#serve(path, body, requestId, signal, sink, span, hints);
+      await this.#serve(path, body, requestId, signal, this.metrics?.track(sink) ?? sink, span, hints);
       log.debug({ ...fields(), status: 200 }, 'request');
     } catch (e) {
       const h = asHttpError(e, signal);
@@ -542,20 +560,22 @@ export class Worker implements FrontHandler {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
     checkRequestBody(WORKER_ROUTES, path, body, 'worker');
-    if (typeof body.model === 'string' && body.model !== this.model.id)
-      throw new ModelNotFound(body.model, [this.model.id]);
+    if (typeof body.model === 'string' && !this.servedModelNames.includes(body.model))
+      throw new ModelNotFound(body.model, this.servedModelNames);
+    // The name asked for, when it is one of ours (as vLLM answers).
+    const modelName = typeof body.model === 'string' ? body.model : this.modelId;
     const req = generationRequest(path, body);
     // A decode's model makes the answered turn's KV as it decodes (GGUF), for TurnKv.keep.
     if (this.turns) req.keepTurn = true;
     const reserve = Number(hints.decodeMaxTokens);
     if (Number.isSafeInteger(reserve) && reserve > 0) req.decodeMaxTokens = reserve;
     const kvp = body.kv_transfer_params as Record<string, unknown> | undefined;
-    const answer = new Answer(requestId, this.model.id, req.chat, body, sink);
+    const answer = new Answer(requestId, modelName, req.chat, body, sink);
 
     if (countImages(body) > 0 && kvp === undefined) {
       span.setAttribute('nixl_node.role', 'encode');
       this.stats.encodes++;
-      sink.end(200, { id: requestId, object: 'encode', model: this.model.id, mm_items: countImages(body) });
+      sink.end(200, { id: requestId, object: 'encode', model: modelName, mm_items: countImages(body) });
       return;
     }
     const known = this.model.blocksFor(req);
@@ -969,6 +989,7 @@ export class Worker implements FrontHandler {
     // Out of the fleet first, then what is in progress (and KV held for a decode) finishes.
     await this.fleet?.leave(() => this.#active === 0 && this.#held.size === 0);
     this.#blocks.close();
+    this.metrics?.close();
     this.#zmq?.close();
     if (this.#http) {
       this.#http.closeAllConnections();
@@ -1084,6 +1105,7 @@ class Answer {
   readonly text = (t: string): void => {
     if (t.length === 0) return;
     this.whole += t;
+    this.sink.token?.();
     if (!this.#stream) {
       this.#text += t;
       return;

@@ -152,6 +152,7 @@ class NixlEngine final : public Engine {
     nixlBackendH* h = nullptr;
     check(agent_.createBackend(plugin, p, h), ("createBackend(" + plugin + ")").c_str());
     backends_[plugin] = h;
+    hasBackend_.store(true, std::memory_order_release);
   }
 
   std::vector<std::string> getBackends() override {
@@ -603,6 +604,9 @@ class NixlEngine final : public Engine {
   }
 
   bool drainNotifs() {
+    // NIXL logs an error for each getNotifs while the agent has no backend,
+    // and this thread starts before NixlAgent creates the first one.
+    if (!hasBackend_.load(std::memory_order_acquire)) return false;
     nixl_notifs_t got;
     if (agent_.getNotifs(got) != NIXL_SUCCESS || got.empty()) return false;
     bool any = false;
@@ -761,6 +765,7 @@ class NixlEngine final : public Engine {
   bool wake_ = false;
   bool stopping_ = false;
   std::atomic<bool> notifWatched_{false};
+  std::atomic<bool> hasBackend_{false};  // set by createBackend, read by the poller
   std::thread poller_;
 
   std::mutex nMu_;

@@ -4,55 +4,15 @@
 // prefill WRITEing into a nixl-node decode. Skipped, saying why, without an
 // addon built against NIXL or without Python's nixl_cu12, msgpack and zmq
 // (CI has no NIXL; `. ENV.sh` of a NIXL install provides them here).
-import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import * as path from 'node:path';
 import { afterEach, describe, expect, it } from 'vitest';
-import { KvPushReceiver, KvPushSender, NixlAgent, allocate, engines, servePrefill, type KvLayout } from '../../lib';
+import { KvPushReceiver, KvPushSender, NixlAgent, allocate, servePrefill, type KvLayout } from '../../lib';
 import type { HandshakeServer } from '../../lib/handshake';
-import { FIXTURES } from '../helpers';
+import { pyPeer as peer, pythonNixlMissing } from './nixl-py-peer';
 import { BLOCKS, BLOCK, PUSH_HASH, REGIONS, blockOf, fill, quiet, rankLayout } from './push-helpers';
 
-const PY = '/usr/bin/python3';
-const SCRIPT = path.join(FIXTURES, 'vllm_nixl_push_peer.py');
-
-function missing(): string | undefined {
-  if (!engines.includes('nixl')) return 'the addon was built without NIXL';
-  try {
-    execFileSync(PY, ['-c', 'import nixl_cu12, msgpack, zmq'], { stdio: 'pipe', timeout: 60_000 });
-  } catch {
-    return `${PY} cannot import nixl_cu12, msgpack and zmq (source a NIXL install's environment)`;
-  }
-  return undefined;
-}
-const why = missing();
+const why = pythonNixlMissing();
 if (why) console.warn(`push interop over NIXL skipped: ${why}`);
-
-/** A Python peer; `lines` holds its stdout so far, `line(re)` waits for a line matching re. */
-function peer(args: string[]) {
-  const p: ChildProcess = spawn(PY, [SCRIPT, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
-  let out = '';
-  let err = '';
-  const exited = new Promise<number | null>((r) => p.on('exit', (c) => r(c)));
-  p.stdout!.on('data', (d) => (out += d));
-  p.stderr!.on('data', (d) => (err += d));
-  const line = async (re: RegExp, ms = 20_000): Promise<RegExpMatchArray> => {
-    const end = Date.now() + ms;
-    for (;;) {
-      const m = out
-        .split('\n')
-        .map((l) => l.match(re))
-        .find(Boolean);
-      if (m) return m;
-      if (Date.now() > end || p.exitCode !== null)
-        throw new Error(`python peer: no ${re} (exit ${p.exitCode})\n${out}\n${err.slice(-2000)}`);
-      await new Promise((r) => setTimeout(r, 20));
-    }
-  };
-  const digests = () =>
-    new Map([...out.matchAll(/^BLOCK (\d+) (\d+) ([0-9a-f]{64})$/gm)].map((m) => [`${m[1]}/${m[2]}`, m[3]]));
-  return { p, line, exited, digests, output: () => `${out}\n${err.slice(-2000)}` };
-}
 
 const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
 

@@ -192,9 +192,10 @@ describe('unknown paths and wrong methods (issue 44)', () => {
         expect(e.message).toContain(allow);
       }
     }
-    // /metrics is the proxy's (Prometheus); a worker has none.
-    expect((await fetch(`${decode.address}/metrics`)).status).toBe(404);
-    expect((await fetch(`${proxy.url}/metrics`, { method: 'POST' })).headers.get('allow')).toBe('GET');
+    // /metrics (Prometheus) is served by both, on GET only.
+    expect((await fetch(`${decode.address}/metrics`)).status).toBe(200);
+    for (const base of [decode.address, proxy.url])
+      expect((await fetch(`${base}/metrics`, { method: 'POST' })).headers.get('allow')).toBe('GET');
   });
 });
 
