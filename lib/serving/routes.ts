@@ -60,3 +60,32 @@ export function routeMiss(
     headers: { allow: allowed.join(', ') },
   };
 }
+
+/** What a front answers a request with when its route table has no handler for it: 404 or 405. */
+export type RouteMiss = NonNullable<ReturnType<typeof routeMiss>>;
+
+/**
+ * A front's route table bound to its handlers, one per path: the one place
+ * a front goes from method and path to what serves it (or the 404/405 both
+ * fronts give). Built as the front starts: a path with no handler, or a
+ * handler for a path the table lacks, fails there, not on a request.
+ */
+export class Router<H> {
+  readonly #handlers: ReadonlyMap<string, H>;
+
+  constructor(
+    readonly routes: RouteTable,
+    handlers: Readonly<Record<string, H>>,
+  ) {
+    for (const p of routes.keys()) if (!Object.hasOwn(handlers, p)) throw new Error(`no handler for the route ${p}`);
+    for (const p of Object.keys(handlers)) if (!routes.has(p)) throw new Error(`a handler for ${p}, not in the routes`);
+    this.#handlers = new Map(Object.entries(handlers));
+  }
+
+  /** The handler that serves `method` on `path`, or the answer instead. */
+  find(method: string | undefined, path: string): { handler: H; route: Route } | { miss: RouteMiss } {
+    const miss = routeMiss(this.routes, method, path);
+    if (miss) return { miss };
+    return { handler: this.#handlers.get(path)!, route: this.routes.get(path)! };
+  }
+}

@@ -11,7 +11,7 @@ import { HttpError, readJson } from './http';
 import { createLimitedServer } from './http-server';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
 import { checkRequestBody } from './request-checks';
-import { WORKER_ROUTES, routeMiss } from './routes';
+import { Router, WORKER_ROUTES } from './routes';
 
 export interface HttpFrontOptions {
   host: string;
@@ -31,6 +31,33 @@ export async function serveHttp(w: FrontHandler, o: HttpFrontOptions): Promise<{
   return { server, url: `http://${o.host}:${(server.address() as AddressInfo).port}` };
 }
 
+/** One request as the worker's route handlers take it. */
+interface Call {
+  w: FrontHandler;
+  o: HttpFrontOptions;
+  req: http.IncomingMessage;
+  res: http.ServerResponse;
+  path: string;
+  json(status: number, body: unknown, more?: Record<string, string | number>): void;
+}
+
+const router = new Router<(c: Call) => unknown>(WORKER_ROUTES, {
+  '/health': ({ w, json }) => {
+    const sick = w.unhealthy();
+    json(sick ? 503 : 200, {
+      status: sick ? 'unavailable' : 'ok',
+      ...(sick ? { reason: sick } : {}),
+      ...w.healthInfo(),
+    });
+  },
+  '/v1/models': ({ w, json }) => json(200, modelList(w.servedModelNames ?? [w.modelId])),
+  '/metrics': ({ w, res, json }) => serveMetrics(w, res, json),
+  '/v1/kv/release': release,
+  '/v1/completions': api,
+  '/v1/chat/completions': api,
+  [GENERATE_PATH]: api,
+});
+
 async function onRequest(
   w: FrontHandler,
   o: HttpFrontOptions,
@@ -44,30 +71,27 @@ async function onRequest(
     res.end(text);
   };
   const path = (req.url ?? '').split('?')[0];
-  const miss = routeMiss(WORKER_ROUTES, req.method, path);
-  if (miss) return json(miss.status, miss.body, miss.headers);
-  if (path === '/health') {
-    const sick = w.unhealthy();
-    return json(sick ? 503 : 200, {
-      status: sick ? 'unavailable' : 'ok',
-      ...(sick ? { reason: sick } : {}),
-      ...w.healthInfo(),
-    });
+  const found = router.find(req.method, path);
+  if ('miss' in found) return json(found.miss.status, found.miss.body, found.miss.headers);
+  await found.handler({ w, o, req, res, path, json });
+}
+
+/** POST /v1/kv/release: the proxy frees a prefill's hold. */
+async function release({ w, req, path, json }: Call): Promise<void> {
+  try {
+    const b = await readJson(req, 4096);
+    checkRequestBody(WORKER_ROUTES, path, b, 'worker');
+    if (b.remote_request_id === undefined && b.request_id !== undefined)
+      return json(200, { released: w.releaseRequest(b.request_id) > 0 });
+    return json(200, { released: w.releaseHold(b.remote_request_id) });
+  } catch (e) {
+    const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
+    return json(h.status, errorBody(h.message, h.code, h.details));
   }
-  if (path === '/v1/models') return json(200, modelList(w.servedModelNames ?? [w.modelId]));
-  if (path === '/metrics') return serveMetrics(w, res, json);
-  if (path === '/v1/kv/release') {
-    try {
-      const b = await readJson(req, 4096);
-      checkRequestBody(WORKER_ROUTES, path, b, 'worker');
-      if (b.remote_request_id === undefined && b.request_id !== undefined)
-        return json(200, { released: w.releaseRequest(b.request_id) > 0 });
-      return json(200, { released: w.releaseHold(b.remote_request_id) });
-    } catch (e) {
-      const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
-      return json(h.status, errorBody(h.message, h.code, h.details));
-    }
-  }
+}
+
+/** The API's POST routes: the request through the worker, JSON or SSE. */
+async function api({ w, o, req, res, path, json }: Call): Promise<void> {
   const ac = new AbortController();
   res.on('close', () => {
     if (!res.writableFinished) ac.abort();
