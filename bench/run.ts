@@ -20,6 +20,7 @@ import { benchMultiturn } from './multiturn';
 import { benchMultiturnGguf } from './multiturn-gguf';
 import { benchDemo, DEMO_ROW, type DemoRow, type DemoRun } from './demo';
 import { benchPush } from './push';
+import { benchLayerwise, LAYERS, type LayerwiseRow } from './layerwise';
 import { modelPath } from '../lib/serving/models/test-models';
 import { fmtBytes, median } from './stats';
 import { barChart, type Panel } from './svg';
@@ -39,6 +40,7 @@ export const SECTIONS = [
   'fleet',
   'prefix',
   'grid',
+  'layerwise',
   'demo',
 ];
 /** What runs when no section is named: all but the grid, the GGUF fleet and the demo (minutes each). */
@@ -411,6 +413,32 @@ export async function runBench(o: BenchOptions): Promise<void> {
     result.grid = g.rows;
     result.gridCold = g.cold;
     result.gridOptions = grid;
+  }
+
+  if (only.includes('layerwise')) {
+    const rounds = quick ? 15 : 41;
+    const sizes = quick
+      ? [4 << 10, 64 << 10].map((blockBytes) => ({ blockBytes, blocksPerLayer: 8 }))
+      : [4 << 10, 16 << 10, 64 << 10, 256 << 10].map((blockBytes) => ({ blockBytes, blocksPerLayer: 8 }));
+    console.log(
+      `\n# Layer-wise KV pull: ${LAYERS} layers from another process, one request per layer posted as each layer is marked ready, against the same bytes in one request; ${rounds} rounds alternating; ratio = layer-wise / one-request time (goal <= 1.2)`,
+    );
+    const rows: LayerwiseRow[] = [];
+    for (const e of runEngines) rows.push(...(await benchLayerwise(e, rounds, sizes)));
+    table(
+      ['engine', 'block', 'blocks/layer', 'bytes', 'one request us', 'layer-wise us', 'ratio', 'ratio range'],
+      rows.map((r) => [
+        r.engine,
+        fmtBytes(r.blockBytes),
+        r.blocksPerLayer,
+        fmtBytes(r.bytes),
+        r.oneRequestUs,
+        r.layerwiseUs,
+        r.ratio,
+        `${r.ratioRange[0].toFixed(2)}-${r.ratioRange[1].toFixed(2)}`,
+      ]),
+    );
+    result.layerwise = rows;
   }
 
   if (only.includes('fleet')) {

@@ -24,6 +24,7 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
                    fleet: the proxy's 'load' policy against round-robin on synthetic workers;
                    prefix: the same with GGUF prefills reusing cached prefixes, minutes: ask for it;
                    grid: nixlbench's shape, READ and WRITE over block x batch sizes, minutes: ask for it;
+                   layerwise: a 32-layer KV pull, one request per layer against one request;
                    demo: nixl-node demo as a child process against the same pulls in one process,
                    3 runs (--quick: 1), a minute or more: ask for it)
   grid, with nixlbench's option names and defaults (--quick: steps of 4, 100 iterations, 10 warm-up):

@@ -34,7 +34,27 @@ export interface AgentOptions {
   listenPort?: number;
   /** @internal Tests: the loopback worker waits this long before each transfer. */
   testDelayUs?: number;
+  /**
+   * Transfers of at most this many bytes are posted on the calling thread,
+   * as NIXL's Python API posts: a copy this small costs less than the hop to
+   * the engine's thread and the completion's way back, and one that finishes
+   * inside the post (UCX's cma on one host, the loopback engine) is DONE when
+   * transfer() returns, with no event to wait for. Larger transfers go through
+   * the engine's thread, so a long copy never blocks the event loop. Only a
+   * transfer with nothing posted before it still queued is posted inline (no
+   * transfer or notification overtakes another). 0 posts every transfer from
+   * the engine's thread. Default 1 MiB on the loopback engine, 0 (off) on
+   * NIXL, where posting from the JS thread beside the engine's poller is not
+   * yet proven safe. Inline
+   * work (posts and the settling of waits they finished) runs for at most
+   * 1 ms per turn of the event loop: past that, posts go through the
+   * engine's thread until the loop has turned.
+   */
+  inlinePostMaxBytes?: number;
 }
+
+/** @internal The default of AgentOptions.inlinePostMaxBytes. */
+export const DEFAULT_INLINE_POST_MAX_BYTES = 1 << 20;
 
 /** How long a wait may take, and what cancels it. */
 export interface WaitOptions {
@@ -138,6 +158,9 @@ export class NixlAgent {
         captureTelemetry: options.captureTelemetry,
         listenPort: options.listenPort,
         testDelayUs: options.testDelayUs,
+        // NIXL: off unless asked for. Posting from the JS thread while the engine's thread polls the same
+        // nixlAgent crashed the process in one of three runs of the model test (test/engine/model.test.ts).
+        inlinePostMaxBytes: options.inlinePostMaxBytes ?? (engine === 'nixl' ? 0 : DEFAULT_INLINE_POST_MAX_BYTES),
       },
       (done, notif) => this.#onEvents(done, notif),
     );
@@ -407,7 +430,7 @@ export class NixlAgent {
       const s = this.#native.getXferStatus(handle.id);
       if (stateOf(s) !== 'PROC') this.#settle(handle.id, errorOf(s));
     }
-    return stateOf(this.#native.postXferReq(handle.id, notifMsg));
+    return stateOf(this.#native.postXferReq(handle.id, notifMsg, inlineBudgetLeft()));
   }
 
   /** A posted transfer's state (NIXL check_xfer_state); throws if it was never posted. */
@@ -430,7 +453,8 @@ export class NixlAgent {
   /** Releases a transfer request; a wait on it rejects with NIXL_ERR_CANCELED. */
   releaseXferHandle(handle: XferHandle): void {
     this.#native.releaseXferReq(handle.id);
-    this.#settle(handle.id, new NixlError('transfer handle was released', 'NIXL_ERR_CANCELED'));
+    if (this.#waiters.has(handle.id))
+      this.#settle(handle.id, new NixlError('transfer handle was released', 'NIXL_ERR_CANCELED'));
   }
 
   /** Releases a prepared descriptor list (NIXL release_dlist_handle). */
@@ -457,10 +481,11 @@ export class NixlAgent {
       return Promise.reject(e);
     }
     const state = stateOf(s);
-    if (state === 'DONE') return Promise.resolve();
+    if (state === 'DONE') return settledNow();
     if (state === 'ERR') {
       const [st, msg] = s as [number, string];
-      return Promise.reject(NixlError.fromStatus(st, st === -1 ? 'wait: transfer was never posted' : msg));
+      const err = NixlError.fromStatus(st, st === -1 ? 'wait: transfer was never posted' : msg);
+      return settledNow().then(() => Promise.reject(err));
     }
     return new Promise<void>((resolve, reject) => {
       const cleanup = guardWait(opts, reject, () => this.#removeWaiter(handle.id, w), 'transfer');
@@ -661,6 +686,42 @@ export class NixlAgent {
       else i++;
     }
   }
+}
+
+// Work done inline on the event loop's thread is bounded per turn of the
+// loop. Transfers posted inline (inlinePostMaxBytes) copy on this thread, and
+// their waits settle at once, as microtasks: a loop of `transfer(); await
+// wait()` would never let the event loop turn, and a burst of posts would
+// hold it for all their copies. So both happen inline only while such work
+// has run for less than TURN_BUDGET_MS since the first of it in this turn;
+// past it, posts go through the engine's thread and settlements wait for the
+// next turn (setImmediate), released together there. One budget for the
+// process: there is one loop.
+const TURN_BUDGET_MS = 1;
+let turnStart = -1;
+let deferred: Array<() => void> = [];
+
+function endTurn(): void {
+  turnStart = -1;
+  const d = deferred;
+  deferred = [];
+  for (const release of d) release();
+}
+
+/** Whether this turn of the loop may still do inline work. */
+function inlineBudgetLeft(): boolean {
+  const now = performance.now();
+  if (turnStart < 0) {
+    turnStart = now;
+    setImmediate(endTurn);
+    return true;
+  }
+  return now - turnStart < TURN_BUDGET_MS;
+}
+
+function settledNow(): Promise<void> {
+  if (inlineBudgetLeft()) return Promise.resolve();
+  return new Promise<void>((resolve) => deferred.push(resolve));
 }
 
 function errorOf(status: number | [number, string]): NixlError | undefined {

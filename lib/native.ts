@@ -13,6 +13,7 @@ export interface NativeAgentOptions {
   captureTelemetry?: boolean;
   listenPort?: number;
   testDelayUs?: number;
+  inlinePostMaxBytes?: number;
 }
 
 /** A finished transfer's telemetry: when it started, how long posting and the transfer took, bytes and descriptors. */
@@ -75,7 +76,8 @@ export declare class NativeAgent {
     notif?: Uint8Array | string,
   ): number;
   /** 1 = in progress (a completion event follows), 0 = already done */
-  postXferReq(h: number, notif?: Uint8Array | string): number;
+  /** mayInline false: through the engine's thread whatever the size. */
+  postXferReq(h: number, notif?: Uint8Array | string, mayInline?: boolean): number;
   /** status number, or [status, message] for an error status */
   getXferStatus(h: number): number | [number, string];
   releaseXferReq(h: number): void;

@@ -58,7 +58,14 @@ struct EngineConfig {
   int listenPort = 0;  // NIXL's own metadata listener (0 = off)
   // Tests only: the loopback worker waits this long before each transfer, so
   // "while in flight" cases are deterministic instead of racing a fast copy.
+  // Non-zero also turns inline posting off.
   uint32_t testDelayUs = 0;
+  // A transfer of at most this many bytes is posted on the calling (JS)
+  // thread when nothing posted before it still waits for the engine's thread:
+  // below this size the copy costs less than the hop to that thread and the
+  // completion's hop back (futex wake, context switch, the loop's wake-up).
+  // 0: every transfer goes through the engine's thread.
+  uint32_t inlineMaxBytes = 0;
 };
 
 struct PluginInfo {
@@ -66,12 +73,16 @@ struct PluginInfo {
   std::vector<MemType> memTypes;
 };
 
-// Called from engine threads. onComplete for every request that left IN_PROG;
-// onNotif when at least one notification was queued.
+// Called from engine threads. onComplete for every posting that left IN_PROG
+// there; onNotif when at least one notification was queued. onCompleteHere
+// instead of onComplete for a posting found finished on the JS thread, inside
+// an engine call made from it (getXferStatus): the caller already sees the
+// final status, and no event needs to cross threads for it.
 class CompletionSink {
  public:
   virtual ~CompletionSink() = default;
   virtual void onComplete(Handle h) = 0;
+  virtual void onCompleteHere(Handle h) = 0;
   virtual void onNotif() = 0;
 };
 
@@ -128,7 +139,11 @@ class Engine {
                                const std::vector<Desc>& remote, MemType remoteType, const std::string& remoteAgent,
                                const std::string* notif) = 0;
   // notif: nullptr keeps the request's message; otherwise replaces it.
-  virtual int postXferReq(Handle req, const std::string* notif) = 0;  // IN_PROG | SUCCESS
+  // mayInline: false sends it through the engine's thread whatever its size.
+  // IN_PROG: onComplete follows, once, for this posting. SUCCESS or an error
+  // status (its message from getXferStatus): the transfer finished inside the
+  // call (posted inline, see EngineConfig::inlineMaxBytes) and nothing follows.
+  virtual int postXferReq(Handle req, const std::string* notif, bool mayInline = true) = 0;
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
   virtual void releaseXferReq(Handle req) = 0;
   virtual Telemetry getXferTelemetry(Handle req) = 0;

@@ -110,6 +110,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
           args::optUint32(env, o.Get("progressDelayUs"), "options.progressDelayUs").value_or(cfg.progressDelayUs);
       cfg.listenPort = args::optPort(env, o.Get("listenPort"), "options.listenPort");
       cfg.testDelayUs = args::optUint32(env, o.Get("testDelayUs"), "options.testDelayUs").value_or(0);
+      cfg.inlineMaxBytes = args::optUint32(env, o.Get("inlinePostMaxBytes"), "options.inlinePostMaxBytes").value_or(0);
       if (kind == "loopback") {
         engine_ = makeLoopbackEngine(name, cfg, this);
 #ifdef NIXL_NODE_WITH_NIXL
@@ -143,6 +144,11 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     std::lock_guard<std::mutex> lk(mu_);
     finished_.push_back(h);
     SignalLocked();
+  }
+  // JS thread, inside an engine call: nothing to deliver, one fewer in flight.
+  void onCompleteHere(Handle) override {
+    if (inflight_ > 0) --inflight_;
+    UpdateRef(Env());
   }
   void onNotif() override {
     if (!notifWatch_.load()) return;
@@ -408,11 +414,15 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     return Napi::Number::New(env, h);
   }
 
+  // postXferReq(handle, notif?, mayInline?) -> IN_PROG (a completion event
+  // follows), or the final status of a transfer that finished inside the post
+  // (no event follows).
   Napi::Value PostXferReq(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     Handle h = args::handle(env, info[0], "transfer handle");
     auto notif = args::optBlob(env, info[1], "notification message");
-    int s = E(env).postXferReq(h, notif ? &*notif : nullptr);
+    bool mayInline = args::optBoolean(env, info[2], "mayInline").value_or(true);
+    int s = E(env).postXferReq(h, notif ? &*notif : nullptr, mayInline);
     if (s == IN_PROG) {
       ++inflight_;
       UpdateRef(env);

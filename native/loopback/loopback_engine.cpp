@@ -387,7 +387,7 @@ class LoopbackEngine final : public Engine {
     return newRequest(op, R.remote, std::move(L.entries), std::move(R.entries), notif);
   }
 
-  int postXferReq(Handle h, const std::string* notif) override {
+  int postXferReq(Handle h, const std::string* notif, bool mayInline) override {
     checkOpen();
     RequestP req = lookup(requests_, h, "postXferReq", "transfer handle");
     if (req->status.load() == IN_PROG)
@@ -406,6 +406,15 @@ class LoopbackEngine final : public Engine {
     req->tel = Telemetry{nowEpochUs(), 0, 0, req->totalBytes, req->local.size()};
     req->postedAt = t0;
     req->status.store(IN_PROG);
+    if (mayInline && postInline(*req)) {
+      // A small copy costs less than the worker's wake-up and the completion's
+      // way back: run it here, as NIXL's UCX cma does inside postXferReq. Only
+      // when the worker has nothing queued or running, so no transfer or
+      // notification overtakes one posted before it.
+      int s = execute(req, false);
+      req->tel.postDurationUs = req->tel.xferDurationUs;
+      return s;
+    }
     {
       std::lock_guard<std::mutex> lk(qMu_);
       queue_.push_back(req);
@@ -686,22 +695,34 @@ class LoopbackEngine final : public Engine {
     unpinSide(req.remote_);
   }
 
+  bool postInline(const Request& req) {
+    if (cfg_.testDelayUs || req.totalBytes > cfg_.inlineMaxBytes) return false;
+    std::lock_guard<std::mutex> lk(qMu_);
+    return queue_.empty() && !running_;
+  }
+
   void workLoop() {
     for (;;) {
       RequestP req;
       {
         std::unique_lock<std::mutex> lk(qMu_);
+        running_ = false;
         qCv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
         if (stopping_) return;
         req = std::move(queue_.front());
         queue_.pop_front();
+        running_ = true;
       }
       if (cfg_.testDelayUs) std::this_thread::sleep_for(std::chrono::microseconds(cfg_.testDelayUs));
-      execute(req);
+      execute(req, true);
     }
   }
 
-  void execute(const RequestP& reqp) {
+  // Runs a pinned request: the worker's (report: the sink hears of it) or one
+  // posted inline (it does not: the post returns the status). Returns the
+  // final status, or IN_PROG when its notification waits in the notifier's
+  // queue (which finishes it, and reports it, once the notification is out).
+  int execute(const RequestP& reqp, bool report) {
     Request& req = *reqp;
     std::string err;
     int status = SUCCESS;
@@ -719,15 +740,27 @@ class LoopbackEngine final : public Engine {
       // The request completes once its notification is out. A peer whose
       // queue is full delays only its own requests, never this worker.
       int e = notifier_->send(req.remote->notifAddr, req.notif, [this, reqp](int e) {
-        finish(*reqp, e == 0 ? SUCCESS : ERR_REMOTE_DISCONNECT, notifError(*reqp, e));
+        finish(*reqp, e == 0 ? SUCCESS : ERR_REMOTE_DISCONNECT, notifError(*reqp, e), true);
       });
-      if (e == EINPROGRESS) return;
-      if (e != 0) {
+      if (e != 0 && e != EINPROGRESS) {
         status = ERR_REMOTE_DISCONNECT;
         err = notifError(req, e);
       }
+      if (report) workerDone();
+      if (e == EINPROGRESS) return IN_PROG;
+    } else if (report) {
+      workerDone();
     }
-    finish(req, status, err);
+    finish(req, status, err, report);
+    return status;
+  }
+
+  // The worker's request has moved its bytes and handed over its notification:
+  // from here nothing of it can be overtaken, so a post may go inline again
+  // (before the completion is reported, which is what JS waits for).
+  void workerDone() {
+    std::lock_guard<std::mutex> lk(qMu_);
+    running_ = false;
   }
 
   static std::string notifError(const Request& req, int e) {
@@ -736,12 +769,12 @@ class LoopbackEngine final : public Engine {
            "' failed: " + (e == ETIMEDOUT ? "its queue stayed full for 5 s" : strerror(e));
   }
 
-  void finish(Request& req, int status, const std::string& err) {
+  void finish(Request& req, int status, const std::string& err, bool report) {
     req.tel.xferDurationUs = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - req.postedAt).count());
     req.err = err;
     req.status.store(status, std::memory_order_release);
-    sink_->onComplete(req.id);
+    if (report) sink_->onComplete(req.id);
   }
 
   void receiveLoop() {
@@ -790,6 +823,7 @@ class LoopbackEngine final : public Engine {
   std::mutex qMu_;
   std::condition_variable qCv_;
   std::deque<RequestP> queue_;
+  bool running_ = false;  // the worker is running a request (guarded by qMu_)
   bool stopping_ = false;
   std::thread worker_;
 

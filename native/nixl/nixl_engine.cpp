@@ -89,6 +89,7 @@ struct Request {
   std::vector<Handle> regs;
   std::string agent;
   uint64_t agentGen = 0;
+  uint64_t totalBytes = 0;  // of the local side: whether it may be posted inline
 };
 using RequestP = std::shared_ptr<Request>;
 
@@ -97,8 +98,17 @@ struct Dlist {
   nixlDlistH* h = nullptr;
   std::vector<uint32_t> first;  // descriptor i covers regs[first[i]] .. regs[first[i + 1] - 1]
   std::vector<Handle> regs;
-  std::string agent;  // empty: this agent's own memory
+  std::vector<uint64_t> lens;  // each descriptor's length
+  std::string agent;           // empty: this agent's own memory
   uint64_t agentGen = 0;
+
+  // Bytes of the descriptors idx[0..n) (out of range counts nothing: NIXL refuses it).
+  uint64_t bytes(const uint32_t* idx, size_t n) const {
+    uint64_t b = 0;
+    for (size_t k = 0; k < n; k++)
+      if (idx[k] < lens.size()) b += lens[idx[k]];
+    return b;
+  }
 
   // Appends the registrations the descriptors idx[0..n) cover. An index out
   // of range adds nothing: NIXL refuses it itself.
@@ -326,6 +336,8 @@ class NixlEngine final : public Engine {
     check(agent_.prepXferDlist(local ? NIXL_INIT_AGENT : agent, xferList(descs, type), dh, &args), "prepXferDlist");
     Dlist d;
     d.h = dh;
+    d.lens.reserve(descs.size());
+    for (const auto& desc : descs) d.lens.push_back(desc.len);
     if (!local) {
       d.agent = agent;
       d.agentGen = agentGen_[agent];
@@ -374,7 +386,7 @@ class NixlEngine final : public Engine {
     nixlXferReqH* xh = nullptr;
     check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, l->second.h, lv, r->second.h, rv, xh, &args),
           "makeXferReq");
-    return addRequest(xh, std::move(regs), r->second.agent, r->second.agentGen);
+    return addRequest(xh, std::move(regs), r->second.agent, r->second.agentGen, l->second.bytes(li, nl));
   }
 
   Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
@@ -391,10 +403,12 @@ class NixlEngine final : public Engine {
       std::vector<Handle> more = regIndex_.covering(remote, rt);
       regs.insert(regs.end(), more.begin(), more.end());
     }
-    return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent]);
+    uint64_t bytes = 0;
+    for (const auto& d : local) bytes += d.len;
+    return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent], bytes);
   }
 
-  int postXferReq(Handle h, const std::string* notif) override {
+  int postXferReq(Handle h, const std::string* notif, bool mayInline) override {
     checkOpen();
     RequestP req = find(h);
     if (req->status.load() == IN_PROG)
@@ -405,23 +419,51 @@ class NixlEngine final : public Engine {
       throw EngineError(ERR_NOT_FOUND, "postXferReq: " + req->agent + " was removed since this transfer was made");
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (notif) {
-        req->hasNotif = true;
-        req->notif = *notif;
-      }
       req->err.clear();
-      req->status.store(IN_PROG, std::memory_order_release);
-      toPost_.push_back(req);
-      wake_ = true;
+      // Small, and nothing queued ahead of it (no transfer or notification
+      // overtakes one posted before it): post it here, as NIXL's Python API
+      // does. UCX's cma finishes a one-host transfer inside postXferReq, so
+      // most return done, with no hop to the poller and none back.
+      bool inlinePost = mayInline && req->totalBytes <= cfg_.inlineMaxBytes && cfg_.inlineMaxBytes > 0 &&
+                        toPost_.empty() && !posting_;
+      if (!inlinePost) {
+        if (notif) {
+          req->hasNotif = true;
+          req->notif = *notif;
+        }
+        req->status.store(IN_PROG, std::memory_order_release);
+        toPost_.push_back(req);
+        wake_ = true;
+        cv_.notify_one();
+        return IN_PROG;
+      }
     }
-    cv_.notify_one();
-    return IN_PROG;
+    // Only this (the JS) thread queues, releases or deregisters, so nothing
+    // changes the request or what it uses while NIXL posts it.
+    nixl_opt_args_t args;
+    setNotif(args, notif);
+    nixl_status_t s = agent_.postXferReq(req->h, notif ? &args : nullptr);
+    if (s == NIXL_IN_PROG) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        req->status.store(IN_PROG, std::memory_order_release);
+        inflight_.push_back(req);
+        wake_ = true;
+      }
+      cv_.notify_one();
+      return IN_PROG;
+    }
+    if (s != NIXL_SUCCESS) req->err = std::string("postXferReq: ") + nixlEnumStrings::statusStr(s);
+    int st = s == NIXL_SUCCESS ? SUCCESS : static_cast<int>(s);
+    req->status.store(st, std::memory_order_release);
+    return st;
   }
 
   int getXferStatus(Handle h, std::string* errMsg) override {
     checkOpen();
     RequestP req = find(h);
     int s = req->status.load(std::memory_order_acquire);
+    if (s == IN_PROG && cfg_.inlineMaxBytes > 0) s = checkNow(*req);
     if (s < 0 && errMsg) *errMsg = req->err;
     return s;
   }
@@ -563,13 +605,15 @@ class NixlEngine final : public Engine {
     }
   }
 
-  Handle addRequest(nixlXferReqH* xh, std::vector<Handle> regs, const std::string& agent, uint64_t agentGen) {
+  Handle addRequest(nixlXferReqH* xh, std::vector<Handle> regs, const std::string& agent, uint64_t agentGen,
+                    uint64_t totalBytes) {
     auto req = std::make_shared<Request>();
     req->id = nextHandle_++;
     req->h = xh;
     req->regs = std::move(regs);
     req->agent = agent;
     req->agentGen = agentGen;
+    req->totalBytes = totalBytes;
     requests_[req->id] = req;
     return req->id;
   }
@@ -595,6 +639,24 @@ class NixlEngine final : public Engine {
       for (const auto& r : *v) n += uses(*r) ? 1 : 0;
     if (posting_ && uses(*posting_)) n++;
     return n;
+  }
+
+  // NIXL's check_xfer_state, on the calling (JS) thread: asks NIXL about a
+  // request in flight now instead of waiting for the poller's next look.
+  // Whoever takes it out of inflight_ (this or the poller) completes it, once.
+  int checkNow(Request& req) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto it = inflight_.begin(); it != inflight_.end(); ++it) {
+      if (it->get() != &req) continue;
+      nixl_status_t s = agent_.getXferStatus(req.h);
+      if (s == NIXL_IN_PROG) return IN_PROG;
+      if (s != NIXL_SUCCESS) req.err = failureText(s);
+      req.status.store(static_cast<int>(s), std::memory_order_release);
+      inflight_.erase(it);
+      sink_->onCompleteHere(req.id);
+      return static_cast<int>(s);
+    }
+    return req.status.load(std::memory_order_acquire);
   }
 
   RequestP find(Handle h) {

@@ -70,7 +70,8 @@ describe('agent basics', () => {
     const ri = Uint32Array.from({ length: blocks }, (_, i) => blocks - 1 - i);
     const h = a.makePreppedXfer('READ', l, li, r, ri, 'req-1:0');
     expect(() => a.checkXferState(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_POSTED' }));
-    expect(a.transfer(h)).toBe('PROC');
+    // 32 KiB: posted inline (DONE at once) unless the engine's thread has work queued.
+    expect(['PROC', 'DONE']).toContain(a.transfer(h));
     await a.wait(h);
     expect(a.checkXferState(h)).toBe('DONE');
     for (let i = 0; i < blocks; i++) {
@@ -84,7 +85,7 @@ describe('agent basics', () => {
     expect(n.msg.toString()).toBe('req-1:0');
     // repost with a new message
     local.fill(0);
-    expect(a.transfer(h, 'req-1:1')).toBe('PROC');
+    expect(['PROC', 'DONE']).toContain(a.transfer(h, 'req-1:1'));
     await a.wait(h);
     expect(local.subarray(0, block).equals(remote.subarray((blocks - 1) * block))).toBe(true);
     await b.waitForNotif({ msg: 'req-1:1' }, { timeoutMs: 5000 });

@@ -155,6 +155,53 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     a.releaseXferHandle(h);
   });
 
+  it('10,000 small transfers back to back leave the loop turning (the longest gap reported)', async () => {
+    // Small transfers finish inside their post (inlinePostMaxBytes), so a
+    // loop of transfer() + await wait() could run on microtasks alone and
+    // never let the event loop turn; the agent lets it turn between batches.
+    const { a, b, ma, remote } = loaded(1 << 20, 0x3c);
+    b.addRemoteAgent(a.getAgentMetadata());
+    const block = 4096;
+    const handles = [0, 1, 2, 3].map((i) =>
+      a.initializeXfer(
+        i % 2 ? 'WRITE' : 'READ',
+        ma.subarray(i * block, (i + 1) * block),
+        DescList.from([{ addr: remote.addr(0) + BigInt(i * block), len: block }]),
+        'conf-b',
+      ),
+    );
+    let turns = 0;
+    let done = false;
+    let last = performance.now();
+    let maxGap = 0;
+    const probe = () => {
+      const now = performance.now();
+      maxGap = Math.max(maxGap, now - last);
+      last = now;
+      if (done) return;
+      turns++;
+      setImmediate(probe);
+    };
+    setImmediate(probe);
+    const t0 = performance.now();
+    for (let i = 0; i < 10_000; i++) {
+      const h = handles[i % handles.length];
+      a.transfer(h);
+      await a.wait(h, { timeoutMs: 10_000 });
+    }
+    const totalMs = performance.now() - t0;
+    done = true;
+    await new Promise((r) => setImmediate(r)); // the probe's last look
+    console.log(
+      `${engine}: 10,000 transfers of 4 KiB in ${totalMs.toFixed(1)} ms (${((totalMs * 1000) / 10_000).toFixed(2)} us each), longest loop gap ${maxGap.toFixed(2)} ms over ${turns} turns`,
+    );
+    expect(ma[0]).toBe(0x3c);
+    // Microtasks alone would give one turn, at the end, and a gap as long as the run.
+    expect(turns).toBeGreaterThanOrEqual(2);
+    expect(maxGap).toBeLessThan(totalMs * 0.75);
+    for (const h of handles) a.releaseXferHandle(h);
+  });
+
   it('a re-posted transfer resolves only when its own posting is done (100 postings, some waits late)', async () => {
     const BLOCK = 256 << 10;
     const N = 16;

@@ -33,6 +33,7 @@ struct Sink : CompletionSink {
     done.insert(h);
     cv.notify_all();
   }
+  void onCompleteHere(Handle) override {}
   void onNotif() override {}
   void await(Handle h) {
     std::unique_lock<std::mutex> lk(mu);
@@ -47,7 +48,10 @@ struct Side {
   std::vector<std::vector<uint8_t>> mem;  // canary | kBuf | canary
   uint64_t base(size_t i) const { return reinterpret_cast<uint64_t>(mem[i].data()) + kCanary; }
   Side(const char* name) {
-    engine = makeLoopbackEngine(name, EngineConfig{{"LOOPBACK"}}, &sink);
+    // Transfers up to half a buffer run inline on this thread, larger ones on the worker: both paths.
+    EngineConfig cfg{{"LOOPBACK"}};
+    cfg.inlineMaxBytes = kBuf / 2;
+    engine = makeLoopbackEngine(name, cfg, &sink);
     for (int i = 0; i < 2; ++i) {
       mem.emplace_back(kBuf + 2 * kCanary, kCanaryByte);
       engine->registerMem({Desc{base(i), kBuf, 0}}, MemType::DRAM, {});

@@ -64,6 +64,10 @@ for (const wire of ['v12', 'v0.13'] as const) {
     // Fleet routing: 'load' against round-robin on the same workers.
     expect(r.fleet.rows.map((x: { policy: string }) => x.policy)).toEqual(['round-robin', 'load']);
     for (const f of r.fleet.rows) expect(f.roundMs).toBeGreaterThan(0);
+    // Layer-wise KV pull against one request, per engine of the run and block size.
+    for (const engine of r.engine.split(' + '))
+      expect(r.layerwise.filter((x: { engine: string }) => x.engine === engine).length).toBeGreaterThan(1);
+    for (const x of r.layerwise) expect(x.ratio).toBeGreaterThan(0);
     expect(stdout).toMatch(/# Handshake latency/);
     expect(fs.statSync(path.join(dir, 'out.svg')).size).toBeGreaterThan(0);
     fs.rmSync(dir, { recursive: true, force: true });
