@@ -9,43 +9,28 @@
 import { randomUUID } from 'node:crypto';
 import { HttpError } from './http';
 import type { ModelTokenizer } from './models/types';
-import { RequestError } from './schema';
+import { RequestError, checkBody } from './body-schemas';
 import type { FrontHandler as Worker, RequestHints, Sink } from './front';
 
 export const GENERATE_PATH = '/inference/v1/generate';
 
-/** Longest prompt accepted, in ids (the body limit bounds it first). */
-const MAX_IDS = 1 << 20;
 /** Longest generation a worker runs in one request. */
 const MAX_NEW_TOKENS = 4096;
 
 type Obj = Record<string, unknown>;
 const isObject = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
-const bad = (m: string): never => {
-  throw new RequestError(400, m);
+const bad = (m: string, param: string): never => {
+  throw new RequestError(400, m, param);
 };
 function optional(b: Obj, key: string, ok: (v: unknown) => boolean, what: string, where = ''): void {
-  if (b[key] !== undefined && b[key] !== null && !ok(b[key])) bad(`'${where}${key}' must be ${what}`);
+  if (b[key] !== undefined && b[key] !== null && !ok(b[key])) bad(`'${where}${key}' must be ${what}`, where + key);
 }
-const isInt = (v: unknown) => Number.isSafeInteger(v);
 
-/**
- * vLLM's checks; on a nixl-node worker (`own`) also what it honours: the
- * other parameters vLLM defines are accepted there only at their no-op values.
- */
-function checkSamplingParams(sp: unknown, own: boolean): void {
-  if (!isObject(sp)) bad("'sampling_params' must be an object");
-  const s = sp as Obj;
+/** What a nixl-node worker honours of the sampling parameters vLLM defines: the others only at their no-op values. */
+function checkOwnSamplingParams(s: Obj): void {
   const w = 'sampling_params.';
-  optional(s, 'max_tokens', (v) => isInt(v) && (v as number) >= 1, 'a positive integer', w);
-  optional(s, 'temperature', (v) => typeof v === 'number' && v >= 0 && Number.isFinite(v), 'a number >= 0', w);
-  optional(s, 'top_p', (v) => typeof v === 'number' && v > 0 && v <= 1, 'a number in (0, 1]', w);
-  optional(s, 'seed', isInt, 'an integer', w);
-  optional(s, 'n', (v) => isInt(v) && (v as number) >= 1, 'a positive integer', w);
-  optional(s, 'extra_args', isObject, 'an object', w);
-  if (!own) return;
   if (typeof s.max_tokens === 'number' && s.max_tokens > MAX_NEW_TOKENS)
-    bad(`'sampling_params.max_tokens' must be at most ${MAX_NEW_TOKENS}`);
+    bad(`'sampling_params.max_tokens' must be at most ${MAX_NEW_TOKENS}`, 'sampling_params.max_tokens');
   optional(s, 'n', (v) => v === 1, '1 (one sequence per request)', w);
   optional(s, 'min_tokens', (v) => v === 0, '0 (not supported)', w);
   optional(s, 'logprobs', () => false, 'null (logprobs are not supported)', w);
@@ -72,39 +57,26 @@ export interface GenerateCheckOptions {
   kvTransferParams: 'refuse' | 'object';
 }
 
-/** Throws RequestError (400) naming the first field that is wrong. */
+/**
+ * Throws RequestError (400) naming the first field that is wrong: vLLM's
+ * checks (docs/generate-request.schema.json), then on a worker what it
+ * honours.
+ */
 export function checkGenerateRequest(b: Obj, o: GenerateCheckOptions): void {
-  const ids = b.token_ids;
-  if (!Array.isArray(ids)) bad("'token_ids' must be an array of token ids");
-  const list = ids as unknown[];
-  if (list.length === 0) bad("'token_ids' must hold at least one token id");
-  if (list.length > MAX_IDS) bad(`'token_ids' holds ${list.length} ids; at most ${MAX_IDS}`);
-  for (let i = 0; i < list.length; i++) {
-    const t = list[i];
-    if (!isInt(t)) bad(`'token_ids[${i}]' must be an integer`);
-    if ((t as number) < 0) bad(`'token_ids[${i}]' must not be negative`);
-  }
-  const own = o.kvTransferParams === 'object';
-  checkSamplingParams(b.sampling_params, own);
-  optional(b, 'model', (v) => typeof v === 'string', 'a string');
-  optional(b, 'request_id', (v) => typeof v === 'string' && v.length <= 256, 'a string of at most 256 characters');
-  optional(b, 'stream', (v) => typeof v === 'boolean', 'a boolean');
-  optional(b, 'stream_options', isObject, 'an object');
-  optional(b, 'cache_salt', (v) => typeof v === 'string', 'a string');
-  optional(b, 'priority', isInt, 'an integer');
-  if (own) {
+  checkBody('generate-request', b);
+  const sp = b.sampling_params as Obj;
+  if (o.kvTransferParams === 'object') {
+    checkOwnSamplingParams(sp);
     optional(b, 'features', () => false, 'null (multimodal features are not supported)');
     optional(b, 'output_mode', (v) => v === 'tokens', "'tokens'");
+    return;
   }
-  const nested = (b.sampling_params as Obj).extra_args as Obj | undefined | null;
+  const nested = sp.extra_args as Obj | undefined | null;
   for (const [where, v] of [
     ['kv_transfer_params', b.kv_transfer_params],
     ['sampling_params.extra_args.kv_transfer_params', nested?.kv_transfer_params],
-  ] as const) {
-    if (v === undefined || v === null) continue;
-    if (o.kvTransferParams === 'refuse') bad(`'${where}' is set by the proxy, not by clients`);
-    if (!isObject(v)) bad(`'${where}' must be an object`);
-  }
+  ] as const)
+    if (v !== undefined && v !== null) bad(`'${where}' is set by the proxy, not by clients`, where);
 }
 
 /** The request's kv_transfer_params: top level, else sampling_params.extra_args (older routers). */

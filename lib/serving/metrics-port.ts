@@ -14,8 +14,8 @@ import { type RouteTable, routeMiss } from './routes';
 
 /** What the metrics listener serves: nothing else, and nothing that takes a body. */
 export const METRICS_ROUTES: RouteTable = new Map([
-  ['/metrics', ['GET']],
-  ['/health', ['GET']],
+  ['/metrics', { methods: ['GET'] }],
+  ['/health', { methods: ['GET'] }],
 ]);
 
 type Json = (status: number, body: unknown, more?: Record<string, string | number>) => void;

@@ -13,18 +13,19 @@ import { namesPreviousTurn } from '../kv/turn-params';
 import { type Policy, type Stage, type WorkerRef, WorkerPool } from './pool';
 import { HttpTransport, type StageAnswer, type TransportError, type WorkerTransport, ZmqTransport } from './transports';
 import { type SpanLike, type TraceContext, contextFromTraceparent, startSpan } from '../tracing';
-import { checkCompletionRequest } from './schema';
-import { API_ROUTES, PROXY_ROUTES, routeMiss } from './routes';
-import { GENERATE_PATH, checkGenerateRequest, generateDecodeBody, generatePrefillBody } from './generate';
+import { checkRequestBody, compileBodySchemas } from './request-checks';
+import { API_ROUTES, PROXY_ROUTES, Router } from './routes';
+import { type ProxyCall, proxyHealth, proxyModels } from './proxy-front';
+import { GENERATE_PATH, generateDecodeBody, generatePrefillBody } from './generate';
 import { HttpError, hasImages, readJson } from './http';
 import { createLimitedServer } from './http-server';
-import { ModelNotFound, errorBody, modelNotFoundBody, normalizePrompt, withClientId } from './openai';
+import { ModelNotFound, errorBody, modelNotFoundBody, withClientId } from './openai';
 import { ProxyMetrics } from './proxy-metrics';
 import { NixlError } from '../errors';
 import { checkWorkerAddress } from './addresses';
 import { StageTimeout } from './stage-signal';
 import { type Logger, silentLogger } from './log';
-import { hasDecodeFor, modelMismatch, namesOf, sameModel, servedModels, serves } from './pairing';
+import { hasDecodeFor, modelMismatch, namesOf, sameModel, serves } from './pairing';
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 import { type RoutingOptions, affinityKey } from './fleet/routing';
 import { newTransferId, pushPrefillAndDecode, pushPrefillParams } from './push-proxy';
@@ -246,6 +247,18 @@ export class ServingProxy {
 
   // ---- the front ----------------------------------------------------------
 
+  readonly #router = new Router<(c: ProxyCall) => unknown>(PROXY_ROUTES, {
+    '/health': ({ send }) => {
+      const h = proxyHealth(this.pools);
+      send(h.status, h.body);
+    },
+    '/v1/models': ({ send }) => send(200, proxyModels(this.pools)),
+    '/metrics': (c) => this.#metrics(c),
+    '/v1/completions': (c) => this.#api(c),
+    '/v1/chat/completions': (c) => this.#api(c),
+    [GENERATE_PATH]: (c) => this.#api(c),
+  });
+
   async #onRequest(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
     const path = (req.url ?? '').split('?')[0];
     // Our own id goes to the workers (unique in flight: prefills free holds
@@ -267,47 +280,20 @@ export class ServingProxy {
       });
       res.end(text);
     };
-    const miss = routeMiss(PROXY_ROUTES, req.method, path);
-    if (miss) return send(miss.status, miss.body, miss.headers);
-    if (req.method === 'GET' && path === '/health') {
-      const healthy = (s: Stage) => this.pools[s].workers.filter((w) => w.healthy).length;
-      const mismatch = modelMismatch(this.pools.prefill, this.pools.decode);
-      const ok =
-        healthy('prefill') > 0 &&
-        healthy('decode') > 0 &&
-        (this.pools.encode.size === 0 || healthy('encode') > 0) &&
-        mismatch === undefined;
-      return send(ok ? 200 : 503, {
-        status: ok ? 'ok' : 'degraded',
-        ...(mismatch ? { error: mismatch } : {}),
-        workers: Object.fromEntries(
-          Object.entries(this.pools).map(([s, p]) => [
-            s,
-            p.workers.map((w) => ({
-              address: w.address,
-              healthy: w.healthy,
-              outstanding: w.outstanding,
-              ...(w.model ? { model: w.model } : {}),
-            })),
-          ]),
-        ),
-      });
-    }
-    if (req.method === 'GET' && path === '/v1/models') {
-      // What the healthy decode workers serve, as their health answers said.
-      const data = servedModels(this.pools.decode).map((id) => {
-        const len = this.pools.decode.workers.find((w) => namesOf(w).includes(id) && w.maxModelLen)?.maxModelLen;
-        return { id, object: 'model', owned_by: 'nixl-node', ...(len ? { max_model_len: len } : {}) };
-      });
-      return send(200, { object: 'list', data });
-    }
-    if (req.method === 'GET' && path === '/metrics') {
-      if (!this.#prom) return send(501, errorBody('install prom-client for /metrics', 'not_implemented'));
-      const text = await this.#prom.registry.metrics();
-      res.writeHead(200, { 'content-type': this.#prom.registry.contentType });
-      res.end(text);
-      return;
-    }
+    const found = this.#router.find(req.method, path);
+    if ('miss' in found) return send(found.miss.status, found.miss.body, found.miss.headers);
+    await found.handler({ req, res, path, send, requestId, label });
+  }
+
+  async #metrics({ res, send }: ProxyCall): Promise<void> {
+    if (!this.#prom) return send(501, errorBody('install prom-client for /metrics', 'not_implemented'));
+    const text = await this.#prom.registry.metrics();
+    res.writeHead(200, { 'content-type': this.#prom.registry.contentType });
+    res.end(text);
+  }
+
+  /** The API's POST routes: the client's request through the stages. */
+  async #api({ req, res, path, send, requestId, label }: ProxyCall): Promise<void> {
     if (this.#o.bearerToken !== undefined && req.headers.authorization !== `Bearer ${this.#o.bearerToken}`)
       return send(401, errorBody('missing or wrong bearer token', 'authentication_error'), {
         'www-authenticate': 'Bearer',
@@ -317,11 +303,7 @@ export class ServingProxy {
     try {
       body = await readJson(req, this.#o.maxBodyBytes ?? 1 << 20);
       conversation = takeConversationId(body);
-      if (path === GENERATE_PATH) checkGenerateRequest(body, { kvTransferParams: 'refuse' });
-      else {
-        if (path === '/v1/completions') normalizePrompt(body);
-        checkCompletionRequest(path, body, { kvTransferParams: 'refuse' });
-      }
+      checkRequestBody(PROXY_ROUTES, path, body, 'proxy');
       this.#checkModel(body);
     } catch (e) {
       if (e instanceof ModelNotFound) return send(404, modelNotFoundBody(e));
@@ -755,5 +737,6 @@ export class ServingProxy {
 
 /** Starts a serving proxy. */
 export async function startProxy(o: ProxyOptions): Promise<ServingProxy> {
+  compileBodySchemas(); // at startup, not on the first request (a missing or broken docs/ schema fails here)
   return new ServingProxy(o).start();
 }

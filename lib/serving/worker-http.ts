@@ -9,9 +9,10 @@ import type { FrontHandler } from './front';
 import { GENERATE_PATH, serveRoute } from './generate';
 import { HttpError, readJson } from './http';
 import { createLimitedServer } from './http-server';
-import { healthAnswer, sendMetrics } from './metrics-port';
 import { ModelNotFound, errorBody, modelList, modelNotFoundBody } from './openai';
-import { WORKER_ROUTES, routeMiss } from './routes';
+import { healthAnswer, sendMetrics } from './metrics-port';
+import { checkRequestBody } from './request-checks';
+import { Router, WORKER_ROUTES } from './routes';
 import { detokenizeBody, tokenizeBody } from './tokenize';
 
 export interface HttpFrontOptions {
@@ -32,6 +33,31 @@ export async function serveHttp(w: FrontHandler, o: HttpFrontOptions): Promise<{
   return { server, url: `http://${o.host}:${(server.address() as AddressInfo).port}` };
 }
 
+/** One request as the worker's route handlers take it. */
+interface Call {
+  w: FrontHandler;
+  o: HttpFrontOptions;
+  req: http.IncomingMessage;
+  res: http.ServerResponse;
+  path: string;
+  json(status: number, body: unknown, more?: Record<string, string | number>): void;
+}
+
+const router = new Router<(c: Call) => unknown>(WORKER_ROUTES, {
+  '/health': ({ w, json }) => {
+    const h = healthAnswer(w);
+    json(h.status, h.body);
+  },
+  '/v1/models': ({ w, json }) => json(200, modelList(w.servedModelNames ?? [w.modelId])),
+  '/metrics': ({ w, res, json }) => sendMetrics(w, res, json),
+  '/v1/kv/release': release,
+  '/tokenize': tokenize,
+  '/detokenize': tokenize,
+  '/v1/completions': api,
+  '/v1/chat/completions': api,
+  [GENERATE_PATH]: api,
+});
+
 async function onRequest(
   w: FrontHandler,
   o: HttpFrontOptions,
@@ -45,34 +71,39 @@ async function onRequest(
     res.end(text);
   };
   const path = (req.url ?? '').split('?')[0];
-  const miss = routeMiss(WORKER_ROUTES, req.method, path);
-  if (miss) return json(miss.status, miss.body, miss.headers);
-  if (path === '/health') {
-    const h = healthAnswer(w);
-    return json(h.status, h.body);
+  const found = router.find(req.method, path);
+  if ('miss' in found) return json(found.miss.status, found.miss.body, found.miss.headers);
+  await found.handler({ w, o, req, res, path, json });
+}
+
+/** POST /v1/kv/release: the proxy frees a prefill's hold. */
+async function release({ w, req, path, json }: Call): Promise<void> {
+  try {
+    const b = await readJson(req, 4096);
+    checkRequestBody(WORKER_ROUTES, path, b, 'worker');
+    if (b.remote_request_id === undefined && b.request_id !== undefined)
+      return json(200, { released: w.releaseRequest(b.request_id) > 0 });
+    return json(200, { released: w.releaseHold(b.remote_request_id) });
+  } catch (e) {
+    const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
+    return json(h.status, errorBody(h.message, h.code, h.details));
   }
-  if (path === '/v1/models') return json(200, modelList(w.servedModelNames ?? [w.modelId]));
-  if (path === '/metrics') return sendMetrics(w, res, json);
-  if (path === '/tokenize' || path === '/detokenize') {
-    try {
-      const b = await readJson(req, o.maxBodyBytes);
-      return json(200, path === '/tokenize' ? tokenizeBody(w, b) : detokenizeBody(w, b));
-    } catch (e) {
-      const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
-      return json(h.status, h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code));
-    }
+}
+
+/** POST /tokenize and /detokenize: vLLM's, for a router that computes block keys (tokenize.ts). */
+async function tokenize({ w, o, req, path, json }: Call): Promise<void> {
+  try {
+    const b = await readJson(req, o.maxBodyBytes);
+    checkRequestBody(WORKER_ROUTES, path, b, 'worker');
+    return json(200, path === '/tokenize' ? tokenizeBody(w, b) : detokenizeBody(w, b));
+  } catch (e) {
+    const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
+    return json(h.status, h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code, h.details));
   }
-  if (path === '/v1/kv/release') {
-    try {
-      const b = await readJson(req, 4096);
-      if (b.remote_request_id === undefined && b.request_id !== undefined)
-        return json(200, { released: w.releaseRequest(b.request_id) > 0 });
-      return json(200, { released: w.releaseHold(b.remote_request_id) });
-    } catch (e) {
-      const h = e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
-      return json(h.status, errorBody(h.message, h.code));
-    }
-  }
+}
+
+/** The API's POST routes: the request through the worker, JSON or SSE. */
+async function api({ w, o, req, res, path, json }: Call): Promise<void> {
   const ac = new AbortController();
   res.on('close', () => {
     if (!res.writableFinished) ac.abort();

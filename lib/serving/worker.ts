@@ -45,12 +45,13 @@ import {
   type ServingModel,
 } from './models/types';
 import { chunkBody, completionBody, usageBody } from './openai';
-import { checkCompletionRequest } from './schema';
+import { checkRequestBody, compileBodySchemas } from './request-checks';
 import { PROMPT_TOKENS } from './generate';
 import { endAnswer } from './stream-end';
 import { ReleasedEarly } from './released-early';
 import { type Logger, silentLogger } from './log';
-import { ModelNotFound, normalizePrompt } from './openai';
+import { ModelNotFound } from './openai';
+import { WORKER_ROUTES } from './routes';
 import { serveHttp } from './worker-http';
 import { ZmqFront } from './worker-zmq';
 import { NixlError } from '../errors';
@@ -580,9 +581,7 @@ export class Worker implements FrontHandler {
   ) {
     const arrivedMs = performance.now();
     if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
-    // Both throw HttpError: a 400 naming the field (param).
-    if (path === '/v1/completions') normalizePrompt(body);
-    checkCompletionRequest(path, body, { kvTransferParams: 'object' });
+    checkRequestBody(WORKER_ROUTES, path, body, 'worker');
     if (typeof body.model === 'string' && !this.servedModelNames.includes(body.model))
       throw new ModelNotFound(body.model, this.servedModelNames);
     // The name asked for, when it is one of ours (as vLLM answers).
@@ -1064,6 +1063,7 @@ function checkTurnOptions(o: WorkerOptions): void {
 /** Loads the model the options name, then starts the worker. */
 export async function startWorker(o: WorkerOptions = {}): Promise<Worker> {
   wireProfile(o.wire); // a bad profile fails before anything starts
+  compileBodySchemas(); // at startup, not on the first request
   // A push worker serves push only, and push never reads a held turn: a decode would evaluate and save every
   // turn again for nobody (vLLM refuses the pair at startup too, #46473).
   checkTurnOptions(o);
