@@ -1,0 +1,245 @@
+// The proxy's index of which worker holds which prefix block. Blocks are
+// keyed by the proxy's own chain over token ids (as llm-d does), so it works
+// whatever hash a publisher uses; each worker's engine hashes map to those
+// keys for removals and tokenless (offload) stores. Bounded: at most
+// `maxBlocksPerWorker` blocks a worker (its oldest go first) and
+// `maxWorkers` workers. Lookup costs O(prompt blocks).
+import type { KvEvent } from './decode';
+
+/** What a tier's block is worth to a prefill (llm-d: gpu 1.0, cpu 0.8). */
+export const TIER_WEIGHT: Record<string, number> = { GPU: 1, CPU: 0.8, CPU_PINNED: 0.8 };
+const OTHER_TIER = 0.5;
+
+/** The key of a block: a 53-bit chain over the parent's key and the block's token ids. */
+export function blockKey(parent: number, tokens: ArrayLike<number>, from: number, to: number): number {
+  let h1 = (0xdeadbeef ^ parent) >>> 0;
+  let h2 = (0x41c6ce57 ^ Math.floor(parent / 0x100000000)) >>> 0;
+  for (let i = from; i < to; i++) {
+    const t = tokens[i];
+    h1 = Math.imul(h1 ^ t, 2654435761);
+    h2 = Math.imul(h2 ^ t, 1597334677);
+  }
+  h1 = Math.imul(h1 ^ (h1 >>> 16), 2246822507);
+  h1 ^= Math.imul(h2 ^ (h2 >>> 13), 3266489909);
+  h2 = Math.imul(h2 ^ (h2 >>> 16), 2246822507);
+  h2 ^= Math.imul(h1 ^ (h1 >>> 13), 3266489909);
+  return 4294967296 * (2097151 & h2) + (h1 >>> 0);
+}
+
+/** The chain's first parent: the LoRA adapter (or none) starts its own chain. */
+export function rootKey(lora: string | null = null): number {
+  if (lora === null) return 0;
+  const b = Buffer.from(lora, 'utf8');
+  return blockKey(1, b, 0, b.length);
+}
+
+/** The keys of a prompt's full blocks, in order. */
+export function promptKeys(tokens: ArrayLike<number>, blockSize: number, lora: string | null = null): number[] {
+  const keys: number[] = [];
+  let parent = rootKey(lora);
+  for (let i = 0; i + blockSize <= tokens.length; i += blockSize) {
+    parent = blockKey(parent, tokens, i, i + blockSize);
+    keys.push(parent);
+  }
+  return keys;
+}
+
+interface WorkerBlocks {
+  /** Own key -> tier weight (best tier held), in insertion order: the oldest are evicted first. */
+  keys: Map<number, number>;
+  /** Engine hash -> own key. */
+  engine: Map<bigint, number>;
+}
+
+export interface IndexOptions {
+  maxBlocksPerWorker?: number;
+  maxWorkers?: number;
+  /** How long a routing decision's speculative entry counts, ms (default 2000, as llm-d). */
+  speculativeTtlMs?: number;
+  /** Speculative entries at most (default 100,000). */
+  maxSpeculative?: number;
+}
+
+/** A worker's run of the prompt's leading blocks: how many, and their tier-weighted sum. */
+export interface Match {
+  blocks: number;
+  weight: number;
+}
+
+/** What one apply() did, by outcome, for the metrics. */
+export type ApplyCounts = Record<string, number>;
+
+/** Which worker holds which prompt prefix. */
+export class KvBlockIndex {
+  /** Own key -> workers holding it. */
+  readonly #blocks = new Map<number, Set<string>>();
+  readonly #workers = new Map<string, WorkerBlocks>();
+  /** Own key -> worker -> expiry (ms, performance.now()): routing decisions not yet confirmed by an event. */
+  readonly #spec = new Map<number, Map<string, number>>();
+  readonly o: Required<IndexOptions>;
+
+  constructor(o: IndexOptions = {}) {
+    this.o = { maxBlocksPerWorker: 1_000_000, maxWorkers: 1024, speculativeTtlMs: 2000, maxSpeculative: 100_000, ...o };
+  }
+
+  /** Blocks indexed, all workers together. */
+  get size(): number {
+    let n = 0;
+    for (const w of this.#workers.values()) n += w.keys.size;
+    return n;
+  }
+
+  get workers(): string[] {
+    return [...this.#workers.keys()];
+  }
+
+  #worker(name: string): WorkerBlocks | undefined {
+    let w = this.#workers.get(name);
+    if (!w) {
+      if (this.#workers.size >= this.o.maxWorkers) return undefined;
+      w = { keys: new Map(), engine: new Map() };
+      this.#workers.set(name, w);
+    }
+    return w;
+  }
+
+  #add(name: string, w: WorkerBlocks, key: number, weight: number): void {
+    const had = w.keys.get(key);
+    if (had !== undefined) {
+      w.keys.delete(key); // refreshed: youngest again
+      weight = Math.max(had, weight);
+    } else if (w.keys.size >= this.o.maxBlocksPerWorker) {
+      const oldest = w.keys.keys().next().value as number;
+      this.#unhold(name, w, oldest);
+    }
+    w.keys.set(key, weight);
+    let s = this.#blocks.get(key);
+    if (!s) this.#blocks.set(key, (s = new Set()));
+    s.add(name);
+  }
+
+  #unhold(name: string, w: WorkerBlocks, key: number): void {
+    w.keys.delete(key);
+    const s = this.#blocks.get(key);
+    if (s) {
+      s.delete(name);
+      if (s.size === 0) this.#blocks.delete(key);
+    }
+  }
+
+  /** Applies one worker's events in order; returns counts by outcome (applied, unknown_parent, ...). */
+  apply(name: string, events: readonly KvEvent[], counts: ApplyCounts = {}): ApplyCounts {
+    const bump = (k: string, n = 1) => {
+      counts[k] = (counts[k] ?? 0) + n;
+    };
+    for (const e of events) {
+      if (e.type === 'AllBlocksCleared') {
+        this.drop(name);
+        bump('applied');
+        continue;
+      }
+      const w = this.#worker(name);
+      if (!w) {
+        bump('too_many_workers');
+        continue;
+      }
+      if (e.type === 'BlockRemoved') {
+        for (const h of e.blockHashes) {
+          const key = w.engine.get(h);
+          if (key === undefined) bump('unknown_block');
+          else {
+            w.engine.delete(h);
+            this.#unhold(name, w, key);
+          }
+        }
+        bump('applied');
+        continue;
+      }
+      const weight = TIER_WEIGHT[e.medium ?? 'GPU'] ?? OTHER_TIER;
+      if (e.tokenIds.length === 0) {
+        // Tokenless (an offload tier): only blocks whose tokens an earlier store gave.
+        for (const h of e.blockHashes) {
+          const key = w.engine.get(h);
+          if (key === undefined) bump('unknown_block');
+          else this.#add(name, w, key, weight);
+        }
+        bump('applied');
+        continue;
+      }
+      let parent: number | undefined = e.parent === null ? rootKey(e.loraName) : w.engine.get(e.parent);
+      if (parent === undefined) {
+        bump('unknown_parent');
+        continue;
+      }
+      for (let i = 0; i < e.blockHashes.length; i++) {
+        parent = blockKey(parent, e.tokenIds, i * e.blockSize, (i + 1) * e.blockSize);
+        if (w.engine.size >= this.o.maxBlocksPerWorker && !w.engine.has(e.blockHashes[i])) {
+          // The engine map is bounded too: its oldest entry goes.
+          w.engine.delete(w.engine.keys().next().value as bigint);
+        }
+        w.engine.set(e.blockHashes[i], parent);
+        this.#add(name, w, parent, weight);
+        this.#spec.get(parent)?.delete(name); // confirmed
+      }
+      bump('applied');
+      bump('blocks', e.blockHashes.length);
+    }
+    return counts;
+  }
+
+  /** Forgets a worker's blocks (it left, restarted, or cleared its cache). */
+  drop(name: string): void {
+    const w = this.#workers.get(name);
+    if (!w) return;
+    for (const key of w.keys.keys()) this.#unhold(name, w, key);
+    this.#workers.delete(name);
+  }
+
+  /** Records that a prompt's blocks were just sent to `name`: they count for it until `speculativeTtlMs`. */
+  speculate(name: string, keys: readonly number[], now = performance.now()): void {
+    const until = now + this.o.speculativeTtlMs;
+    for (const k of keys) {
+      let m = this.#spec.get(k);
+      if (!m) {
+        if (this.#spec.size >= this.o.maxSpeculative) {
+          // Oldest first; an expired one is of no use anyway.
+          this.#spec.delete(this.#spec.keys().next().value as number);
+        }
+        this.#spec.set(k, (m = new Map()));
+      }
+      m.set(name, until);
+    }
+  }
+
+  /**
+   * Per candidate worker, the tier-weighted length (blocks) of the longest
+   * run of the prompt's leading blocks it holds, speculative entries counting
+   * as GPU blocks until they expire.
+   */
+  match(keys: readonly number[], candidates: readonly string[], now = performance.now()): Map<string, Match> {
+    const score = new Map<string, Match>();
+    let alive = candidates.filter((c) => this.#workers.has(c) || this.#spec.size > 0);
+    for (const c of candidates) score.set(c, { blocks: 0, weight: 0 });
+    for (let i = 0; i < keys.length && alive.length > 0; i++) {
+      const held = this.#blocks.get(keys[i]);
+      const spec = this.#spec.get(keys[i]);
+      const next: string[] = [];
+      for (const c of alive) {
+        let wgt = held?.has(c) ? (this.#workers.get(c)?.keys.get(keys[i]) ?? 0) : 0;
+        const until = spec?.get(c);
+        if (until !== undefined) {
+          if (until > now) wgt = 1;
+          else spec!.delete(c);
+        }
+        if (wgt > 0) {
+          const m = score.get(c)!;
+          m.blocks++;
+          m.weight += wgt;
+          next.push(c);
+        }
+      }
+      alive = next;
+    }
+    return score;
+  }
+}
