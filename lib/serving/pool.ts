@@ -13,6 +13,8 @@ export type Policy = 'round-robin' | 'least-outstanding' | 'load' | 'precise';
 /** A policy that lives outside the pool (precise): picks among the healthy workers given the request's hint. */
 export interface PoolRouter {
   pick(from: readonly WorkerRef[], hint: unknown, turn: number): WorkerRef | undefined;
+  /** The worker left the pool: forget what it held. */
+  left?(w: WorkerRef): void;
 }
 export type { Stage, WorkerRef } from './worker-ref';
 import type { Stage, WorkerRef } from './worker-ref';
@@ -44,6 +46,7 @@ export class WorkerPool {
   remove(w: WorkerRef): boolean {
     const i = this.workers.indexOf(w);
     if (i >= 0) this.workers.splice(i, 1);
+    if (i >= 0) this.router?.left?.(w);
     return i >= 0;
   }
 

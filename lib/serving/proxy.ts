@@ -357,7 +357,8 @@ export class ServingProxy {
     if (label !== requestId) this.#clientIds.set(requestId, label);
     this.#prom?.timeAnswer(path, res);
     const p = this.pools.prefill.policy;
-    const key = p === 'load' ? affinityKey(body, this.#o.routing) : p === 'precise' ? this.kvRouting?.hint(body) : undefined;
+    const key =
+      p === 'load' ? affinityKey(body, this.#o.routing) : p === 'precise' ? this.kvRouting?.hint(body) : undefined;
     if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
     let failure: string | undefined;

@@ -7,7 +7,9 @@
 import { type ChildProcessWithoutNullStreams, execFileSync, spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
+import { Packr } from 'msgpackr';
 import { afterEach, describe, expect, it } from 'vitest';
+import * as zmq from 'zeromq';
 import { startProxy, startWorker } from '../../lib/serving';
 import type { ServingProxy } from '../../lib/serving/proxy';
 import { FIXTURES } from '../helpers';
@@ -19,7 +21,9 @@ function pythonReady(): boolean {
     execFileSync(PY, ['-c', 'import zmq, msgpack'], { stdio: 'pipe' });
     return true;
   } catch {
-    console.warn('KV events interop skipped: /usr/bin/python3 with zmq and msgpack not found (python3-zmq python3-msgpack)');
+    console.warn(
+      'KV events interop skipped: /usr/bin/python3 with zmq and msgpack not found (python3-zmq python3-msgpack)',
+    );
     return false;
   }
 }
@@ -108,7 +112,7 @@ describe.skipIf(!pythonReady())('precise routing from a vLLM-format KV-event pub
     // A prompt nobody holds: load decides, and says it matched nothing (spread over both).
     const other = new Set<string>();
     for (let i = 0; i < 4; i++) {
-      const ans = await complete(proxy, `${i}: nobody has this prompt ${"z".repeat(40)}`);
+      const ans = await complete(proxy, `${i}: nobody has this prompt ${'z'.repeat(40)}`);
       expect(ans.nixl_node.prefix_match_tokens).toBe(0);
       other.add(ans.nixl_node.prefill);
     }
@@ -136,5 +140,62 @@ describe.skipIf(!pythonReady())('precise routing from a vLLM-format KV-event pub
     expect(metrics).toMatch(/nixl_node_proxy_kv_events_applied_total \d+/);
     expect(metrics).toMatch(/nixl_node_proxy_kv_routing_decisions_total\{reason="prefix"\} \d+/);
     expect(metrics).toMatch(/nixl_node_proxy_kv_index_blocks 5/);
+  }, 60_000);
+});
+
+describe('hostile KV-event publisher', () => {
+  it('a flood of malformed messages and batches is dropped and counted while requests keep being routed', async () => {
+    const pub = new zmq.Publisher();
+    await pub.bind('tcp://127.0.0.1:*');
+    closers.push(() => pub.close());
+    const a = await startWorker({ transport: 'http' });
+    const d = await startWorker({ transport: 'http' });
+    closers.push(
+      () => a.close(),
+      () => d.close(),
+    );
+    const proxy = await startProxy({
+      transport: 'http',
+      prefill: [a.address],
+      decode: [d.address],
+      healthIntervalMs: 0,
+      policy: 'precise',
+      kvEvents: { endpoints: { [a.address]: { pub: pub.lastEndpoint! } }, blockSize: 16 },
+    });
+    closers.push(() => proxy.close());
+    const routing = proxy.kvRouting!;
+    const packr = new Packr({ useRecords: false, useBigInt64: true } as never);
+    const seq = (n: number) => {
+      const b = Buffer.alloc(8);
+      b.writeBigUInt64BE(BigInt(n));
+      return b;
+    };
+    const bad = [
+      [Buffer.from('t')], // one frame
+      [Buffer.from('t'), Buffer.from('1234'), Buffer.from('x')], // a 4-byte seq
+      [Buffer.from('t'), seq(0), Buffer.from([0xc1, 0xff])], // not msgpack
+      [Buffer.from('t'), seq(1), packr.pack([0, [['Mystery'], ['BlockStored', ['x']], 7]])], // bad events
+      [Buffer.from('t'), seq(2), packr.pack([0, new Array(200_000).fill(0)])], // too many events
+    ];
+    // The subscriber needs a moment to join: keep sending until it has seen some.
+    const flood = (async () => {
+      for (let round = 0; round < 400 && !(routing.stats['dropped:unknown_type'] ?? 0); round++) {
+        for (const m of bad) await pub.send(m);
+        await new Promise((r) => setTimeout(r, 5));
+      }
+      for (let i = 0; i < 2000; i++) await pub.send(bad[i % 4]);
+    })();
+    const answers = await Promise.all(
+      Array.from({ length: 6 }, (_, i) => complete(proxy, `${i} routed while flooded ${'q'.repeat(32)}`)),
+    );
+    await flood;
+    await until(
+      () =>
+        (routing.stats['dropped:malformed_message'] ?? 0) > 0 && (routing.stats['dropped:malformed_batch'] ?? 0) > 0,
+    );
+    for (const ans of answers) expect(ans.nixl_node.prefill).toBe(a.address);
+    expect(routing.stats['dropped:unknown_type']).toBeGreaterThan(0);
+    expect(routing.stats['dropped:wrong_type']).toBeGreaterThan(0);
+    expect(routing.index.size).toBe(0);
   }, 60_000);
 });

@@ -145,14 +145,20 @@ describe('EventBatch decoder', () => {
 
   it('never throws anything but BatchRefused on random bytes or random msgpack (fixed seed)', () => {
     fc.assert(
-      fc.property(fc.oneof(fc.uint8Array({ maxLength: 300 }), fc.anything().map((v) => pack([0, [v, v]]))), (bytes) => {
-        try {
-          const b = decodeBatch(bytes);
-          expect(Array.isArray(b.events)).toBe(true);
-        } catch (e) {
-          expect(e).toBeInstanceOf(BatchRefused);
-        }
-      }),
+      fc.property(
+        fc.oneof(
+          fc.uint8Array({ maxLength: 300 }),
+          fc.anything().map((v) => pack([0, [v, v]])),
+        ),
+        (bytes) => {
+          try {
+            const b = decodeBatch(bytes);
+            expect(Array.isArray(b.events)).toBe(true);
+          } catch (e) {
+            expect(e).toBeInstanceOf(BatchRefused);
+          }
+        },
+      ),
       { seed: 46, numRuns: 2000 },
     );
   });

@@ -149,7 +149,8 @@ export function decodeBatch(payload: Uint8Array, limits: DecodeLimits = {}): Dec
     rank = raw.get('data_parallel_rank');
   } else throw new BatchRefused('not an EventBatch (an array of 2 or 3, or a map)');
   if (!Array.isArray(events)) throw new BatchRefused('EventBatch events is not an array');
-  if (events.length > l.maxEvents) throw new BatchRefused(`EventBatch has ${events.length} events (limit ${l.maxEvents})`);
+  if (events.length > l.maxEvents)
+    throw new BatchRefused(`EventBatch has ${events.length} events (limit ${l.maxEvents})`);
   const out: DecodedBatch = {
     ts: typeof ts === 'number' ? ts : Number.NaN,
     dpRank: typeof rank === 'number' ? rank : null,

@@ -49,6 +49,8 @@ interface WorkerBlocks {
   keys: Map<number, number>;
   /** Engine hash -> own key. */
   engine: Map<bigint, number>;
+  /** Own key -> expiry (ms, performance.now()): routing decisions not yet confirmed by an event. */
+  spec: Map<number, number>;
 }
 
 export interface IndexOptions {
@@ -56,7 +58,7 @@ export interface IndexOptions {
   maxWorkers?: number;
   /** How long a routing decision's speculative entry counts, ms (default 2000, as llm-d). */
   speculativeTtlMs?: number;
-  /** Speculative entries at most (default 100,000). */
+  /** Speculative entries per worker at most (default 10,000). */
   maxSpeculative?: number;
 }
 
@@ -69,17 +71,28 @@ export interface Match {
 /** What one apply() did, by outcome, for the metrics. */
 export type ApplyCounts = Record<string, number>;
 
+/**
+ * Keeps a map within `cap` entries, the oldest going first. It trims a tenth
+ * below the cap at once: deleting one entry at a time from the front of a
+ * V8 Map leaves holes that each later scan from the front walks again.
+ */
+function trim<K, V>(m: Map<K, V>, cap: number, onDrop?: (k: K) => void): void {
+  if (m.size <= cap) return;
+  let n = m.size - Math.floor(cap * 0.9);
+  for (const k of m.keys()) {
+    if (n-- <= 0) break;
+    m.delete(k);
+    onDrop?.(k);
+  }
+}
+
 /** Which worker holds which prompt prefix. */
 export class KvBlockIndex {
-  /** Own key -> workers holding it. */
-  readonly #blocks = new Map<number, Set<string>>();
   readonly #workers = new Map<string, WorkerBlocks>();
-  /** Own key -> worker -> expiry (ms, performance.now()): routing decisions not yet confirmed by an event. */
-  readonly #spec = new Map<number, Map<string, number>>();
   readonly o: Required<IndexOptions>;
 
   constructor(o: IndexOptions = {}) {
-    this.o = { maxBlocksPerWorker: 1_000_000, maxWorkers: 1024, speculativeTtlMs: 2000, maxSpeculative: 100_000, ...o };
+    this.o = { maxBlocksPerWorker: 1_000_000, maxWorkers: 1024, speculativeTtlMs: 2000, maxSpeculative: 10_000, ...o };
   }
 
   /** Blocks indexed, all workers together. */
@@ -97,34 +110,10 @@ export class KvBlockIndex {
     let w = this.#workers.get(name);
     if (!w) {
       if (this.#workers.size >= this.o.maxWorkers) return undefined;
-      w = { keys: new Map(), engine: new Map() };
+      w = { keys: new Map(), engine: new Map(), spec: new Map() };
       this.#workers.set(name, w);
     }
     return w;
-  }
-
-  #add(name: string, w: WorkerBlocks, key: number, weight: number): void {
-    const had = w.keys.get(key);
-    if (had !== undefined) {
-      w.keys.delete(key); // refreshed: youngest again
-      weight = Math.max(had, weight);
-    } else if (w.keys.size >= this.o.maxBlocksPerWorker) {
-      const oldest = w.keys.keys().next().value as number;
-      this.#unhold(name, w, oldest);
-    }
-    w.keys.set(key, weight);
-    let s = this.#blocks.get(key);
-    if (!s) this.#blocks.set(key, (s = new Set()));
-    s.add(name);
-  }
-
-  #unhold(name: string, w: WorkerBlocks, key: number): void {
-    w.keys.delete(key);
-    const s = this.#blocks.get(key);
-    if (s) {
-      s.delete(name);
-      if (s.size === 0) this.#blocks.delete(key);
-    }
   }
 
   /** Applies one worker's events in order; returns counts by outcome (applied, unknown_parent, ...). */
@@ -149,7 +138,7 @@ export class KvBlockIndex {
           if (key === undefined) bump('unknown_block');
           else {
             w.engine.delete(h);
-            this.#unhold(name, w, key);
+            w.keys.delete(key);
           }
         }
         bump('applied');
@@ -161,7 +150,7 @@ export class KvBlockIndex {
         for (const h of e.blockHashes) {
           const key = w.engine.get(h);
           if (key === undefined) bump('unknown_block');
-          else this.#add(name, w, key, weight);
+          else w.keys.set(key, Math.max(w.keys.get(key) ?? 0, weight));
         }
         bump('applied');
         continue;
@@ -173,14 +162,14 @@ export class KvBlockIndex {
       }
       for (let i = 0; i < e.blockHashes.length; i++) {
         parent = blockKey(parent, e.tokenIds, i * e.blockSize, (i + 1) * e.blockSize);
-        if (w.engine.size >= this.o.maxBlocksPerWorker && !w.engine.has(e.blockHashes[i])) {
-          // The engine map is bounded too: its oldest entry goes.
-          w.engine.delete(w.engine.keys().next().value as bigint);
-        }
         w.engine.set(e.blockHashes[i], parent);
-        this.#add(name, w, parent, weight);
-        this.#spec.get(parent)?.delete(name); // confirmed
+        const had = w.keys.get(parent);
+        if (had !== undefined) w.keys.delete(parent); // refreshed: youngest again
+        w.keys.set(parent, had === undefined ? weight : Math.max(had, weight));
+        w.spec.delete(parent); // confirmed
       }
+      trim(w.keys, this.o.maxBlocksPerWorker);
+      trim(w.engine, this.o.maxBlocksPerWorker);
       bump('applied');
       bump('blocks', e.blockHashes.length);
     }
@@ -189,56 +178,45 @@ export class KvBlockIndex {
 
   /** Forgets a worker's blocks (it left, restarted, or cleared its cache). */
   drop(name: string): void {
-    const w = this.#workers.get(name);
-    if (!w) return;
-    for (const key of w.keys.keys()) this.#unhold(name, w, key);
     this.#workers.delete(name);
   }
 
   /** Records that a prompt's blocks were just sent to `name`: they count for it until `speculativeTtlMs`. */
   speculate(name: string, keys: readonly number[], now = performance.now()): void {
+    const w = this.#worker(name);
+    if (!w) return;
     const until = now + this.o.speculativeTtlMs;
     for (const k of keys) {
-      let m = this.#spec.get(k);
-      if (!m) {
-        if (this.#spec.size >= this.o.maxSpeculative) {
-          // Oldest first; an expired one is of no use anyway.
-          this.#spec.delete(this.#spec.keys().next().value as number);
-        }
-        this.#spec.set(k, (m = new Map()));
-      }
-      m.set(name, until);
+      if (w.keys.has(k)) continue;
+      w.spec.delete(k);
+      w.spec.set(k, until);
     }
+    trim(w.spec, this.o.maxSpeculative);
   }
 
   /**
-   * Per candidate worker, the tier-weighted length (blocks) of the longest
-   * run of the prompt's leading blocks it holds, speculative entries counting
-   * as GPU blocks until they expire.
+   * Per candidate worker, the length (blocks) of the longest run of the
+   * prompt's leading blocks it holds and its tier-weighted sum, speculative
+   * entries counting as GPU blocks until they expire. Each candidate stops at
+   * its first miss: O(candidates + matched blocks).
    */
   match(keys: readonly number[], candidates: readonly string[], now = performance.now()): Map<string, Match> {
     const score = new Map<string, Match>();
-    let alive = candidates.filter((c) => this.#workers.has(c) || this.#spec.size > 0);
-    for (const c of candidates) score.set(c, { blocks: 0, weight: 0 });
-    for (let i = 0; i < keys.length && alive.length > 0; i++) {
-      const held = this.#blocks.get(keys[i]);
-      const spec = this.#spec.get(keys[i]);
-      const next: string[] = [];
-      for (const c of alive) {
-        let wgt = held?.has(c) ? (this.#workers.get(c)?.keys.get(keys[i]) ?? 0) : 0;
-        const until = spec?.get(c);
-        if (until !== undefined) {
-          if (until > now) wgt = 1;
-          else spec!.delete(c);
+    for (const c of candidates) {
+      const m = { blocks: 0, weight: 0 };
+      score.set(c, m);
+      const w = this.#workers.get(c);
+      if (!w) continue;
+      for (const k of keys) {
+        let wgt = w.keys.get(k);
+        if (wgt === undefined) {
+          const until = w.spec.get(k);
+          if (until === undefined || until <= now) break;
+          wgt = 1;
         }
-        if (wgt > 0) {
-          const m = score.get(c)!;
-          m.blocks++;
-          m.weight += wgt;
-          next.push(c);
-        }
+        m.blocks++;
+        m.weight += wgt;
       }
-      alive = next;
     }
     return score;
   }

@@ -41,7 +41,13 @@ export function parseEventEndpoint(spec: string): [string, EventEndpoint] {
   const eq = spec.lastIndexOf('=');
   const worker = spec.slice(0, eq);
   const [pub, replay, extra] = spec.slice(eq + 1).split(',');
-  if (eq <= 0 || !pub || extra !== undefined || !/^(tcp|ipc):\/\//.test(pub) || (replay && !/^(tcp|ipc):\/\//.test(replay)))
+  if (
+    eq <= 0 ||
+    !pub ||
+    extra !== undefined ||
+    !/^(tcp|ipc):\/\//.test(pub) ||
+    (replay && !/^(tcp|ipc):\/\//.test(replay))
+  )
     throw Object.assign(new Error(`--kv-events-endpoint wants WORKER=tcp://PUB[,tcp://REPLAY], not '${spec}'`), {
       code: 'NIXL_ERR_INVALID_PARAM',
     });
@@ -132,6 +138,11 @@ export class PreciseRouting {
     if (!tokens) return undefined;
     const lora = typeof body.lora_name === 'string' ? body.lora_name : null;
     return { keys: promptKeys(tokens, this.blockSize, lora) };
+  }
+
+  /** A worker left the pool (etcd): its index and its subscription go. */
+  left(w: WorkerRef): void {
+    this.unsubscribe(this.nameOf(w));
   }
 
   /** The name a worker's events go by: the key of its --kv-events-endpoint, else its fleet name or address. */

@@ -68,15 +68,24 @@ export class EventStream {
       this.sink.count('restarts');
       this.sink.clear();
       this.last = -1n;
-      if (seq === 0n) return this.#applyNext(seq, payload);
+      if (seq === 0n) {
+        this.#applyNext(seq, payload);
+        return;
+      }
       this.#held.set(seq, payload);
       this.sink.count('gaps');
       this.#startReplay(0n);
       if (!this.#replaying) this.#flush();
       return;
     }
-    if (seq <= this.last) return this.sink.count('duplicates');
-    if (seq === this.last + 1n) return this.#applyNext(seq, payload);
+    if (seq <= this.last) {
+      this.sink.count('duplicates');
+      return;
+    }
+    if (seq === this.last + 1n) {
+      this.#applyNext(seq, payload);
+      return;
+    }
     // A gap (also a first message after 0 that no replay preceded).
     this.sink.count('gaps');
     this.#held.set(seq, payload);
@@ -90,10 +99,16 @@ export class EventStream {
     if (!this.#sawReplay) {
       this.#sawReplay = true;
       // The publisher's buffer no longer starts where we asked: what lies between is lost.
-      if (seq > this.#from && seq > this.last + 1n) return this.#lose(seq, payload);
+      if (seq > this.#from && seq > this.last + 1n) {
+        this.#lose(seq, payload);
+        return;
+      }
     }
     if (seq <= this.last) return;
-    if (seq === this.last + 1n || this.last < 0n) return this.#applyNext(seq, payload);
+    if (seq === this.last + 1n || this.last < 0n) {
+      this.#applyNext(seq, payload);
+      return;
+    }
     this.#lose(seq, payload);
   }
 
