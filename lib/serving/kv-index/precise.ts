@@ -91,7 +91,9 @@ export class PreciseRouting {
   }
 
   /** Follows one worker's events (again: the old subscription goes, and its index with it). */
-  subscribe(name: string, ep: EventEndpoint): void {
+  subscribe(worker: string, ep: EventEndpoint): void {
+    // Named as the pool names it (an HTTP address without its trailing slashes).
+    const name = /^https?:/.test(worker) ? worker.replace(/\/+$/, '') : worker;
     this.unsubscribe(name);
     const sub = new EventSubscriber(
       ep,
