@@ -6,10 +6,6 @@
 // `maxWorkers` workers. Lookup costs O(prompt blocks).
 import type { KvEvent } from './decode';
 
-/** What a tier's block is worth to a prefill (llm-d: gpu 1.0, cpu 0.8). */
-export const TIER_WEIGHT: Record<string, number> = { GPU: 1, CPU: 0.8, CPU_PINNED: 0.8 };
-const OTHER_TIER = 0.5;
-
 /** The key of a block: a 53-bit chain over the parent's key and the block's token ids. */
 export function blockKey(parent: number, tokens: ArrayLike<number>, from: number, to: number): number {
   let h1 = (0xdeadbeef ^ parent) >>> 0;
@@ -44,12 +40,25 @@ export function promptKeys(tokens: ArrayLike<number>, blockSize: number, lora: s
   return keys;
 }
 
+// Map keys and values are kept small integers (V8 Smis): a 53-bit key as a
+// Map key or value is a heap number, one more cache miss a lookup, and the
+// decision's lookups are its cost. A slot is the key's low 32 bits; its
+// value holds the other 21 bits (checked on lookup, so no two keys are
+// confused) and the best tier held.
+const slotOf = (k: number) => k | 0;
+const highOf = (k: number) => Math.floor(k / 0x100000000);
+/** Tier codes, best first, and what a block in each is worth to a prefill (llm-d: gpu 1.0, cpu 0.8; others 0.5). */
+const TIER_CODE: Record<string, number> = { GPU: 0, CPU: 1, CPU_PINNED: 1 };
+const CODE_WEIGHT = [1, 0.8, 0.5];
+const tierCode = (medium: string | null) => TIER_CODE[medium ?? 'GPU'] ?? 2;
+const SPEC_TICK_MS = 100;
+
 interface WorkerBlocks {
-  /** Own key -> tier weight (best tier held), in insertion order: the oldest are evicted first. */
+  /** Slot -> high bits * 4 + tier code, in insertion order: the oldest are evicted first. */
   keys: Map<number, number>;
   /** Engine hash -> own key. */
   engine: Map<bigint, number>;
-  /** Own key -> expiry (ms, performance.now()): routing decisions not yet confirmed by an event. */
+  /** Slot -> expiry in SPEC_TICK_MS ticks: routing decisions not yet confirmed by an event. */
   spec: Map<number, number>;
 }
 
@@ -116,6 +125,20 @@ export class KvBlockIndex {
     return w;
   }
 
+  /** The tier code a worker holds `key` at, if it does. */
+  #held(w: WorkerBlocks, key: number): number | undefined {
+    const v = w.keys.get(slotOf(key));
+    return v !== undefined && v >>> 2 === highOf(key) ? v & 3 : undefined;
+  }
+
+  /** Marks `key` held at tier `code` (the best tier wins), as the youngest entry. */
+  #hold(w: WorkerBlocks, key: number, code: number): void {
+    const slot = slotOf(key);
+    const had = this.#held(w, key);
+    w.keys.delete(slot);
+    w.keys.set(slot, highOf(key) * 4 + (had === undefined ? code : Math.min(had, code)));
+  }
+
   /** Applies one worker's events in order; returns counts by outcome (applied, unknown_parent, ...). */
   apply(name: string, events: readonly KvEvent[], counts: ApplyCounts = {}): ApplyCounts {
     const bump = (k: string, n = 1) => {
@@ -138,19 +161,19 @@ export class KvBlockIndex {
           if (key === undefined) bump('unknown_block');
           else {
             w.engine.delete(h);
-            w.keys.delete(key);
+            if (this.#held(w, key) !== undefined) w.keys.delete(slotOf(key));
           }
         }
         bump('applied');
         continue;
       }
-      const weight = TIER_WEIGHT[e.medium ?? 'GPU'] ?? OTHER_TIER;
+      const code = tierCode(e.medium);
       if (e.tokenIds.length === 0) {
         // Tokenless (an offload tier): only blocks whose tokens an earlier store gave.
         for (const h of e.blockHashes) {
           const key = w.engine.get(h);
           if (key === undefined) bump('unknown_block');
-          else w.keys.set(key, Math.max(w.keys.get(key) ?? 0, weight));
+          else this.#hold(w, key, code);
         }
         bump('applied');
         continue;
@@ -163,10 +186,8 @@ export class KvBlockIndex {
       for (let i = 0; i < e.blockHashes.length; i++) {
         parent = blockKey(parent, e.tokenIds, i * e.blockSize, (i + 1) * e.blockSize);
         w.engine.set(e.blockHashes[i], parent);
-        const had = w.keys.get(parent);
-        if (had !== undefined) w.keys.delete(parent); // refreshed: youngest again
-        w.keys.set(parent, had === undefined ? weight : Math.max(had, weight));
-        w.spec.delete(parent); // confirmed
+        this.#hold(w, parent, code);
+        w.spec.delete(slotOf(parent)); // confirmed
       }
       trim(w.keys, this.o.maxBlocksPerWorker);
       trim(w.engine, this.o.maxBlocksPerWorker);
@@ -185,11 +206,12 @@ export class KvBlockIndex {
   speculate(name: string, keys: readonly number[], now = performance.now()): void {
     const w = this.#worker(name);
     if (!w) return;
-    const until = now + this.o.speculativeTtlMs;
+    const until = Math.ceil((now + this.o.speculativeTtlMs) / SPEC_TICK_MS);
     for (const k of keys) {
-      if (w.keys.has(k)) continue;
-      w.spec.delete(k);
-      w.spec.set(k, until);
+      if (this.#held(w, k) !== undefined) continue;
+      const slot = slotOf(k);
+      w.spec.delete(slot);
+      w.spec.set(slot, until);
     }
     trim(w.spec, this.o.maxSpeculative);
   }
@@ -208,10 +230,12 @@ export class KvBlockIndex {
       const w = this.#workers.get(c);
       if (!w) continue;
       for (const k of keys) {
-        let wgt = w.keys.get(k);
-        if (wgt === undefined) {
-          const until = w.spec.get(k);
-          if (until === undefined || until <= now) break;
+        const code = this.#held(w, k);
+        let wgt: number;
+        if (code !== undefined) wgt = CODE_WEIGHT[code];
+        else {
+          const until = w.spec.get(slotOf(k));
+          if (until === undefined || until * SPEC_TICK_MS <= now) break;
           wgt = 1;
         }
         m.blocks++;
