@@ -22,7 +22,8 @@ function kvEventsOptions(v: Record<string, unknown>) {
     }
   }
   const blockSize = v['kv-block-size'] === undefined ? undefined : positiveInt(v, 'kv-block-size', 16, 4096);
-  return specs.length > 0 || blockSize ? { endpoints, blockSize } : undefined;
+  const tokenizer = oneOf(v, 'kv-tokenizer', ['local', 'worker'] as const, 'local');
+  return specs.length > 0 || blockSize || v['kv-tokenizer'] ? { endpoints, blockSize, tokenizer } : undefined;
 }
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
@@ -45,6 +46,7 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --kv-events-endpoint WORKER=PUB[,REPLAY]  (repeatable) where a prefill worker (as given to --prefill)
                        publishes vLLM KV events (ZMQ PUB, and its replay ROUTER); docs/kv-events.md
   --kv-block-size N    precise: tokens per block, the workers' --block-size (default: from the events)
+  --kv-tokenizer T     precise: local (the synthetic model's, default) | worker (a prefill's /tokenize)
   --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)
   --timeout-ms N       per stage (default 60000)
   --health-ms N        between health checks (default 2000)
@@ -75,6 +77,7 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       policy: { type: 'string' },
       'kv-events-endpoint': { type: 'string', multiple: true },
       'kv-block-size': { type: 'string' },
+      'kv-tokenizer': { type: 'string' },
       etcd: { type: 'string' },
       'etcd-prefix': { type: 'string' },
       'affinity-chars': { type: 'string' },

@@ -170,7 +170,12 @@ export class ServingProxy {
       (req, res) => void this.#onRequest(req, res),
     );
     if (policy === 'precise' || o.kvEvents?.endpoints)
-      this.pools.prefill.router = this.kvRouting = new PreciseRouting(o.kvEvents, this.#prom?.registry, this.#log);
+      this.pools.prefill.router = this.kvRouting = new PreciseRouting(
+        o.kvEvents,
+        this.#prom?.registry,
+        this.#log,
+        this.pools.prefill,
+      );
     if (o.etcd) this.fleet = new FleetDiscovery(this.pools, kind, o.etcd, this.#prom?.registry, this.#log);
   }
 
@@ -358,7 +363,11 @@ export class ServingProxy {
     this.#prom?.timeAnswer(path, res);
     const p = this.pools.prefill.policy;
     const key =
-      p === 'load' ? affinityKey(body, this.#o.routing) : p === 'precise' ? this.kvRouting?.hint(body) : undefined;
+      p === 'load'
+        ? affinityKey(body, this.#o.routing)
+        : p === 'precise'
+          ? await this.kvRouting?.hint(body)
+          : undefined;
     if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
     let failure: string | undefined;

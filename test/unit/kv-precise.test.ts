@@ -77,3 +77,55 @@ describe('precise policy', () => {
       expect(() => parseEventEndpoint(bad)).toThrow(/--kv-events-endpoint/);
   });
 });
+
+describe("precise policy with a worker's /tokenize", () => {
+  it('keys the prompt by the ids a prefill tokenizes it into, and routes by load when none answers', async () => {
+    const http = await import('node:http');
+    const asked: unknown[] = [];
+    const server = http.createServer((req, res) => {
+      let body = '';
+      req.on('data', (c) => {
+        body += c;
+      });
+      req.on('end', () => {
+        asked.push(JSON.parse(body));
+        res.writeHead(req.url === '/tokenize' ? 200 : 404, { 'content-type': 'application/json' });
+        // A tokenizer of its own: one id per word, 100 + its length.
+        const text = String(JSON.parse(body).prompt ?? '');
+        res.end(JSON.stringify({ count: 1, tokens: text.split(' ').map((w) => 100 + w.length) }));
+      });
+    });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', () => r()));
+    const url = `http://127.0.0.1:${(server.address() as { port: number }).port}`;
+    try {
+      const p = new WorkerPool('prefill', [url, 'http://127.0.0.1:1'], 'precise');
+      const r = new PreciseRouting({ blockSize: 2, tokenizer: 'worker' }, undefined, undefined, p);
+      p.router = r;
+      r.index.apply('http://127.0.0.1:1', [
+        {
+          type: 'BlockStored',
+          blockHashes: [9n],
+          parent: null,
+          tokenIds: [101, 102],
+          blockSize: 2,
+          medium: 'GPU',
+          loraName: null,
+        },
+      ]);
+      const hint = await r.hint({ model: 'm', prompt: 'a bb ccc' });
+      expect(asked).toEqual([{ model: 'm', prompt: 'a bb ccc' }]);
+      expect(hint?.keys.length).toBe(1); // ids 101 102 103: one full block of 2
+      expect(p.pick(new Set(), hint)?.address).toBe('http://127.0.0.1:1');
+      expect(hint?.prefixMatchTokens).toBe(2);
+      // Token-id prompts are not sent anywhere.
+      expect((await r.hint({ prompt: [101, 102] }))?.keys.length).toBe(1);
+      expect(asked.length).toBe(1);
+      // No worker answers: no tokens, load decides.
+      server.close();
+      p.workers[0].healthy = false;
+      expect(await r.hint({ model: 'm', prompt: 'x y' })).toBeUndefined();
+    } finally {
+      server.close();
+    }
+  });
+});

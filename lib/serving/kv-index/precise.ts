@@ -12,14 +12,15 @@ import { BatchRefused, type DecodeLimits, decodeBatch } from './decode';
 import { type IndexOptions, KvBlockIndex, promptKeys } from './index';
 import { type KvIndexMetrics, kvIndexMetrics } from './metrics';
 import { type EventEndpoint, EventSubscriber } from './subscriber';
-import { type PromptTokenizer, syntheticTokenizer } from './tokenizer';
+import { type PromptTokenizer, syntheticTokenizer, workerTokenizer } from './tokenizer';
 
 export interface KvEventsOptions {
   /** Worker (its address as given, or its fleet name) -> where it publishes (--kv-events-endpoint). */
   endpoints?: Record<string, EventEndpoint>;
   /** Tokens per block, as the workers' --block-size (default: the first BlockStored's, else 16). */
   blockSize?: number;
-  tokenizer?: PromptTokenizer;
+  /** How the proxy gets a prompt's token ids: 'local' (the synthetic model's; default), 'worker' (a prefill's /tokenize), or your own. */
+  tokenizer?: PromptTokenizer | 'local' | 'worker';
   index?: IndexOptions;
   limits?: DecodeLimits;
   /** Weights of the scores (llm-d's sample profile: prefix 2, kv utilisation 1, queue 1). */
@@ -67,10 +68,18 @@ export class PreciseRouting {
     readonly o: KvEventsOptions = {},
     registry?: Registry,
     readonly log?: Logger,
+    /** The prefill workers ('worker' tokenizer: whom to ask). */
+    pool?: { workers: readonly WorkerRef[] },
   ) {
     this.index = new KvBlockIndex(o.index);
     this.#metrics = registry ? kvIndexMetrics(registry, () => this.index.size) : undefined;
-    this.#tokenizer = o.tokenizer ?? syntheticTokenizer;
+    const t = o.tokenizer ?? 'local';
+    this.#tokenizer =
+      t === 'local'
+        ? syntheticTokenizer
+        : t === 'worker'
+          ? workerTokenizer(() => (pool?.workers ?? []).filter((w) => w.healthy).map((w) => w.address))
+          : t;
     this.#blockSize = o.blockSize;
     this.#w = { prefix: 2, kvUtilization: 1, queue: 1, ...o.weights };
   }
@@ -135,11 +144,12 @@ export class PreciseRouting {
   }
 
   /** The routing hint of a request: its prompt's block keys (undefined when its tokens are not known). */
-  hint(body: Record<string, unknown>): PreciseHint | undefined {
-    const tokens = this.#tokenizer.tokens(body);
-    if (!tokens) return undefined;
+  hint(body: Record<string, unknown>): PreciseHint | undefined | Promise<PreciseHint | undefined> {
     const lora = typeof body.lora_name === 'string' ? body.lora_name : null;
-    return { keys: promptKeys(tokens, this.blockSize, lora) };
+    const keyed = (tokens: number[] | undefined) =>
+      tokens ? { keys: promptKeys(tokens, this.blockSize, lora) } : undefined;
+    const tokens = this.#tokenizer.tokens(body);
+    return tokens instanceof Promise ? tokens.then(keyed, () => undefined) : keyed(tokens);
   }
 
   /** A worker left the pool (etcd): its index and its subscription go. */
