@@ -26,10 +26,10 @@ import { StageTimeout } from './stage-signal';
 import { type Logger, silentLogger } from './log';
 import { hasDecodeFor, modelMismatch, sameModel, servedModels, serves } from './pairing';
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
-import { type RoutingOptions, affinityKey } from './fleet/routing';
+import type { RoutingOptions } from './fleet/routing';
 import { newTransferId, pushPrefillAndDecode, pushPrefillParams } from './push-proxy';
 import { KV_BUSY_CODES, retryAfter } from './blocks';
-import { type KvEventsOptions, PreciseRouting } from './kv-index/precise';
+import { type KvEventsOptions, PreciseRouting, preciseFor, prefillKey } from './kv-index/precise';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -169,13 +169,7 @@ export class ServingProxy {
       { requestTimeoutMs: o.requestTimeoutMs ?? 30_000, maxConnections: o.maxConnections },
       (req, res) => void this.#onRequest(req, res),
     );
-    if (policy === 'precise' || o.kvEvents?.endpoints)
-      this.pools.prefill.router = this.kvRouting = new PreciseRouting(
-        o.kvEvents,
-        this.#prom?.registry,
-        this.#log,
-        this.pools.prefill,
-      );
+    this.kvRouting = preciseFor(policy, this.pools.prefill, o.kvEvents, this.#prom?.registry, this.#log);
     if (o.etcd) this.fleet = new FleetDiscovery(this.pools, kind, o.etcd, this.#prom?.registry, this.#log);
   }
 
@@ -361,13 +355,7 @@ export class ServingProxy {
     this.#traces.set(requestId, span.context);
     if (label !== requestId) this.#clientIds.set(requestId, label);
     this.#prom?.timeAnswer(path, res);
-    const p = this.pools.prefill.policy;
-    const key =
-      p === 'load'
-        ? affinityKey(body, this.#o.routing)
-        : p === 'precise'
-          ? await this.kvRouting?.hint(body)
-          : undefined;
+    const key = await prefillKey(this.pools.prefill.policy, body, this.#o.routing, this.kvRouting);
     if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
     let failure: string | undefined;

@@ -5,7 +5,8 @@
 // (prefix 2, KV utilisation 1, queue 1). Each decision adds a short-lived
 // speculative entry for the chosen worker until its event arrives.
 import type { Registry } from 'prom-client';
-import { loadOf } from '../fleet/routing';
+import { type RoutingOptions, affinityKey, loadOf } from '../fleet/routing';
+import type { Policy, WorkerPool } from '../pool';
 import type { Logger } from '../log';
 import type { WorkerRef } from '../worker-ref';
 import { BatchRefused, type DecodeLimits, decodeBatch } from './decode';
@@ -210,4 +211,29 @@ export class PreciseRouting {
     for (const s of this.#subs.values()) s.close();
     this.#subs.clear();
   }
+}
+
+/** The proxy's precise routing for its prefill pool, when the policy or the options ask for it. */
+export function preciseFor(
+  policy: Policy,
+  pool: WorkerPool,
+  o: KvEventsOptions | undefined,
+  registry?: Registry,
+  log?: Logger,
+): PreciseRouting | undefined {
+  if (policy !== 'precise' && !o?.endpoints) return undefined;
+  const r = new PreciseRouting(o, registry, log, pool);
+  pool.router = r;
+  return r;
+}
+
+/** What a request's prefill is picked by: its prefix affinity ('load') or its prompt's blocks ('precise'). */
+export async function prefillKey(
+  policy: Policy,
+  body: Record<string, unknown>,
+  routing: RoutingOptions | undefined,
+  precise: PreciseRouting | undefined,
+): Promise<string | PreciseHint | undefined> {
+  if (policy === 'load') return affinityKey(body, routing);
+  return policy === 'precise' ? precise?.hint(body) : undefined;
 }
