@@ -13,7 +13,7 @@ export interface EventEndpoint {
 
 const END = (1n << 64n) - 1n;
 /** Largest message accepted from a publisher (bytes); larger ones are cut by ZeroMQ. */
-const MAX_MESSAGE = 64 << 20;
+const MAX_MESSAGE = 16 << 20;
 /** A replay that does not end within this is taken as ended. */
 const REPLAY_TIMEOUT_MS = 3000;
 /** Messages handled before the loop yields to the event loop, so a flood cannot stall routing. */
