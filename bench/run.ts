@@ -13,6 +13,7 @@ import { benchFleet } from './fleet';
 import { benchFleetGguf } from './fleet-gguf';
 import { benchTracing } from './tracing';
 import { proxySection } from './proxy';
+import { benchIndex } from './kv-index';
 import { NixlError, engines } from '../lib';
 import type { Engine } from './agents';
 import { benchBandwidth, bwCells, type BwRow } from './loopback';
@@ -38,6 +39,7 @@ export const SECTIONS = [
   'multiturn',
   'push',
   'fleet',
+  'index',
   'prefix',
   'grid',
   'layerwise',
@@ -243,6 +245,35 @@ export async function runBench(o: BenchOptions): Promise<void> {
   }
 
   if (only.includes('proxy')) result.proxy = await proxySection(quick, table, panels);
+
+  if (only.includes('index')) {
+    const r = benchIndex(quick);
+    result.index = r;
+    console.log(
+      `\n# KV-event index: ${r.workers} workers x ${r.blocksPerWorker} blocks, ${r.promptTokens}-token prompts`,
+    );
+    table(
+      ['', 'block updates/s', 'index alone/s', 'decision p50 us', 'decision p99 us', 'decision mean us'],
+      [
+        [
+          'wall',
+          Math.round(r.blocksPerSecond),
+          Math.round(r.indexOnlyBlocksPerSecond),
+          r.decisionP50Us,
+          r.decisionP99Us,
+          '',
+        ],
+        [
+          'per CPU s',
+          Math.round(r.blocksPerCpuSecond),
+          Math.round(r.indexOnlyBlocksPerCpuSecond),
+          '',
+          '',
+          r.decisionCpuUs,
+        ],
+      ],
+    );
+  }
 
   if (only.includes('serving')) {
     const n = quick ? 5 : 15;

@@ -16,7 +16,7 @@ Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --svg FILE       write a bar chart
   --quick          fewer repetitions
   --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,proxy,serving,multiturn,push,fleet,
-                   prefix,grid,demo (default all but prefix, grid and demo; native: against a C++ program on
+                   index,prefix,grid,demo (default all but prefix, grid and demo; native: against a C++ program on
                    the installed NIXL, when NIXL is compiled in; serving: a generated llama GGUF through
                    node-llama-cpp, when it is installed; multiturn: turn 2 reading turn 1's KV from its decode
                    against recomputing (synthetic model, and GGUF when node-llama-cpp is installed); push: push

@@ -7,6 +7,24 @@ import { oneOf, parse, positiveInt, UsageError, untilSignal } from './args';
 import { startTracing } from './otel';
 import { commandLogger, logLevel } from './log';
 import { etcdOptions, inUse, list, port } from './serving-args';
+import { parseEventEndpoint } from '../lib/serving/kv-index/precise';
+
+/** --kv-events-endpoint (repeatable) and --kv-block-size. */
+function kvEventsOptions(v: Record<string, unknown>) {
+  const specs = (v['kv-events-endpoint'] as unknown as string[] | undefined) ?? [];
+  const endpoints: Record<string, { pub: string; replay?: string }> = {};
+  for (const s of specs) {
+    try {
+      const [worker, ep] = parseEventEndpoint(s);
+      endpoints[worker] = ep;
+    } catch (e) {
+      throw new UsageError((e as Error).message);
+    }
+  }
+  const blockSize = v['kv-block-size'] === undefined ? undefined : positiveInt(v, 'kv-block-size', 16, 4096);
+  const tokenizer = oneOf(v, 'kv-tokenizer', ['local', 'worker'] as const, 'local');
+  return specs.length > 0 || blockSize || v['kv-tokenizer'] ? { endpoints, blockSize, tokenizer } : undefined;
+}
 
 const PROXY_HELP = `nixl-node proxy: route each request through encode, prefill and decode workers
 
@@ -23,7 +41,12 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --etcd LIST          etcd endpoints: also route to the workers registered there, as they come and go
   --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
   --policy P           round-robin | least-outstanding | load (reported load, free blocks, prefix
-                       affinity; the default with --etcd, else round-robin)
+                       affinity; the default with --etcd, else round-robin) | precise (the prefill
+                       whose KV events say it holds the longest run of the prompt's blocks, with load)
+  --kv-events-endpoint WORKER=PUB[,REPLAY]  (repeatable) where a prefill worker (as given to --prefill)
+                       publishes vLLM KV events (ZMQ PUB, and its replay ROUTER); docs/kv-events.md
+  --kv-block-size N    precise: tokens per block, the workers' --block-size (default: from the events)
+  --kv-tokenizer T     precise: local (the synthetic model's, default) | worker (a prefill's /tokenize)
   --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)
   --timeout-ms N       per stage (default 60000)
   --health-ms N        between health checks (default 2000)
@@ -52,6 +75,9 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       'pd-addrs': { type: 'string' },
       'encode-addrs': { type: 'string' },
       policy: { type: 'string' },
+      'kv-events-endpoint': { type: 'string', multiple: true },
+      'kv-block-size': { type: 'string' },
+      'kv-tokenizer': { type: 'string' },
       etcd: { type: 'string' },
       'etcd-prefix': { type: 'string' },
       'affinity-chars': { type: 'string' },
@@ -87,7 +113,13 @@ export async function proxyCommand(argv: string[]): Promise<void> {
     decode,
     encode: [...list(v, 'encode'), ...list(v, 'encode-addrs')],
     etcd,
-    policy: oneOf(v, 'policy', ['round-robin', 'least-outstanding', 'load'] as const, etcd ? 'load' : 'round-robin'),
+    policy: oneOf(
+      v,
+      'policy',
+      ['round-robin', 'least-outstanding', 'load', 'precise'] as const,
+      etcd ? 'load' : 'round-robin',
+    ),
+    kvEvents: kvEventsOptions(v),
     routing: { prefixChars: affinity },
     timeoutMs: { encode: timeout, prefill: timeout, decode: timeout },
     healthIntervalMs: positiveInt(v, 'health-ms', 2000, 3_600_000),

@@ -151,6 +151,8 @@ export function carryTurn(
     release?: (remoteRequestId?: string) => void;
     /** The client's signal: aborted when it left before the answer ended. */
     cut?: AbortSignal;
+    /** More for the answer's nixl_node (the precise policy's decision). */
+    annotate?: Record<string, unknown>;
   },
 ): StageAnswer {
   const free = (kvp: Record<string, unknown>) => {
@@ -175,6 +177,7 @@ export function carryTurn(
         kv_reused_tokens: o.reusedTokens,
         ...(o.reuseSkipped !== undefined ? { kv_reuse_skipped: o.reuseSkipped } : {}),
       };
+    if (o.annotate) body.nixl_node = { ...(body.nixl_node as object | undefined), ...o.annotate };
   };
   if (a.json && a.status < 400) see(a.json);
   const onCut = () => {

@@ -3,8 +3,19 @@
 // health checks that take a worker out and bring it back.
 import { type RoutingOptions, pickByLoad } from './fleet/routing';
 
-/** How a pool picks a worker ('load': reported load and free blocks, prefix affinity; fleet/routing.ts). */
-export type Policy = 'round-robin' | 'least-outstanding' | 'load';
+/**
+ * How a pool picks a worker ('load': reported load and free blocks, prefix
+ * affinity; fleet/routing.ts. 'precise': the prefill holding the longest
+ * run of the prompt's blocks by the workers' KV events; kv-index/precise.ts).
+ */
+export type Policy = 'round-robin' | 'least-outstanding' | 'load' | 'precise';
+
+/** A policy that lives outside the pool (precise): picks among the healthy workers given the request's hint. */
+export interface PoolRouter {
+  pick(from: readonly WorkerRef[], hint: unknown, turn: number): WorkerRef | undefined;
+  /** The worker left the pool: forget what it held. */
+  left?(w: WorkerRef): void;
+}
 export type { Stage, WorkerRef } from './worker-ref';
 import type { Stage, WorkerRef } from './worker-ref';
 
@@ -12,6 +23,8 @@ import type { Stage, WorkerRef } from './worker-ref';
 export class WorkerPool {
   readonly workers: WorkerRef[];
   #next = 0;
+  /** Picks for the 'precise' policy (set by the proxy); without it, the pool falls back to 'load'. */
+  router?: PoolRouter;
 
   constructor(
     readonly stage: Stage,
@@ -33,6 +46,7 @@ export class WorkerPool {
   remove(w: WorkerRef): boolean {
     const i = this.workers.indexOf(w);
     if (i >= 0) this.workers.splice(i, 1);
+    if (i >= 0) this.router?.left?.(w);
     return i >= 0;
   }
 
@@ -47,14 +61,16 @@ export class WorkerPool {
    */
   pick(
     avoid: ReadonlySet<WorkerRef> = new Set(),
-    key?: string,
+    key?: string | object,
     accept?: (w: WorkerRef) => boolean,
   ): WorkerRef | undefined {
     const healthy = this.workers.filter((w) => w.healthy && (!accept || accept(w)));
     const preferred = healthy.filter((w) => !avoid.has(w));
     const from = preferred.length > 0 ? preferred : healthy;
     if (from.length === 0) return undefined;
-    if (this.policy === 'load') return pickByLoad(from, this.#next++, key, this.routing);
+    if (this.policy === 'precise' && this.router) return this.router.pick(from, key, this.#next++);
+    if (this.policy === 'load' || this.policy === 'precise')
+      return pickByLoad(from, this.#next++, typeof key === 'string' ? key : undefined, this.routing);
     if (this.policy === 'least-outstanding') {
       // Ties go round-robin, so equal workers share the load.
       const min = Math.min(...from.map((w) => w.outstanding));

@@ -27,9 +27,10 @@ import { StageTimeout } from './stage-signal';
 import { type Logger, silentLogger } from './log';
 import { hasDecodeFor, modelMismatch, namesOf, sameModel, serves } from './pairing';
 import { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
-import { type RoutingOptions, affinityKey } from './fleet/routing';
+import type { RoutingOptions } from './fleet/routing';
 import { newTransferId, pushPrefillAndDecode, pushPrefillParams } from './push-proxy';
 import { KV_BUSY_CODES, retryAfter } from './blocks';
+import { type KvEventsOptions, PreciseRouting, preciseFor, prefillKey } from './kv-index/precise';
 
 /** Options of the serving proxy. */
 export interface ProxyOptions {
@@ -53,6 +54,8 @@ export interface ProxyOptions {
   policy?: Policy;
   /** The 'load' policy's weights and prefix affinity. */
   routing?: RoutingOptions;
+  /** The workers' KV events (--kv-events-endpoint) and the 'precise' policy's settings (docs/kv-events.md). */
+  kvEvents?: KvEventsOptions;
   /** Per stage, ms (default 60 s each). */
   timeoutMs?: Partial<Record<Stage, number>>;
   /** Health checks, ms between rounds (default 2000; 0: none). */
@@ -140,7 +143,9 @@ export class ServingProxy {
   /** The workers etcd lists, when given `etcd`. */
   fleet?: FleetDiscovery;
   /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
-  readonly #affinity = new Map<string, string>();
+  readonly #affinity = new Map<string, string | object>();
+  /** The prefills' KV events and the 'precise' policy, when asked for. */
+  kvRouting?: PreciseRouting;
   readonly #prom = ProxyMetrics.create();
   /** The X-Request-Id a client sent, by our request id: its answer's id is made of it. */
   readonly #clientIds = new Map<string, string>();
@@ -165,6 +170,7 @@ export class ServingProxy {
       { requestTimeoutMs: o.requestTimeoutMs ?? 30_000, maxConnections: o.maxConnections },
       (req, res) => void this.#onRequest(req, res),
     );
+    this.kvRouting = preciseFor(policy, this.pools.prefill, o.kvEvents, this.#prom?.registry, this.#log);
     if (o.etcd) this.fleet = new FleetDiscovery(this.pools, kind, o.etcd, this.#prom?.registry, this.#log);
   }
 
@@ -178,6 +184,7 @@ export class ServingProxy {
     });
     this.url = `http://${host.includes(':') ? `[${host}]` : host}:${(this.#server.address() as AddressInfo).port}`;
     await this.fleet?.start();
+    this.kvRouting?.start();
     const every = this.#o.healthIntervalMs ?? 2000;
     if (every > 0) {
       // One round first: once start() resolves, /v1/models and /health say what the workers serve.
@@ -330,7 +337,7 @@ export class ServingProxy {
     this.#traces.set(requestId, span.context);
     if (label !== requestId) this.#clientIds.set(requestId, label);
     this.#prom?.timeAnswer(path, res);
-    const key = this.pools.prefill.policy === 'load' ? affinityKey(body, this.#o.routing) : undefined;
+    const key = await prefillKey(this.pools.prefill.policy, body, this.#o.routing, this.kvRouting);
     if (key !== undefined) this.#affinity.set(requestId, key);
     let status = 200;
     let failure: string | undefined;
@@ -569,6 +576,7 @@ export class ServingProxy {
         },
         cut: signal,
         reuseSkipped: skipped,
+        annotate: PreciseRouting.annotation(this.#affinity.get(requestId)),
         // A miss reused nothing; a prefill that read the previous turn and does not say (vLLM's): not known.
         reusedTokens:
           typeof reused === 'number'
@@ -728,6 +736,7 @@ export class ServingProxy {
   async close(): Promise<void> {
     clearInterval(this.#health);
     await this.fleet?.close();
+    this.kvRouting?.close();
     for (const ac of this.#inflight) ac.abort(new Error('proxy closing'));
     this.#server.closeAllConnections();
     await new Promise((r) => this.#server.close(r));

@@ -1,0 +1,239 @@
+// The 'precise' policy: the proxy subscribes to each prefill worker's KV
+// events, indexes which worker holds which prefix block (index.ts), and
+// sends a request to the prefill that holds the longest run of its prompt's
+// leading blocks (tier-weighted), weighed against load as llm-d weighs them
+// (prefix 2, KV utilisation 1, queue 1). Each decision adds a short-lived
+// speculative entry for the chosen worker until its event arrives.
+import type { Registry } from 'prom-client';
+import { type RoutingOptions, affinityKey, loadOf } from '../fleet/routing';
+import type { Policy, WorkerPool } from '../pool';
+import type { Logger } from '../log';
+import type { WorkerRef } from '../worker-ref';
+import { BatchRefused, type DecodeLimits, decodeBatch } from './decode';
+import { type IndexOptions, KvBlockIndex, promptKeys } from './index';
+import { type KvIndexMetrics, kvIndexMetrics } from './metrics';
+import { type EventEndpoint, EventSubscriber } from './subscriber';
+import { type PromptTokenizer, syntheticTokenizer, workerTokenizer } from './tokenizer';
+
+export interface KvEventsOptions {
+  /** Worker (its address as given, or its fleet name) -> where it publishes (--kv-events-endpoint). */
+  endpoints?: Record<string, EventEndpoint>;
+  /** Tokens per block, as the workers' --block-size (default: the first BlockStored's, else 16). */
+  blockSize?: number;
+  /** How the proxy gets a prompt's token ids: 'local' (the synthetic model's; default), 'worker' (a prefill's /tokenize), or your own. */
+  tokenizer?: PromptTokenizer | 'local' | 'worker';
+  index?: IndexOptions;
+  limits?: DecodeLimits;
+  /** Weights of the scores (llm-d's sample profile: prefix 2, kv utilisation 1, queue 1). */
+  weights?: { prefix?: number; kvUtilization?: number; queue?: number };
+}
+
+/** One request's routing: its prompt's block keys, and what the decision was (for the answer). */
+export interface PreciseHint {
+  keys: number[];
+  /** Set by the decision. */
+  prefill?: string;
+  prefixMatchTokens?: number;
+}
+
+export type DecisionReason = 'prefix' | 'load' | 'no_tokens';
+
+/** Parses `WORKER=PUB[,REPLAY]` (--kv-events-endpoint). */
+export function parseEventEndpoint(spec: string): [string, EventEndpoint] {
+  const eq = spec.lastIndexOf('=');
+  const worker = spec.slice(0, eq);
+  const [pub, replay, extra] = spec.slice(eq + 1).split(',');
+  if (
+    eq <= 0 ||
+    !pub ||
+    extra !== undefined ||
+    !/^(tcp|ipc):\/\//.test(pub) ||
+    (replay && !/^(tcp|ipc):\/\//.test(replay))
+  )
+    throw Object.assign(new Error(`--kv-events-endpoint wants WORKER=tcp://PUB[,tcp://REPLAY], not '${spec}'`), {
+      code: 'NIXL_ERR_INVALID_PARAM',
+    });
+  return [worker, replay ? { pub, replay } : { pub }];
+}
+
+export class PreciseRouting {
+  readonly index: KvBlockIndex;
+  readonly stats: Record<string, number> = {};
+  readonly #subs = new Map<string, EventSubscriber>();
+  readonly #metrics?: KvIndexMetrics;
+  readonly #tokenizer: PromptTokenizer;
+  #blockSize?: number;
+  readonly #w: { prefix: number; kvUtilization: number; queue: number };
+
+  constructor(
+    readonly o: KvEventsOptions = {},
+    registry?: Registry,
+    readonly log?: Logger,
+    /** The prefill workers ('worker' tokenizer: whom to ask). */
+    pool?: { workers: readonly WorkerRef[] },
+  ) {
+    this.index = new KvBlockIndex(o.index);
+    this.#metrics = registry ? kvIndexMetrics(registry, () => this.index.size) : undefined;
+    const t = o.tokenizer ?? 'local';
+    this.#tokenizer =
+      t === 'local'
+        ? syntheticTokenizer
+        : t === 'worker'
+          ? workerTokenizer(() => (pool?.workers ?? []).filter((w) => w.healthy).map((w) => w.address))
+          : t;
+    this.#blockSize = o.blockSize;
+    this.#w = { prefix: 2, kvUtilization: 1, queue: 1, ...o.weights };
+  }
+
+  get blockSize(): number {
+    return this.#blockSize ?? 16;
+  }
+
+  #count(what: string, n = 1, label?: string): void {
+    const k = label ? `${what}:${label}` : what;
+    this.stats[k] = (this.stats[k] ?? 0) + n;
+    this.#metrics?.count(what, n, label);
+  }
+
+  /** Subscribes to every configured publisher. */
+  start(): void {
+    for (const [name, ep] of Object.entries(this.o.endpoints ?? {})) this.subscribe(name, ep);
+  }
+
+  /** Follows one worker's events (again: the old subscription goes, and its index with it). */
+  subscribe(worker: string, ep: EventEndpoint): void {
+    // Named as the pool names it (an HTTP address without its trailing slashes).
+    const name = /^https?:/.test(worker) ? worker.replace(/\/+$/, '') : worker;
+    this.unsubscribe(name);
+    const sub = new EventSubscriber(
+      ep,
+      {
+        apply: (_seq, payload) => this.applyPayload(name, payload),
+        clear: () => this.index.drop(name),
+        count: (what) => this.#count(what),
+      },
+      () => this.#count('dropped', 1, 'malformed_message'),
+    );
+    this.#subs.set(name, sub);
+    sub.start();
+  }
+
+  /** The worker left: its subscription and its index go. */
+  unsubscribe(name: string): void {
+    this.#subs.get(name)?.close();
+    this.#subs.delete(name);
+    this.index.drop(name);
+  }
+
+  /** Decodes and applies one batch of a worker's events; malformed parts are dropped and counted. */
+  applyPayload(name: string, payload: Uint8Array): void {
+    let batch: ReturnType<typeof decodeBatch>;
+    try {
+      batch = decodeBatch(payload, this.o.limits);
+    } catch (e) {
+      if (!(e instanceof BatchRefused)) throw e;
+      this.#count('dropped', 1, 'malformed_batch');
+      return;
+    }
+    for (const [why, n] of Object.entries(batch.dropped)) this.#count('dropped', n, why);
+    if (this.#blockSize === undefined)
+      for (const e of batch.events) if (e.type === 'BlockStored' && e.blockSize > 0) this.#blockSize ??= e.blockSize;
+    const counts = this.index.apply(name, batch.events);
+    if (counts.applied) this.#count('applied', counts.applied);
+    for (const why of ['unknown_parent', 'unknown_block', 'too_many_workers'])
+      if (counts[why]) this.#count('dropped', counts[why], why);
+  }
+
+  /** The routing hint of a request: its prompt's block keys (undefined when its tokens are not known). */
+  hint(body: Record<string, unknown>): PreciseHint | undefined | Promise<PreciseHint | undefined> {
+    const lora = typeof body.lora_name === 'string' ? body.lora_name : null;
+    const keyed = (tokens: number[] | undefined) =>
+      tokens ? { keys: promptKeys(tokens, this.blockSize, lora) } : undefined;
+    const tokens = this.#tokenizer.tokens(body);
+    return tokens instanceof Promise ? tokens.then(keyed, () => undefined) : keyed(tokens);
+  }
+
+  /** A worker left the pool (etcd): its index and its subscription go. */
+  left(w: WorkerRef): void {
+    this.unsubscribe(this.nameOf(w));
+  }
+
+  /** The name a worker's events go by: the key of its --kv-events-endpoint, else its fleet name or address. */
+  nameOf(w: WorkerRef): string {
+    if (this.#subs.has(w.address)) return w.address;
+    if (w.fleet && this.#subs.has(w.fleet)) return w.fleet;
+    return w.fleet ?? w.address;
+  }
+
+  /** The prefill for a request among `from` (healthy, accepted); ties in turn. */
+  pick(from: readonly WorkerRef[], hint: unknown, turn: number): WorkerRef | undefined {
+    if (from.length === 0) return undefined;
+    const h = hint as PreciseHint | undefined;
+    const names = from.map((w) => this.nameOf(w));
+    const matches = h ? this.index.match(h.keys, names) : undefined;
+    const loads = from.map((w) => loadOf(w));
+    const maxQ = Math.max(...loads);
+    const minQ = Math.min(...loads);
+    let best: number[] = [];
+    let bestScore = Number.NEGATIVE_INFINITY;
+    for (let i = 0; i < from.length; i++) {
+      const m = matches?.get(names[i]);
+      const prefix = m && h && h.keys.length > 0 ? m.weight / h.keys.length : 0;
+      const r = from[i].reported;
+      const kv = r && r.totalBlocks > 0 ? r.freeBlocks / r.totalBlocks : 1;
+      const queue = maxQ === minQ ? 1 : (maxQ - loads[i]) / (maxQ - minQ);
+      const s = this.#w.prefix * prefix + this.#w.kvUtilization * kv + this.#w.queue * queue;
+      if (s > bestScore + 1e-9) {
+        bestScore = s;
+        best = [i];
+      } else if (Math.abs(s - bestScore) <= 1e-9) best.push(i);
+    }
+    const i = best[turn % best.length];
+    const blocks = matches?.get(names[i])?.blocks ?? 0;
+    const reason: DecisionReason = !h ? 'no_tokens' : blocks > 0 ? 'prefix' : 'load';
+    this.#count('decisions', 1, reason);
+    if (h) {
+      h.prefill = names[i];
+      h.prefixMatchTokens = blocks * this.blockSize;
+      this.index.speculate(names[i], h.keys);
+    }
+    return from[i];
+  }
+
+  /** What the answer says of the decision (nixl_node.prefill, nixl_node.prefix_match_tokens). */
+  static annotation(hint: unknown): Record<string, unknown> | undefined {
+    const h = hint as PreciseHint | undefined;
+    if (!h || typeof h !== 'object' || h.prefill === undefined) return undefined;
+    return { prefill: h.prefill, prefix_match_tokens: h.prefixMatchTokens ?? 0 };
+  }
+
+  close(): void {
+    for (const s of this.#subs.values()) s.close();
+    this.#subs.clear();
+  }
+}
+
+/** The proxy's precise routing for its prefill pool, when the policy or the options ask for it. */
+export function preciseFor(
+  policy: Policy,
+  pool: WorkerPool,
+  o: KvEventsOptions | undefined,
+  registry?: Registry,
+  log?: Logger,
+): PreciseRouting | undefined {
+  if (policy !== 'precise' && !o?.endpoints) return undefined;
+  const r = new PreciseRouting(o, registry, log, pool);
+  pool.router = r;
+  return r;
+}
+
+/** What a request's prefill is picked by: its prefix affinity ('load') or its prompt's blocks ('precise'). */
+export async function prefillKey(
+  policy: Policy,
+  body: Record<string, unknown>,
+  routing: RoutingOptions | undefined,
+  precise: PreciseRouting | undefined,
+): Promise<string | PreciseHint | undefined> {
+  if (policy === 'load') return affinityKey(body, routing);
+  return policy === 'precise' ? precise?.hint(body) : undefined;
+}

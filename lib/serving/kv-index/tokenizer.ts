@@ -1,0 +1,72 @@
+// Where the proxy gets a prompt's token ids for precise routing: they must be
+// the ids the workers cache under, or no block matches. The local source
+// tokenizes as the synthetic model does (UTF-8 bytes; a chat as the worker
+// renders it); the worker source asks a healthy prefill's `/tokenize`
+// (vLLM's endpoint), so the model's own tokenizer and chat template decide.
+// A prompt given as token ids is taken as it is.
+import { chatPrompt, tokenize } from '../models/synthetic-kv';
+
+/** A prompt's token ids, or undefined when this source cannot tell them. */
+export interface PromptTokenizer {
+  tokens(body: Record<string, unknown>): number[] | undefined | Promise<number[] | undefined>;
+}
+
+const isIds = (p: unknown): p is number[] =>
+  Array.isArray(p) && p.length > 0 && p.every((t) => typeof t === 'number' && Number.isInteger(t) && t >= 0);
+
+/** The synthetic model's tokenizer, as its workers run it (lib/serving/models/synthetic.ts). */
+export const syntheticTokenizer: PromptTokenizer = {
+  tokens(body) {
+    const p = body.prompt;
+    if (typeof p === 'string') return Array.from(tokenize(p));
+    if (isIds(p)) return p;
+    if (Array.isArray(p)) return isIds(p[0]) ? p[0] : typeof p[0] === 'string' ? Array.from(tokenize(p[0])) : undefined;
+    if (Array.isArray(body.messages)) {
+      try {
+        return Array.from(tokenize(chatPrompt(body.messages)));
+      } catch {
+        return undefined;
+      }
+    }
+    return undefined;
+  },
+};
+
+/**
+ * Asks a worker's `POST /tokenize` ({model, prompt} or {model, messages}) for
+ * the prompt's ids; undefined (routing by load) when no worker answers in
+ * time or the answer is not a list of ids. `workers`: the HTTP base URLs to
+ * ask, the first that answers wins.
+ */
+export function workerTokenizer(workers: () => string[], timeoutMs = 1000): PromptTokenizer {
+  return {
+    async tokens(body) {
+      const p = body.prompt;
+      if (isIds(p)) return p;
+      if (Array.isArray(p) && isIds(p[0])) return p[0];
+      const ask: Record<string, unknown> = { model: body.model };
+      if (typeof p === 'string') ask.prompt = p;
+      else if (Array.isArray(p) && typeof p[0] === 'string') ask.prompt = p[0];
+      else if (Array.isArray(body.messages)) ask.messages = body.messages;
+      else return undefined;
+      for (const url of workers()
+        .filter((u) => /^https?:\/\//.test(u))
+        .slice(0, 2)) {
+        try {
+          const r = await fetch(`${url}/tokenize`, {
+            method: 'POST',
+            headers: { 'content-type': 'application/json' },
+            body: JSON.stringify(ask),
+            signal: AbortSignal.timeout(timeoutMs),
+          });
+          if (!r.ok) continue;
+          const tokens = ((await r.json()) as { tokens?: unknown })?.tokens;
+          if (isIds(tokens)) return tokens;
+        } catch {
+          // unreachable or too slow: the next, else no tokens
+        }
+      }
+      return undefined;
+    },
+  };
+}
