@@ -10,6 +10,7 @@ import { randomUUID } from 'node:crypto';
 import { HttpError } from './http';
 import type { ModelTokenizer } from './models/types';
 import { RequestError, checkBody } from './body-schemas';
+import { unsupportedField } from './unsupported';
 import type { FrontHandler as Worker, RequestHints, Sink } from './front';
 
 export const GENERATE_PATH = '/inference/v1/generate';
@@ -64,6 +65,8 @@ export interface GenerateCheckOptions {
  */
 export function checkGenerateRequest(b: Obj, o: GenerateCheckOptions): void {
   checkBody('generate-request', b);
+  const refused = unsupportedField({ cache_salt: b.cache_salt });
+  if (refused) throw new RequestError(400, refused.message, refused.param, 'unsupported_parameter');
   const sp = b.sampling_params as Obj;
   if (o.kvTransferParams === 'object') {
     checkOwnSamplingParams(sp);

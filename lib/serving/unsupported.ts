@@ -74,6 +74,11 @@ export const UNSUPPORTED: Readonly<Record<string, Rule>> = {
   continue_final_message: { harmless: is(false), why: 'is not supported: send false or null' },
   truncate_prompt_tokens: { harmless: () => false, why: 'is not supported: prompts are never truncated' },
   store: { harmless: is(false), why: 'is not supported: nothing is stored (send false)' },
+  // vLLM keeps a salted request's prefix cache apart from other tenants'; here every request shares one cache.
+  cache_salt: {
+    harmless: () => false,
+    why: 'is not supported: the prefix cache is shared by every request (no per-tenant salt); leave it out',
+  },
 };
 
 function isObj(v: unknown): v is Body {

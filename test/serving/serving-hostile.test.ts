@@ -107,6 +107,8 @@ describe('OpenAI fields that are not served (issue 44)', () => {
     ['min_tokens', 2, 'both'],
     ['guided_json', { type: 'object' }, 'both'],
     ['modalities', ['text', 'audio'], 'chat'],
+    // vLLM keeps a salted prefix cache apart; one shared cache must not pretend to.
+    ['cache_salt', 'tenant-a', 'both'],
   ];
   // What asks for nothing: OpenAI's and vLLM's defaults, sent by clients that always send every field.
   const harmless: Record<string, unknown> = {
@@ -160,6 +162,17 @@ describe('OpenAI fields that are not served (issue 44)', () => {
     }
     // A client's 400 never takes a worker out of the pool.
     expect(proxy.pools.decode.workers[0].healthy).toBe(true);
+  });
+
+  it('cache_salt on the generate endpoint is refused too (the prefix cache is shared), null is served', async () => {
+    const { proxy, decode } = await serveTrio(closers);
+    const body = { token_ids: [72, 105, 33], sampling_params: { max_tokens: 2 } };
+    for (const base of [proxy.url, decode.address]) {
+      const r = await post(`${base}/inference/v1/generate`, { ...body, cache_salt: 'tenant-a' });
+      expect(r.status, base).toBe(400);
+      expect(r.json.error).toMatchObject({ param: 'cache_salt', code: 'unsupported_parameter' });
+    }
+    expect((await post(`${proxy.url}/inference/v1/generate`, { ...body, cache_salt: null })).status).toBe(200);
   });
 });
 
