@@ -245,10 +245,11 @@ describe('push serving faults', () => {
       const { status, json } = await q;
       const ms = performance.now() - t0;
       expect(status, JSON.stringify(json)).toBeGreaterThanOrEqual(500);
-      // HTTP: the prefill leg fails (connection cut); ZeroMQ says nothing, so the decode's deadline does.
+      // HTTP: the prefill leg fails (connection cut); ZeroMQ says nothing, so the decode's heartbeat to the
+      // prefill it registered with does: the prefill's agent is gone (peer-gone, before the 3 s deadline).
       if (transport === 'http') expect(json.error.stage).toBe('prefill');
-      else expect(json.error).toMatchObject({ stage: 'decode', code: 'kv_push_timeout' });
-      // HTTP: the prefill's cut connection aborts the decode leg at once; ZeroMQ: the decode's deadline (3 s) says.
+      else expect(json.error).toMatchObject({ stage: 'decode', code: 'NIXL_ERR_REMOTE_DISCONNECT' });
+      // HTTP: the prefill's cut connection aborts the decode leg at once; ZeroMQ: the failed heartbeat does.
       expect(ms).toBeLessThan(transport === 'http' ? 2000 : 6000);
       // The decode's blocks: back at once (aborted before any WRITE could come) or after their quarantine.
       expect(await freeAgain(c.decode, 256, 10_000)).toBe(256);
