@@ -98,9 +98,15 @@ describe('push faults', () => {
     const err = (await got) as PushError;
     const took = performance.now() - t0;
     expect(err).toBeInstanceOf(PushError);
-    expect(err).toMatchObject({ kind: 'peer-gone', code: 'NIXL_ERR_REMOTE_DISCONNECT', localBlockIds: [4, 5] });
-    expect(err.message).toMatch(/prefill agent 'push-p' cannot be reached since the registration/);
-    expect(took).toBeLessThan(deadline / 2);
+    if (process.env.NIXL_NODE_ENGINE === 'nixl' && err.kind === 'timeout') {
+      // UCX with ucx_error_handling_mode=none (what shared memory needs) never reports a closed peer: the
+      // deadline is what tells (docs/nixl.md). Over TCP in peer mode the probe finds it (push-nixl-ucx-mode).
+      expect(took).toBeGreaterThanOrEqual(deadline - 50);
+    } else {
+      expect(err).toMatchObject({ kind: 'peer-gone', code: 'NIXL_ERR_REMOTE_DISCONNECT', localBlockIds: [4, 5] });
+      expect(err.message).toMatch(/prefill agent 'push-p' cannot be reached since the registration/);
+      expect(took).toBeLessThan(deadline / 2);
+    }
     expect(err.quarantinedUntilMs).toBeGreaterThan(performance.now());
     expect(t.receiver.quarantine.held([3, 4, 5, 6])).toEqual([4, 5]);
     // The blocks, and the id, are refused while a WRITE could still land.
