@@ -40,11 +40,13 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
   --encode-addrs LIST  zmq: encoder workers (vLLM's name)
   --etcd LIST          etcd endpoints: also route to the workers registered there, as they come and go
   --etcd-prefix P      key prefix of the fleet (default /nixl-node/)
-  --policy P           round-robin | least-outstanding | load (reported load, free blocks, prefix
-                       affinity; the default with --etcd, else round-robin) | precise (the prefill
-                       whose KV events say it holds the longest run of the prompt's blocks, with load)
+  --policy P           round-robin (default without --etcd) | least-outstanding | load (reported
+                       load, free blocks, prefix affinity) | precise (the default with --etcd: the
+                       prefill whose KV events say it holds the longest run of the prompt's blocks,
+                       with load; the events of every prefill that advertises them are followed)
   --kv-events-endpoint WORKER=PUB[,REPLAY]  (repeatable) where a prefill worker (as given to --prefill)
-                       publishes vLLM KV events (ZMQ PUB, and its replay ROUTER); docs/kv-events.md
+                       publishes vLLM KV events (ZMQ PUB, and its replay ROUTER), over what it
+                       advertises; docs/kv-events.md
   --kv-block-size N    precise: tokens per block, the workers' --block-size (default: from the events)
   --kv-tokenizer T     precise: local (the synthetic model's, default) | worker (a prefill's /tokenize)
   --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)
@@ -117,7 +119,7 @@ export async function proxyCommand(argv: string[]): Promise<void> {
       v,
       'policy',
       ['round-robin', 'least-outstanding', 'load', 'precise'] as const,
-      etcd ? 'load' : 'round-robin',
+      etcd ? 'precise' : 'round-robin',
     ),
     kvEvents: kvEventsOptions(v),
     routing: { prefixChars: affinity },

@@ -6,6 +6,7 @@ import { randomUUID } from 'node:crypto';
 import { Agent, type Dispatcher } from 'undici';
 import * as zmq from 'zeromq';
 import type { Stage, WorkerRef } from './pool';
+import { parseKvEvents } from './fleet/record';
 import { SerialSender, decodeMessage, encodeMessage, type Tag } from './protocol';
 
 /** One stage of a request, as the proxy sends it to a worker. */
@@ -455,6 +456,15 @@ function healthFields(w: WorkerRef, h: Record<string, unknown> | undefined): voi
   const len = h?.max_model_len;
   if (Number.isSafeInteger(len) && (len as number) > 0) w.maxModelLen = len as number;
   w.push = pushFields(h);
+  // Only a nixl-node answer (it names its model) says whether it publishes: vLLM's /health says nothing.
+  if (typeof h?.model === 'string') w.kvEvents = kvEventsFields(h.kv_events);
+}
+
+/** Where a worker's health answer says it publishes KV events; undefined when it does not say so well. */
+function kvEventsFields(x: unknown): WorkerRef['kvEvents'] {
+  if (x === undefined) return undefined;
+  const k = parseKvEvents(x);
+  return typeof k === 'string' ? undefined : k;
 }
 
 /** The names a health answer lists (served_model_names), model first; undefined when it lists none that fit. */

@@ -1,4 +1,5 @@
 // A worker as the proxy tracks it: shared by the pools and the fleet's routing.
+import type { RecordKvEvents } from './fleet/record';
 
 /** A stage of a disaggregated request. */
 export type Stage = 'encode' | 'prefill' | 'decode';
@@ -22,6 +23,8 @@ export interface WorkerRef {
   fleet?: string;
   /** Where its KV is, when its health answer said it serves push mode (what a push decode is sent). */
   push?: { engineId: string; host: string; port: number; tpSize: number; ppSize: number };
+  /** Where it publishes vLLM's KV events, as its health answer or etcd record last said (the precise policy follows them). */
+  kvEvents?: RecordKvEvents;
   /** What it last reported through etcd. */
   reported?: { load: number; freeBlocks: number; totalBlocks: number };
 }

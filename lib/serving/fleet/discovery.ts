@@ -187,7 +187,10 @@ export class FleetDiscovery {
         w.fleet = r.name;
         this.stats.joined++;
       }
-      if (w.fleet !== undefined) w.reported = { load: r.load, freeBlocks: r.freeBlocks, totalBlocks: r.totalBlocks };
+      if (w.fleet !== undefined) {
+        w.reported = { load: r.load, freeBlocks: r.freeBlocks, totalBlocks: r.totalBlocks };
+        w.kvEvents = r.kv_events;
+      }
       w.model ??= r.model;
       if (w.model === r.model && r.servedModelNames) w.models ??= r.servedModelNames;
     }

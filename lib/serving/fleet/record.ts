@@ -40,8 +40,8 @@ export interface RecordKvEvents {
   block_size?: number;
 }
 
-/** The kv_events field, or why it is not one. */
-function parseKvEvents(x: unknown): RecordKvEvents | string {
+/** The kv_events field (of a record or a /health answer), or why it is not one. */
+export function parseKvEvents(x: unknown): RecordKvEvents | string {
   if (typeof x !== 'object' || x === null || Array.isArray(x)) return "'kv_events' is not an object";
   const k = x as Record<string, unknown>;
   const zmqAddr = (a: unknown) => isText(a, 512) && /^(tcp|ipc):\/\/\S+$/.test(a);

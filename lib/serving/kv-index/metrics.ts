@@ -18,6 +18,11 @@ const COUNTERS: Record<string, [string, string, string?]> = {
   duplicates: ['nixl_node_proxy_kv_event_duplicates_total', 'Batches already applied, skipped'],
   held_overflow: ['nixl_node_proxy_kv_event_held_overflow_total', 'Live batches not held during a replay (limit)'],
   dropped: ['nixl_node_proxy_kv_events_dropped_total', 'Events or messages dropped, by reason', 'reason'],
+  refused: [
+    'nixl_node_proxy_kv_events_refused_total',
+    'Advertised KV-event publishers not followed (block size differs from the proxy), by reason',
+    'reason',
+  ],
   decisions: ['nixl_node_proxy_kv_routing_decisions_total', 'Precise routing decisions, by reason', 'reason'],
 };
 

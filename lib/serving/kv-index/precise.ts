@@ -5,20 +5,21 @@
 // (prefix 2, KV utilisation 1, queue 1). Each decision adds a short-lived
 // speculative entry for the chosen worker until its event arrives.
 import type { Registry } from 'prom-client';
-import { type RoutingOptions, affinityKey, loadOf } from '../fleet/routing';
+import { type RoutingOptions, affinityKey, loadOf, pickByLoad } from '../fleet/routing';
 import type { Policy, WorkerPool } from '../pool';
 import type { Logger } from '../log';
 import type { WorkerRef } from '../worker-ref';
 import { BatchRefused, type DecodeLimits, decodeBatch } from './decode';
+import { AdvertisedFollower } from './discover';
 import { type IndexOptions, KvBlockIndex, promptKeys } from './index';
 import { type KvIndexMetrics, kvIndexMetrics } from './metrics';
 import { type EventEndpoint, EventSubscriber } from './subscriber';
 import { type PromptTokenizer, syntheticTokenizer, workerTokenizer } from './tokenizer';
 
 export interface KvEventsOptions {
-  /** Worker (its address as given, or its fleet name) -> where it publishes (--kv-events-endpoint). */
+  /** Worker (its address as given, or its fleet name) -> where it publishes (--kv-events-endpoint); wins over what it advertises. */
   endpoints?: Record<string, EventEndpoint>;
-  /** Tokens per block, as the workers' --block-size (default: the first BlockStored's, else 16). */
+  /** Tokens per block, as the workers' --block-size (default: the first advertised or BlockStored's, else 16). */
   blockSize?: number;
   /** How the proxy gets a prompt's token ids: 'local' (the synthetic model's; default), 'worker' (a prefill's /tokenize), or your own. */
   tokenizer?: PromptTokenizer | 'local' | 'worker';
@@ -26,11 +27,18 @@ export interface KvEventsOptions {
   limits?: DecodeLimits;
   /** Weights of the scores (llm-d's sample profile: prefix 2, kv utilisation 1, queue 1). */
   weights?: { prefix?: number; kvUtilization?: number; queue?: number };
+  /** How often the advertised publishers are checked against the subscriptions, ms (default 1000; also before a decision). */
+  followMs?: number;
 }
+
+/** A decision looks at the advertisements again at most this often (ms); the timer does the rest. */
+const SYNC_ON_PICK_MS = 250;
 
 /** One request's routing: its prompt's block keys, and what the decision was (for the answer). */
 export interface PreciseHint {
   keys: number[];
+  /** The 'load' policy's prefix affinity: where a prompt no prefill holds goes (as without events). */
+  affinity?: string;
   /** Set by the decision. */
   prefill?: string;
   prefixMatchTokens?: number;
@@ -64,13 +72,19 @@ export class PreciseRouting {
   readonly #tokenizer: PromptTokenizer;
   #blockSize?: number;
   readonly #w: { prefix: number; kvUtilization: number; queue: number };
+  readonly #pool?: { workers: readonly WorkerRef[]; routing?: RoutingOptions };
+  /** The names given --kv-events-endpoint (as the pool names them). */
+  readonly #explicit: Set<string>;
+  readonly follower: AdvertisedFollower;
+  #timer?: NodeJS.Timeout;
+  #synced = Number.NEGATIVE_INFINITY;
 
   constructor(
     readonly o: KvEventsOptions = {},
     registry?: Registry,
     readonly log?: Logger,
     /** The prefill workers ('worker' tokenizer: whom to ask). */
-    pool?: { workers: readonly WorkerRef[] },
+    pool?: { workers: readonly WorkerRef[]; routing?: RoutingOptions },
   ) {
     this.index = new KvBlockIndex(o.index);
     this.#metrics = registry ? kvIndexMetrics(registry, () => this.index.size) : undefined;
@@ -83,6 +97,21 @@ export class PreciseRouting {
           : t;
     this.#blockSize = o.blockSize;
     this.#w = { prefix: 2, kvUtilization: 1, queue: 1, ...o.weights };
+    this.#pool = pool;
+    this.#explicit = new Set(Object.keys(o.endpoints ?? {}).map(poolName));
+    this.follower = new AdvertisedFollower({
+      subscribe: (name, ep) => this.subscribe(name, ep),
+      unsubscribe: (name) => this.unsubscribe(name),
+      blockSize: () => this.#blockSize,
+      adoptBlockSize: (n) => {
+        this.#blockSize ??= n;
+      },
+      refuse: (name, why) => {
+        this.#count('refused', 1, 'block_size');
+        this.log?.warn({ worker: name, code: 'NIXL_ERR_INVALID_PARAM' }, `${name}: ${why}`);
+      },
+      info: (name, msg) => this.log?.info({ worker: name }, `${name}: ${msg}`),
+    });
   }
 
   get blockSize(): number {
@@ -95,15 +124,24 @@ export class PreciseRouting {
     this.#metrics?.count(what, n, label);
   }
 
-  /** Subscribes to every configured publisher. */
+  /** Subscribes to every configured publisher, then follows those the prefills advertise. */
   start(): void {
     for (const [name, ep] of Object.entries(this.o.endpoints ?? {})) this.subscribe(name, ep);
+    this.sync();
+    this.#timer = setInterval(() => this.sync(), this.o.followMs ?? 1000);
+    this.#timer.unref();
+  }
+
+  /** Subscribes to the publishers the prefills advertise now, and drops those no longer advertised. */
+  sync(): void {
+    this.#synced = performance.now();
+    if (this.#pool) this.follower.sync(this.#pool.workers, this.#explicit);
   }
 
   /** Follows one worker's events (again: the old subscription goes, and its index with it). */
   subscribe(worker: string, ep: EventEndpoint): void {
     // Named as the pool names it (an HTTP address without its trailing slashes).
-    const name = /^https?:/.test(worker) ? worker.replace(/\/+$/, '') : worker;
+    const name = poolName(worker);
     this.unsubscribe(name);
     const sub = new EventSubscriber(
       ep,
@@ -155,7 +193,9 @@ export class PreciseRouting {
 
   /** A worker left the pool (etcd): its index and its subscription go. */
   left(w: WorkerRef): void {
-    this.unsubscribe(this.nameOf(w));
+    const name = this.nameOf(w);
+    this.follower.forget(name);
+    this.unsubscribe(name);
   }
 
   /** The name a worker's events go by: the key of its --kv-events-endpoint, else its fleet name or address. */
@@ -168,6 +208,7 @@ export class PreciseRouting {
   /** The prefill for a request among `from` (healthy, accepted); ties in turn. */
   pick(from: readonly WorkerRef[], hint: unknown, turn: number): WorkerRef | undefined {
     if (from.length === 0) return undefined;
+    if (performance.now() - this.#synced >= SYNC_ON_PICK_MS) this.sync();
     const h = hint as PreciseHint | undefined;
     const names = from.map((w) => this.nameOf(w));
     const matches = h ? this.index.match(h.keys, names) : undefined;
@@ -188,7 +229,13 @@ export class PreciseRouting {
         best = [i];
       } else if (Math.abs(s - bestScore) <= 1e-9) best.push(i);
     }
-    const i = best[turn % best.length];
+    let i = best[turn % best.length];
+    // Nobody holds any of it: the prefix affinity of the 'load' policy, so a prompt the events cannot place
+    // (no publisher, another tokenizer) still lands where its prefix went before.
+    if (h?.affinity !== undefined && ![...(matches?.values() ?? [])].some((m) => m.blocks > 0)) {
+      const w = pickByLoad(from, turn, h.affinity, this.#pool?.routing);
+      i = w ? from.indexOf(w) : i;
+    }
     const blocks = matches?.get(names[i])?.blocks ?? 0;
     const reason: DecisionReason = !h ? 'no_tokens' : blocks > 0 ? 'prefix' : 'load';
     this.#count('decisions', 1, reason);
@@ -208,9 +255,15 @@ export class PreciseRouting {
   }
 
   close(): void {
+    clearInterval(this.#timer);
     for (const s of this.#subs.values()) s.close();
     this.#subs.clear();
   }
+}
+
+/** A worker's name as the pool has it (an HTTP address without its trailing slashes). */
+function poolName(worker: string): string {
+  return /^https?:/.test(worker) ? worker.replace(/\/+$/, '') : worker;
 }
 
 /** The proxy's precise routing for its prefill pool, when the policy or the options ask for it. */
@@ -235,5 +288,9 @@ export async function prefillKey(
   precise: PreciseRouting | undefined,
 ): Promise<string | PreciseHint | undefined> {
   if (policy === 'load') return affinityKey(body, routing);
-  return policy === 'precise' ? precise?.hint(body) : undefined;
+  if (policy !== 'precise' || !precise) return undefined;
+  const affinity = affinityKey(body, routing);
+  const withAffinity = (h: PreciseHint | undefined) => (h && affinity !== undefined ? { ...h, affinity } : h);
+  const h = precise.hint(body);
+  return h instanceof Promise ? h.then(withAffinity) : withAffinity(h);
 }
