@@ -8,6 +8,11 @@ export type { FrontHandler, RequestHints } from './front';
 export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';
 export { WorkerPool, type Policy, type Stage, type WorkerRef } from './pool';
+export type { KvEventsOptions } from './kv-index/precise';
+export type { DecodeLimits as KvEventLimits } from './kv-index/decode';
+export type { IndexOptions as KvIndexOptions } from './kv-index/index';
+export type { EventEndpoint as KvEventEndpoint } from './kv-index/subscriber';
+export type { PromptTokenizer } from './kv-index/tokenizer';
 export {
   type HealthResult,
   HttpTransport,

@@ -23,7 +23,10 @@ import type { Stage, WorkerRef } from './worker-ref';
 export class WorkerPool {
   readonly workers: WorkerRef[];
   #next = 0;
-  /** Picks for the 'precise' policy (set by the proxy); without it, the pool falls back to 'load'. */
+  /**
+   * Picks for the 'precise' policy (set by the proxy); without it, the pool falls back to 'load'.
+   * @internal
+   */
   router?: PoolRouter;
 
   constructor(

@@ -144,7 +144,10 @@ export class ServingProxy {
   fleet?: FleetDiscovery;
   /** Each prefill's prefix-affinity key, by our request id ('load' policy). */
   readonly #affinity = new Map<string, string | object>();
-  /** The prefills' KV events and the 'precise' policy, when asked for. */
+  /**
+   * The prefills' KV events and the 'precise' policy, when asked for.
+   * @internal
+   */
   kvRouting?: PreciseRouting;
   readonly #prom = ProxyMetrics.create();
   /** The X-Request-Id a client sent, by our request id: its answer's id is made of it. */

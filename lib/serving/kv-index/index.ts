@@ -62,8 +62,11 @@ interface WorkerBlocks {
   spec: Map<number, number>;
 }
 
+/** Bounds of the proxy's block index. */
 export interface IndexOptions {
+  /** Blocks indexed per worker at most. */
   maxBlocksPerWorker?: number;
+  /** Workers indexed at most. */
   maxWorkers?: number;
   /** How long a routing decision's speculative entry counts, ms (default 2000, as llm-d). */
   speculativeTtlMs?: number;

@@ -16,6 +16,7 @@ import { type KvIndexMetrics, kvIndexMetrics } from './metrics';
 import { type EventEndpoint, EventSubscriber } from './subscriber';
 import { type PromptTokenizer, syntheticTokenizer, workerTokenizer } from './tokenizer';
 
+/** The proxy's KV events (`startProxy({ kvEvents })`): whom to follow, how to tokenize, bounds, weights. */
 export interface KvEventsOptions {
   /** Worker (its address as given, or its fleet name) -> where it publishes (--kv-events-endpoint); wins over what it advertises. */
   endpoints?: Record<string, EventEndpoint>;

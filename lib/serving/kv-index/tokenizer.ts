@@ -8,6 +8,7 @@ import { chatPrompt, tokenize } from '../models/synthetic-kv';
 
 /** A prompt's token ids, or undefined when this source cannot tell them. */
 export interface PromptTokenizer {
+  /** The ids of a request body's prompt, as the prefill workers evaluate it. */
   tokens(body: Record<string, unknown>): number[] | undefined | Promise<number[] | undefined>;
 }
 
