@@ -11,8 +11,8 @@ import { Packr } from 'msgpackr';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import { startProxy, startWorker } from '../../lib/serving';
-import type { ServingProxy } from '../../lib/serving/proxy';
 import { FIXTURES } from '../helpers';
+import { complete } from './kv-routing-helpers';
 
 const PY = '/usr/bin/python3';
 
@@ -55,16 +55,6 @@ async function until(what: () => boolean, ms = 10_000): Promise<void> {
     if (Date.now() > end) throw new Error('timed out waiting');
     await new Promise((r) => setTimeout(r, 20));
   }
-}
-
-async function complete(proxy: ServingProxy, prompt: string) {
-  const r = await fetch(`${proxy.url}/v1/completions`, {
-    method: 'POST',
-    headers: { 'content-type': 'application/json' },
-    body: JSON.stringify({ model: 'nixl-node/synthetic', prompt, max_tokens: 2 }),
-  });
-  expect(r.status).toBe(200);
-  return (await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } };
 }
 
 const closers: Array<() => unknown> = [];
