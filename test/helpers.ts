@@ -189,8 +189,11 @@ export async function serveTrio(
 ) {
   const { startProxy, startWorker } = await import('../lib/serving');
   const transport = o.transport ?? 'http';
+  // Each closer is pushed as soon as what it closes is up: a later start that fails leaves nothing open.
   const prefill = await startWorker({ transport, ...o.prefill });
+  closers.push(() => prefill.close());
   const decode = await startWorker({ transport, ...o.decode });
+  closers.push(() => decode.close());
   const proxy = await startProxy({
     transport,
     prefill: [prefill.address],
@@ -198,11 +201,7 @@ export async function serveTrio(
     healthIntervalMs: 0,
     ...o.proxy,
   });
-  closers.push(
-    () => prefill.close(),
-    () => decode.close(),
-    () => proxy.close(),
-  );
+  closers.push(() => proxy.close());
   return { prefill, decode, proxy };
 }
 
