@@ -1,4 +1,4 @@
-import { fork, type ChildProcess } from 'node:child_process';
+import { execFileSync, fork, type ChildProcess } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { once } from 'node:events';
@@ -7,6 +7,18 @@ import { DescList, type KvLayout } from '../lib';
 
 export const FIXTURES = path.join(__dirname, 'fixtures');
 export const ROOT = path.join(__dirname, '..');
+/** The Python the interop tests run their peers on (Debian's, where python3-msgpack and python3-zmq go). */
+export const PY = '/usr/bin/python3';
+
+/** Why PY cannot run a msgpack + pyzmq peer, or undefined when it can. */
+export function pythonZmqMissing(): string | undefined {
+  try {
+    execFileSync(PY, ['-c', 'import msgpack, zmq'], { stdio: 'pipe' });
+    return undefined;
+  } catch {
+    return `${PY} with msgpack and zmq not found (apt-get install python3-msgpack python3-zmq)`;
+  }
+}
 
 /** A child process speaking JSON-ish messages over the IPC pipe. */
 export class Peer {

@@ -6,10 +6,9 @@ import * as path from 'node:path';
 import { afterEach } from 'vitest';
 import { KvPushReceiver, KvPushSender, NixlAgent, allocate, engines, servePrefill, type KvLayout } from '../../lib';
 import type { HandshakeServer } from '../../lib/handshake';
-import { FIXTURES } from '../helpers';
+import { FIXTURES, PY } from '../helpers';
 import { BLOCKS, BLOCK, PUSH_HASH, REGIONS, fill, quiet, rankLayout } from './push-helpers';
 
-const PY = '/usr/bin/python3';
 const SCRIPT = path.join(FIXTURES, 'vllm_nixl_push_peer.py');
 
 /** Why the Python NIXL peer cannot run, or undefined. */
