@@ -105,14 +105,16 @@ function dist(xs: number[]): Dist {
 
 const us = (t0: bigint, t1: bigint) => Number(t1 - t0) / 1000;
 
-interface Peer {
+/** A peer agent in a child process (bench/peer.ts) with `bytes` of registered memory, connected both ways. */
+export interface Peer {
   name: string;
   addr: bigint;
+  /** How long addRemoteAgent took for its metadata. */
   connectUs: number;
   close(): Promise<void>;
 }
 
-async function startPeer(local: NixlAgent, bytes: number): Promise<Peer> {
+export async function startPeer(local: NixlAgent, bytes: number): Promise<Peer> {
   const child = fork(path.join(__dirname, 'peer.js'), [], {
     stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
     serialization: 'advanced',

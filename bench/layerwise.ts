@@ -7,11 +7,9 @@
 // handshake) and time making, posting and waiting for their requests, from
 // the first layer marked ready to the last byte in. ratio = layer-wise time /
 // one-request time, per round, median over rounds.
-import { fork } from 'node:child_process';
-import { once } from 'node:events';
-import * as path from 'node:path';
 import { DescList, type DlistHandle, type NixlAgent, allocate } from '../lib';
 import { benchAgent, type Engine } from './agents';
+import { type Peer, startPeer } from './grid';
 import { median, nowNs } from './stats';
 
 export const LAYERS = 32;
@@ -32,34 +30,6 @@ export interface LayerwiseRow {
   /** Layer-wise / one-request time within a round, median over rounds (goal: <= 1.2). */
   ratio: number;
   ratioRange: [number, number];
-}
-
-interface Peer {
-  name: string;
-  addr: bigint;
-  close(): Promise<void>;
-}
-
-async function startPeer(local: NixlAgent, bytes: number): Promise<Peer> {
-  const child = fork(path.join(__dirname, 'peer.js'), [], {
-    stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
-    serialization: 'advanced',
-    env: { ...process.env, NIXL_NODE_ENGINE: local.engine },
-  });
-  child.send({ cmd: 'init', bytes, shared: local.engine === 'loopback' });
-  const [init] = (await once(child, 'message')) as [{ md: Uint8Array; addr: bigint }];
-  const name = local.addRemoteAgent(Buffer.from(init.md));
-  child.send({ cmd: 'load', md: local.getAgentMetadata() });
-  await once(child, 'message');
-  return {
-    name,
-    addr: init.addr,
-    close: async () => {
-      child.send({ cmd: 'exit' });
-      await once(child, 'exit');
-      local.removeRemoteAgent(name);
-    },
-  };
 }
 
 /** Layer readiness as a sender reports it: a promise per layer, resolved in layer order. */

@@ -1,4 +1,4 @@
-import { fork, type ChildProcess } from 'node:child_process';
+import { execFileSync, fork, type ChildProcess } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { once } from 'node:events';
@@ -7,6 +7,18 @@ import { DescList, type KvLayout } from '../lib';
 
 export const FIXTURES = path.join(__dirname, 'fixtures');
 export const ROOT = path.join(__dirname, '..');
+/** The Python the interop tests run their peers on (Debian's, where python3-msgpack and python3-zmq go). */
+export const PY = '/usr/bin/python3';
+
+/** Why PY cannot run a msgpack + pyzmq peer, or undefined when it can. */
+export function pythonZmqMissing(): string | undefined {
+  try {
+    execFileSync(PY, ['-c', 'import msgpack, zmq'], { stdio: 'pipe' });
+    return undefined;
+  } catch {
+    return `${PY} with msgpack and zmq not found (apt-get install python3-msgpack python3-zmq)`;
+  }
+}
 
 /** A child process speaking JSON-ish messages over the IPC pipe. */
 export class Peer {
@@ -189,8 +201,11 @@ export async function serveTrio(
 ) {
   const { startProxy, startWorker } = await import('../lib/serving');
   const transport = o.transport ?? 'http';
+  // Each closer is pushed as soon as what it closes is up: a later start that fails leaves nothing open.
   const prefill = await startWorker({ transport, ...o.prefill });
+  closers.push(() => prefill.close());
   const decode = await startWorker({ transport, ...o.decode });
+  closers.push(() => decode.close());
   const proxy = await startProxy({
     transport,
     prefill: [prefill.address],
@@ -198,11 +213,7 @@ export async function serveTrio(
     healthIntervalMs: 0,
     ...o.proxy,
   });
-  closers.push(
-    () => prefill.close(),
-    () => decode.close(),
-    () => proxy.close(),
-  );
+  closers.push(() => proxy.close());
   return { prefill, decode, proxy };
 }
 

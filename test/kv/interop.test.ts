@@ -1,28 +1,18 @@
 // Interop with vLLM's side of the ZMQ handshake in both wire profiles, run by
 // a Python peer of our own (msgpack + pyzmq: Debian python3-msgpack,
 // python3-zmq; .ci/run installs them), in both directions.
-import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
+import { type ChildProcess, spawn } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import * as path from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { DescList, NixlAgent, allocate } from '../../lib';
 import { decodeAgentMetadata, encodeAgentMetadata, zmqHandshake } from '../../lib/handshake';
 import { KvPuller, PullError } from '../../lib/kv';
-import { FIXTURES, onFreePort } from '../helpers';
+import { FIXTURES, PY, onFreePort, pythonZmqMissing } from '../helpers';
 
-const PY = '/usr/bin/python3';
 const SCRIPT = path.join(FIXTURES, 'vllm_side_channel.py');
 
-function pythonReady(): string | undefined {
-  try {
-    execFileSync(PY, ['-c', 'import msgpack, zmq'], { stdio: 'pipe' });
-    return undefined;
-  } catch {
-    return `${PY} with msgpack and zmq not found (apt-get install python3-msgpack python3-zmq)`;
-  }
-}
-
-const missing = pythonReady();
+const missing = pythonZmqMissing();
 if (missing) console.warn(`interop tests skipped: ${missing}`);
 
 function runPython(args: string[]): Promise<string> {

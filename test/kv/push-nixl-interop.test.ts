@@ -5,56 +5,19 @@
 // addon built against NIXL or without Python's nixl_cu12, msgpack and zmq
 // (CI has no NIXL; `. ENV.sh` of a NIXL install provides them here).
 import { createHash } from 'node:crypto';
-import { afterEach, describe, expect, it } from 'vitest';
-import { KvPushReceiver, KvPushSender, NixlAgent, allocate, servePrefill, type KvLayout } from '../../lib';
-import type { HandshakeServer } from '../../lib/handshake';
-import { pyPeer as peer, pythonNixlMissing } from './nixl-py-peer';
-import { BLOCKS, BLOCK, PUSH_HASH, REGIONS, blockOf, fill, quiet, rankLayout } from './push-helpers';
+import { describe, expect, it } from 'vitest';
+import { pyPeer as peer, nixlRank as rank, open, pyPrefillToRank, pythonNixlMissing, rankSender } from './nixl-py-peer';
+import { PUSH_HASH, REGIONS, BLOCK, blockOf } from './push-helpers';
 
 const why = pythonNixlMissing();
 if (why) console.warn(`push interop over NIXL skipped: ${why}`);
 
 const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
 
-interface Rank {
-  agent: NixlAgent;
-  mem: Buffer;
-  layout: KvLayout;
-  server: HandshakeServer;
-}
-
-const open: (() => unknown)[] = [];
-afterEach(async () => {
-  for (const f of open.splice(0).reverse())
-    await Promise.resolve()
-      .then(f)
-      .catch(() => undefined);
-});
-
-async function rank(name: string, engineId: string, seed: number): Promise<Rank> {
-  const agent = new NixlAgent(name, { engine: 'nixl' });
-  open.push(() => agent.close());
-  const mem = allocate(REGIONS * BLOCKS * BLOCK);
-  if (seed) fill(mem, seed);
-  else mem.fill(0);
-  agent.registerMemory(mem);
-  const layout = rankLayout(engineId, mem);
-  const server = await servePrefill({ ranks: [{ agent, layout }], compatibilityHash: PUSH_HASH, port: 0 });
-  open.push(() => server.close());
-  return { agent, mem, layout, server };
-}
-
 describe.skipIf(why !== undefined)('push interop over NIXL with a vLLM-format Python peer', () => {
   it('a Python decode registers with a nixl-node prefill, which WRITEs with the notification <id>:<tp>', async () => {
     const p = await rank('push-p', 'P', 3);
-    const sender = new KvPushSender({
-      agent: p.agent,
-      layout: p.layout,
-      expectedHash: PUSH_HASH,
-      leaseMs: 20_000,
-      logger: quiet,
-    });
-    open.push(() => sender.close());
+    const sender = rankSender(p, 20_000);
     const id = 'cmpl-py-0a1b2c3d';
     const py = peer(['decode', String(p.server.basePort), PUSH_HASH, 'P', id, '5,6,7']);
     open.push(() => py.p.kill());
@@ -74,29 +37,7 @@ describe.skipIf(why !== undefined)('push interop over NIXL with a vLLM-format Py
   });
 
   it("a Python prefill takes a nixl-node decode's PUSH_REG, handshakes back over v12 and WRITEs into its blocks", async () => {
-    const py = peer(['prefill', PUSH_HASH, 'py-pre', '1,2,3']);
-    open.push(() => py.p.kill());
-    const port = Number((await py.line(/^READY (\d+)$/))[1]);
-    const d = await rank('push-d', 'D', 0);
-    const receiver = new KvPushReceiver({
-      agent: d.agent,
-      layout: d.layout,
-      decodeHost: '127.0.0.1',
-      decodePort: d.server.basePort,
-      expectedHash: PUSH_HASH,
-      kvLeaseMs: 20_000,
-      timeoutMs: 20_000,
-    });
-    open.push(() => receiver.close());
-    const params = {
-      do_remote_prefill: true,
-      remote_engine_id: 'py-pre',
-      remote_request_id: 'router-9',
-      remote_host: '127.0.0.1',
-      remote_port: port,
-      tp_size: 1,
-      pp_size: 1,
-    };
+    const { py, d, receiver, params } = await pyPrefillToRank('push-d', 20_000);
     const r = await receiver.receive(params, { requestId: 'cmpl-q-0a1b2c3d', localBlockIds: [9, 10, 11] });
     expect(r).toMatchObject({ requestId: 'cmpl-q-0a1b2c3d', notifications: 1, writers: ['py-prefill-0'] });
     expect((await py.line(/^REG (\S+) (\S+)$/)).slice(1)).toEqual(['push-d', 'cmpl-q-0a1b2c3d']);

@@ -7,11 +7,10 @@
 // setting, not wait out its deadline: the prefill when its handshake back
 // fails, the decode as soon as the prefill that failed it is unreachable.
 // Skipped, saying why, without NIXL.
-import { afterEach, describe, expect, it } from 'vitest';
-import { KvPushReceiver, KvPushSender, NixlAgent, allocate, engines, servePrefill, type KvLayout } from '../../lib';
-import type { HandshakeServer } from '../../lib/handshake';
-import { pyPeer, pythonNixlMissing } from './nixl-py-peer';
-import { BLOCKS, BLOCK, PUSH_HASH, REGIONS, fill, quiet, rankLayout } from './push-helpers';
+import { describe, expect, it } from 'vitest';
+import { engines } from '../../lib';
+import { nixlRank, open, pyPeer, pyPrefillToRank, pythonNixlMissing, rankReceiver, rankSender } from './nixl-py-peer';
+import { PUSH_HASH } from './push-helpers';
 
 // UCX reads UCX_TLS once, when NIXL first loads it: this file's process runs over TCP on 127.0.0.1.
 process.env.UCX_TLS = 'tcp,self';
@@ -22,49 +21,14 @@ const DEADLINE_MS = 40_000;
 const why = pythonNixlMissing();
 if (why) console.warn(`push over NIXL with mismatched UCX error handling skipped: ${why}`);
 
-const open: (() => unknown)[] = [];
-afterEach(async () => {
-  for (const f of open.splice(0).reverse())
-    await Promise.resolve()
-      .then(f)
-      .catch(() => undefined);
-});
-
-async function rank(
-  name: string,
-  engineId: string,
-  seed: number,
-  mode?: string,
-): Promise<{ agent: NixlAgent; layout: KvLayout; server: HandshakeServer }> {
-  const agent = new NixlAgent(name, {
-    engine: 'nixl',
-    backendParams: mode ? { UCX: { ucx_error_handling_mode: mode } } : undefined,
-  });
-  open.push(() => agent.close());
-  const mem = allocate(REGIONS * BLOCKS * BLOCK);
-  fill(mem, seed);
-  agent.registerMemory(mem);
-  const layout = rankLayout(engineId, mem);
-  const server = await servePrefill({ ranks: [{ agent, layout }], compatibilityHash: PUSH_HASH, port: 0 });
-  open.push(() => server.close());
-  return { agent, layout, server };
-}
-
 describe.skipIf(why !== undefined)('push over UCX TCP with a peer on another ucx_error_handling_mode', () => {
   it(
     'a nixl-node prefill (peer) fails the offer when a Python decode (none) registers, naming the setting',
     async () => {
-      const p = await rank('mode-p', 'P', 3);
+      const p = await nixlRank('mode-p', 'P', 3);
       // Created with NIXL's default: no ucx_error_handling_mode given (UCX_TLS has tcp).
       expect(p.agent.getBackendParams('UCX').params.ucx_error_handling_mode ?? 'peer').toBe('peer');
-      const sender = new KvPushSender({
-        agent: p.agent,
-        layout: p.layout,
-        expectedHash: PUSH_HASH,
-        leaseMs: DEADLINE_MS,
-        logger: quiet,
-      });
-      open.push(() => sender.close());
+      const sender = rankSender(p, DEADLINE_MS);
       const id = 'cmpl-mode-0a1b2c3d';
       const py = pyPeer(['decode', String(p.server.basePort), PUSH_HASH, 'P', id, '5,6,7'], PEER_ENV);
       open.push(() => py.p.kill());
@@ -85,29 +49,7 @@ describe.skipIf(why !== undefined)('push over UCX TCP with a peer on another ucx
   it(
     'a nixl-node decode (peer) fails the receive when a Python prefill (none) cannot connect back, naming the setting',
     async () => {
-      const py = pyPeer(['prefill', PUSH_HASH, 'py-pre', '1,2,3'], PEER_ENV);
-      open.push(() => py.p.kill());
-      const port = Number((await py.line(/^READY (\d+)$/))[1]);
-      const d = await rank('mode-d', 'D', 0);
-      const receiver = new KvPushReceiver({
-        agent: d.agent,
-        layout: d.layout,
-        decodeHost: '127.0.0.1',
-        decodePort: d.server.basePort,
-        expectedHash: PUSH_HASH,
-        kvLeaseMs: DEADLINE_MS,
-        timeoutMs: DEADLINE_MS,
-      });
-      open.push(() => receiver.close());
-      const params = {
-        do_remote_prefill: true,
-        remote_engine_id: 'py-pre',
-        remote_request_id: 'router-9',
-        remote_host: '127.0.0.1',
-        remote_port: port,
-        tp_size: 1,
-        pp_size: 1,
-      };
+      const { py, receiver, params } = await pyPrefillToRank('mode-d', DEADLINE_MS, PEER_ENV);
       const t0 = performance.now();
       const err = await receiver
         .receive(params, { requestId: 'cmpl-mode-q-0a1b2c3d', localBlockIds: [9, 10, 11] })
@@ -134,26 +76,10 @@ describe.skipIf(!engines.includes('nixl'))('push over UCX TCP between nixl-node 
   it(
     'the decode (none) refuses the prefill (peer) at the handshake, naming the setting, before registering',
     async () => {
-      const p = await rank('mode2-p', 'P', 3);
-      const d = await rank('mode2-d', 'D', 0, 'none');
-      const sender = new KvPushSender({
-        agent: p.agent,
-        layout: p.layout,
-        expectedHash: PUSH_HASH,
-        leaseMs: DEADLINE_MS,
-        logger: quiet,
-      });
-      open.push(() => sender.close());
-      const receiver = new KvPushReceiver({
-        agent: d.agent,
-        layout: d.layout,
-        decodeHost: '127.0.0.1',
-        decodePort: d.server.basePort,
-        expectedHash: PUSH_HASH,
-        kvLeaseMs: DEADLINE_MS,
-        timeoutMs: DEADLINE_MS,
-      });
-      open.push(() => receiver.close());
+      const p = await nixlRank('mode2-p', 'P', 3);
+      const d = await nixlRank('mode2-d', 'D', 0, 'none');
+      const sender = rankSender(p, DEADLINE_MS);
+      const receiver = rankReceiver(d, DEADLINE_MS);
       const offered = sender.offer('cmpl-mode2-0a1b2c3d', [1, 2]);
       const t0 = performance.now();
       const err = await receiver

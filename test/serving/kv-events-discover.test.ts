@@ -8,8 +8,8 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
-import type { ServingProxy } from '../../lib/serving/proxy';
 import { ETCD_MISSING, EtcdServer } from '../etcd-server';
+import { complete } from './kv-routing-helpers';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-kv-discover-'));
 afterAll(() => fs.rmSync(dir, { recursive: true, force: true }));
@@ -26,16 +26,6 @@ async function until(what: () => boolean, ms = 10_000): Promise<boolean> {
     await new Promise((r) => setTimeout(r, 20));
   }
   return true;
-}
-
-async function complete(proxy: ServingProxy, prompt: string) {
-  const r = await fetch(`${proxy.url}/v1/completions`, {
-    method: 'POST',
-    headers: { 'content-type': 'application/json' },
-    body: JSON.stringify({ model: 'nixl-node/synthetic', prompt, max_tokens: 2 }),
-  });
-  expect(r.status).toBe(200);
-  return (await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } };
 }
 
 const closers: Array<() => unknown> = [];

@@ -6,27 +6,17 @@
 // every hash is the sha256_cbor chain of its tokens (the peer recomputes
 // each). Endpoints are ipc:// (bound, as vLLM binds them) in a temporary
 // folder, so a restarted worker binds the same ones.
-import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
+import { type ChildProcess, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { type Worker, startWorker } from '../../lib/serving';
 import { blockDigests, noneHash, wireHash } from '../../lib/serving/kv-events/block-hash';
-import { FIXTURES } from '../helpers';
+import { FIXTURES, PY, pythonZmqMissing } from '../helpers';
 
-const PY = '/usr/bin/python3';
 const SCRIPT = path.join(FIXTURES, 'kv_events_peer.py');
-
-function pythonReady(): string | undefined {
-  try {
-    execFileSync(PY, ['-c', 'import msgpack, zmq'], { stdio: 'pipe' });
-    return undefined;
-  } catch {
-    return `${PY} with msgpack and zmq not found (apt-get install python3-msgpack python3-zmq)`;
-  }
-}
-const missing = pythonReady();
+const missing = pythonZmqMissing();
 if (missing) console.warn(`KV events interop skipped: ${missing}`);
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-kv-events-'));

@@ -4,29 +4,18 @@
 // live batches (map and positional events), and sends each prompt to the
 // prefill whose events say it holds the prompt's leading blocks, saying so
 // in the answer (nixl_node.prefill, nixl_node.prefix_match_tokens).
-import { type ChildProcessWithoutNullStreams, execFileSync, spawn } from 'node:child_process';
+import { type ChildProcessWithoutNullStreams, spawn } from 'node:child_process';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { Packr } from 'msgpackr';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import { startProxy, startWorker } from '../../lib/serving';
-import type { ServingProxy } from '../../lib/serving/proxy';
-import { FIXTURES } from '../helpers';
+import { FIXTURES, PY, pythonZmqMissing } from '../helpers';
+import { complete } from './kv-routing-helpers';
 
-const PY = '/usr/bin/python3';
-
-function pythonReady(): boolean {
-  try {
-    execFileSync(PY, ['-c', 'import zmq, msgpack'], { stdio: 'pipe' });
-    return true;
-  } catch {
-    console.warn(
-      'KV events interop skipped: /usr/bin/python3 with zmq and msgpack not found (python3-zmq python3-msgpack)',
-    );
-    return false;
-  }
-}
+const missing = pythonZmqMissing();
+if (missing) console.warn(`KV events routing interop skipped: ${missing}`);
 
 class PyPublisher {
   readonly #p: ChildProcessWithoutNullStreams;
@@ -57,22 +46,12 @@ async function until(what: () => boolean, ms = 10_000): Promise<void> {
   }
 }
 
-async function complete(proxy: ServingProxy, prompt: string) {
-  const r = await fetch(`${proxy.url}/v1/completions`, {
-    method: 'POST',
-    headers: { 'content-type': 'application/json' },
-    body: JSON.stringify({ model: 'nixl-node/synthetic', prompt, max_tokens: 2 }),
-  });
-  expect(r.status).toBe(200);
-  return (await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } };
-}
-
 const closers: Array<() => unknown> = [];
 afterEach(async () => {
   for (const c of closers.splice(0).reverse()) await c();
 });
 
-describe.skipIf(!pythonReady())('precise routing from a vLLM-format KV-event publisher (Python)', () => {
+describe.skipIf(missing !== undefined)('precise routing from a vLLM-format KV-event publisher (Python)', () => {
   it("replays the peer's earlier batches, follows its live ones, and routes each prompt to the prefill holding it", async () => {
     const peer = new PyPublisher();
     closers.push(() => peer.close());

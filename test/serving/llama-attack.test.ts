@@ -8,14 +8,15 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import fc from 'fast-check';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, describe, expect, it } from 'vitest';
 import { OneProcess } from '../../demo/llama-reference';
-import { type Worker, startWorker } from '../../lib/serving';
+import { startWorker } from '../../lib/serving';
 import { modelPath } from '../../lib/serving/models/test-models';
 import { type ZmqReply, encodeMessage } from '../../lib/serving/protocol';
 import { pushDecodeParams } from '../../lib/serving/push-proxy';
 import { ZmqDispatch } from '../../lib/serving/zmq-dispatch';
 import { serveTrio } from '../helpers';
+import { ggufTrio } from './gguf-trio';
 import { cut, cutPoints } from './http-cuts';
 import { messages, silentCount } from './zmq-mutations';
 
@@ -82,32 +83,21 @@ function typed(r: { status: number; json: Json }, what: string, honest = false) 
 }
 
 describe('GGUF previous-turn params, fuzzed (seed 4403, 100 runs)', () => {
-  let ref: OneProcess;
-  let prefill: Worker;
-  let decode: Worker;
-  beforeAll(async () => {
-    const gguf = modelPath('tiny', dir);
-    ref = await OneProcess.load(gguf, CTX);
+  const g = ggufTrio(dir, CTX, (gguf) => {
     const w = { model: gguf, ...CTX, parallel: 1, blocks: BLOCKS, bidirectionalKv: true, kvRecomputeThreshold: 16 };
-    prefill = await startWorker({ ...w, prefixCache: false });
-    decode = await startWorker(w);
-  }, 120_000);
-  afterAll(async () => {
-    await prefill?.close();
-    await decode?.close();
-    await ref?.close();
+    return { prefill: { ...w, prefixCache: false }, decode: w };
   });
 
   it('each answer is 200 and node-llama-cpp alone, or a typed 4xx; then the real turn 2 answers the same', async () => {
     const first = 'Hello! Tell me a short story about a dragon and a knight who become friends.';
-    const t1pre = await post(prefill.address, {
+    const t1pre = await post(g.prefill.address, {
       messages: [{ role: 'user', content: first }],
       max_tokens: 12,
       temperature: 0,
       kv_transfer_params: { do_remote_decode: true },
     });
     expect(t1pre.status).toBe(200);
-    const t1 = await post(decode.address, {
+    const t1 = await post(g.decode.address, {
       messages: [{ role: 'user', content: first }],
       max_tokens: 12,
       temperature: 0,
@@ -121,7 +111,7 @@ describe('GGUF previous-turn params, fuzzed (seed 4403, 100 runs)', () => {
       { role: 'user', content: 'What was the name of the dragon?' },
     ];
     const want = (
-      await ref.generate({ chat: true, text: messages[2].content, history: messages.slice(0, 2), maxTokens: 6 })
+      await g.ref.generate({ chat: true, text: messages[2].content, history: messages.slice(0, 2), maxTokens: 6 })
     ).text;
     const cases = fc.sample(mutated(held, ['do_remote_decode', 'do_remote_prefill', 'transfer_mode']), {
       seed: 4403,
@@ -130,12 +120,12 @@ describe('GGUF previous-turn params, fuzzed (seed 4403, 100 runs)', () => {
     const outcomes: Record<string, number> = {};
     for (const { label, params } of cases) {
       const body = { messages, max_tokens: 6, temperature: 0 };
-      const pre = await post(prefill.address, { ...body, kv_transfer_params: params });
+      const pre = await post(g.prefill.address, { ...body, kv_transfer_params: params });
       typed(pre, `prefill ${label}`);
       let outcome = `prefill ${pre.status}`;
       if (pre.status === 200) {
         expect(pre.json.kv_transfer_params, label).toBeTypeOf('object');
-        const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
+        const dec = await post(g.decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
         typed(dec, `decode ${label}`);
         if (dec.status === 200) expect(dec.json.choices[0].message.content, label).toBe(want);
         outcome += ` decode ${dec.status} reused ${(pre.json.nixl_node?.kv_reused_tokens ?? 0) > 0}`;
@@ -143,40 +133,32 @@ describe('GGUF previous-turn params, fuzzed (seed 4403, 100 runs)', () => {
       outcomes[outcome] = (outcomes[outcome] ?? 0) + 1;
     }
     console.log('turn params fuzzed:', JSON.stringify(outcomes));
-    await expect.poll(() => prefill.freeBlocks, { timeout: 5000 }).toBe(BLOCKS);
+    await expect.poll(() => g.prefill.freeBlocks, { timeout: 5000 }).toBe(BLOCKS);
     // Held turns take at most half the decode's cache; everything else is free.
-    expect(decode.freeBlocks).toBeGreaterThanOrEqual(BLOCKS - decode.turns!.heldBlocks);
-    expect(decode.freeBlocks + decode.turns!.heldBlocks).toBe(BLOCKS);
+    expect(g.decode.freeBlocks).toBeGreaterThanOrEqual(BLOCKS - g.decode.turns!.heldBlocks);
+    expect(g.decode.freeBlocks + g.decode.turns!.heldBlocks).toBe(BLOCKS);
     const body = { messages, max_tokens: 6, temperature: 0 };
-    const pre = await post(prefill.address, { ...body, kv_transfer_params: held });
+    const pre = await post(g.prefill.address, { ...body, kv_transfer_params: held });
     expect(pre.status).toBe(200);
-    const dec = await post(decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
+    const dec = await post(g.decode.address, { ...body, kv_transfer_params: pre.json.kv_transfer_params });
     expect(dec.json.choices[0].message.content).toBe(want);
   }, 600_000);
 });
 
 describe('GGUF push params, fuzzed (seed 4404, 16 decode legs and 8 prefill legs)', () => {
-  let ref: OneProcess;
-  let prefill: Worker;
-  let decode: Worker;
-  beforeAll(async () => {
-    const gguf = modelPath('tiny', dir);
-    ref = await OneProcess.load(gguf, CTX);
+  const g = ggufTrio(dir, CTX, (gguf) => {
     const w = { model: gguf, ...CTX, parallel: 1, blocks: BLOCKS, blockBytes: 4096, kvMode: 'push' as const };
-    prefill = await startWorker({ ...w, leaseMs: 2000, pushTimeoutMs: 2000 });
-    // The decode's quarantine of a failed receive is the prefill's lease + 5 s.
-    decode = await startWorker({ ...w, leaseMs: 2000, pushTimeoutMs: 2000 });
-  }, 120_000);
-  afterAll(async () => {
-    await prefill?.close();
-    await decode?.close();
-    await ref?.close();
+    return {
+      prefill: { ...w, leaseMs: 2000, pushTimeoutMs: 2000 },
+      // The decode's quarantine of a failed receive is the prefill's lease + 5 s.
+      decode: { ...w, leaseMs: 2000, pushTimeoutMs: 2000 },
+    };
   });
 
   const decodeParams = (id: string) => {
-    const info = prefill.healthInfo() as Json;
+    const info = g.prefill.healthInfo() as Json;
     return pushDecodeParams(
-      { engineId: prefill.name, host: info.kv_host, port: info.kv_port, tpSize: 1, ppSize: 1 },
+      { engineId: g.prefill.name, host: info.kv_host, port: info.kv_port, tpSize: 1, ppSize: 1 },
       id,
     );
   };
@@ -188,12 +170,12 @@ describe('GGUF push params, fuzzed (seed 4404, 16 decode legs and 8 prefill legs
   };
 
   it('either leg hostile: each ends in time, 200 with the right answer or a typed 4xx; then a good pair answers, every block free', async () => {
-    const want = (await ref.generate({ chat: true, text: body.messages[0].content, maxTokens: 4 })).text;
+    const want = (await g.ref.generate({ chat: true, text: body.messages[0].content, maxTokens: 4 })).text;
     const pair = async (_id: string, d: unknown, p: unknown) => {
       const t0 = performance.now();
       const [dec, pre] = await Promise.all([
-        post(decode.address, { ...body, kv_transfer_params: d }),
-        post(prefill.address, { ...body, kv_transfer_params: p }),
+        post(g.decode.address, { ...body, kv_transfer_params: d }),
+        post(g.prefill.address, { ...body, kv_transfer_params: p }),
       ]);
       return { dec, pre, ms: performance.now() - t0 };
     };
@@ -232,8 +214,8 @@ describe('GGUF push params, fuzzed (seed 4404, 16 decode legs and 8 prefill legs
     for (const [i, c] of decs.entries()) await run(i, 'decode', c.label, c.params);
     for (const [i, c] of pres.entries()) await run(i, 'prefill', c.label, c.params);
     console.log('push params fuzzed:', JSON.stringify(outcomes));
-    await expect.poll(() => prefill.freeBlocks, { timeout: 15_000 }).toBe(BLOCKS);
-    await expect.poll(() => decode.freeBlocks, { timeout: 15_000 }).toBe(BLOCKS);
+    await expect.poll(() => g.prefill.freeBlocks, { timeout: 15_000 }).toBe(BLOCKS);
+    await expect.poll(() => g.decode.freeBlocks, { timeout: 15_000 }).toBe(BLOCKS);
     const again = await pair('xfer-good-1', decodeParams('xfer-good-1'), prefillParams('xfer-good-1'));
     expect(again.dec.status, JSON.stringify(again.dec.json)).toBe(200);
     expect(again.dec.json.choices[0].message.content).toBe(want);

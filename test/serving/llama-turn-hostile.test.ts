@@ -12,6 +12,7 @@ import { OneProcess } from '../../demo/llama-reference';
 import { type Worker, startWorker } from '../../lib/serving';
 import { PREFIX_DIGEST_KEY, PREFIX_TOKENS_KEY, tokensDigest } from '../../lib/kv/turn-params';
 import { modelPath } from '../../lib/serving/models/test-models';
+import { ggufTrio } from './gguf-trio';
 
 const CTX = { contextSize: 1024, threads: 1, batchSize: 16 };
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-turn-hostile-'));
@@ -59,12 +60,7 @@ describe.each([
   ['without a KV secret', undefined],
   ['with a KV secret', 's3cret'],
 ] as const)('GGUF previous-turn params, hostile, straight to the prefill (%s)', (_, kvSecret) => {
-  let ref: OneProcess;
-  let prefill: Worker;
-  let decode: Worker;
-  beforeAll(async () => {
-    const gguf = modelPath('tiny', dir);
-    ref = await OneProcess.load(gguf, CTX);
+  const g = ggufTrio(dir, CTX, (gguf) => {
     const w = {
       model: gguf,
       ...CTX,
@@ -73,22 +69,16 @@ describe.each([
       kvRecomputeThreshold: 16,
       ...(kvSecret ? { kvSecret } : {}),
     };
-    prefill = await startWorker({ ...w, prefixCache: false });
-    decode = await startWorker(w);
-  }, 120_000);
-  afterAll(async () => {
-    await prefill?.close();
-    await decode?.close();
-    await ref?.close();
+    return { prefill: { ...w, prefixCache: false }, decode: w };
   });
 
   async function reference(messages: Message[], maxTokens: number): Promise<string> {
     const last = messages.at(-1)!;
-    return (await ref.generate({ chat: true, text: last.content, history: messages.slice(0, -1), maxTokens })).text;
+    return (await g.ref.generate({ chat: true, text: last.content, history: messages.slice(0, -1), maxTokens })).text;
   }
 
   const turn = (messages: Message[], maxTokens: number, previous?: Json) =>
-    chatTurn(prefill, decode, messages, maxTokens, previous);
+    chatTurn(g.prefill, g.decode, messages, maxTokens, previous);
 
   /** Turn 1 of a conversation, and the messages of its turn 2. */
   async function opened(first: string, second: string) {
@@ -128,7 +118,7 @@ describe.each([
       { role: 'assistant', content: 'Once upon a time a dragon named Ember met a knight named Sir Alder at a river.' },
       { role: 'user', content: 'What was the name of the dragon?' },
     ];
-    const bPrompt = prefill.model.promptTokenIds!({
+    const bPrompt = g.prefill.model.promptTokenIds!({
       chat: true,
       messages: bMessages,
     } as never) as number[];
@@ -192,7 +182,7 @@ describe.each([
       ['a huge block list', { remote_block_ids: [Array.from({ length: 60_000 }, (_, i) => i)] }],
       ['blocks as a flat string', { remote_block_ids: 'all' }],
       ['another engine', { remote_engine_id: 'nobody' }],
-      ['the prefill itself as the engine', { remote_engine_id: prefill.name }],
+      ['the prefill itself as the engine', { remote_engine_id: g.prefill.name }],
       ['a port nobody listens on', { remote_port: 1 }],
       ['expired long ago', { remote_blocks_expiry_time: 1 }],
       ['a digest of nothing', { [PREFIX_DIGEST_KEY]: tokensDigest([]) }],

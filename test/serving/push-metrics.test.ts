@@ -5,8 +5,9 @@
 // decode, which posts nothing, records none; in pull mode the decode records
 // its READs.
 import { afterEach, describe, expect, it } from 'vitest';
-import { type Worker, startProxy, startWorker } from '../../lib/serving';
+import type { Worker } from '../../lib/serving';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
+import { serveTrio } from '../helpers';
 import { families, sample } from './vllm-series';
 
 const cleanup: Array<() => Promise<unknown> | unknown> = [];
@@ -28,20 +29,12 @@ async function transfers(w: Worker) {
 
 describe.each(['push', 'pull'] as const)('%s mode', (kvMode) => {
   it(`the side that posts the transfers counts them (${kvMode === 'push' ? 'the prefill' : 'the decode'})`, async () => {
-    const mk = (name: string) => startWorker({ name: `${name}-${kvMode}`, blocks: 64, kvMode });
-    const [prefill, decode] = await Promise.all([mk('xm-P'), mk('xm-D')]);
-    cleanup.push(
-      () => prefill.close(),
-      () => decode.close(),
-    );
-    const proxy = await startProxy({
-      prefill: [prefill.address],
-      decode: [decode.address],
-      healthIntervalMs: 0,
-      kvMode,
-      timeoutMs: { prefill: 10_000, decode: 10_000 },
+    const w = (name: string) => ({ name: `${name}-${kvMode}`, blocks: 64, kvMode });
+    const { proxy, prefill, decode } = await serveTrio(cleanup, {
+      prefill: w('xm-P'),
+      decode: w('xm-D'),
+      proxy: { kvMode, timeoutMs: { prefill: 10_000, decode: 10_000 } },
     });
-    cleanup.push(() => proxy.close());
     const asks = 2;
     for (let i = 0; i < asks; i++) {
       const r = await fetch(`${proxy.url}/v1/completions`, {

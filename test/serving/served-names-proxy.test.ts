@@ -4,8 +4,8 @@
 // answers with the name asked for (as vLLM does) and lists every name in
 // /v1/models; a name nobody serves is still a 404 listing those that are.
 import { afterEach, describe, expect, it } from 'vitest';
-import { startProxy, startWorker } from '../../lib/serving';
 import { parseRecord, servedNamesField } from '../../lib/serving/fleet/record';
+import { serveTrio } from '../helpers';
 
 const cleanup: Array<() => Promise<unknown> | unknown> = [];
 afterEach(async () => {
@@ -16,20 +16,8 @@ const NAMES = ['acme/llm-7b', 'acme-llm', 'llm'];
 
 describe.each(['http', 'zmq'] as const)('aliases through the proxy over %s', (transport) => {
   it('a request for any served name is routed, answered under that name; /v1/models lists them all', async () => {
-    const mk = (name: string) =>
-      startWorker({ name: `${name}-${transport}`, transport, blocks: 64, servedModelNames: NAMES });
-    const [prefill, decode] = await Promise.all([mk('alias-P'), mk('alias-D')]);
-    cleanup.push(
-      () => prefill.close(),
-      () => decode.close(),
-    );
-    const proxy = await startProxy({
-      transport,
-      prefill: [prefill.address],
-      decode: [decode.address],
-      healthIntervalMs: 0,
-    });
-    cleanup.push(() => proxy.close());
+    const w = (name: string) => ({ name: `${name}-${transport}`, blocks: 64, servedModelNames: NAMES });
+    const { proxy } = await serveTrio(cleanup, { transport, prefill: w('alias-P'), decode: w('alias-D') });
     // The proxy learns what each worker serves from its health answer.
     await proxy.checkHealth();
     for (const model of NAMES) {

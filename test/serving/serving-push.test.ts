@@ -11,7 +11,7 @@ import { createHandshake } from '../../lib/handshake';
 import { type PushRegistration, encodePushReg } from '../../lib/kv';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
-import { ROOT } from '../helpers';
+import { ROOT, serveTrio } from '../helpers';
 
 const BIN = path.join(ROOT, 'bin', 'nixl-node.js');
 
@@ -29,24 +29,13 @@ async function cluster(
   kvMode: Mode,
   o: { leaseMs?: number; pushTimeoutMs?: number; stallPrefillMs?: number } = {},
 ) {
-  const mk = (name: string) =>
-    startWorker({ name: `${name}-${kvMode}-${transport}`, transport, blocks: 256, kvMode, ...o });
-  const prefill = await mk('P');
-  const decode = await mk('D');
-  cleanup.push(
-    () => prefill.close(),
-    () => decode.close(),
-  );
-  const proxy = await startProxy({
+  const w = (name: string) => ({ name: `${name}-${kvMode}-${transport}`, blocks: 256, kvMode, ...o });
+  return serveTrio(cleanup, {
     transport,
-    prefill: [prefill.address],
-    decode: [decode.address],
-    healthIntervalMs: 0,
-    kvMode,
-    timeoutMs: { prefill: 10_000, decode: 10_000 },
+    prefill: w('P'),
+    decode: w('D'),
+    proxy: { kvMode, timeoutMs: { prefill: 10_000, decode: 10_000 } },
   });
-  cleanup.push(() => proxy.close());
-  return { proxy, prefill, decode };
 }
 
 const PROMPTS = ['the quick brown fox', 'push or pull, the same answer '.repeat(5), 'x'];
