@@ -1,27 +1,45 @@
 // Fleet routing with GGUF prefills that reuse a cached prompt prefix
-// (lib/serving/models/llama-prefix.ts): 'load' (prefix affinity) against
-// round-robin on the same workers, in this process: 3 prefill workers of the
+// (lib/serving/models/llama-prefix.ts): 'load' (prefix affinity) and
+// 'precise' (the proxy follows the prefills' KV events, tokenizing prompts
+// through a prefill's /tokenize) against round-robin, in this process: each
+// policy routes over 3 prefill workers of its own, configured alike, of the
 // generated 'small' model, 3 contexts each (each caches the prompt it last
-// evaluated: 9 prompts in all, 3 per prefill), and 1 decode. Requests start
+// evaluated: 9 prompts in all, 3 per prefill), and all share 1 decode. Own
+// prefills, because shared ones let one policy's prompts evict another's
+// prefixes: what a policy could reuse would then depend on the others. Requests start
 // with one of 6 long shared prefixes (system prompts over 1000 tokens) and
-// end with a short question; one at a time, streamed, 2 tokens; the two
+// end with a short question; one at a time, streamed, 2 tokens; the three
 // policies take turns request by request (each with prefixes of its own, so
-// that no cache helps the other) and see the same machine. Per policy and
-// run: the share of prefills that reused a prefix, the share of prompt tokens
-// reused, the mean time to first token and the mean prefill time (evaluating
-// plus saving the state); ratios to round-robin in the same run.
+// that no cache helps another) and see the same machine.
+// Every prefill publishes KV events (ipc:// sockets in a temp dir); only the
+// precise proxy follows them. Per policy and run: the share of prefills that
+// reused a prefix, of all and of those that could (some prefill held a whole
+// batch of the prompt when it was sent: what the workers announce, read from
+// the workers themselves, not from the proxy's index), the share of prompt
+// tokens reused, mean and p99 time to first token and the mean prefill time
+// (evaluating plus saving the state); ratios to round-robin in the same run.
 import { createHash } from 'node:crypto';
+import * as fs from 'node:fs';
 import * as os from 'node:os';
+import * as path from 'node:path';
 import { type Policy, type Worker, startProxy, startWorker } from '../lib/serving';
+import { blockDigests, noneHash, wireHash } from '../lib/serving/kv-events/block-hash';
 import { modelPath } from '../lib/serving/models/test-models';
 import { stream } from './serving';
-import { median } from './stats';
+import { median, percentile } from './stats';
 
 export interface FleetGgufRun {
   policy: Policy;
   hitRate: number;
+  /** Prefills that reused a prefix / requests some prefill held a whole batch of when sent. */
+  possibleHitRate: number;
+  /** Requests some prefill held a whole batch of when sent. */
+  possible: number;
+  /** Tokens reused / the most any prefill held of each prompt when it was sent. */
+  possibleReusedShare: number;
   reusedShare: number;
   ttftMs: number;
+  ttftP99Ms: number;
   prefillMs: number;
   /** Means over the run's requests, ms. ttftRatio: ttftMs / round-robin's of the same run; prefillRatio likewise. */
   ttftRatio: number;
@@ -60,6 +78,8 @@ function draw(i: number): number {
 
 interface Tally {
   hits: number;
+  possible: number;
+  possibleTokens: number;
   reused: number;
   tokens: number;
   ttft: number[];
@@ -67,32 +87,86 @@ interface Tally {
   prompt: number[];
 }
 
+const POLICIES: Policy[] = ['round-robin', 'load', 'precise'];
+
+/** The prompt's ids as the prefills evaluate it (a completion's, with BOS): their own /tokenize. */
+async function tokensOf(worker: Worker, prompt: string): Promise<number[]> {
+  const r = await fetch(`${worker.address}/tokenize`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ prompt }),
+  });
+  if (!r.ok) throw new Error(`/tokenize: HTTP ${r.status}: ${await r.text()}`);
+  return ((await r.json()) as { tokens: number[] }).tokens;
+}
+
+/** The most tokens of `tokens` (whole batches from the start) that one prefill announces it holds now. */
+function heldTokens(prefills: Worker[], tokens: number[]): number {
+  const chain = blockDigests(tokens, BATCH, noneHash()).map(wireHash);
+  let most = 0;
+  for (const w of prefills) {
+    const held = new Set(w.kvEvents?.announced() ?? []);
+    let n = 0;
+    while (n < chain.length && held.has(chain[n])) n++;
+    most = Math.max(most, n * BATCH);
+  }
+  return most;
+}
+
 /** One run: n requests per policy, the policies taking turns request by request (each its own prefixes). */
-async function run(r: number, prefills: Worker[], decode: Worker, n: number): Promise<Map<Policy, Tally>> {
-  const policies: Policy[] = ['round-robin', 'load'];
+async function run(r: number, sets: Map<Policy, Worker[]>, decode: Worker, n: number): Promise<Map<Policy, Tally>> {
+  const endpoints = Object.fromEntries(
+    sets.get('precise')!.map((w) => {
+      const info = w.kvEvents?.info;
+      if (!info) throw new Error(`${w.address} publishes no KV events`);
+      return [
+        w.address,
+        info.replay_endpoint ? { pub: info.endpoint, replay: info.replay_endpoint } : { pub: info.endpoint },
+      ];
+    }),
+  );
   const proxies = await Promise.all(
-    policies.map((policy) =>
-      startProxy({ prefill: prefills.map((w) => w.address), decode: [decode.address], policy, healthIntervalMs: 0 }),
+    POLICIES.map((policy) =>
+      startProxy({
+        prefill: sets.get(policy)!.map((w) => w.address),
+        decode: [decode.address],
+        policy,
+        healthIntervalMs: 0,
+        ...(policy === 'precise' ? { kvEvents: { endpoints, blockSize: BATCH, tokenizer: 'worker' as const } } : {}),
+      }),
     ),
   );
-  const sum = (k: 'prefixHits' | 'prefixReusedTokens' | 'prefillEvaluatedTokens' | 'prefillMs') =>
+  const sum = (prefills: Worker[], k: 'prefixHits' | 'prefixReusedTokens' | 'prefillEvaluatedTokens' | 'prefillMs') =>
     prefills.reduce((s, w) => s + w.stats[k], 0);
   const out = new Map<Policy, Tally>(
-    policies.map((p) => [p, { hits: 0, reused: 0, tokens: 0, ttft: [], prefill: [], prompt: [] }]),
+    POLICIES.map((p) => [
+      p,
+      { hits: 0, possible: 0, possibleTokens: 0, reused: 0, tokens: 0, ttft: [], prefill: [], prompt: [] },
+    ]),
   );
   try {
     for (let i = 0; i < n; i++)
-      for (const j of i % 2 === 0 ? [0, 1] : [1, 0]) {
-        const t = out.get(policies[j])!;
-        const b = [sum('prefixHits'), sum('prefixReusedTokens'), sum('prefillEvaluatedTokens'), sum('prefillMs')];
-        const prompt = `${prefix(`/${r}${policies[j]}`, draw(i))} Question ${i}: what comes next?`;
+      for (let k = 0; k < POLICIES.length; k++) {
+        const j = (i + k) % POLICIES.length; // each policy goes first, second and last in turn
+        const t = out.get(POLICIES[j])!;
+        const prefills = sets.get(POLICIES[j])!;
+        const prompt = `${prefix(`/${r}${POLICIES[j]}`, draw(i))} Question ${i}: what comes next?`;
+        const held = heldTokens(prefills, await tokensOf(prefills[0], prompt));
+        const now = () =>
+          (['prefixHits', 'prefixReusedTokens', 'prefillEvaluatedTokens', 'prefillMs'] as const).map((k) =>
+            sum(prefills, k),
+          );
+        const b = now();
         t.ttft.push((await stream(proxies[j].url, prompt, 2)).ttftMs);
-        const reused = sum('prefixReusedTokens') - b[1];
-        t.hits += sum('prefixHits') - b[0];
+        const a = now();
+        const reused = a[1] - b[1];
+        if (held > 0) t.possible++;
+        t.possibleTokens += held;
+        t.hits += a[0] - b[0];
         t.reused += reused;
-        t.tokens += reused + sum('prefillEvaluatedTokens') - b[2];
-        t.prompt.push(reused + sum('prefillEvaluatedTokens') - b[2]);
-        t.prefill.push(sum('prefillMs') - b[3]);
+        t.tokens += reused + a[2] - b[2];
+        t.prompt.push(reused + a[2] - b[2]);
+        t.prefill.push(a[3] - b[3]);
       }
   } finally {
     await Promise.all(proxies.map((p) => p.close()));
@@ -102,7 +176,7 @@ async function run(r: number, prefills: Worker[], decode: Worker, n: number): Pr
 
 const mean = (a: number[]) => a.reduce((x, y) => x + y, 0) / a.length;
 
-/** Round-robin and 'load' on the same GGUF workers, `runs` times, `n` requests each. */
+/** Round-robin, 'load' and 'precise' on the same GGUF workers, `runs` times, `n` requests each. */
 export async function benchFleetGguf(n: number, runs: number): Promise<FleetGgufResult> {
   let gguf: string;
   try {
@@ -120,24 +194,42 @@ export async function benchFleetGguf(n: number, runs: number): Promise<FleetGguf
   }
   const o = { model: gguf, threads: os.availableParallelism(), contextSize: 2048, blocks: 512 };
   const workers: Worker[] = [];
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-prefix-bench-'));
   try {
-    for (let i = 0; i < 3; i++) workers.push(await startWorker({ ...o, parallel: 3 }));
+    const sets = new Map<Policy, Worker[]>();
+    for (const p of POLICIES) {
+      const set: Worker[] = [];
+      for (let i = 0; i < 3; i++) {
+        const kvEvents = {
+          enable_kv_cache_events: true,
+          endpoint: `ipc://${dir}/${p}-${i}.pub`,
+          replay_endpoint: `ipc://${dir}/${p}-${i}.replay`,
+        };
+        const w = await startWorker({ ...o, parallel: 3, kvEvents });
+        workers.push(w);
+        set.push(w);
+      }
+      sets.set(p, set);
+    }
     const decode = await startWorker({ ...o, parallel: 1 });
     workers.push(decode);
-    const prefills = workers.slice(0, 3);
     const out: FleetGgufRun[] = [];
     let promptTokens = 0;
     for (let r = 0; r < runs; r++) {
-      const got = await run(r, prefills, decode, n);
+      const got = await run(r, sets, decode, n);
       const base = got.get('round-robin')!;
-      for (const p of ['round-robin', 'load'] as const) {
+      for (const p of POLICIES) {
         const g = got.get(p)!;
         promptTokens = median(g.prompt);
         out.push({
           policy: p,
           hitRate: g.hits / n,
+          possible: g.possible,
+          possibleHitRate: g.possible ? g.hits / g.possible : 0,
+          possibleReusedShare: g.possibleTokens ? g.reused / g.possibleTokens : 0,
           reusedShare: g.reused / g.tokens,
           ttftMs: mean(g.ttft),
+          ttftP99Ms: percentile(g.ttft, 99),
           prefillMs: mean(g.prefill),
           ttftRatio: mean(g.ttft) / mean(base.ttft),
           prefillRatio: mean(g.prefill) / mean(base.prefill),
@@ -147,5 +239,6 @@ export async function benchFleetGguf(n: number, runs: number): Promise<FleetGguf
     return { runs: out, requests: n, prefixes: PREFIXES, promptTokens, batchSize: BATCH };
   } finally {
     await Promise.all(workers.map((w) => w.close()));
+    fs.rmSync(dir, { recursive: true, force: true });
   }
 }

@@ -502,19 +502,34 @@ export async function runBench(o: BenchOptions): Promise<void> {
     const n = quick ? 6 : 36;
     const runs = quick ? 1 : 3;
     console.log(
-      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills ('small', 3 contexts each) + 1 decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs); ratio = policy / round-robin of the same run`,
+      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills of its own per policy ('small', 3 contexts each, KV events on ipc://) + 1 shared decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs), the policies taking turns; possible = requests some prefill held a whole batch of when sent (as the prefills announce it); ratio = policy / round-robin of the same run`,
     );
     const fg = await benchFleetGguf(n, runs);
     if (fg.note) console.log(`(${fg.note})`);
     else {
       table(
-        ['run', 'policy', 'prefix hits', 'tokens reused', 'TTFT ms', 'TTFT ratio', 'prefill ms', 'prefill ratio'],
+        [
+          'run',
+          'policy',
+          'prefix hits',
+          'of possible',
+          'tokens reused',
+          'of held',
+          'TTFT ms',
+          'p99',
+          'TTFT ratio',
+          'prefill ms',
+          'prefill ratio',
+        ],
         fg.runs.map((r, i) => [
-          Math.floor(i / 2) + 1,
+          Math.floor(i / 3) + 1,
           r.policy,
           `${(r.hitRate * 100).toFixed(0)}%`,
+          r.possible ? `${(r.possibleHitRate * 100).toFixed(0)}% of ${r.possible}` : '-',
           `${(r.reusedShare * 100).toFixed(0)}%`,
+          r.possible ? `${(r.possibleReusedShare * 100).toFixed(0)}%` : '-',
           r.ttftMs,
+          r.ttftP99Ms,
           r.ttftRatio,
           r.prefillMs,
           r.prefillRatio,
@@ -522,15 +537,17 @@ export async function runBench(o: BenchOptions): Promise<void> {
       );
       console.log(`prompts of ${fg.promptTokens} tokens (median); whole batches of ${fg.batchSize} tokens are reused`);
       result.fleetGguf = fg;
-      const load = fg.runs.filter((r) => r.policy === 'load');
-      panels.push({
-        title: 'GGUF prefix reuse: load / round-robin',
-        reference: 1,
-        bars: [
-          { label: 'TTFT', value: median(load.map((r) => r.ttftRatio)) },
-          { label: 'prefill', value: median(load.map((r) => r.prefillRatio)) },
-        ],
-      });
+      for (const policy of ['load', 'precise'] as const) {
+        const rows = fg.runs.filter((r) => r.policy === policy);
+        panels.push({
+          title: `GGUF prefix reuse: ${policy} / round-robin`,
+          reference: 1,
+          bars: [
+            { label: 'TTFT', value: median(rows.map((r) => r.ttftRatio)) },
+            { label: 'prefill', value: median(rows.map((r) => r.prefillRatio)) },
+          ],
+        });
+      }
     }
   }
 
