@@ -12,10 +12,10 @@
 import { createHash, randomUUID } from 'node:crypto';
 import type * as http from 'node:http';
 import { buildKvTransferParams } from '../lib/handshake/wire';
-import type { FrontHandler, Sink } from '../lib/serving/front';
-import { HttpError } from '../lib/serving/http';
-import { serveHttp } from '../lib/serving/worker-http';
-import { ZmqFront } from '../lib/serving/worker-zmq';
+import type { FrontHandler, Sink } from '../lib/serving/worker/fronts/front';
+import { HttpError } from '../lib/serving/api/http';
+import { serveHttp } from '../lib/serving/worker/fronts/http';
+import { ZmqFront } from '../lib/serving/worker/fronts/zmq';
 
 export const FAKE_MODEL = 'fake-vllm';
 

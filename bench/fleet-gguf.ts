@@ -23,7 +23,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { type Policy, type Worker, startProxy, startWorker } from '../lib/serving';
-import { blockDigests, noneHash, wireHash } from '../lib/serving/kv-events/block-hash';
+import { blockDigests, noneHash, wireHash } from '../lib/serving/worker/kv-events/block-hash';
 import { modelPath } from '../lib/serving/models/test-models';
 import { stream } from './serving';
 import { median, percentile } from './stats';

@@ -7,7 +7,7 @@
 import { Packr } from 'msgpackr';
 import { decodeBatch } from '../lib/serving/kv-index/decode';
 import { PreciseRouting } from '../lib/serving/kv-index/precise';
-import type { WorkerRef } from '../lib/serving/worker-ref';
+import type { WorkerRef } from '../lib/serving/proxy/worker-ref';
 import { percentile } from './stats';
 
 export interface IndexResult {

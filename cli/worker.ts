@@ -5,7 +5,7 @@
 import type { WireName } from '../lib/handshake/model';
 import { startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
-import { DEFAULT_REUSE_HANDSHAKE_MS } from '../lib/serving/turns';
+import { DEFAULT_REUSE_HANDSHAKE_MS } from '../lib/serving/worker/turns';
 import {
   applyUcxNetDevices,
   oneOf,

@@ -1,13 +1,13 @@
 // nixl-node/serving: the disaggregated-serving proxy, Node inference
 // workers, the transports between them, and the model boundary (the
 // synthetic model, GGUF through node-llama-cpp).
-export { ServingProxy, startProxy, type ProxyOptions } from './proxy';
-export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker';
-export type { KvMode } from './push-serving';
-export type { FrontHandler, RequestHints } from './front';
+export { ServingProxy, startProxy, type ProxyOptions } from './proxy/proxy';
+export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker/worker';
+export type { KvMode } from './worker/push-serving';
+export type { FrontHandler, RequestHints } from './worker/fronts/front';
 export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';
-export { WorkerPool, type Policy, type Stage, type WorkerRef } from './pool';
+export { WorkerPool, type Policy, type Stage, type WorkerRef } from './proxy/pool';
 export type { KvEventsOptions } from './kv-index/precise';
 export type { DecodeLimits as KvEventLimits } from './kv-index/decode';
 export type { IndexOptions as KvIndexOptions } from './kv-index/index';
@@ -21,10 +21,10 @@ export {
   type WorkerTransport,
   type StageCall,
   type StageAnswer,
-} from './transports';
-export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './protocol';
-export { HttpError } from './http';
-export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn, type TurnOwner } from './turns';
+} from './proxy/transports';
+export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './api/zmq-protocol';
+export { HttpError } from './api/http';
+export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn, type TurnOwner } from './worker/turns';
 export {
   CONVERSATION_KEY,
   Conversations,
@@ -32,7 +32,7 @@ export {
   type ClaimedTurn,
   carryTurn,
   takeConversationId,
-} from './conversations';
+} from './proxy/conversations';
 export { SyntheticModel } from './models/synthetic';
 export type { SyntheticModelSpec } from './models/synthetic-kv';
 export { LlamaModel, type LlamaModelOptions } from './models/llama';
@@ -60,4 +60,4 @@ export { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 export { type RoutingOptions, affinityKey, pickByLoad } from './fleet/routing';
 export { type WorkerRecord, type FleetRole, type RecordKvEvents, parseRecord } from './fleet/record';
 export { type EtcdOptions, ETCD3 } from './fleet/etcd';
-export type { KvEventsConfig, KvEventsInfo } from './kv-events';
+export type { KvEventsConfig, KvEventsInfo } from './worker/kv-events';

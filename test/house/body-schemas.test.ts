@@ -5,8 +5,8 @@
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { expect, it } from 'vitest';
-import { BODY_SCHEMAS, bodySchema, bodySchemaPath } from '../../lib/serving/body-schemas';
-import { PROXY_ROUTES, WORKER_ROUTES } from '../../lib/serving/routes';
+import { BODY_SCHEMAS, bodySchema, bodySchemaPath } from '../../lib/serving/api/body-schemas';
+import { PROXY_ROUTES, WORKER_ROUTES } from '../../lib/serving/api/routes';
 
 const ROOT = path.join(__dirname, '..', '..');
 const published = fs

@@ -71,9 +71,9 @@ it('the README is a newcomer’s page: about 200 lines at most', () => {
 it('what the install script and the commands print points at pages and sections that exist', () => {
   const sources = [
     'scripts/install.js',
-    ...['cli', 'demo', 'bench', 'lib/serving', 'lib/serving/models'].flatMap((d) =>
+    ...['cli', 'demo', 'bench', 'lib/serving'].flatMap((d) =>
       fs
-        .readdirSync(path.join(ROOT, d))
+        .readdirSync(path.join(ROOT, d), { recursive: true, encoding: 'utf8' })
         .filter((f) => /\.(ts|js)$/.test(f))
         .map((f) => `${d}/${f}`),
     ),

@@ -6,7 +6,7 @@
 import { spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import { afterEach, describe, expect, it } from 'vitest';
-import { DEFAULT_MAX_CONNECTIONS } from '../../lib/serving/http-server';
+import { DEFAULT_MAX_CONNECTIONS } from '../../lib/serving/api/http-server';
 import { serveTrio } from '../helpers';
 import { cut as cutAnswer, cutPoints, raw as rawConnection } from './http-cuts';
 

@@ -4,9 +4,9 @@
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
-import { StageTimeout } from '../../lib/serving/stage-signal';
-import { HttpTransport, TransportError, type StageCall } from '../../lib/serving/transports';
-import type { WorkerRef } from '../../lib/serving/pool';
+import { StageTimeout } from '../../lib/serving/proxy/stage-signal';
+import { HttpTransport, TransportError, type StageCall } from '../../lib/serving/proxy/transports';
+import type { WorkerRef } from '../../lib/serving/proxy/pool';
 
 const servers: http.Server[] = [];
 afterEach(async () => {

@@ -12,7 +12,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { type Worker, startWorker } from '../../lib/serving';
-import { blockDigests, noneHash, wireHash } from '../../lib/serving/kv-events/block-hash';
+import { blockDigests, noneHash, wireHash } from '../../lib/serving/worker/kv-events/block-hash';
 import { FIXTURES, PY, pythonZmqMissing } from '../helpers';
 
 const SCRIPT = path.join(FIXTURES, 'kv_events_peer.py');

@@ -9,7 +9,7 @@ import * as path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { type Worker, startWorker } from '../../lib/serving';
 import { parseRecord } from '../../lib/serving/fleet/record';
-import { blockDigests, noneHash, wireHash } from '../../lib/serving/kv-events/block-hash';
+import { blockDigests, noneHash, wireHash } from '../../lib/serving/worker/kv-events/block-hash';
 import { chatPrompt } from '../../lib/serving/models/synthetic-kv';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-kv-events-w-'));

@@ -7,7 +7,7 @@
 import { afterEach, describe, expect, it } from 'vitest';
 import { prefillRequestParams } from '../../lib/handshake/wire';
 import { type Worker, startWorker } from '../../lib/serving';
-import { BlockPool } from '../../lib/serving/blocks';
+import { BlockPool } from '../../lib/serving/worker/blocks';
 import { serveTrio } from '../helpers';
 
 const closers: Array<() => unknown> = [];

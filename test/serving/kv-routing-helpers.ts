@@ -1,7 +1,7 @@
 // Shared by the precise-routing tests: a completion through the proxy that
 // answers 200 and says which prefill served it and how much prefix it matched.
 import { expect } from 'vitest';
-import type { ServingProxy } from '../../lib/serving/proxy';
+import type { ServingProxy } from '../../lib/serving/proxy/proxy';
 
 export async function complete(proxy: ServingProxy, prompt: string) {
   const r = await fetch(`${proxy.url}/v1/completions`, {

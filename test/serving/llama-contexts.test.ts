@@ -7,7 +7,7 @@ import { describe, expect, it } from 'vitest';
 import { startProxy } from '../../lib/serving';
 import { ContextPool } from '../../lib/serving/models/llama-contexts';
 import { SyntheticModel } from '../../lib/serving/models/synthetic';
-import { Worker } from '../../lib/serving/worker';
+import { Worker } from '../../lib/serving/worker/worker';
 
 /** A stand-in for a node-llama-cpp context: counts clears and disposals. */
 function fakeContext(id: number, o: { clearFails?: boolean } = {}) {

@@ -9,8 +9,8 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { buildKvTransferParams } from '../../lib/handshake/wire';
 import { startProxy, startWorker } from '../../lib/serving';
 import { expectedCompletion } from '../../lib/serving/models/synthetic-kv';
-import type { FrontHandler, Sink } from '../../lib/serving/front';
-import { handleGenerate } from '../../lib/serving/generate';
+import type { FrontHandler, Sink } from '../../lib/serving/worker/fronts/front';
+import { handleGenerate } from '../../lib/serving/worker/fronts/generate-route';
 import { serveTrio } from '../helpers';
 
 const closers: Array<() => unknown> = [];

@@ -10,7 +10,7 @@ import * as zmq from 'zeromq';
 import type { ChildProcess } from 'node:child_process';
 import { start } from '../../dist/demo/serving';
 import { startProxy, startWorker } from '../../lib/serving';
-import { decodeMessage, encodeMessage } from '../../lib/serving/protocol';
+import { decodeMessage, encodeMessage } from '../../lib/serving/api/zmq-protocol';
 import { freePort, serveTrio } from '../helpers';
 
 const closers: Array<() => unknown> = [];

@@ -11,8 +11,8 @@ import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import { type ServingProxy, type Worker, startProxy, startWorker } from '../../lib/serving';
-import { WorkerPool } from '../../lib/serving/pool';
-import { encodeMessage } from '../../lib/serving/protocol';
+import { WorkerPool } from '../../lib/serving/proxy/pool';
+import { encodeMessage } from '../../lib/serving/api/zmq-protocol';
 import { MODEL_NAME, expectedCompletion } from '../../lib/serving/models/synthetic-kv';
 import { ROOT } from '../helpers';
 

@@ -11,8 +11,8 @@ import type { AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
-import { decodeMessage, encodeMessage } from '../../lib/serving/protocol';
-import type { ServingProxy } from '../../lib/serving/proxy';
+import { decodeMessage, encodeMessage } from '../../lib/serving/api/zmq-protocol';
+import type { ServingProxy } from '../../lib/serving/proxy/proxy';
 
 const closers: Array<() => unknown> = [];
 afterEach(async () => {

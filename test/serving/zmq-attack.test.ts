@@ -9,12 +9,12 @@ import { Packr } from 'msgpackr';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
 import { startWorker } from '../../lib/serving';
-import { decodeMessage, encodeMessage, unpackMap } from '../../lib/serving/protocol';
-import { ZmqDispatch } from '../../lib/serving/zmq-dispatch';
-import { ZmqFront } from '../../lib/serving/worker-zmq';
-import { ZmqTransport } from '../../lib/serving/transports';
+import { decodeMessage, encodeMessage, unpackMap } from '../../lib/serving/api/zmq-protocol';
+import { ZmqDispatch } from '../../lib/serving/worker/fronts/zmq-dispatch';
+import { ZmqFront } from '../../lib/serving/worker/fronts/zmq';
+import { ZmqTransport } from '../../lib/serving/proxy/transports';
 import { messages, silentCount } from './zmq-mutations';
-import type { ZmqReply } from '../../lib/serving/protocol';
+import type { ZmqReply } from '../../lib/serving/api/zmq-protocol';
 
 const closers: Array<() => unknown> = [];
 afterEach(async () => {

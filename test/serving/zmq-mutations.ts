@@ -4,7 +4,7 @@
 // bytes, extra or missing frames, a body that is not a map, raw bytes).
 import fc from 'fast-check';
 import { Packr } from 'msgpackr';
-import { TAGS, unpackMap } from '../../lib/serving/protocol';
+import { TAGS, unpackMap } from '../../lib/serving/api/zmq-protocol';
 
 const packr = new Packr({ useRecords: false, mapsAsObjects: true, variableMapSize: true });
 

@@ -1,7 +1,7 @@
 // The proxy's conversation cache: single use, expiring with the decode's
 // hold (less a margin), bounded in number (the least recently stored go).
 import { describe, expect, it } from 'vitest';
-import { Conversations, carryTurn, takeConversationId } from '../../lib/serving/conversations';
+import { Conversations, carryTurn, takeConversationId } from '../../lib/serving/proxy/conversations';
 
 const P = (n: number) => ({ remote_request_id: `turn-${n}`, remote_block_ids: [[n]] });
 

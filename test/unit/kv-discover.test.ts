@@ -3,7 +3,7 @@
 // not when its block size differs from the proxy's (refused once, counted).
 import { describe, expect, it } from 'vitest';
 import { AdvertisedFollower, type FollowSink } from '../../lib/serving/kv-index/discover';
-import type { WorkerRef } from '../../lib/serving/worker-ref';
+import type { WorkerRef } from '../../lib/serving/proxy/worker-ref';
 
 function ref(address: string, kv?: Partial<NonNullable<WorkerRef['kvEvents']>>, fleet?: string): WorkerRef {
   const kvEvents = kv ? { endpoint: 'tcp://127.0.0.1:5556', replay_endpoint: null, topic: '', ...kv } : undefined;

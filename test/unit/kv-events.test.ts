@@ -4,11 +4,11 @@
 // defaults omitted), vLLM's config defaults and bind rule, and what the
 // announcer emits as holders take and let go of prefixes.
 import { describe, expect, it } from 'vitest';
-import { BlockAnnouncer } from '../../lib/serving/kv-events/announcer';
-import { blockDigests, canonicalCbor, noneHash, sha256Cbor, wireHash } from '../../lib/serving/kv-events/block-hash';
-import { bindsEndpoint, parseKvEventsConfig } from '../../lib/serving/kv-events/config';
-import { type KvEvent, encodeBatch } from '../../lib/serving/kv-events/encode';
-import { SyntheticPrefixCache } from '../../lib/serving/kv-events/synthetic-cache';
+import { BlockAnnouncer } from '../../lib/serving/worker/kv-events/announcer';
+import { blockDigests, canonicalCbor, noneHash, sha256Cbor, wireHash } from '../../lib/serving/worker/kv-events/block-hash';
+import { bindsEndpoint, parseKvEventsConfig } from '../../lib/serving/worker/kv-events/config';
+import { type KvEvent, encodeBatch } from '../../lib/serving/worker/kv-events/encode';
+import { SyntheticPrefixCache } from '../../lib/serving/models/synthetic-cache';
 
 const range = (a: number, b: number) => Array.from({ length: b - a + 1 }, (_, i) => a + i);
 const hex = (s: string) => Buffer.from(s.replace(/\s+/g, ''), 'hex');

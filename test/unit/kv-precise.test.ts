@@ -4,7 +4,7 @@
 // the pool takes its index with it.
 import { describe, expect, it } from 'vitest';
 import { PreciseRouting, parseEventEndpoint } from '../../lib/serving/kv-index/precise';
-import { WorkerPool } from '../../lib/serving/pool';
+import { WorkerPool } from '../../lib/serving/proxy/pool';
 
 const text = 'a prompt of exactly forty-eight bytes, 3 blocks!';
 

@@ -3,8 +3,8 @@
 // and saying what it must be, on the completions, chat and vLLM generate
 // bodies alike.
 import { describe, expect, it } from 'vitest';
-import { checkGenerateRequest } from '../../lib/serving/generate';
-import { checkCompletionRequest } from '../../lib/serving/schema';
+import { checkGenerateRequest } from '../../lib/serving/api/generate';
+import { checkCompletionRequest } from '../../lib/serving/api/schema';
 
 type Body = Record<string, unknown>;
 

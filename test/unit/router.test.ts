@@ -1,8 +1,8 @@
-// The route table bound to a front's handlers (lib/serving/routes.ts): every
+// The route table bound to a front's handlers (lib/serving/api/routes.ts): every
 // route has a handler and every handler a route, checked as the front is
 // built; a request finds its handler or the 404/405 both fronts answer.
 import { describe, expect, it } from 'vitest';
-import { PROXY_ROUTES, Router, WORKER_ROUTES } from '../../lib/serving/routes';
+import { PROXY_ROUTES, Router, WORKER_ROUTES } from '../../lib/serving/api/routes';
 
 const all = (table: typeof WORKER_ROUTES) => Object.fromEntries([...table.keys()].map((p) => [p, p]));
 

@@ -9,8 +9,8 @@ import { decodeAgentMetadata, parseKvTransferParams, wireV12 } from '../../lib/h
 import { decodeHandshakePayload, Float64, type MpValue, packMsgpack } from '../../lib/handshake/codec';
 import { decodeMetaRequest, readReply } from '../../lib/handshake/wire';
 import { decodePushReg, parsePushParams, PUSH_REG_PREFIX } from '../../lib/kv/push-reg';
-import { checkGenerateRequest } from '../../lib/serving/generate';
-import { RequestError, checkCompletionRequest } from '../../lib/serving/schema';
+import { checkGenerateRequest } from '../../lib/serving/api/generate';
+import { RequestError, checkCompletionRequest } from '../../lib/serving/api/schema';
 
 const KEYS = [
   'request_id',

@@ -5,7 +5,7 @@
 // request failures still take dead workers out); the proxy says so in its
 // log and in a metric, and reads everything again once etcd answers.
 import type * as Etcd3 from 'etcd3';
-import type { Stage, WorkerPool } from '../pool';
+import type { Stage, WorkerPool } from '../proxy/pool';
 import { type EtcdOptions, fleetPrefix } from './etcd';
 import { etcdClient } from './etcd-client';
 import { type WorkerRecord, parseRecord } from './record';

@@ -8,7 +8,7 @@
 // that worker is not overloaded; otherwise, and without a prefix, the least
 // loaded worker takes it (ties in turn).
 import { createHash } from 'node:crypto';
-import type { WorkerRef } from '../worker-ref';
+import type { WorkerRef } from '../proxy/worker-ref';
 
 /** How the 'load' policy weighs workers. */
 export interface RoutingOptions {

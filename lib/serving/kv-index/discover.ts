@@ -5,7 +5,7 @@
 // stops advertising or moves its publisher is unsubscribed (its index goes);
 // one whose block size differs from the proxy's is refused, since the index
 // keys every prompt by one block size.
-import type { WorkerRef } from '../worker-ref';
+import type { WorkerRef } from '../proxy/worker-ref';
 import type { EventEndpoint } from './subscriber';
 
 /** One advertised publisher to follow. */

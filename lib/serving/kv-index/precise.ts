@@ -6,9 +6,9 @@
 // speculative entry for the chosen worker until its event arrives.
 import type { Registry } from 'prom-client';
 import { type RoutingOptions, affinityKey, loadOf, pickByLoad } from '../fleet/routing';
-import type { Policy, WorkerPool } from '../pool';
+import type { Policy, WorkerPool } from '../proxy/pool';
 import type { Logger } from '../log';
-import type { WorkerRef } from '../worker-ref';
+import type { WorkerRef } from '../proxy/worker-ref';
 import { BatchRefused, type DecodeLimits, decodeBatch } from './decode';
 import { AdvertisedFollower } from './discover';
 import { type IndexOptions, KvBlockIndex, promptKeys } from './index';

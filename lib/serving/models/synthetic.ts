@@ -1,7 +1,7 @@
 // The synthetic model behind the ServingModel boundary: no weights, every
 // byte checkable (synthetic-kv.ts). A decode checks each byte of the KV it
 // was given against the prompt's before it "generates".
-import { SyntheticPrefixCache } from '../kv-events/synthetic-cache';
+import { SyntheticPrefixCache } from './synthetic-cache';
 import {
   DEFAULT_MODEL,
   MODEL_NAME,
