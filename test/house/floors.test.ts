@@ -114,6 +114,9 @@ it('lib/ has no import cycle (a front depends on an interface, not on the worker
   expect(cycles(graph).map((c) => [...c, c[0]].join(' -> '))).toEqual([]);
   // The finder itself: a cycle planted in the graph is found.
   const planted = new Map(graph);
-  planted.set('lib/serving/worker/fronts/http.ts', [...graph.get('lib/serving/worker/fronts/http.ts')!, 'lib/serving/worker/worker.ts']);
+  planted.set('lib/serving/worker/fronts/http.ts', [
+    ...graph.get('lib/serving/worker/fronts/http.ts')!,
+    'lib/serving/worker/worker.ts',
+  ]);
   expect(cycles(planted).length).toBeGreaterThan(0);
 });

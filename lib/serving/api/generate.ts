@@ -4,7 +4,6 @@
 // proxy's two legs. The worker's handling is worker/fronts/generate-route.ts.
 // kv_transfer_params ride at the top level; older peers put them in
 // sampling_params.extra_args, read too (the top level wins).
-import { HttpError } from './http';
 import { RequestError, checkBody } from './body-schemas';
 import { unsupportedField } from './unsupported';
 
