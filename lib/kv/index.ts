@@ -29,7 +29,7 @@ export {
   type RemoteEndpoint,
   type RemoteLease,
   expand,
-} from './puller';
+} from './pull/puller';
 export {
   PrefillTracker,
   type PrefillRank,
@@ -44,10 +44,10 @@ export { type KvMetricsOptions, type PromRegistry, registerKvMetrics } from './m
 export { DEFAULT_LIMITS, type PullLimits } from './limits';
 export { LeaseBoard, SlotState } from './lease-board';
 export { SIGNATURE_KEY, signKvTransferParams, verifyKvTransferParams } from './params-auth';
-export { KvPushReceiver, type KvPushReceiverOptions } from './push-decode';
-export { KvPushSender, type KvPushSenderOptions, type PushSenderStats, type PushSent } from './push-prefill';
-export { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './push-types';
-export { BlockQuarantine, type Quarantined } from './push-quarantine';
+export { KvPushReceiver, type KvPushReceiverOptions } from './push/decode';
+export { KvPushSender, type KvPushSenderOptions, type PushSenderStats, type PushSent } from './push/prefill';
+export { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './push/types';
+export { BlockQuarantine, type Quarantined } from './push/quarantine';
 export {
   PUSH_REG_PREFIX,
   type PushParams,
@@ -58,7 +58,7 @@ export {
   expectedWrites,
   parsePushParams,
   writeNotif,
-} from './push-reg';
+} from './push/reg';
 export {
   DEFAULT_RECOMPUTE_THRESHOLD,
   DEFAULT_TURN_TTL_MS,

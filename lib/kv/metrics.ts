@@ -4,7 +4,7 @@
 // KvStats.prometheus() still gives the text format.
 import type { Registry } from 'prom-client';
 import { NixlError } from '../errors';
-import type { KvPuller } from './puller';
+import type { KvPuller } from './pull/puller';
 import type { PrefillTracker } from './prefill';
 import { BUCKETS_MS } from './stats';
 

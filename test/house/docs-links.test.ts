@@ -1,6 +1,6 @@
 // The docs point at things that exist: every relative link of README.md,
 // CHANGELOG.md and docs/*.md (and its #anchor, a heading of the target),
-// and every repository path a page names in backticks (`lib/kv/puller.ts`).
+// and every repository path a page names in backticks (`lib/kv/pull/puller.ts`).
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { expect, it } from 'vitest';

@@ -15,7 +15,7 @@ import {
 } from '../../lib';
 import { packMsgpack } from '../../lib/handshake/codec';
 import { PUSH_REG_PREFIX, encodePushReg, type PushRegistration } from '../../lib/kv';
-import { PUSH_REFUSED_PREFIX, encodeRefusal } from '../../lib/kv/push-reg';
+import { PUSH_REFUSED_PREFIX, encodeRefusal } from '../../lib/kv/push/reg';
 import { ENGINE, PushPair, rankLayout } from './push-helpers';
 
 const pairs: PushPair[] = [];

@@ -6,7 +6,7 @@
 // real decode still pairs, or fails fast as `refused`, never at its deadline.
 import { afterEach, describe, expect, it } from 'vitest';
 import { NixlAgent, PushError } from '../../lib';
-import { type PushRegistration, decodeRefusal, encodePushReg } from '../../lib/kv/push-reg';
+import { type PushRegistration, decodeRefusal, encodePushReg } from '../../lib/kv/push/reg';
 import { ENGINE, PushPair } from './push-helpers';
 
 let t: PushPair | undefined;

@@ -7,7 +7,7 @@ import { runInNewContext } from 'node:vm';
 import { afterEach, describe, expect, it } from 'vitest';
 import { PushError } from '../../lib';
 import { type PushRegistration, encodePushReg } from '../../lib/kv';
-import { RegistrationStore } from '../../lib/kv/push-pairing';
+import { RegistrationStore } from '../../lib/kv/push/pairing';
 import { PushPair, blockOf } from './push-helpers';
 
 let t: PushPair | undefined;

@@ -14,7 +14,7 @@ import { type Ask as RefAsk, OneProcess, askBody } from '../../demo/llama-refere
 import { NixlAgent } from '../../lib/agent';
 import { DescList, allocate } from '../../lib/descriptors';
 import { servePrefill } from '../../lib/kv/prefill';
-import { KvPushReceiver } from '../../lib/kv/push-decode';
+import { KvPushReceiver } from '../../lib/kv/push/decode';
 import type { KvLayout } from '../../lib/kv/layout';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import type { LlamaModel } from '../../lib/serving/models/llama';

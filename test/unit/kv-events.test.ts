@@ -5,7 +5,13 @@
 // announcer emits as holders take and let go of prefixes.
 import { describe, expect, it } from 'vitest';
 import { BlockAnnouncer } from '../../lib/serving/worker/kv-events/announcer';
-import { blockDigests, canonicalCbor, noneHash, sha256Cbor, wireHash } from '../../lib/serving/worker/kv-events/block-hash';
+import {
+  blockDigests,
+  canonicalCbor,
+  noneHash,
+  sha256Cbor,
+  wireHash,
+} from '../../lib/serving/worker/kv-events/block-hash';
 import { bindsEndpoint, parseKvEventsConfig } from '../../lib/serving/worker/kv-events/config';
 import { type KvEvent, encodeBatch } from '../../lib/serving/worker/kv-events/encode';
 import { SyntheticPrefixCache } from '../../lib/serving/models/synthetic-cache';

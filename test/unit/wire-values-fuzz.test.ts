@@ -8,7 +8,7 @@ import { NixlError } from '../../lib';
 import { decodeAgentMetadata, parseKvTransferParams, wireV12 } from '../../lib/handshake';
 import { decodeHandshakePayload, Float64, type MpValue, packMsgpack } from '../../lib/handshake/codec';
 import { decodeMetaRequest, readReply } from '../../lib/handshake/wire';
-import { decodePushReg, parsePushParams, PUSH_REG_PREFIX } from '../../lib/kv/push-reg';
+import { decodePushReg, parsePushParams, PUSH_REG_PREFIX } from '../../lib/kv/push/reg';
 import { checkGenerateRequest } from '../../lib/serving/api/generate';
 import { RequestError, checkCompletionRequest } from '../../lib/serving/api/schema';
 

@@ -10,10 +10,10 @@ import type { WireName } from '../../handshake/model';
 import { buildKvTransferParams } from '../../handshake/wire';
 import type { KvLayout } from '../../kv/layout';
 import type { KvStats } from '../../kv/stats';
-import { KvPushReceiver } from '../../kv/push-decode';
-import { KvPushSender, type PushSent } from '../../kv/push-prefill';
-import { baseRequestId, isNotifId, parsePushParams, type PushParams } from '../../kv/push-reg';
-import { PushError, type PushReceived } from '../../kv/push-types';
+import { KvPushReceiver } from '../../kv/push/decode';
+import { KvPushSender, type PushSent } from '../../kv/push/prefill';
+import { baseRequestId, isNotifId, parsePushParams, type PushParams } from '../../kv/push/reg';
+import { PushError, type PushReceived } from '../../kv/push/types';
 import { HttpError } from '../api/http';
 import type { KvBinding } from '../models/types';
 

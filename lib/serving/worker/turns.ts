@@ -11,7 +11,7 @@ import type { WireName } from '../../handshake/model';
 import type { HandshakeServer } from '../../handshake/types';
 import { buildKvTransferParams } from '../../handshake/wire';
 import type { PrefillTracker } from '../../kv/prefill';
-import type { KvPuller, PullError } from '../../kv/puller';
+import type { KvPuller, PullError } from '../../kv/pull/puller';
 import { signKvTransferParams } from '../../kv/params-auth';
 import { type ReusePlan, planReuse, turnParams } from '../../kv/turn-params';
 import type { SpanLike } from '../../tracing';

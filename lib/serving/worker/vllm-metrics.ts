@@ -9,7 +9,7 @@ import type { Counter, Histogram, Registry } from 'prom-client';
 import { NixlError } from '../../errors';
 import { registerKvMetrics } from '../../kv/metrics';
 import type { PrefillTracker } from '../../kv/prefill';
-import type { KvPuller } from '../../kv/puller';
+import type { KvPuller } from '../../kv/pull/puller';
 import type { BlockPool } from './blocks';
 import type { Sink } from './fronts/front';
 import { VLLM_BUCKETS } from '../api/vllm-buckets';

@@ -20,7 +20,7 @@ import { DescList, allocate } from '../../descriptors';
 import type { HandshakeServer } from '../../handshake/types';
 import type { WireName } from '../../handshake/model';
 import { buildKvTransferParams, parseKvTransferParams, wireProfile } from '../../handshake/wire';
-import { KvPuller, type PullError } from '../../kv/puller';
+import { KvPuller, type PullError } from '../../kv/pull/puller';
 import { LeaseBoard } from '../../kv/lease-board';
 import { PrefillTracker, servePrefill } from '../../kv/prefill';
 import type { KvLayout } from '../../kv/layout';

@@ -7,7 +7,7 @@
 // first: a flooder loses its own before anyone else loses one. The store
 // (push-pairing.ts) applies it; the sender refuses each one given up.
 import { MinHeap } from './min-heap';
-import type { PushRegistration } from './push-reg';
+import type { PushRegistration } from './reg';
 
 /** A registration as received. @internal */
 export interface ReceivedReg {

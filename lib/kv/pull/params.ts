@@ -1,12 +1,12 @@
 // What KvPuller.pullFromParams checks of kv_transfer_params before it reads
 // anything, and how it turns them into a pull.
-import { NixlError } from '../errors';
-import type { KvTransferParams, WireProfile } from '../handshake/model';
-import { TransferModeError, parseKvTransferParams } from '../handshake/wire';
-import type { RemoteEndpoint } from './engine-connect';
-import type { KvLayout } from './layout';
-import { type PullLimits, checkRemoteSizes } from './limits';
-import { verifyKvTransferParams } from './params-auth';
+import { NixlError } from '../../errors';
+import type { KvTransferParams, WireProfile } from '../../handshake/model';
+import { TransferModeError, parseKvTransferParams } from '../../handshake/wire';
+import type { RemoteEndpoint } from '../engine-connect';
+import type { KvLayout } from '../layout';
+import { type PullLimits, checkRemoteSizes } from '../limits';
+import { verifyKvTransferParams } from '../params-auth';
 
 /** @internal */
 export interface ParamsCheck {

@@ -14,24 +14,24 @@
 // In every stage a cancel after the caller's abort is 'aborted' and a remote
 // disconnect is 'peer-gone'; while posting, NOT_FOUND from the engine (every
 // id was checked before) means the peer went away too.
-import type { NixlAgent, XferHandle } from '../agent';
-import { DescList } from '../descriptors';
-import { NixlError } from '../errors';
-import type { WireProfile } from '../handshake/model';
-import { type SpanLike, startSpan } from '../tracing';
-import { blockDescIds, coalescedDescs, regionCounts } from './descs';
-import type { ConnectAttempt, RemoteEngine, RemoteEngines } from './remote-engines';
-import type { KvLayout } from './layout';
-import type { BoardReader, SlotState } from './lease-board';
-import type { LeaseKeeper } from './leases';
-import { type PullLimits, checkRemoteSizes, expandTail } from './limits';
-import type { LocalDlists } from './local-dlists';
-import type { EngineSlots } from './pull-slots';
-import { type PullFailure, type PullOptions, type PullResult, PullError, pullError } from './pull-types';
-import type { KvStats } from './stats';
-import { completionNotif } from './tp';
-import { engineKey } from './engine-connect';
-import { awaitConnect } from './connect-wait';
+import type { NixlAgent, XferHandle } from '../../agent';
+import { DescList } from '../../descriptors';
+import { NixlError } from '../../errors';
+import type { WireProfile } from '../../handshake/model';
+import { type SpanLike, startSpan } from '../../tracing';
+import { blockDescIds, coalescedDescs, regionCounts } from '../descs';
+import type { ConnectAttempt, RemoteEngine, RemoteEngines } from '../remote-engines';
+import type { KvLayout } from '../layout';
+import type { BoardReader, SlotState } from '../lease-board';
+import type { LeaseKeeper } from '../leases';
+import { type PullLimits, checkRemoteSizes, expandTail } from '../limits';
+import type { LocalDlists } from '../local-dlists';
+import type { EngineSlots } from './slots';
+import { type PullFailure, type PullOptions, type PullResult, PullError, pullError } from './types';
+import type { KvStats } from '../stats';
+import { completionNotif } from '../tp';
+import { engineKey } from '../engine-connect';
+import { awaitConnect } from '../connect-wait';
 
 /** What every pull of one puller shares. @internal */
 export interface PullDeps {

@@ -1,16 +1,16 @@
 // What a pull is asked and what it answers: the public shapes of KvPuller.
-import type { NixlAgent } from '../agent';
-import { NixlError } from '../errors';
-import type { WireName, WireProfile } from '../handshake/model';
-import type { HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../handshake/types';
-import type { TraceContext } from '../tracing';
-import type { KvLayout } from './layout';
-import type { RemoteLease } from './leases';
-import type { PullLimits } from './limits';
-import type { HandshakeBudget } from './connect-wait';
-import type { RemoteEndpoint } from './remote-engines';
+import type { NixlAgent } from '../../agent';
+import { NixlError } from '../../errors';
+import type { WireName, WireProfile } from '../../handshake/model';
+import type { HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../../handshake/types';
+import type { TraceContext } from '../../tracing';
+import type { KvLayout } from '../layout';
+import type { RemoteLease } from '../leases';
+import type { PullLimits } from '../limits';
+import type { HandshakeBudget } from '../connect-wait';
+import type { RemoteEndpoint } from '../remote-engines';
 
-export type { HandshakeBudget } from './connect-wait';
+export type { HandshakeBudget } from '../connect-wait';
 
 /**
  * Why a pull failed. `expired`: the prefill's lease on the blocks ran out (or

@@ -8,13 +8,13 @@
 // decodes holds one slot, not all), queued per decode. Only the agent that
 // sent the registration is told; vLLM decodes (no nixl_node_confirm) are never
 // sent one.
-import type { NixlAgent } from '../agent';
-import type { NixlError } from '../errors';
-import type { HandshakeLogger } from '../handshake/types';
-import { type RemoteEndpoint, engineKey } from './engine-connect';
-import type { ReceivedReg } from './push-pairing';
-import { encodeRefusal } from './push-reg';
-import type { RemoteEngines } from './remote-engines';
+import type { NixlAgent } from '../../agent';
+import type { NixlError } from '../../errors';
+import type { HandshakeLogger } from '../../handshake/types';
+import { type RemoteEndpoint, engineKey } from '../engine-connect';
+import type { ReceivedReg } from './pairing';
+import { encodeRefusal } from './reg';
+import type { RemoteEngines } from '../remote-engines';
 
 /** Handshakes back under way at once just to deliver refusals, and refusals queued behind each. */
 const MAX_CONNECTS = 4;

@@ -1,14 +1,14 @@
 // What push mode's two sides are asked and answer: the public shapes of
 // KvPushReceiver (decode) and KvPushSender (prefill).
-import type { NixlAgent } from '../agent';
-import { NixlError } from '../errors';
-import type { WireName, WireProfile } from '../handshake/model';
-import type { HandshakeLogger, HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../handshake/types';
-import type { TraceContext } from '../tracing';
-import type { KvLayout } from './layout';
-import type { KvStats } from './stats';
-import type { PullLimits } from './limits';
-import type { PushRegLimits } from './push-reg';
+import type { NixlAgent } from '../../agent';
+import { NixlError } from '../../errors';
+import type { WireName, WireProfile } from '../../handshake/model';
+import type { HandshakeLogger, HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../../handshake/types';
+import type { TraceContext } from '../../tracing';
+import type { KvLayout } from '../layout';
+import type { KvStats } from '../stats';
+import type { PullLimits } from '../limits';
+import type { PushRegLimits } from './reg';
 
 /**
  * Why a push receive failed. `timeout`: not every WRITE notification came

@@ -11,10 +11,10 @@
 // secret, nixl_node_signature. Decoding refuses anything malformed, forged
 // or oversized with a NixlError before a single field is used.
 import { createHmac, timingSafeEqual } from 'node:crypto';
-import { NixlError } from '../errors';
-import { type MpValue, packMsgpack, unpackMsgpack } from '../handshake/codec';
-import { TransferModeError } from '../handshake/wire';
-import { showValue as show } from '../show-value';
+import { NixlError } from '../../errors';
+import { type MpValue, packMsgpack, unpackMsgpack } from '../../handshake/codec';
+import { TransferModeError } from '../../handshake/wire';
+import { showValue as show } from '../../show-value';
 
 /** The 9 bytes a registration notification starts with. */
 export const PUSH_REG_PREFIX = Buffer.from('PUSH_REG:');

@@ -1,7 +1,7 @@
 // Pull slots per remote engine: at most `max` pulls in flight to one engine,
 // the rest queued for that engine only, so one stalled prefill holds up no
 // pull from another.
-import { NixlError } from '../errors';
+import { NixlError } from '../../errors';
 
 interface Queue {
   active: number;

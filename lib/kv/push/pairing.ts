@@ -11,11 +11,11 @@
 // (push-reg-quota.ts): the heaviest sender's oldest registrations make room.
 // Every operation is O(log n) or better: no scan of all registrations.
 import { MinHeap } from './min-heap';
-import type { PushRegistration } from './push-reg';
-import { baseRequestId } from './push-reg';
-import { type ReceivedReg, type RegQuota, Tally, oldest, regCost, regQuota, shareOf } from './push-reg-quota';
+import type { PushRegistration } from './reg';
+import { baseRequestId } from './reg';
+import { type ReceivedReg, type RegQuota, Tally, oldest, regCost, regQuota, shareOf } from './reg-quota';
 
-export type { ReceivedReg } from './push-reg-quota';
+export type { ReceivedReg } from './reg-quota';
 
 /** Why a registration was not stored. @internal */
 export type RegRefusal = 'duplicate';

@@ -13,18 +13,18 @@
 // memory is touched. For a nixl-node decode (nixl_node_confirm) the
 // notification goes only after the WRITEs completed while the blocks were
 // still held, as a pull's lease board confirms a read.
-import type { Notif, XferHandle } from '../agent';
-import { NixlError } from '../errors';
-import { createHandshake } from '../handshake';
-import type { WireProfile } from '../handshake/model';
-import type { HandshakeLogger, HandshakeStrategy } from '../handshake/types';
-import { defaultLogger } from '../handshake/types';
-import { wireProfile } from '../handshake/wire';
-import { blockDescIds, regionCounts } from './descs';
-import type { RemoteEndpoint } from './engine-connect';
-import { checkLayout } from './layout';
-import { DEFAULT_LIMITS, expandTail } from './limits';
-import { LocalDlists } from './local-dlists';
+import type { Notif, XferHandle } from '../../agent';
+import { NixlError } from '../../errors';
+import { createHandshake } from '../../handshake';
+import type { WireProfile } from '../../handshake/model';
+import type { HandshakeLogger, HandshakeStrategy } from '../../handshake/types';
+import { defaultLogger } from '../../handshake/types';
+import { wireProfile } from '../../handshake/wire';
+import { blockDescIds, regionCounts } from '../descs';
+import type { RemoteEndpoint } from '../engine-connect';
+import { checkLayout } from '../layout';
+import { DEFAULT_LIMITS, expandTail } from '../limits';
+import { LocalDlists } from '../local-dlists';
 import {
   type ReceivedReg,
   RegistrationStore,
@@ -33,15 +33,15 @@ import {
   matchOffer,
   removeFrom,
   sameRegistration,
-} from './push-pairing';
-import { baseRequestId, decodePushReg, isNotifId, isPushReg, writeNotif } from './push-reg';
-import { regQuota } from './push-reg-quota';
-import { Refusals } from './push-refusals';
-import type { KvPushSenderOptions, PushSenderStats, PushSent } from './push-types';
-import { expand } from './pull-params';
-import { type RemoteEngine, RemoteEngines } from './remote-engines';
+} from './pairing';
+import { baseRequestId, decodePushReg, isNotifId, isPushReg, writeNotif } from './reg';
+import { regQuota } from './reg-quota';
+import { Refusals } from './refusals';
+import type { KvPushSenderOptions, PushSenderStats, PushSent } from './types';
+import { expand } from '../pull/params';
+import { type RemoteEngine, RemoteEngines } from '../remote-engines';
 
-export type { KvPushSenderOptions, PushSenderStats, PushSent } from './push-types';
+export type { KvPushSenderOptions, PushSenderStats, PushSent } from './types';
 
 interface Posted {
   h: XferHandle;

@@ -11,18 +11,18 @@
 // prefill's lease is over, and receive() refuses quarantined blocks. A
 // nixl-node prefill is also told the deadline (nixl_node_deadline_ms, a key
 // vLLM ignores) and posts nothing after it.
-import type { NixlAgent, Notif } from '../agent';
-import { NixlError } from '../errors';
-import { createHandshake } from '../handshake';
-import type { WireName, WireProfile } from '../handshake/model';
-import type { HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../handshake/types';
-import { wireProfile } from '../handshake/wire';
-import { type RemoteEndpoint, engineKey } from './engine-connect';
-import { checkLayout, type KvLayout } from './layout';
-import { LeaseKeeper } from './leases';
-import { DEFAULT_LIMITS, type PullLimits, checkRemoteSizes } from './limits';
-import { LocalDlists } from './local-dlists';
-import { BlockQuarantine } from './push-quarantine';
+import type { NixlAgent, Notif } from '../../agent';
+import { NixlError } from '../../errors';
+import { createHandshake } from '../../handshake';
+import type { WireName, WireProfile } from '../../handshake/model';
+import type { HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../../handshake/types';
+import { wireProfile } from '../../handshake/wire';
+import { type RemoteEndpoint, engineKey } from '../engine-connect';
+import { checkLayout, type KvLayout } from '../layout';
+import { LeaseKeeper } from '../leases';
+import { DEFAULT_LIMITS, type PullLimits, checkRemoteSizes } from '../limits';
+import { LocalDlists } from '../local-dlists';
+import { BlockQuarantine } from './quarantine';
 import {
   PUSH_REFUSED_PREFIX,
   type PushParams,
@@ -31,10 +31,10 @@ import {
   expectedWrites,
   isNotifId,
   parsePushParams,
-} from './push-reg';
-import { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './push-types';
-import { type RemoteEngine, RemoteEngines } from './remote-engines';
-import { ucxErrorMode, ucxModeHint } from '../ucx';
+} from './reg';
+import { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './types';
+import { type RemoteEngine, RemoteEngines } from '../remote-engines';
+import { ucxErrorMode, ucxModeHint } from '../../ucx';
 
 /** Options of a KvPushReceiver. */
 export interface KvPushReceiverOptions {

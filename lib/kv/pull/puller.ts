@@ -7,35 +7,35 @@
 // KvPuller wires the roles together: remote engines (remote-engines.ts),
 // lease keeping (leases.ts), pull slots (pull-slots.ts) and the pull itself
 // as a pipeline of stages (pull-stages.ts).
-import type { NixlAgent } from '../agent';
-import type { NixlError } from '../errors';
-import { createHandshake } from '../handshake';
-import type { KvTransferParams, WireProfile } from '../handshake/model';
-import type { HandshakeStrategy } from '../handshake/types';
-import { wireProfile } from '../handshake/wire';
-import { type SpanLike, startSpan } from '../tracing';
-import { engineKey } from './engine-connect';
-import { checkLayout, type KvLayout } from './layout';
-import { BoardReader } from './lease-board';
-import { LeaseKeeper } from './leases';
-import { DEFAULT_LIMITS, type PullLimits } from './limits';
-import { LocalDlists } from './local-dlists';
-import { checkedParams, endpointOf, expand, paramsRequestId } from './pull-params';
-import { EngineSlots } from './pull-slots';
-import { type PullDeps, PullRun } from './pull-stages';
+import type { NixlAgent } from '../../agent';
+import type { NixlError } from '../../errors';
+import { createHandshake } from '../../handshake';
+import type { KvTransferParams, WireProfile } from '../../handshake/model';
+import type { HandshakeStrategy } from '../../handshake/types';
+import { wireProfile } from '../../handshake/wire';
+import { type SpanLike, startSpan } from '../../tracing';
+import { engineKey } from '../engine-connect';
+import { checkLayout, type KvLayout } from '../layout';
+import { BoardReader } from '../lease-board';
+import { LeaseKeeper } from '../leases';
+import { DEFAULT_LIMITS, type PullLimits } from '../limits';
+import { LocalDlists } from '../local-dlists';
+import { checkedParams, endpointOf, expand, paramsRequestId } from './params';
+import { EngineSlots } from './slots';
+import { type PullDeps, PullRun } from './stages';
 import {
   type KvPullerOptions,
   PullError,
   type PullFromParamsOptions,
   type PullOptions,
   type PullResult,
-} from './pull-types';
-import { type RemoteEndpoint, type RemoteEngine, RemoteEngines } from './remote-engines';
-import { KvStats } from './stats';
+} from './types';
+import { type RemoteEndpoint, type RemoteEngine, RemoteEngines } from '../remote-engines';
+import { KvStats } from '../stats';
 
-export type { RemoteEndpoint } from './engine-connect';
-export type { RemoteLease } from './leases';
-export { expand } from './pull-params';
+export type { RemoteEndpoint } from '../engine-connect';
+export type { RemoteLease } from '../leases';
+export { expand } from './params';
 export {
   type KvPullerOptions,
   type PullFailure,
@@ -43,7 +43,7 @@ export {
   type PullFromParamsOptions,
   type PullOptions,
   type PullResult,
-} from './pull-types';
+} from './types';
 
 /**
  * The decode side of disaggregated serving: handshakes with prefill engines,
