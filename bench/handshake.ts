@@ -12,7 +12,7 @@ import {
   type HandshakePayload,
   type TlsServerOptions,
 } from '../lib/handshake';
-import { encodeHandshakePayload } from '../lib/handshake/codec';
+import { encodeHandshakePayload } from '../lib/handshake/payload';
 import { median, percentile } from './stats';
 
 export interface HandshakeRow {

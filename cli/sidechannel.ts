@@ -4,7 +4,7 @@
 // strings, v12 clock offset); serve answers with synthetic metadata until
 // killed. Both wire profiles: --wire v12 (default, or NIXL_WIRE) or v0.13.
 import { createHandshake, type HandshakeMethod } from '../lib/handshake';
-import type { HandshakePayload } from '../lib/handshake/codec';
+import type { HandshakePayload } from '../lib/handshake/payload';
 import type { WireName } from '../lib/handshake/model';
 import { encodeAgentMetadata, wireProfile } from '../lib/handshake/wire';
 import { oneOf, parse, positiveInt, UsageError, untilSignal } from './args';

@@ -2,7 +2,7 @@
 // bigints (JSON.stringify throws on them) and null-prototype maps (String()
 // throws on them): the message must never be the thing that fails.
 
-import { Float64 } from './handshake/codec';
+import { Float64 } from './handshake/msgpack';
 
 /** A short, printable rendering of any value; never throws. */
 export function showValue(v: unknown, max = 80): string {

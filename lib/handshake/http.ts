@@ -7,7 +7,8 @@
 import * as http from 'node:http';
 import * as https from 'node:https';
 import type { AddressInfo } from 'node:net';
-import { HandshakeError, type HandshakePayload } from './codec';
+import { HandshakeError } from './errors';
+import type { HandshakePayload } from './payload';
 import type { WireProfile } from './model';
 import {
   agentMetadataFromJson,

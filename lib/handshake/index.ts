@@ -21,7 +21,10 @@ export function createHandshake(method?: HandshakeMethod, opts: { keepAlive?: bo
   );
 }
 
-export { HandshakeError, type FieldSpec, type FieldType, type HashFactor, type HandshakePayload } from './codec';
+export { HandshakeError } from './errors';
+export type { FieldSpec, FieldType } from './fields';
+export type { HashFactor } from './py-json';
+export type { HandshakePayload } from './payload';
 export { HttpHandshake, HTTP_SCHEMA } from './http';
 export { zmqHandshake } from './zmq';
 export { KV_LAYOUTS } from './model';

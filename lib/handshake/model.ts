@@ -2,7 +2,8 @@
 // everything above the wire works on (TP mapping, puller, tracker, proxy). A
 // wire profile (wire-v0.13.ts, wire-v12.ts) maps it to and from one vLLM
 // NixlConnector version; a later vLLM is one new profile file.
-import type { FieldSpec, HashFactor } from './codec';
+import type { FieldSpec } from './fields';
+import type { HashFactor } from './py-json';
 
 /**
  * vLLM's NixlAgentMetadata, as of connector version 12 (the richest format).

@@ -2,7 +2,7 @@
 // NixlHandshakePayload of each of its (pp_rank, tp_rank); a decode worker
 // fetches the ranks it needs. ZMQ (zmq.ts) and HTTP/S (http.ts) implement
 // it, in either wire profile; index.ts picks one.
-import type { HandshakePayload } from './codec';
+import type { HandshakePayload } from './payload';
 import type { NixlAgentMetadata, WireName, WireProfile } from './model';
 import { NixlError } from '../errors';
 

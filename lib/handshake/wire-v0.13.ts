@@ -6,7 +6,8 @@
 //   notif    "<request_id>:<decode TP size>"; no heartbeats; blocks freed after
 //            VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s) without a read
 //   params   flat remote_block_ids, 8 keys
-import { HandshakeError, type FieldSpec } from './codec';
+import { HandshakeError } from './errors';
+import type { FieldSpec } from './fields';
 import {
   LEGACY_LAYOUT_NAMES,
   type KvTransferParams,

@@ -8,7 +8,8 @@
 //   notif    "<request_id>:<notifications that prefill rank waits for>";
 //            "HB:id1,id2" heartbeats extend a per-request lease (30 s)
 //   params   per-group remote_block_ids, tp/dcp/pp sizes, transfer_mode
-import { HandshakeError, type FieldSpec } from './codec';
+import { HandshakeError } from './errors';
+import type { FieldSpec } from './fields';
 import {
   KV_LAYOUTS,
   type KvLayoutName,

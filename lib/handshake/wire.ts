@@ -1,20 +1,11 @@
 // Picks a wire profile (option, else NIXL_WIRE, else v12) and runs its
 // tables: metadata, requests, replies, hash, kv_transfer_params. Nothing here
 // knows a version; the profiles are the data.
-import {
-  Float64,
-  GET_META_MSG,
-  HandshakeError,
-  type HandshakePayload,
-  type MpValue,
-  decodeFields,
-  encodeFields,
-  fieldsFromJson,
-  fieldsToJson,
-  hashFactors,
-  packMsgpack,
-  unpackMsgpack,
-} from './codec';
+import { Float64, type MpValue, packMsgpack, unpackMsgpack } from './msgpack';
+import { GET_META_MSG, type HandshakePayload } from './payload';
+import { HandshakeError } from './errors';
+import { decodeFields, encodeFields, fieldsFromJson, fieldsToJson } from './fields';
+import { hashFactors } from './py-json';
 import {
   type AgentMetadataInput,
   type CompatibilityFactors,

@@ -3,7 +3,8 @@
 // the frames of the wire profile; REQ clients with a timeout and retries.
 // Unlike vLLM's listener, ours answers garbage with an error and stays up.
 import * as zmq from 'zeromq';
-import { HandshakeError, type HandshakePayload, decodeHandshakePayload, encodeHandshakePayload } from './codec';
+import { HandshakeError } from './errors';
+import { type HandshakePayload, decodeHandshakePayload, encodeHandshakePayload } from './payload';
 import type { WireProfile } from './model';
 import {
   decodeMetaRequest,

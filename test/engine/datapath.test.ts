@@ -6,7 +6,7 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { Unpackr, Packr } from 'msgpackr';
 import { DescList, NixlAgent, NixlError, allocate } from '../../lib';
 import { decodeAgentMetadata, encodeAgentMetadata } from '../../lib/handshake';
-import { packMsgpack } from '../../lib/handshake/codec';
+import { packMsgpack } from '../../lib/handshake/msgpack';
 import { binding } from '../../lib/native';
 import { Peer } from '../helpers';
 

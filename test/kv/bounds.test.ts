@@ -14,7 +14,8 @@ import {
   type KvLayout,
 } from '../../lib';
 import { type HandshakeServer, type HandshakeStrategy, createHandshake, wireV12 } from '../../lib/handshake';
-import { type MpValue, encodeFields, packMsgpack } from '../../lib/handshake/codec';
+import { type MpValue, packMsgpack } from '../../lib/handshake/msgpack';
+import { encodeFields } from '../../lib/handshake/fields';
 import { toAgentMetadata } from '../../lib/kv/layout';
 import { tp1Layout } from '../helpers';
 import { expandTail } from '../../lib/kv/limits';

@@ -17,7 +17,8 @@ import {
   type HandshakePayload,
   type NixlAgentMetadata,
 } from '../../lib/handshake';
-import { GET_META_MSG, decodeHandshakePayload, packMsgpack, unpackMsgpack } from '../../lib/handshake/codec';
+import { GET_META_MSG, decodeHandshakePayload } from '../../lib/handshake/payload';
+import { packMsgpack, unpackMsgpack } from '../../lib/handshake/msgpack';
 import { encodeMetaRequest, openHandshakePayload, readReply } from '../../lib/handshake/wire';
 import { makeCerts, type Certs } from '../../bench/certs';
 import { Peer, freePort, onFreePort } from '../helpers';

@@ -13,7 +13,7 @@ import {
   computeCompatibilityHash,
   servePrefill,
 } from '../../lib';
-import { packMsgpack } from '../../lib/handshake/codec';
+import { packMsgpack } from '../../lib/handshake/msgpack';
 import { PUSH_REG_PREFIX, encodePushReg, type PushRegistration } from '../../lib/kv';
 import { PUSH_REFUSED_PREFIX, encodeRefusal } from '../../lib/kv/push/reg';
 import { ENGINE, PushPair, rankLayout } from './push-helpers';

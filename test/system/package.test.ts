@@ -308,7 +308,7 @@ it('subpaths nixl-node/handshake, /kv and /serving: require, import, and TypeScr
       { cwd: app, encoding: 'utf8' },
     );
   // A deep path into dist is not part of the package's surface.
-  fs.writeFileSync(path.join(app, 'deep.cjs'), "require('nixl-node/dist/lib/handshake/codec');");
+  fs.writeFileSync(path.join(app, 'deep.cjs'), "require('nixl-node/dist/lib/handshake/payload');");
   const deep = spawnSync(process.execPath, ['deep.cjs'], { cwd: app, encoding: 'utf8' });
   expect(deep.status).not.toBe(0);
   expect(deep.stderr).toMatch(/ERR_PACKAGE_PATH_NOT_EXPORTED/);

@@ -14,17 +14,9 @@ import {
   wireV013,
   type NixlAgentMetadata,
 } from '../../lib/handshake';
-import {
-  Float64,
-  GET_META_MSG,
-  decodeHandshakePayload,
-  encodeHandshakePayload,
-  hashFactors,
-  packMsgpack,
-  pyJsonDumps,
-  unpackMsgpack,
-  type HashFactor,
-} from '../../lib/handshake/codec';
+import { Float64, packMsgpack, unpackMsgpack } from '../../lib/handshake/msgpack';
+import { GET_META_MSG, decodeHandshakePayload, encodeHandshakePayload } from '../../lib/handshake/payload';
+import { hashFactors, pyJsonDumps, type HashFactor } from '../../lib/handshake/py-json';
 import { absentMetadataFields } from '../../lib/handshake/model';
 import {
   decodeMetaRequest,

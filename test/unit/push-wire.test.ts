@@ -10,7 +10,8 @@ import {
   computeCompatibilityHash,
   type CompatibilityFactors,
 } from '../../lib/handshake';
-import { encodeHandshakePayload, packMsgpack } from '../../lib/handshake/codec';
+import { encodeHandshakePayload } from '../../lib/handshake/payload';
+import { packMsgpack } from '../../lib/handshake/msgpack';
 import { checkCompatibilityHash, openHandshakePayload } from '../../lib/handshake/wire';
 import {
   PUSH_REG_PREFIX,

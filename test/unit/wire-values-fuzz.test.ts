@@ -6,7 +6,8 @@
 import { describe, expect, it } from 'vitest';
 import { NixlError } from '../../lib';
 import { decodeAgentMetadata, parseKvTransferParams, wireV12 } from '../../lib/handshake';
-import { decodeHandshakePayload, Float64, type MpValue, packMsgpack } from '../../lib/handshake/codec';
+import { decodeHandshakePayload } from '../../lib/handshake/payload';
+import { Float64, type MpValue, packMsgpack } from '../../lib/handshake/msgpack';
 import { decodeMetaRequest, readReply } from '../../lib/handshake/wire';
 import { decodePushReg, parsePushParams, PUSH_REG_PREFIX } from '../../lib/kv/push/reg';
 import { checkGenerateRequest } from '../../lib/serving/api/generate';

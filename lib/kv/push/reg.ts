@@ -12,7 +12,7 @@
 // or oversized with a NixlError before a single field is used.
 import { createHmac, timingSafeEqual } from 'node:crypto';
 import { NixlError } from '../../errors';
-import { type MpValue, packMsgpack, unpackMsgpack } from '../../handshake/codec';
+import { type MpValue, packMsgpack, unpackMsgpack } from '../../handshake/msgpack';
 import { TransferModeError } from '../../handshake/wire';
 import { showValue as show } from '../../show-value';
 

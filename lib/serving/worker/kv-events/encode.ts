@@ -4,7 +4,7 @@
 // led by its tag. Hashes and token ids are ints: 64-bit hashes go as uint64,
 // never float64 (the handshake's writer; msgpackr would pick float64 for a
 // bigint-less number past 2^53).
-import { Float64, type MpValue, packMsgpack } from '../../../handshake/codec';
+import { Float64, type MpValue, packMsgpack } from '../../../handshake/msgpack';
 
 /** One event, as the tracker makes it. */
 export type KvEvent =
