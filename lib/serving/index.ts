@@ -15,13 +15,13 @@ export type { EventEndpoint as KvEventEndpoint } from './kv-index/subscriber';
 export type { PromptTokenizer } from './kv-index/tokenizer';
 export {
   type HealthResult,
-  HttpTransport,
-  ZmqTransport,
   TransportError,
   type WorkerTransport,
   type StageCall,
   type StageAnswer,
-} from './proxy/transports';
+} from './proxy/transports/types';
+export { HttpTransport } from './proxy/transports/http';
+export { ZmqTransport } from './proxy/transports/zmq';
 export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './api/zmq-protocol';
 export { HttpError } from './api/http';
 export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn, type TurnOwner } from './worker/turns';
