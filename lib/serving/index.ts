@@ -2,6 +2,7 @@
 // workers, the transports between them, and the model boundary (the
 // synthetic model, GGUF through node-llama-cpp).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy/proxy';
+export type { ProxyStats } from './proxy/metrics';
 export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker/worker';
 export type { KvMode } from './worker/push-serving';
 export type { FrontHandler, RequestHints } from './worker/fronts/front';
