@@ -13,6 +13,55 @@ interface Pending {
   fail(e: Error): void;
 }
 
+type Reply = { tag: Tag; body: Record<string, unknown> };
+
+/** One call's replies: they arrive in order on one socket, and a queue hands them to the reader. */
+class Replies implements Pending {
+  readonly #queue: Reply[] = [];
+  #wake?: () => void;
+  #failure?: Error;
+
+  push(tag: Tag, body: Record<string, unknown>): void {
+    this.#queue.push({ tag, body });
+    this.#wake?.();
+  }
+
+  fail(e: Error): void {
+    this.#failure = e;
+    this.#wake?.();
+  }
+
+  /** The next reply; throws once failed (aborted, or the transport closed) with none left. */
+  async next(): Promise<Reply> {
+    while (this.#queue.length === 0) {
+      if (this.#failure) throw this.#failure;
+      await new Promise<void>((r) => (this.#wake = r));
+      this.#wake = undefined;
+    }
+    return this.#queue.shift()!;
+  }
+}
+
+/** A whole reply (or a failure) as a stage's answer. */
+function answerOf(m: Reply): StageAnswer {
+  return m.tag === 'FAILURE'
+    ? { status: Number(m.body.status ?? 500), json: { error: m.body.error } }
+    : { status: Number(m.body.status ?? 200), json: m.body.payload as Record<string, unknown> };
+}
+
+/** A streamed reply's chunks, from its first message to the one that says done; `done` once it ends. */
+async function* streamOf(first: Reply, replies: Replies, done: () => void): AsyncIterable<Record<string, unknown>> {
+  try {
+    for (let m = first; ; m = await replies.next()) {
+      if (m.tag === 'FAILURE') throw new TransportError(`worker failed mid-stream: ${JSON.stringify(m.body.error)}`);
+      if (m.body.chunk) yield m.body.chunk as Record<string, unknown>;
+      if (m.body.done !== false) return;
+    }
+  } finally {
+    done();
+  }
+}
+
 /** PUSH to each worker, one PULL bound here for every reply. */
 export class ZmqTransport implements WorkerTransport {
   readonly kind = 'zmq' as const;
@@ -90,37 +139,16 @@ export class ZmqTransport implements WorkerTransport {
   /** Sends one stage over ZeroMQ and collects its reply (or stream). */
   async call(c: StageCall): Promise<StageAnswer> {
     const msgId = `${c.requestId}/${randomUUID()}`;
-    // Replies arrive in order on one socket; a queue hands them to the reader.
-    const queue: Array<{ tag: Tag; body: Record<string, unknown> }> = [];
-    let wake: (() => void) | undefined;
-    let failure: Error | undefined;
-    this.#pending.set(msgId, {
-      push: (tag, body) => {
-        queue.push({ tag, body });
-        wake?.();
-      },
-      fail: (e) => {
-        failure = e;
-        wake?.();
-      },
-    });
+    const replies = new Replies();
+    this.#pending.set(msgId, replies);
     const onAbort = () => {
-      failure = new TransportError(`${c.worker.address}: aborted`, true);
+      replies.fail(new TransportError(`${c.worker.address}: aborted`, true));
       void this.#send(c.worker.address, 'ABORT', { msg_id: msgId }).catch(() => {});
-      wake?.();
     };
     c.signal.addEventListener('abort', onAbort, { once: true });
     const done = () => {
       c.signal.removeEventListener('abort', onAbort);
       this.#pending.delete(msgId);
-    };
-    const next = async (): Promise<{ tag: Tag; body: Record<string, unknown> }> => {
-      while (queue.length === 0) {
-        if (failure) throw failure;
-        await new Promise<void>((r) => (wake = r));
-        wake = undefined;
-      }
-      return queue.shift()!;
     };
     try {
       await this.#send(c.worker.address, c.stage === 'encode' ? 'ENCODE' : 'GENERATION', {
@@ -132,28 +160,12 @@ export class ZmqTransport implements WorkerTransport {
         ...(c.traceparent ? { traceparent: c.traceparent } : {}),
         ...(c.decodeMaxTokens ? { decode_max_tokens: c.decodeMaxTokens } : {}),
       });
-      const first = await next();
-      const answer = (m: { tag: Tag; body: Record<string, unknown> }): StageAnswer =>
-        m.tag === 'FAILURE'
-          ? { status: Number(m.body.status ?? 500), json: { error: m.body.error } }
-          : { status: Number(m.body.status ?? 200), json: m.body.payload as Record<string, unknown> };
+      const first = await replies.next();
       if (first.body.done !== false) {
         done();
-        return answer(first);
+        return answerOf(first);
       }
-      const chunks = async function* (): AsyncIterable<Record<string, unknown>> {
-        try {
-          for (let m = first; ; m = await next()) {
-            if (m.tag === 'FAILURE')
-              throw new TransportError(`worker failed mid-stream: ${JSON.stringify(m.body.error)}`);
-            if (m.body.chunk) yield m.body.chunk as Record<string, unknown>;
-            if (m.body.done !== false) return;
-          }
-        } finally {
-          done();
-        }
-      };
-      return { status: 200, chunks: chunks() };
+      return { status: 200, chunks: streamOf(first, replies, done) };
     } catch (e) {
       done();
       throw e;
