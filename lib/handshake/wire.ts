@@ -345,3 +345,9 @@ export function prefillRequestParams(): Record<string, unknown> {
     remote_port: null,
   };
 }
+
+/** Whether kv_transfer_params sent to a prefill name a previous turn to read (vLLM's test: non-empty remote_block_ids). */
+export function namesPreviousTurn(kvp: Record<string, unknown> | undefined): boolean {
+  const ids = kvp?.remote_block_ids;
+  return Array.isArray(ids) && ids.length > 0 && (!Array.isArray(ids[0]) || ids[0].length > 0);
+}

@@ -44,11 +44,8 @@ export function turnParams(base: Record<string, unknown>, tokens: ArrayLike<numb
   };
 }
 
-/** Whether kv_transfer_params sent to a prefill name a previous turn to read (vLLM's test: non-empty remote_block_ids). */
-export function namesPreviousTurn(kvp: Record<string, unknown> | undefined): boolean {
-  const ids = kvp?.remote_block_ids;
-  return Array.isArray(ids) && ids.length > 0 && (!Array.isArray(ids[0]) || ids[0].length > 0);
-}
+// Whether params name a previous turn is kv_transfer_params vocabulary, shared with the proxy.
+export { namesPreviousTurn } from '../handshake/wire';
 
 /** What a prefill checks of a previous turn's params. */
 export interface ReuseRules {

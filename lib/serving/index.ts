@@ -2,6 +2,7 @@
 // workers, the transports between them, and the model boundary (the
 // synthetic model, GGUF through node-llama-cpp).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy/proxy';
+export type { ProxyStats } from './proxy/metrics';
 export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker/worker';
 export type { KvMode } from './worker/push-serving';
 export type { FrontHandler, RequestHints } from './worker/fronts/front';
@@ -15,13 +16,13 @@ export type { EventEndpoint as KvEventEndpoint } from './kv-index/subscriber';
 export type { PromptTokenizer } from './kv-index/tokenizer';
 export {
   type HealthResult,
-  HttpTransport,
-  ZmqTransport,
   TransportError,
   type WorkerTransport,
   type StageCall,
   type StageAnswer,
-} from './proxy/transports';
+} from './proxy/transports/types';
+export { HttpTransport } from './proxy/transports/http';
+export { ZmqTransport } from './proxy/transports/zmq';
 export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './api/zmq-protocol';
 export { HttpError } from './api/http';
 export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn, type TurnOwner } from './worker/turns';

@@ -5,7 +5,8 @@ import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import { StageTimeout } from '../../lib/serving/proxy/stage-signal';
-import { HttpTransport, TransportError, type StageCall } from '../../lib/serving/proxy/transports';
+import { HttpTransport } from '../../lib/serving/proxy/transports/http';
+import { TransportError, type StageCall } from '../../lib/serving/proxy/transports/types';
 import type { WorkerRef } from '../../lib/serving/proxy/pool';
 
 const servers: http.Server[] = [];

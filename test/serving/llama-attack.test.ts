@@ -13,7 +13,7 @@ import { OneProcess } from '../../demo/llama-reference';
 import { startWorker } from '../../lib/serving';
 import { modelPath } from '../../lib/serving/models/test-models';
 import { type ZmqReply, encodeMessage } from '../../lib/serving/api/zmq-protocol';
-import { pushDecodeParams } from '../../lib/serving/proxy/push-proxy';
+import { pushDecodeParams } from '../../lib/serving/proxy/handoff-push';
 import { ZmqDispatch } from '../../lib/serving/worker/fronts/zmq-dispatch';
 import { serveTrio } from '../helpers';
 import { ggufTrio } from './gguf-trio';

@@ -11,7 +11,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { OneProcess } from '../../demo/llama-reference';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { modelPath } from '../../lib/serving/models/test-models';
-import { pushDecodeParams } from '../../lib/serving/proxy/push-proxy';
+import { pushDecodeParams } from '../../lib/serving/proxy/handoff-push';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-push-mixed-'));
 // biome-ignore lint/suspicious/noExplicitAny: answers read as JSON

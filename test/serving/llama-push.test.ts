@@ -20,7 +20,7 @@ import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import type { LlamaModel } from '../../lib/serving/models/llama';
 import { modelPath } from '../../lib/serving/models/test-models';
 import type { GenerationRequest } from '../../lib/serving/models/types';
-import { pushDecodeParams } from '../../lib/serving/proxy/push-proxy';
+import { pushDecodeParams } from '../../lib/serving/proxy/handoff-push';
 import { pushHash } from '../../lib/serving/worker/push-serving';
 
 const CTX = { contextSize: 2048, threads: 1 };

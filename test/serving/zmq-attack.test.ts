@@ -12,7 +12,7 @@ import { startWorker } from '../../lib/serving';
 import { decodeMessage, encodeMessage, unpackMap } from '../../lib/serving/api/zmq-protocol';
 import { ZmqDispatch } from '../../lib/serving/worker/fronts/zmq-dispatch';
 import { ZmqFront } from '../../lib/serving/worker/fronts/zmq';
-import { ZmqTransport } from '../../lib/serving/proxy/transports';
+import { ZmqTransport } from '../../lib/serving/proxy/transports/zmq';
 import { messages, silentCount } from './zmq-mutations';
 import type { ZmqReply } from '../../lib/serving/api/zmq-protocol';
 

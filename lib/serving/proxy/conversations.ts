@@ -5,7 +5,7 @@
 // is used once, expires with the decode's hold, and the oldest go first when
 // there are too many.
 import { HttpError } from '../api/http';
-import type { StageAnswer } from './transports';
+import type { StageAnswer } from './transports/types';
 
 /** Where the conversation's key travels in a request (popped: the workers never see it). */
 export const CONVERSATION_KEY = 'conversation_id';

@@ -9,6 +9,34 @@ import { VLLM_BUCKETS } from '../api/vllm-buckets';
 
 type Prom = typeof import('prom-client');
 
+/** The proxy's own counts (ServingProxy.stats), kept with or without prom-client. */
+export interface ProxyStats {
+  requests: number;
+  completed: number;
+  failed: number;
+  aborted: number;
+  /** Stages run again on another worker. */
+  retries: number;
+  /** Requests prefilled again because their decode's pull expired, or their decode failed. */
+  expiredRetries: number;
+  decodeRetries: number;
+  /** Prefill (and held-turn) holds freed early (decode failed or client gone), instead of at lease end. */
+  holdsReleased: number;
+}
+
+export function proxyStats(): ProxyStats {
+  return {
+    requests: 0,
+    completed: 0,
+    failed: 0,
+    aborted: 0,
+    retries: 0,
+    expiredRetries: 0,
+    decodeRetries: 0,
+    holdsReleased: 0,
+  };
+}
+
 /** The proxy's metrics; create() is undefined without prom-client. */
 export class ProxyMetrics {
   readonly registry: Registry;

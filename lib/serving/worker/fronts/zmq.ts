@@ -4,6 +4,7 @@
 import * as zmq from 'zeromq';
 import type { FrontHandler } from './front';
 import { encodeMessage } from '../../api/zmq-protocol';
+import { receiveLoop } from '../../api/zmq-receive';
 import { ZmqDispatch } from './zmq-dispatch';
 import { ReplySockets } from './zmq-replies';
 
@@ -48,24 +49,12 @@ export class ZmqFront {
     const pull = new zmq.Pull({ linger: 0, maxMessageSize: maxBodyBytes });
     await pull.bind(addr);
     const f = new ZmqFront(w, pull);
-    void f.#loop();
+    void receiveLoop(pull, (frames) => f.#dispatch.onMessage(frames));
     return f;
   }
 
   get address(): string {
     return this.#pull.lastEndpoint!;
-  }
-
-  async #loop(): Promise<void> {
-    for (;;) {
-      let frames: Buffer[];
-      try {
-        frames = await this.#pull.receive();
-      } catch {
-        return; // closed
-      }
-      this.#dispatch.onMessage(frames);
-    }
   }
 
   close(): void {
