@@ -127,6 +127,13 @@ describe('one KvPeers per agent', () => {
     expect(w.fetches).toBe(1);
     expect(loads).toHaveBeenCalledTimes(1);
     expect(peers.resources()).toMatchObject({ engines: 1, remoteAgents: 1 });
+    // A receive that times out (a slow prefill, or a gone one) leaves the connection the other roles use.
+    const late = await wRoles.receiver
+      .receive(params(v, 'never'), { requestId: 'never', localBlockIds: [20], timeoutMs: 200 })
+      .catch((e: unknown) => e);
+    expect(late).toMatchObject({ kind: 'timeout' });
+    expect(peers.resources()).toMatchObject({ engines: 1, remoteAgents: 1 });
+    expect(w.fetches).toBe(1);
     // The roles close; what they were given stays with its maker.
     await Promise.all([wRoles.puller.close(), wRoles.receiver.close(), wRoles.sender.close()]);
     expect(peers.resources()).toMatchObject({ engines: 1, remoteAgents: 1 });

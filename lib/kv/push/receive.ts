@@ -291,9 +291,11 @@ export class PushReceive {
   /** A prefill that took no registration (gone, or restarted as new agents) is handshaked afresh next time. */
   #failed(e: unknown): PushError {
     const err = e instanceof PushError ? e : this.#fail('setup', e);
-    // NIXL takes a notification to a gone agent without an error, so a timeout may mean the same.
-    if (this.#engine && (err.kind === 'peer-gone' || err.kind === 'timeout'))
-      this.#d.engines.forget(this.#engine, this.#attempt?.promise);
+    // NIXL takes a notification to a gone agent without an error, so a timeout may mean the same; but a full
+    // connection (KvPeers: another role's, with reads planned) is dropped only when the prefill is gone for sure.
+    const engine = this.#engine;
+    if (engine && (err.kind === 'peer-gone' || (err.kind === 'timeout' && engine.reads.length === 0)))
+      this.#d.engines.forget(engine, this.#attempt?.promise);
     if (!this.#registered) return err;
     const d = this.#d;
     const until = performance.now() + (d.o.quarantineMs ?? d.leaseMs + 5000);
