@@ -119,13 +119,13 @@ export class PushReceive {
 
   /** Runs f; what it throws fails the receive as `classify` says. */
   #as<T>(classify: PushFailure | Classify, f: () => T): T {
-    const kindOf = typeof classify === 'string' ? () => classify : classify;
+    const kind = typeof classify === 'string' ? () => classify : classify;
     try {
       const r = f();
-      if (r instanceof Promise) return r.catch((e: unknown) => Promise.reject(this.#fail(kindOf(e), e))) as T;
+      if (r instanceof Promise) return r.catch((e: unknown) => Promise.reject(this.#fail(kind(e), e))) as T;
       return r;
     } catch (e) {
-      throw this.#fail(kindOf(e), e);
+      throw this.#fail(kind(e), e);
     }
   }
 
