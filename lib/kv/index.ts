@@ -17,6 +17,7 @@ export {
   tpRatio,
 } from './tp';
 export type { HandshakeBudget } from './connect-wait';
+export { KvPeers, type KvPeersOptions } from './peers';
 export { BUCKETS_MS, KvStats, type KvStatsSink, type KvStatsSnapshot } from './stats';
 export {
   KvPuller,

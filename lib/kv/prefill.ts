@@ -3,7 +3,7 @@
 // request's blocks may be freed. A request holds a lease (v12: 30 s, kept
 // alive by the decode side's "HB:id1,id2" heartbeats; v0.13: 480 s) and its
 // blocks are freed when the lease runs out without the reads.
-import type { NixlAgent, Notif } from '../agent';
+import type { NixlAgent } from '../agent';
 import { createHandshake } from '../handshake';
 import type { WireName, WireProfile } from '../handshake/model';
 import type {
@@ -20,6 +20,7 @@ import { ucxErrorMode } from '../ucx';
 import { type KvLayout, toAgentMetadata } from './layout';
 import { type LeaseBoard, SlotState, registerBoard } from './lease-board';
 import { notifsToWaitFor } from './tp';
+import { listenNotifs } from './notifs';
 import { NixlError } from '../errors';
 
 /** One rank of a prefill engine: its agent, its layout and, optionally, its lease board. */
@@ -247,20 +248,12 @@ export class PrefillTracker {
   }
 
   #start(): void {
-    if (this.#loop) return;
-    this.#loop = (async () => {
-      while (!this.#abort.signal.aborted) {
-        let n: Notif;
-        try {
-          n = await this.#o.agent.waitForNotif((x) => isTrackerNotif(x.msg.toString('utf8')), {
-            signal: this.#abort.signal,
-          });
-        } catch {
-          return; // closed
-        }
-        this.#onNotif(n.msg.toString('utf8'));
-      }
-    })();
+    this.#loop ??= listenNotifs(
+      this.#o.agent,
+      (x) => isTrackerNotif(x.msg.toString('utf8')),
+      (n) => this.#onNotif(n.msg.toString('utf8')),
+      this.#abort.signal,
+    );
   }
 
   #onNotif(msg: string): void {

@@ -1,7 +1,7 @@
-// The remote engines this process transfers with: one connection per engine
-// key (engine-connect.ts), its remote agents loaded once however many keys
-// reach them, and a restarted engine (same engine id, new agents) replacing
-// its older self once that one's transfers end.
+// The remote engines one agent transfers with (peers.ts): one connection per
+// engine key (engine-connect.ts) and use, its remote agents loaded once
+// however many connections reach them, and a restarted engine (same engine
+// id, new agents) replacing its older self once that one's transfers end.
 import { checkPeerUcxMode } from '../ucx';
 import { DlistHandle, type NixlAgent } from '../agent';
 import { DescList } from '../descriptors';
@@ -35,18 +35,27 @@ export interface RemoteEnginesOptions {
   wire: WireProfile;
   limits: Required<PullLimits>;
   local: LocalDlists;
-  expectedHash?: string;
   handshakeTimeoutMs?: number;
   tls?: TlsClientOptions;
   bearerToken?: string;
-  /** Read the lease boards remote engines name. Default true. */
-  leaseBoards?: boolean;
+}
+
+/** How one role connects: what it asks of the remote engine. @internal */
+export interface ConnectUse {
+  /** The compatibility hash the remote must answer; undefined skips the check. */
+  expectedHash?: string;
   /**
    * Load the remote agents only, to exchange notifications (a push decode
    * registering with its prefill): no geometry checks, no descriptor lists,
-   * no reads planned (hash and engine id are still checked).
+   * no reads planned (hash and engine id are still checked). A full
+   * connection already made with the same hash serves such a use too.
    */
   notifOnly?: boolean;
+}
+
+/** The cache key of a connection: the endpoint, the hash checked, and whether it is notif-only. */
+function connKey(ep: RemoteEndpoint, use: ConnectUse): string {
+  return JSON.stringify([use.notifOnly ? 'notif' : 'full', use.expectedHash ?? null, engineKey(ep)]);
 }
 
 /** The dlist of a notif-only rank: none. */
@@ -68,6 +77,10 @@ export interface ConnectAttempt {
 export class RemoteEngines {
   readonly #o: RemoteEnginesOptions;
   readonly #attempts = new Map<string, ConnectAttempt>();
+  /** Attempts that connected (a notif-only use borrows a full connection only once it stands). */
+  readonly #ready = new WeakSet<ConnectAttempt>();
+  /** Each engine's cache key (its `key` is the endpoint's, which leases go by). */
+  readonly #keyOf = new WeakMap<RemoteEngine, string>();
   /** Connected engines not dropped yet, and how many of them use each loaded remote agent. */
   readonly #live = new Set<RemoteEngine>();
   readonly #agentUsers = new Map<string, number>();
@@ -77,29 +90,36 @@ export class RemoteEngines {
     this.#o = o;
   }
 
-  /** The connect for an endpoint: the cached one, else a new one (with `budget`, else the default one). */
-  attempt(ep: RemoteEndpoint, budget?: HandshakeBudget): ConnectAttempt {
-    const key = engineKey(ep);
+  /** The connect for an endpoint and use: the cached one, else a new one (with `budget`, else the default one). */
+  attempt(ep: RemoteEndpoint, use: ConnectUse, budget?: HandshakeBudget): ConnectAttempt {
+    const full = this.#fullFor(ep, use);
+    if (full) return full;
+    const key = connKey(ep, use);
     const had = this.#attempts.get(key);
     if (had) return had;
     const steps = new ConnectSteps();
-    const mine: ConnectAttempt = { promise: this.#connect(key, ep, steps, budget), steps };
+    const mine: ConnectAttempt = { promise: this.#connect(key, ep, use, steps, budget), steps };
     this.#attempts.set(key, mine);
-    // Only this connect's own entry: a newer one for the same key stays.
-    mine.promise.catch(() => {
-      if (this.#attempts.get(key) === mine) this.#attempts.delete(key);
-    });
+    mine.promise.then(
+      () => this.#ready.add(mine),
+      // Only this connect's own entry: a newer one for the same key stays.
+      () => {
+        if (this.#attempts.get(key) === mine) this.#attempts.delete(key);
+      },
+    );
     return mine;
   }
 
-  /** The connected engine of an endpoint (connecting first when needed). */
-  get(ep: RemoteEndpoint): Promise<RemoteEngine> {
-    return this.attempt(ep).promise;
+  /** For a notif-only use, a full connection with the same hash that stands already. */
+  #fullFor(ep: RemoteEndpoint, use: ConnectUse): ConnectAttempt | undefined {
+    if (!use.notifOnly) return undefined;
+    const a = this.#attempts.get(connKey(ep, { ...use, notifOnly: false }));
+    return a && this.#ready.has(a) ? a : undefined;
   }
 
-  /** Whether a connect for the endpoint is cached (done or under way). */
-  has(ep: RemoteEndpoint): boolean {
-    return this.#attempts.has(engineKey(ep));
+  /** Whether a connect for the endpoint and use is cached (done or under way). */
+  has(ep: RemoteEndpoint, use: ConnectUse): boolean {
+    return this.#fullFor(ep, use) !== undefined || this.#attempts.has(connKey(ep, use));
   }
 
   /** Engine keys cached. */
@@ -115,6 +135,7 @@ export class RemoteEngines {
   async #connect(
     key: string,
     ep: RemoteEndpoint,
+    use: ConnectUse,
     steps: ConnectSteps,
     budget: HandshakeBudget | undefined,
   ): Promise<RemoteEngine> {
@@ -124,8 +145,9 @@ export class RemoteEngines {
       checkRemoteSizes(layout, ep, limits);
       return handshakeTargets(layout.tpSize, layout.tpRank, ep);
     });
-    const geometry = !this.#o.notifOnly;
-    const fetched = await fetchRanks(steps, ep, layout, limits, targets, (t) => this.#fetch(ep, t, budget), geometry);
+    const geometry = !use.notifOnly;
+    const fetch = (t: { ppRank: number; tpRank: number }) => this.#fetch(ep, use, t, budget);
+    const fetched = await fetchRanks(steps, ep, layout, limits, targets, fetch, geometry);
     const metas = fetched.map((f) => f.metadata);
     const plans = steps.run('handshake', () => {
       checkAgreement(ep, targets, metas);
@@ -135,8 +157,9 @@ export class RemoteEngines {
     // A restarted prefill (same engine id, new agents) replaces what we hold
     // of its old self: that must be unloaded before the new agents load.
     await this.#replaceOlder(metas[0].engineId, metas);
-    const engine = newEngine(key, plans[0], fetched);
-    steps.run('setup', () => this.#load(engine, targets, metas, plans));
+    const engine = newEngine(engineKey(ep), plans[0], fetched);
+    this.#keyOf.set(engine, key);
+    steps.run('setup', () => this.#load(engine, targets, metas, plans, geometry));
     engine.handshakeMs = performance.now() - t0;
     this.#live.add(engine);
     return engine;
@@ -144,6 +167,7 @@ export class RemoteEngines {
 
   #fetch(
     ep: RemoteEndpoint,
+    use: ConnectUse,
     t: { ppRank: number; tpRank: number },
     budget: HandshakeBudget | undefined,
   ): Promise<FetchResult> {
@@ -154,7 +178,7 @@ export class RemoteEngines {
       tpRank: t.tpRank,
       ppRank: t.ppRank,
       wire: this.#o.wire,
-      expectedHash: this.#o.expectedHash,
+      expectedHash: use.expectedHash,
       timeoutMs: budget?.timeoutMs ?? this.#o.handshakeTimeoutMs,
       retries: budget?.retries,
       tls: this.#o.tls,
@@ -172,13 +196,14 @@ export class RemoteEngines {
     targets: ReadonlyArray<{ ppRank: number; tpRank: number }>,
     metas: NixlAgentMetadata[],
     plans: ReadPlan[],
+    geometry: boolean,
   ): void {
     const perPp = targets.length / plans.length;
     const undo: Loaded = { agents: [], dlists: [] };
     try {
       if (this.#closed) throw new NixlError('puller is closed', 'NIXL_ERR_NOT_ALLOWED');
       targets.forEach((t, i) => {
-        if (this.#o.notifOnly) {
+        if (!geometry) {
           engine.ranks.set(`${t.ppRank}:${t.tpRank}`, this.#loadAgentOnly(t, metas[i], undo));
           return;
         }
@@ -228,7 +253,8 @@ export class RemoteEngines {
       meta,
       dlist,
       counts,
-      board: this.#o.leaseBoards === false ? undefined : usableBoard(meta.nixlNodeLeaseBoard),
+      // Recorded whoever connects; a role that confirms nothing against it (KvPullerOptions.leaseBoards) ignores it.
+      board: usableBoard(meta.nixlNodeLeaseBoard),
     };
   }
 
@@ -276,9 +302,9 @@ export class RemoteEngines {
       [...old.ranks.values()].some((r) => metas.some((m) => m.agentMetadata.includes(Buffer.from(r.agentName))));
     await Promise.all(
       olds.map((old) => {
-        const a = this.#attempts.get(old.key);
-        if (a)
-          void a.promise.then((e) => e === old && this.#attempts.get(old.key) === a && this.#attempts.delete(old.key));
+        const key = this.#keyOf.get(old)!;
+        const a = this.#attempts.get(key);
+        if (a) void a.promise.then((e) => e === old && this.#attempts.get(key) === a && this.#attempts.delete(key));
         if (old.pulls === 0) {
           this.forget(old, undefined);
           return undefined;
@@ -312,7 +338,8 @@ export class RemoteEngines {
    * a new connect can never see the old agents still loaded.
    */
   forget(engine: RemoteEngine, promise: Promise<RemoteEngine> | undefined): void {
-    if (promise && this.#attempts.get(engine.key)?.promise === promise) this.#attempts.delete(engine.key);
+    const key = this.#keyOf.get(engine);
+    if (promise && key !== undefined && this.#attempts.get(key)?.promise === promise) this.#attempts.delete(key);
     if (engine.dropped) return;
     engine.dropped = true;
     this.#live.delete(engine);

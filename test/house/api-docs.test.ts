@@ -86,6 +86,7 @@ const PUBLIC: Record<string, string[]> = {
     'DEFAULT_RECOMPUTE_THRESHOLD',
     'DEFAULT_TURN_TTL_MS',
     'KvLayoutError',
+    'KvPeers',
     'KvPuller',
     'KvPushReceiver',
     'KvPushSender',

@@ -9,9 +9,7 @@
 // as a pipeline of stages (pull-stages.ts).
 import type { NixlAgent } from '../../agent';
 import type { NixlError } from '../../errors';
-import { createHandshake } from '../../handshake';
 import type { KvTransferParams, WireProfile } from '../../handshake/model';
-import type { HandshakeStrategy } from '../../handshake/types';
 import { wireProfile } from '../../handshake/wire';
 import { type SpanLike, startSpan } from '../../tracing';
 import { engineKey } from '../engine-connect';
@@ -19,7 +17,7 @@ import { checkLayout, type KvLayout } from '../layout';
 import { BoardReader } from '../lease-board';
 import { LeaseKeeper } from '../leases';
 import { DEFAULT_LIMITS, type PullLimits } from '../limits';
-import { LocalDlists } from '../local-dlists';
+import { type KvPeers, type PeerEngines, peersFor } from '../peers';
 import { checkedParams, endpointOf, expand, paramsRequestId } from './params';
 import { EngineSlots } from './slots';
 import { type PullDeps, PullRun } from './stages';
@@ -30,7 +28,7 @@ import {
   type PullOptions,
   type PullResult,
 } from './types';
-import { type RemoteEndpoint, type RemoteEngine, RemoteEngines } from '../remote-engines';
+import type { RemoteEndpoint, RemoteEngine } from '../remote-engines';
 import { KvStats } from '../stats';
 
 export type { RemoteEndpoint } from '../engine-connect';
@@ -54,12 +52,13 @@ export class KvPuller {
   readonly stats = new KvStats();
   readonly #agent: NixlAgent;
   readonly #layout: KvLayout;
-  readonly #hs: HandshakeStrategy;
   readonly #opts: KvPullerOptions;
   readonly #wire: WireProfile;
   readonly #limits: Required<PullLimits>;
-  readonly #local: LocalDlists;
-  readonly #engines: RemoteEngines;
+  readonly #peers: KvPeers;
+  /** The peers were made here (else given: their maker closes them). */
+  readonly #ownPeers: boolean;
+  readonly #engines: PeerEngines;
   readonly #leases: LeaseKeeper<RemoteEndpoint, RemoteEngine>;
   readonly #boards: BoardReader;
   readonly #deps: PullDeps;
@@ -72,18 +71,13 @@ export class KvPuller {
     this.#agent = opts.agent;
     this.#layout = opts.layout;
     this.#opts = opts;
-    this.#hs = typeof opts.handshake === 'object' ? opts.handshake : createHandshake(opts.handshake);
-    this.#wire = wireProfile(opts.wire);
+    const { peers, own } = peersFor(opts, 'KvPuller');
+    this.#peers = peers;
+    this.#ownPeers = own;
+    this.#wire = wireProfile(opts.wire ?? peers.wire);
     this.#limits = { ...DEFAULT_LIMITS, ...opts.limits };
     this.#boards = new BoardReader(opts.agent);
-    this.#local = new LocalDlists(opts.agent, opts.layout);
-    this.#engines = new RemoteEngines({
-      ...opts,
-      handshake: this.#hs,
-      wire: this.#wire,
-      limits: this.#limits,
-      local: this.#local,
-    });
+    this.#engines = peers.engines({ expectedHash: opts.expectedHash });
     this.#leases = new LeaseKeeper({
       wire: this.#wire,
       kvLeaseMs: opts.kvLeaseMs,
@@ -102,7 +96,8 @@ export class KvPuller {
       limits: this.#limits,
       coalesce: opts.coalesce ?? false,
       engines: this.#engines,
-      local: this.#local,
+      local: peers.local,
+      leaseBoards: opts.leaseBoards !== false,
       slots: new EngineSlots(opts.maxConcurrent ?? 16),
       leases: this.#leases,
       boards: this.#boards,
@@ -262,7 +257,7 @@ export class KvPuller {
   } {
     return {
       xferHandles: this.#deps.live.xfers,
-      localDlists: this.#local.size,
+      localDlists: this.#peers.local.size,
       engines: this.#engines.size,
       activePulls: this.#deps.slots.active(),
       remoteAgents: this.#engines.remoteAgents,
@@ -274,9 +269,7 @@ export class KvPuller {
     if (this.#closed) return;
     this.#closed = true;
     this.#leases.close();
-    await this.#engines.close();
-    this.#local.close();
+    if (this.#ownPeers) await this.#peers.close();
     this.#boards.close();
-    this.#hs.close();
   }
 }

@@ -20,7 +20,8 @@ import { NixlError } from '../../errors';
 import type { WireProfile } from '../../handshake/model';
 import { type SpanLike, startSpan } from '../../tracing';
 import { blockDescIds, coalescedDescs, regionCounts } from '../descs';
-import type { ConnectAttempt, RemoteEngine, RemoteEngines } from '../remote-engines';
+import type { ConnectAttempt, RemoteEngine } from '../remote-engines';
+import type { PeerEngines } from '../peers';
 import type { KvLayout } from '../layout';
 import type { BoardReader, SlotState } from '../lease-board';
 import type { LeaseKeeper } from '../leases';
@@ -30,7 +31,7 @@ import type { EngineSlots } from './slots';
 import { type PullFailure, type PullOptions, type PullResult, PullError, pullError } from './types';
 import type { KvStats } from '../stats';
 import { completionNotif } from '../tp';
-import { engineKey } from '../engine-connect';
+import { type PreparedRead, engineKey } from '../engine-connect';
 import { awaitConnect } from '../connect-wait';
 
 /** What every pull of one puller shares. @internal */
@@ -41,8 +42,10 @@ export interface PullDeps {
   limits: Required<PullLimits>;
   /** The puller's coalescing default. */
   coalesce: boolean;
-  engines: RemoteEngines;
+  engines: PeerEngines;
   local: LocalDlists;
+  /** Confirm reads against the lease boards remote engines name (KvPullerOptions.leaseBoards). */
+  leaseBoards: boolean;
   slots: EngineSlots;
   leases: LeaseKeeper<PullOptions['remote'], RemoteEngine>;
   boards: BoardReader;
@@ -273,7 +276,7 @@ export class PullRun {
     for (const p of engine.reads) {
       if (p.read.notifyOnly) continue;
       // With a board the notification waits for the board's word.
-      const notifMsg = p.rank.board ? undefined : notif;
+      const notifMsg = this.#boardOf(p) ? undefined : notif;
       const merged = wantCoalesce ? coalescedDescs(p.local, p.remote, localIds, remoteIds) : undefined;
       let h: XferHandle;
       if (merged) {
@@ -298,6 +301,11 @@ export class PullRun {
       [...new Set(this.#handles.map((h) => agent.queryXferBackend(h)))].join(','),
     );
     return { descriptors, coalesced };
+  }
+
+  /** The lease board a read is confirmed against, if the remote rank has one and the puller reads boards. */
+  #boardOf(p: PreparedRead): readonly bigint[] | undefined {
+    return this.#d.leaseBoards ? p.rank.board : undefined;
   }
 
   /** Full prefix hit: nothing to read, but the prefill side must free its blocks. */
@@ -358,7 +366,7 @@ export class PullRun {
    * freed the blocks before our read ended; only then may it free them.
    */
   async #confirm(engine: RemoteEngine, notif: string): Promise<void> {
-    const confirm = engine.reads.filter((p) => !p.read.notifyOnly && p.rank.board);
+    const confirm = engine.reads.filter((p) => !p.read.notifyOnly && this.#boardOf(p));
     if (confirm.length === 0) return;
     const { requestId, timeoutMs } = this.#o;
     const c = this.#child('kv.confirm', { 'nixl_node.ranks': confirm.length });

@@ -5,6 +5,7 @@ import type { WireName, WireProfile } from '../../handshake/model';
 import type { HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../../handshake/types';
 import type { TraceContext } from '../../tracing';
 import type { KvLayout } from '../layout';
+import type { KvPeers } from '../peers';
 import type { RemoteLease } from '../leases';
 import type { PullLimits } from '../limits';
 import type { HandshakeBudget } from '../connect-wait';
@@ -135,6 +136,12 @@ export interface KvPullerOptions {
   kvLeaseMs?: number;
   /** Local compatibility hash; undefined skips the check. */
   expectedHash?: string;
+  /**
+   * The agent's connections, shared with its other KV roles (peers.ts). Its
+   * handshake, wire, limits, handshakeTimeoutMs, tls and bearerToken are the
+   * ones connects use then; the caller closes it after the puller.
+   */
+  peers?: KvPeers;
   /**
    * Pulls in flight at once to one remote engine (the rest queue for that
    * engine only, so a stalled prefill cannot hold up pulls from others).

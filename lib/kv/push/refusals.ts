@@ -14,7 +14,7 @@ import type { HandshakeLogger } from '../../handshake/types';
 import { type RemoteEndpoint, engineKey } from '../engine-connect';
 import type { ReceivedReg } from './pairing';
 import { encodeRefusal } from './reg';
-import type { RemoteEngines } from '../remote-engines';
+import type { PeerEngines } from '../peers';
 
 /** Handshakes back under way at once just to deliver refusals, and refusals queued behind each. */
 const MAX_CONNECTS = 4;
@@ -29,7 +29,7 @@ interface Counts {
 /** @internal */
 export class Refusals {
   readonly #agent: NixlAgent;
-  readonly #engines: RemoteEngines;
+  readonly #engines: PeerEngines;
   readonly #n: Counts;
   readonly #log: HandshakeLogger;
   readonly #queued = new Map<string, Array<[string, string]>>();
@@ -39,7 +39,7 @@ export class Refusals {
   #loggedAt = Number.NEGATIVE_INFINITY;
   #unlogged = 0;
 
-  constructor(agent: NixlAgent, engines: RemoteEngines, counts: Counts, log: HandshakeLogger) {
+  constructor(agent: NixlAgent, engines: PeerEngines, counts: Counts, log: HandshakeLogger) {
     this.#agent = agent;
     this.#engines = engines;
     this.#n = counts;

@@ -13,7 +13,8 @@
 import { createHmac, timingSafeEqual } from 'node:crypto';
 import { NixlError } from '../../errors';
 import { type MpValue, packMsgpack, unpackMsgpack } from '../../handshake/msgpack';
-import { TransferModeError } from '../../handshake/wire';
+import type { WireName, WireProfile } from '../../handshake/model';
+import { TransferModeError, wireProfile } from '../../handshake/wire';
 import { showValue as show } from '../../show-value';
 
 /** The 9 bytes a registration notification starts with. */
@@ -294,4 +295,12 @@ export function decodeRefusal(msg: string): PushRefusal | undefined {
   if (typeof requestId !== 'string' || !isNotifId(requestId)) return undefined;
   if (typeof code !== 'string' || !/^NIXL_ERR_[A-Z_]{1,40}$/.test(code) || typeof reason !== 'string') return undefined;
   return { requestId, code, reason };
+}
+
+/** The wire profile a push side speaks (`wire` as given), refused unless it carries push (v12). */
+export function pushWire(wire: WireName | WireProfile | undefined): WireProfile {
+  const w = wireProfile(wire);
+  if (!w.transferModes.includes('push'))
+    throw new NixlError(`push mode is not part of the ${w.name} wire format (use v12)`, 'NIXL_ERR_NOT_SUPPORTED');
+  return w;
 }

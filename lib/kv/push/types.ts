@@ -6,6 +6,7 @@ import type { WireName, WireProfile } from '../../handshake/model';
 import type { HandshakeLogger, HandshakeMethod, HandshakeStrategy, TlsClientOptions } from '../../handshake/types';
 import type { TraceContext } from '../../tracing';
 import type { KvLayout } from '../layout';
+import type { KvPeers } from '../peers';
 import type { KvStats } from '../stats';
 import type { PullLimits } from '../limits';
 import type { PushRegLimits } from './reg';
@@ -77,6 +78,35 @@ export interface PushReceived {
   waitedMs: number;
 }
 
+/** Options of a KvPushReceiver. */
+export interface KvPushReceiverOptions {
+  agent: NixlAgent;
+  /** This decode rank's KV cache (its engineId is the decode_engine_id prefills check). */
+  layout: KvLayout;
+  /** Where prefills reach this decode's side channel (PUSH_REG decode_host / decode_port). */
+  decodeHost: string;
+  decodePort: number;
+  handshake?: HandshakeStrategy | HandshakeMethod;
+  /** The agent's connections, shared with its other KV roles (as KvPullerOptions.peers). */
+  peers?: KvPeers;
+  /** Default: NIXL_WIRE, else v12 (push needs v12). */
+  wire?: WireName | WireProfile;
+  /** The push compatibility hash (transferMode 'push'); undefined skips the check. */
+  expectedHash?: string;
+  /** The prefill's kv_lease_duration: heartbeats every sixth of it, and the quarantine's base. Default 30 s. */
+  kvLeaseMs?: number;
+  /** Default deadline of a receive, ms. Default 120 s. */
+  timeoutMs?: number;
+  /** How long a block given up on stays out of use. Default kvLeaseMs + 5 s. */
+  quarantineMs?: number;
+  /** Sign registrations with this KV secret (the prefill must hold the same one). */
+  secret?: string | Buffer;
+  limits?: PullLimits;
+  handshakeTimeoutMs?: number;
+  tls?: TlsClientOptions;
+  bearerToken?: string;
+}
+
 /** Options of a KvPushSender. */
 export interface KvPushSenderOptions {
   agent: NixlAgent;
@@ -87,6 +117,8 @@ export interface KvPushSenderOptions {
   wire?: WireName | WireProfile;
   /** The push compatibility hash: a decode answering another is refused. Undefined skips the check. */
   expectedHash?: string;
+  /** The agent's connections, shared with its other KV roles (as KvPullerOptions.peers). */
+  peers?: KvPeers;
   /** kv_lease_duration: blocks of an offered request are held at most this long (heartbeats extend). Default 30 s. */
   leaseMs?: number;
   /** No WRITE is posted closer than this to the lease end or the decode's deadline. Default 50 ms. */
