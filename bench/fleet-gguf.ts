@@ -1,5 +1,5 @@
 // Fleet routing with GGUF prefills that reuse a cached prompt prefix
-// (lib/serving/models/llama-prefix.ts): 'load' (prefix affinity) and
+// (lib/serving/models/llama/prefix.ts): 'load' (prefix affinity) and
 // 'precise' (the proxy follows the prefills' KV events, tokenizing prompts
 // through a prefill's /tokenize) against round-robin, in this process: each
 // policy routes over 3 prefill workers of its own, configured alike, of the

@@ -37,7 +37,7 @@ export {
 export { SyntheticModel } from './models/synthetic';
 export type { SyntheticModelSpec } from './models/synthetic-kv';
 export { LlamaModel, type LlamaModelOptions } from './models/llama';
-export type { LlamaStateLayout } from './models/llama-state';
+export type { LlamaStateLayout } from './models/llama/seq-state';
 export {
   NODE_LLAMA_CPP,
   KvRejected,
@@ -47,6 +47,7 @@ export {
   type Generated,
   type KvGeometry,
   type KvBinding,
+  type KvInput,
   type PrefilledKv,
   type TurnKvState,
   type PreviousTurn,

@@ -1,11 +1,11 @@
-// A GGUF model's contexts (lib/serving/models/llama-contexts.ts): a context a
+// A GGUF model's contexts (lib/serving/models/llama/contexts.ts): a context a
 // request may have left unusable is thrown away, never handed out again, and
 // replaced for whoever waits; while none can be made the pool says why, and a
 // worker's /health and ZeroMQ HEALTH answer that it cannot serve.
 import type * as Nlc from 'node-llama-cpp';
 import { describe, expect, it } from 'vitest';
 import { startProxy } from '../../lib/serving';
-import { ContextPool } from '../../lib/serving/models/llama-contexts';
+import { ContextPool } from '../../lib/serving/models/llama/contexts';
 import { SyntheticModel } from '../../lib/serving/models/synthetic';
 import { Worker } from '../../lib/serving/worker/worker';
 

@@ -1,5 +1,5 @@
 // A GGUF prefill reuses the prompt an earlier request left in its context
-// (lib/serving/models/llama-prefix.ts), in whole batches of the common
+// (lib/serving/models/llama/prefix.ts), in whole batches of the common
 // prefix, and changes no number: a prompt that shares a prefix evaluates
 // only the rest, its state (and so the KV a decode loads) is byte for byte a
 // fresh prefill's, a prompt that differs reuses nothing, and every answer
@@ -12,7 +12,7 @@ import type * as Nlc from 'node-llama-cpp';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Ask, type Generation, OneProcess, askBody } from '../../demo/llama-reference';
 import { LlamaModel } from '../../lib/serving/models/llama';
-import { reusableTokens } from '../../lib/serving/models/llama-prefix';
+import { reusableTokens } from '../../lib/serving/models/llama/prefix';
 import { modelPath } from '../../lib/serving/models/test-models';
 import type { GenerationRequest, PrefilledKv } from '../../lib/serving/models/types';
 import { serveTrio } from '../helpers';

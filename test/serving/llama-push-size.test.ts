@@ -1,4 +1,4 @@
-// What a GGUF push decode registers (lib/serving/models/llama-push.ts): the
+// What a GGUF push decode registers (lib/serving/models/llama/push.ts): the
 // size of the llama.cpp state a prefill saves, computed from the prompt's
 // token count before anything is evaluated. It must equal, byte for byte,
 // the state an honest prefill of the tiny and small test models saves
@@ -18,7 +18,7 @@ import {
   pushSize,
   seqStateBytes,
   unpushable,
-} from '../../lib/serving/models/llama-push';
+} from '../../lib/serving/models/llama/push';
 import {
   type LlamaStateLayout,
   SEQ_MAGIC,
@@ -26,7 +26,7 @@ import {
   ggmlRowSize,
   ggmlTypeSize,
   parseSeqState,
-} from '../../lib/serving/models/llama-state';
+} from '../../lib/serving/models/llama/seq-state';
 import { modelPath } from '../../lib/serving/models/test-models';
 import { type GenerationRequest, KvRejected, ModelRequestError } from '../../lib/serving/models/types';
 

@@ -1,5 +1,5 @@
 // The parser a GGUF decode runs over every llama.cpp sequence state before
-// llama.cpp sees it (lib/serving/models/llama-state.ts): it accepts every
+// llama.cpp sees it (lib/serving/models/llama/seq-state.ts): it accepts every
 // state an honest prefill of the tiny and small test models saves
 // (completions and chat, 1 token to a full context), and refuses, with a
 // KvRejected, every state that is not one (each field, then random mutations:
@@ -15,7 +15,12 @@ import { SMALL, TINY, kvBytesPerToken, modelPath } from '../../lib/serving/model
 import type { GenerationRequest } from '../../lib/serving/models/types';
 import { HEADER_BYTES } from '../../lib/serving/models/kv-state';
 import { LlamaModel } from '../../lib/serving/models/llama';
-import { type LlamaStateLayout, kvGeometry, learnLayout, parseSeqState } from '../../lib/serving/models/llama-state';
+import {
+  type LlamaStateLayout,
+  kvGeometry,
+  learnLayout,
+  parseSeqState,
+} from '../../lib/serving/models/llama/seq-state';
 import { loadNodeLlamaCpp } from '../../lib/serving/models/node-llama-cpp';
 import { KvRejected } from '../../lib/serving/models/types';
 

@@ -8,7 +8,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { afterAll, expect, it } from 'vitest';
 import { modelPath } from '../../lib/serving/models/test-models';
-import { kvGeometry, learnLayout, truncateSeqState } from '../../lib/serving/models/llama-state';
+import { kvGeometry, learnLayout, truncateSeqState } from '../../lib/serving/models/llama/seq-state';
 import { loadNodeLlamaCpp } from '../../lib/serving/models/node-llama-cpp';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-truncate-'));

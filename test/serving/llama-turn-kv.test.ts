@@ -19,7 +19,7 @@ import {
   kvGeometry,
   learnLayout,
   truncateSeqState,
-} from '../../lib/serving/models/llama-state';
+} from '../../lib/serving/models/llama/seq-state';
 import { loadNodeLlamaCpp } from '../../lib/serving/models/node-llama-cpp';
 import { modelPath } from '../../lib/serving/models/test-models';
 

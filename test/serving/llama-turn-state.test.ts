@@ -71,14 +71,11 @@ describe.each(['tiny', 'tiny-utf8'])('%s: a held turn, as the next prefill reads
     let text = '';
     const g = await m.decode(
       { ...ask(prompt, 24), keepTurn: true },
-      p.view,
-      kv.blocks,
+      { view: p.view, blocks: kv.blocks, binding: binding('p', kv.blocks) },
       (t) => {
         text += t;
       },
       signal,
-      undefined,
-      binding('p', kv.blocks),
     );
     expect(g.turn).toBeDefined();
     const held = blocks();

@@ -17,7 +17,7 @@ import * as path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { modelPath } from '../../lib/serving/models/test-models';
 import { type Ask, type Generation, OneProcess, askBody } from '../../demo/llama-reference';
-import { WholeText } from '../../lib/serving/models/llama-text';
+import { WholeText } from '../../lib/serving/models/llama/text';
 import { serveTrio } from '../helpers';
 
 const CTX = { contextSize: 1024, threads: 1 };

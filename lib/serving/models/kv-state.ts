@@ -2,7 +2,7 @@
 // so that a decode can prove, before llama.cpp sees a byte, that the state is
 // whole, unchanged, from the same model and build, made for the request the
 // decode was given, and fits its context (the state itself is then parsed by
-// llama-state.ts). Version 3:
+// llama/seq-state.ts). Version 3:
 //
 //   offset  bytes
 //   0       4    magic 'NNKV'
@@ -20,7 +20,7 @@
 //
 // Fields that say what the state holds go in ENVELOPE_FIELDS (offsets inside 88..224)
 // and StateInfo, read and written by writeFields / readFields only. Now the
-// continuation, where the decode goes on (llama-continue.ts):
+// continuation, where the decode goes on (continue.ts):
 //
 //   88   4   tokens the state holds (llama.cpp's token count): the prompt,
 //            evaluated in one batch, and nothing else
@@ -166,7 +166,7 @@ export interface OpenOptions {
 /**
  * Checks the envelope in blocks 0..blocks-1 of view and returns the state
  * (a copy) and what its fields say; throws KvRejected naming what is wrong.
- * Nothing it returns was not checked (the state's own bytes: llama-state.ts).
+ * Nothing it returns was not checked (the state's own bytes: llama/seq-state.ts).
  */
 export function openEnvelope(view: (i: number) => Buffer, o: OpenOptions): Continuation & { state: Buffer } {
   const room = o.blocks * o.blockBytes;

@@ -18,6 +18,7 @@ import {
   type Generated,
   type GenerationRequest,
   type KvGeometry,
+  type KvInput,
   KvRejected,
   type ModelTokenizer,
   type PrefilledKv,
@@ -96,21 +97,14 @@ export class SyntheticModel implements ServingModel {
     };
   }
 
-  async decode(
-    req: GenerationRequest,
-    view: BlockView,
-    blocks: number,
-    out: TextSink,
-    signal: AbortSignal,
-    blocksRead?: () => void,
-  ): Promise<Generated> {
+  async decode(req: GenerationRequest, kv: KvInput, out: TextSink, signal: AbortSignal): Promise<Generated> {
     const tokens = this.#tokens(req);
     const n = numBlocks(tokens.length, this.spec);
-    if (blocks !== n) throw new KvRejected(`the KV names ${blocks} blocks; the prompt needs ${n}`, 'mismatch');
-    const bad = checkKv(tokens, this.spec, view);
+    if (kv.blocks !== n) throw new KvRejected(`the KV names ${kv.blocks} blocks; the prompt needs ${n}`, 'mismatch');
+    const bad = checkKv(tokens, this.spec, kv.view);
     if (bad > 0) throw new KvRejected(`${bad} bytes of the KV differ from the prompt's`, 'mismatch', bad);
     const verified = n * this.spec.layers * this.spec.blockBytes;
-    return this.#emit(view, n, tokens.length, req, out, signal, { verified_bytes: verified }, blocksRead);
+    return this.#emit(req, kv, tokens.length, { out, signal, info: { verified_bytes: verified } });
   }
 
   async generate(req: GenerationRequest, out: TextSink, signal: AbortSignal): Promise<Generated> {
@@ -122,7 +116,7 @@ export class SyntheticModel implements ServingModel {
     const view: BlockView = (b, l) => kv[b * spec.layers + l];
     computeKv(tokens, spec, view);
     const info = hit === undefined ? {} : { prefix_reused_tokens: hit };
-    return this.#emit(view, n, tokens.length, req, out, signal, { verified_bytes: 0, ...info });
+    return this.#emit(req, { view, blocks: n }, tokens.length, { out, signal, info: { verified_bytes: 0, ...info } });
   }
 
   /**
@@ -131,28 +125,24 @@ export class SyntheticModel implements ServingModel {
    * max_tokens bytes (ASCII), so the ids returned are what max_tokens allows.
    */
   async #emit(
-    view: BlockView,
-    blocks: number,
-    promptTokens: number,
     req: GenerationRequest,
-    out: TextSink,
-    signal: AbortSignal,
-    info: Record<string, unknown>,
-    blocksRead?: () => void,
+    kv: KvInput,
+    promptTokens: number,
+    to: { out: TextSink; signal: AbortSignal; info: Record<string, unknown> },
   ): Promise<Generated> {
-    const words = generate(view, blocks, this.spec, req.maxTokens);
-    blocksRead?.();
+    const words = generate(kv.view, kv.blocks, this.spec, req.maxTokens);
+    kv.blocksRead?.();
     let left = req.promptTokens ? req.maxTokens : Number.POSITIVE_INFINITY;
     for (const [i, w] of words.entries()) {
-      if (signal.aborted || left <= 0) break;
+      if (to.signal.aborted || left <= 0) break;
       const piece = (i === 0 ? w : ` ${w}`).slice(0, left);
       left -= piece.length;
-      out(piece);
+      to.out(piece);
       // Streamed answers go out as they come, not in one burst at the end.
       if (i % 4 === 3) await new Promise((r) => setImmediate(r));
     }
     const completionTokens = req.promptTokens ? req.maxTokens - left : words.length;
-    return { completionTokens, promptTokens, finishReason: 'length', info };
+    return { completionTokens, promptTokens, finishReason: 'length', info: to.info };
   }
 
   /** Nothing to free. */

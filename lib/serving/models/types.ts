@@ -1,6 +1,6 @@
 // The boundary between a worker's stage logic (worker.ts) and a model: the
 // synthetic one (synthetic.ts) and llama.cpp through node-llama-cpp
-// (llama.ts). The worker owns the registered KV pool, the blocks, the pulls
+// (llama/). The worker owns the registered KV pool, the blocks, the pulls
 // and the holds; a model only evaluates, puts its KV into blocks it is given,
 // and generates from blocks it is given.
 import { NixlError, type NixlErrorCode } from '../../errors';
@@ -106,13 +106,29 @@ export interface TurnKvState {
 }
 
 /**
+ * The KV a decode generates from: `blocks` blocks of `view` in the worker's
+ * registered pool (pulled from a prefill, or held here), and the request
+ * they are for. A model checks them before it loads a byte.
+ */
+export interface KvInput {
+  view: BlockView;
+  /** The request's blocks, 0 .. blocks - 1 of `view`. */
+  blocks: number;
+  /**
+   * The request the kv_transfer_params named: a model that binds its states
+   * refuses a state made for another, or one with no binding given.
+   */
+  binding?: KvBinding;
+  /** Called once the model no longer reads the blocks: the worker may reuse them while the model generates. */
+  blocksRead?: () => void;
+}
+
+/**
  * A previous turn's KV read whole into blocks of the prefill's pool (a model
  * whose held KV is one state, ServingModel.wholeTurnReuse): the prefill
  * takes its first `tokens` when they prove to be its prompt's.
  */
-export interface PreviousTurn {
-  view: BlockView;
-  blocks: number;
+export interface PreviousTurn extends KvInput {
   /** Tokens the params proved to be the prompt's first ones (a multiple of the model's granularity). */
   tokens: number;
   /** The hold the params name: the state must be bound to it. */
@@ -204,22 +220,11 @@ export interface ServingModel {
   /** Evaluates the prompt; `previous`: a previous turn's KV to start from (wholeTurnReuse). */
   prefill(req: GenerationRequest, signal: AbortSignal, previous?: PreviousTurn): Promise<PrefilledKv>;
   /**
-   * Generates from the KV in `blocks` blocks of `view` (pulled from a
-   * prefill, or held here). Throws KvRejected, and loads nothing, when the
-   * blocks do not hold this prompt's KV for this model. Calls `blocksRead`
-   * once it no longer reads the blocks (the worker can reuse them while the
-   * model generates). `binding`: the request the kv_transfer_params named
-   * (a model that binds its states refuses a state made for another, or none).
+   * Generates from the KV `kv` names (KvInput). Throws KvRejected, and loads
+   * nothing, when the blocks do not hold this prompt's KV for this model, or
+   * (a model that binds its states) hold a state made for another request.
    */
-  decode(
-    req: GenerationRequest,
-    view: BlockView,
-    blocks: number,
-    out: TextSink,
-    signal: AbortSignal,
-    blocksRead?: () => void,
-    binding?: KvBinding,
-  ): Promise<Generated>;
+  decode(req: GenerationRequest, kv: KvInput, out: TextSink, signal: AbortSignal): Promise<Generated>;
   /** Why the model cannot serve right now (a worker's /health says so), or undefined. */
   unhealthy?(): string | undefined;
   /** Evaluates and generates here (an aggregated worker). */

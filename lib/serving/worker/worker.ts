@@ -960,7 +960,12 @@ export class Worker implements FrontHandler {
     binding: KvBinding,
   ) {
     try {
-      const g = await this.model.decode(req, this.#view(ids), ids.length, answer.text, signal, blocksRead, binding);
+      const g = await this.model.decode(
+        req,
+        { view: this.#view(ids), blocks: ids.length, binding, blocksRead },
+        answer.text,
+        signal,
+      );
       this.stats.verifiedBytes += Number(g.info.verified_bytes ?? 0);
       this.stats.kvLoadMs += Number(g.info.kv_load_ms ?? 0);
       return g;

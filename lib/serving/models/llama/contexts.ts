@@ -1,14 +1,14 @@
 // The contexts of a GGUF model: at most `max`, made on demand, one sequence
 // each; a request waits for a free one. A context keeps the prompt a request
-// left in it when that prompt can be reused exactly (llama-prefix.ts), and
+// left in it when that prompt can be reused exactly (prefix.ts), and
 // is cleared otherwise; a request takes the free context whose cache shares
 // the longest reusable prefix with its prompt. A context is thrown away (and
 // replaced) when a request may have left it in a state llama.cpp cannot
 // clear: a failed state load, a failed evaluation. While no context can be
 // made the pool says so (a worker's /health).
 import type * as Nlc from 'node-llama-cpp';
-import { reusableTokens } from './llama-prefix';
-import { ModelRequestError, type PrefixCacheListener } from './types';
+import { reusableTokens } from './prefix';
+import { ModelRequestError, type PrefixCacheListener } from '../types';
 
 const sequences = new WeakMap<Nlc.LlamaContext, Nlc.LlamaContextSequence>();
 /** Leading tokens of a context's sequence a later prompt may reuse (evaluated in whole batches from 0). */

@@ -18,7 +18,7 @@
 //                          n_embd_v_gqa x cell_count x v_element_bytes }
 // (llama.cpp's src/llama-context.cpp state_seq_save_file and
 // src/llama-kv-cache.cpp state_write / state_read_meta / state_read_data.)
-import { KvRejected } from './types';
+import { KvRejected } from '../types';
 
 /** llama.cpp's LLAMA_STATE_SEQ_MAGIC ('ggsq') and LLAMA_STATE_SEQ_VERSION. */
 export const SEQ_MAGIC = 0x67677371;

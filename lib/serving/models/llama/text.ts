@@ -10,7 +10,7 @@
 // that may still complete): a chunk never ends in U+FFFD but the last. The
 // end sends the rest of the final text.
 import type * as Nlc from 'node-llama-cpp';
-import type { TextSink } from './types';
+import type { TextSink } from '../types';
 
 export class WholeText {
   readonly #tokens: Nlc.Token[] = [];

@@ -1,7 +1,7 @@
 // A GGUF's KV in push mode. A push decode registers its blocks with the
 // prefill before the prefill has evaluated anything, so it must know how many
 // blocks the prefill's state will take from the request alone. It can: a
-// sequence state of one llama.cpp context (llama-state.ts) is a function of
+// sequence state of one llama.cpp context (seq-state.ts) is a function of
 // the model, the cache layout and the prompt's token count N, and the decode
 // has the same model and tokenizes the prompt the same way. So both sides
 // compute the same size, and each checks the other's side of it:
@@ -12,9 +12,9 @@
 //            from the request (tokens and bytes), else refuses to push it,
 //            and WRITEs only to a decode that registered exactly its
 //            blocks (never a truncated or padded state).
-import { envelopeBytes } from './kv-state';
-import { type LlamaStateLayout, ggmlRowSize, ggmlTypeSize } from './llama-state';
-import { KvRejected } from './types';
+import { envelopeBytes } from '../kv-state';
+import { type LlamaStateLayout, ggmlRowSize, ggmlTypeSize } from './seq-state';
+import { KvRejected } from '../types';
 
 /**
  * Bytes of the sequence state llama.cpp saves for a prompt of `tokens`
