@@ -12,8 +12,6 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { type LoadResult, directAsk, proxyAsk, runLoad } from './proxy-load';
 import { median, percentile } from './stats';
-import type { Panel } from './svg';
-import { NixlError } from '../lib/errors';
 
 export interface ProxyRow {
   mode: string;
@@ -169,43 +167,4 @@ export async function benchProxy(requests: number, rounds: number, concurrency =
     agent.destroy();
     for (const c of children) c.kill('SIGTERM');
   }
-}
-
-/** The bench's `proxy` section: prints its table, adds its panel, returns the JSON. */
-export async function proxySection(
-  quick: boolean,
-  table: (head: string[], rows: Array<Array<string | number>>) => void,
-  panels: Panel[],
-): Promise<ProxyResult> {
-  const requests = quick ? 500 : 2000;
-  const rounds = 3;
-  console.log(
-    `\n# Serving proxy alone: ${requests} requests x ${rounds} rounds, 32 clients, fake prefill and decode workers (no model); ratio = requests/s / the client calling prefill then decode itself`,
-  );
-  const r = await benchProxy(requests, rounds);
-  table(
-    ['mode', 'requests/s', 'min', 'max', 'p50 ms', 'p99 ms', 'proxy CPU us/req', 'ratio', 'p99 ratio', 'wrong'],
-    r.rows.map((x) => [
-      x.mode,
-      x.requestsPerSecond,
-      x.min,
-      x.max,
-      x.p50Ms,
-      x.p99Ms,
-      x.cpuUsPerRequest ?? '-',
-      x.ratio,
-      x.p99Ratio,
-      `${x.wrong}/${x.checked}`,
-    ]),
-  );
-  console.log(`load average during the rounds: ${r.loadAverage.map((l) => l.toFixed(2)).join(', ')}`);
-  // A proxy that answers fast and wrong measured nothing: the bench fails.
-  if (r.reasons)
-    throw new NixlError(`proxy bench: wrong answers (first: ${r.reasons.join(' | ')})`, 'NIXL_ERR_MISMATCH');
-  panels.push({
-    title: 'Proxy requests/s / client calling P then D itself',
-    reference: 1,
-    bars: r.rows.map((x) => ({ label: x.mode, value: x.ratio })),
-  });
-  return r;
 }

@@ -1,5 +1,5 @@
 // nixl-node bench: its options (bench/run.ts runs it).
-import { type GridOptions, NIXLBENCH_DEFAULTS, QUICK } from '../bench/run';
+import { type GridOptions, NIXLBENCH_DEFAULTS, QUICK, sectionsHelp } from '../bench/run';
 import {
   UCX_NET_DEVICES_HELP,
   UCX_NET_DEVICES_OPTION,
@@ -9,24 +9,14 @@ import {
   positiveInt,
 } from './args';
 
-const HELP = `nixl-node bench: bandwidth, native NIXL baseline, coalescing and handshake latency, as ratios to baselines of the same run
+const HELP = `nixl-node bench: the binding's and the serving house's figures, each a ratio to a baseline of the same run
 
 Usage: nixl-node bench [options]   (or npm run bench -- [options])
   --json FILE      write the results as JSON
   --svg FILE       write a bar chart
   --quick          fewer repetitions
-  --only LIST      comma-separated: bandwidth,native,coalesce,handshake,tracing,proxy,serving,multiturn,push,fleet,
-                   index,prefix,grid,demo (default all but prefix, grid and demo; native: against a C++ program on
-                   the installed NIXL, when NIXL is compiled in; serving: a generated llama GGUF through
-                   node-llama-cpp, when it is installed; multiturn: turn 2 reading turn 1's KV from its decode
-                   against recomputing (synthetic model, and GGUF when node-llama-cpp is installed); push: push
-                   beside pull through the proxy (synthetic model, and GGUF when node-llama-cpp is installed);
-                   fleet: the proxy's 'load' policy against round-robin on synthetic workers;
-                   prefix: the same with GGUF prefills reusing cached prefixes, minutes: ask for it;
-                   grid: nixlbench's shape, READ and WRITE over block x batch sizes, minutes: ask for it;
-                   layerwise: a 32-layer KV pull, one request per layer against one request;
-                   demo: nixl-node demo as a child process against the same pulls in one process,
-                   3 runs (--quick: 1), a minute or more: ask for it)
+  --only LIST      comma-separated sections, in the order they run (default: all but those to ask for):
+${sectionsHelp('                     ')}
   grid, with nixlbench's option names and defaults (--quick: steps of 4, 100 iterations, 10 warm-up):
   --start-block-size N  (4096)      --max-block-size N  (67108864)
   --start-batch-size N  (1)         --max-batch-size N  (64; nixlbench's default is 1)

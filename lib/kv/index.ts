@@ -1,7 +1,8 @@
 // nixl-node/kv: the KV-cache path of disaggregated serving: the decode's
 // puller, the prefill's server and tracker, TP mapping, layouts, leases,
 // signed kv_transfer_params, counters and metrics. Descriptor planning, the
-// pull's stages and its connections stay internal.
+// pull's stages and its connections, and push's notification wire
+// (PUSH_REG, write notifications, the quarantine) stay internal.
 export { type KvLayout, type RemoteRankInfo, checkLayout, layoutOf, toAgentMetadata } from './layout';
 export {
   KvLayoutError,
@@ -48,18 +49,10 @@ export { SIGNATURE_KEY, signKvTransferParams, verifyKvTransferParams } from './p
 export { KvPushReceiver, type KvPushReceiverOptions } from './push/decode';
 export { KvPushSender, type KvPushSenderOptions, type PushSenderStats, type PushSent } from './push/prefill';
 export { PushError, type PushFailure, type PushReceived, type ReceiveOptions } from './push/types';
-export { BlockQuarantine, type Quarantined } from './push/quarantine';
-export {
-  PUSH_REG_PREFIX,
-  type PushParams,
-  type PushRegistration,
-  type PushRegLimits,
-  decodePushReg,
-  encodePushReg,
-  expectedWrites,
-  parsePushParams,
-  writeNotif,
-} from './push/reg';
+// Types only: a receiver's quarantine and a push's params are readable; their
+// wire (PUSH_REG, write notifications) is not a user's to compose.
+export type { BlockQuarantine, Quarantined } from './push/quarantine';
+export type { PushParams, PushRegLimits } from './push/reg';
 export {
   DEFAULT_RECOMPUTE_THRESHOLD,
   DEFAULT_TURN_TTL_MS,

@@ -1,6 +1,7 @@
 // nixl-node/serving: the disaggregated-serving proxy, Node inference
-// workers, the transports between them, and the model boundary (the
-// synthetic model, GGUF through node-llama-cpp).
+// workers, the model boundary (the synthetic model, GGUF through
+// node-llama-cpp) and fleets. The transports between proxy and workers and
+// their ZeroMQ codec stay internal: a user picks one by name (`transport`).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy/proxy';
 export type { ProxyStats } from './proxy/metrics';
 export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker/worker';
@@ -8,31 +9,19 @@ export type { KvMode } from './worker/push-serving';
 export type { FrontHandler, RequestHints } from './worker/fronts/front';
 export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';
-export { WorkerPool, type Policy, type Stage, type WorkerRef } from './proxy/pool';
+export type { WorkerPool, Policy, Stage, WorkerRef } from './proxy/pool';
 export type { KvEventsOptions } from './kv-index/precise';
 export type { DecodeLimits as KvEventLimits } from './kv-index/decode';
 export type { IndexOptions as KvIndexOptions } from './kv-index/index';
 export type { EventEndpoint as KvEventEndpoint } from './kv-index/subscriber';
 export type { PromptTokenizer } from './kv-index/tokenizer';
-export {
-  type HealthResult,
-  TransportError,
-  type WorkerTransport,
-  type StageCall,
-  type StageAnswer,
-} from './proxy/transports/types';
-export { HttpTransport } from './proxy/transports/http';
-export { ZmqTransport } from './proxy/transports/zmq';
-export { decodeMessage, encodeMessage, TAGS, type Tag, type ZmqRequest, type ZmqReply } from './api/zmq-protocol';
 export { HttpError } from './api/http';
 export { TurnKv, type TurnDeps, type TurnStats, type Reuse, type HeldTurn, type TurnOwner } from './worker/turns';
 export {
   CONVERSATION_KEY,
-  Conversations,
+  type Conversations,
   type ConversationOptions,
   type ClaimedTurn,
-  carryTurn,
-  takeConversationId,
 } from './proxy/conversations';
 export { SyntheticModel } from './models/synthetic';
 export type { SyntheticModelSpec } from './models/synthetic-kv';
@@ -60,6 +49,6 @@ export {
 export { FleetRegistration, joinFleet, type FleetJoinOptions, type FleetMember } from './fleet/registry';
 export { FleetDiscovery, type FleetWatchOptions } from './fleet/discovery';
 export { type RoutingOptions, affinityKey, pickByLoad } from './fleet/routing';
-export { type WorkerRecord, type FleetRole, type RecordKvEvents, parseRecord } from './fleet/record';
-export { type EtcdOptions, ETCD3 } from './fleet/etcd';
+export type { WorkerRecord, FleetRole, RecordKvEvents } from './fleet/record';
+export type { EtcdOptions } from './fleet/etcd';
 export type { KvEventsConfig, KvEventsInfo } from './worker/kv-events';

@@ -2,7 +2,7 @@
 // repeated by one rank, state that must not grow without bound, and replays.
 import { afterEach, describe, expect, it } from 'vitest';
 import { KvPushReceiver, KvPushSender, NixlAgent, PushError, allocate, servePrefill } from '../../lib';
-import { type PushRegistration, encodePushReg } from '../../lib/kv';
+import { type PushRegistration, encodePushReg } from '../../lib/kv/push/reg';
 import { ENGINE, BLOCK, BLOCKS, PUSH_HASH, PushPair, REGIONS, quiet, rankLayout } from './push-helpers';
 
 const pairs: PushPair[] = [];

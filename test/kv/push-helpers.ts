@@ -4,15 +4,14 @@
 import {
   DescList,
   KvPushReceiver,
-  type KvPushReceiverOptions,
   KvPushSender,
-  type KvPushSenderOptions,
   NixlAgent,
   allocate,
   computeCompatibilityHash,
   servePrefill,
   type KvLayout,
 } from '../../lib';
+import type { KvPushReceiverOptions, KvPushSenderOptions } from '../../lib/kv';
 import type { HandshakeServer } from '../../lib/handshake';
 
 /** The engine the push tests run on: NIXL_NODE_ENGINE (docs/testing.md), else loopback. */

@@ -7,7 +7,7 @@ import { execFileSync } from 'node:child_process';
 import * as path from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { computeCompatibilityHash } from '../../lib/handshake';
-import { type PushRegistration, encodePushReg, writeNotif } from '../../lib/kv';
+import { type PushRegistration, encodePushReg, writeNotif } from '../../lib/kv/push/reg';
 import { FIXTURES } from '../helpers';
 
 const PY = '/usr/bin/python3';

@@ -6,7 +6,7 @@ import { setFlagsFromString } from 'node:v8';
 import { runInNewContext } from 'node:vm';
 import { afterEach, describe, expect, it } from 'vitest';
 import { PushError } from '../../lib';
-import { type PushRegistration, encodePushReg } from '../../lib/kv';
+import { type PushRegistration, encodePushReg } from '../../lib/kv/push/reg';
 import { RegistrationStore } from '../../lib/kv/push/pairing';
 import { PushPair, blockOf } from './push-helpers';
 

@@ -10,7 +10,8 @@ import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
 import { NixlAgent } from '../../lib';
-import { HttpTransport, startProxy, startWorker, SyntheticModel, Worker, ZmqTransport } from '../../lib/serving';
+import { startProxy, startWorker, SyntheticModel, Worker } from '../../lib/serving';
+import { HttpTransport, ZmqTransport } from '../../lib/serving/proxy/transports';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
 import { freePort, repeatedJsonKeys, ROOT } from '../helpers';
 
@@ -92,7 +93,7 @@ describe('a ZeroMQ proxy whose workers it cannot connect to', () => {
     // In a process of its own: its file descriptors, and whether it ends by itself.
     const script = `
       const fs = require('node:fs');
-      const { ZmqTransport } = require(${JSON.stringify(path.join(ROOT, 'dist/lib/serving'))});
+      const { ZmqTransport } = require(${JSON.stringify(path.join(ROOT, 'dist/lib/serving/proxy/transports'))});
       (async () => {
         const t = await new ZmqTransport().bind();
         const fds = () => fs.readdirSync('/proc/self/fd').length;

@@ -8,7 +8,7 @@ import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
 import { NixlAgent } from '../../lib';
 import { createHandshake } from '../../lib/handshake';
-import { type PushRegistration, encodePushReg } from '../../lib/kv';
+import { type PushRegistration, encodePushReg } from '../../lib/kv/push/reg';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
 import { ROOT, serveTrio } from '../helpers';

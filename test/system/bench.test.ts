@@ -1,6 +1,4 @@
-// `npm run bench` as a user runs it: every section, under both wire profiles
-// (the handshake section once failed under v12, the default, because its
-// payload lacked a field only v12 requires).
+// `npm run bench` as a user runs it: every section, under both wire profiles.
 import { execFile } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';

@@ -256,7 +256,7 @@ const SUBPATH_USE = [
   "const hash = computeCompatibilityHash({ vllmVersion: 'v', model: 'm', dtype: 'torch.bfloat16', numKvHeads: 8, headSize: 128, numHiddenLayers: 4, attnBackendName: 'FLASH_ATTN', cacheDtype: 'auto', isHmaEnabled: false });",
   "if (!/^[0-9a-f]{64}$/.test(hash) || wireProfile('v12').name !== 'v12' || typeof zmqHandshake.fetch !== 'function') throw new Error('handshake');",
   'if (tpRatio(4, 2) !== 2 || targetRemoteRanks(4, 1, 2).join() !== "0" || new LeaseBoard(8).slots !== 8) throw new Error("kv");',
-  "if (typeof startWorker !== 'function' || typeof SyntheticModel !== 'function' || !TAGS.includes('HEALTH')) throw new Error('serving');",
+  "if (typeof startWorker !== 'function' || typeof SyntheticModel !== 'function' || CONVERSATION_KEY !== 'conversation_id') throw new Error('serving');",
   "console.log('subpaths ok');",
 ].join('\n');
 
@@ -264,7 +264,7 @@ it('subpaths nixl-node/handshake, /kv and /serving: require, import, and TypeScr
   const names = {
     handshake: ['computeCompatibilityHash', 'wireProfile', 'zmqHandshake'],
     kv: ['tpRatio', 'targetRemoteRanks', 'LeaseBoard'],
-    serving: ['startWorker', 'SyntheticModel', 'TAGS'],
+    serving: ['startWorker', 'SyntheticModel', 'CONVERSATION_KEY'],
   };
   const cjs = Object.entries(names)
     .map(([sub, ns]) => `const { ${ns.join(', ')} } = require('nixl-node/${sub}');`)

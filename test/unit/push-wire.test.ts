@@ -21,7 +21,7 @@ import {
   expectedWrites,
   parsePushParams,
   writeNotif,
-} from '../../lib/kv';
+} from '../../lib/kv/push/reg';
 
 // The factors of the worked example (vllm-side-channel.md §3, vllm-nixl-push.md §2.7).
 const factors = (transferMode: 'pull' | 'push'): CompatibilityFactors => ({

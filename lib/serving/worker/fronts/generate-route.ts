@@ -5,7 +5,7 @@ import { randomUUID } from 'node:crypto';
 import { HttpError } from '../../api/http';
 import type { ModelTokenizer } from '../../models/types';
 import { GENERATE_PATH, MAX_NEW_TOKENS, checkGenerateRequest, generateKvParams } from '../../api/generate';
-import type { FrontHandler as Worker, RequestHints, Sink } from './front';
+import type { FrontHandler, RequestHints, Sink } from './front';
 
 type Obj = Record<string, unknown>;
 const isObject = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
@@ -30,7 +30,7 @@ function promptIds(tok: ModelTokenizer, ids: number[]): number[] {
  * and on a stream's last chunk). Throws HttpError.
  */
 export async function handleGenerate(
-  w: Worker,
+  w: FrontHandler,
   body: Obj,
   headerId: unknown,
   signal: AbortSignal,
@@ -141,7 +141,7 @@ function generateSink(sink: Sink, id: string, tok: ModelTokenizer, maxTokens: nu
 
 /** What a worker's front calls for a POST: the generate endpoint here, every other route on the worker. */
 export function serveRoute(
-  w: Worker,
+  w: FrontHandler,
   path: string,
   body: Obj,
   requestId: string,
