@@ -2,9 +2,15 @@
 // workers, the transports between them, and the model boundary (the
 // synthetic model, GGUF through node-llama-cpp).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy/proxy';
-export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker/worker';
-export type { KvMode } from './worker/push-serving';
-export type { FrontHandler, RequestHints } from './worker/fronts/front';
+export {
+  Worker,
+  startWorker,
+  type WorkerOptions,
+  type WorkerStats,
+  type Sink,
+} from './worker/worker';
+export type { KvMode } from './worker/handoff';
+export type { FrontHandler, RequestHints, WorkerRequest } from './worker/fronts/front';
 export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';
 export { WorkerPool, type Policy, type Stage, type WorkerRef } from './proxy/pool';
