@@ -2,15 +2,12 @@
 // workers, the transports between them, and the model boundary (the
 // synthetic model, GGUF through node-llama-cpp).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy/proxy';
-export {
-  Worker,
-  startWorker,
-  type WorkerOptions,
-  type WorkerStats,
-  type Sink,
-} from './worker/worker';
+export { startWorker } from './worker/start';
+export { Worker } from './worker/worker';
+export type { WorkerOptions } from './worker/options';
+export type { WorkerStats } from './worker/stats';
 export type { KvMode } from './worker/handoff';
-export type { FrontHandler, RequestHints, WorkerRequest } from './worker/fronts/front';
+export type { FrontHandler, RequestHints, Sink, WorkerRequest } from './worker/fronts/front';
 export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';
 export { WorkerPool, type Policy, type Stage, type WorkerRef } from './proxy/pool';

@@ -25,6 +25,10 @@ export interface WorkerParts {
   readonly turns?: TurnKv;
   readonly secret?: string;
   readonly hooks: TestHooks;
+  /** Every name it answers to (vLLM --served-model-name). */
+  readonly servedModelNames: readonly string[];
+  /** The first: the model's name in answers and /v1/models. */
+  readonly modelId: string;
 }
 
 /** One request, as a role serves it. */

@@ -55,3 +55,13 @@ export function pushFailure(e: unknown, signal: AbortSignal): HttpError {
 export function badParams(e: unknown, code?: string): HttpError {
   return new HttpError(400, `kv_transfer_params: ${(e as Error).message}`, code);
 }
+
+/** An error as a front answers it (a request's errors are HttpErrors already; anything else is this worker's fault). */
+export function answered(e: unknown): HttpError {
+  return e instanceof HttpError ? e : failure('internal_error', (e as Error)?.message ?? String(e));
+}
+
+/** A release naming its request by something other than a string. */
+export function notAString(field: string): HttpError {
+  return failure('invalid_request_error', `'${field}' must be a string`);
+}

@@ -7,7 +7,7 @@ import type { HandshakeServer } from '../../handshake/types';
 import { buildKvTransferParams, parseKvTransferParams } from '../../handshake/wire';
 import { LeaseBoard } from '../../kv/lease-board';
 import { verifyKvTransferParams } from '../../kv/params-auth';
-import { PrefillTracker } from '../../kv/prefill';
+import { PrefillTracker, servePrefill } from '../../kv/prefill';
 import { KvPuller } from '../../kv/pull/puller';
 import type { PullError } from '../../kv/pull/types';
 import { HttpError } from '../api/http';
@@ -21,6 +21,7 @@ import {
   type HandoffOptions,
   type KvHandoff,
   type KvRoute,
+  type SideChannelOptions,
   bindingOf,
 } from './handoff';
 import { asksForPush } from './handoff-push';
@@ -58,12 +59,17 @@ export class PullHandoff implements KvHandoff, KvRoute {
     this.tracker.sinks.add({ released: () => {}, unrecognized: () => {}, lateRead: () => o.stats.lateReads++ });
   }
 
-  sideHash(modelHash: string): string {
-    return modelHash;
-  }
-
-  start(side: HandshakeServer): void {
-    this.side = side;
+  async start(o: SideChannelOptions): Promise<void> {
+    this.side = await servePrefill({
+      ranks: [{ agent: this.o.agent, layout: this.o.layout, leaseBoard: this.tracker.board }],
+      compatibilityHash: o.hash ?? this.o.model.compatibilityHash,
+      host: o.host,
+      port: o.port,
+      wire: this.o.wire,
+      logger: { warn() {} },
+      // The clock its v12 replies carry: the one remote_blocks_expiry_time is on.
+      clock: () => this.o.now() / 1000,
+    });
   }
 
   pick(kvp: Record<string, unknown> | undefined): KvRoute {
@@ -165,6 +171,7 @@ export class PullHandoff implements KvHandoff, KvRoute {
   }
 
   async close(): Promise<void> {
+    await this.side?.close();
     await this.puller.close();
     await this.tracker.close();
   }

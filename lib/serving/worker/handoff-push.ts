@@ -7,7 +7,6 @@
 // file of the worker that knows what push is.
 import { randomBytes } from 'node:crypto';
 import { NixlError } from '../../errors';
-import type { HandshakeServer } from '../../handshake/types';
 import { buildKvTransferParams } from '../../handshake/wire';
 import { KvPushReceiver } from '../../kv/push/decode';
 import { KvPushSender } from '../../kv/push/prefill';
@@ -27,6 +26,7 @@ import type {
   KvMode,
   KvRoute,
   PullMode,
+  SideChannelOptions,
 } from './handoff';
 import type { Hold } from './holds';
 import type { ReleaseReason } from './stats';
@@ -84,13 +84,10 @@ export class PushHandoff implements KvHandoff, KvRoute {
     readonly pull: PullMode,
   ) {}
 
-  sideHash(modelHash: string): string {
-    return pushHash(modelHash);
-  }
-
-  /** The receiver and sender, once the side channel prefills handshake back to (to WRITE) is up. */
-  start(side: HandshakeServer): void {
-    this.pull.start(side);
+  /** The side channel (prefills handshake back to it to WRITE), then the receiver and sender. */
+  async start(so: SideChannelOptions): Promise<void> {
+    await this.pull.start({ ...so, hash: pushHash(this.o.model.compatibilityHash) });
+    const side = this.pull.side!;
     const o = this.o;
     const common = {
       agent: o.agent,

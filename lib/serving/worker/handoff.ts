@@ -74,13 +74,20 @@ export interface PullSide extends HoldKeeper {
   parse(kvp: Record<string, unknown>): KvTransferParams;
 }
 
+/** Where the side channel listens. */
+export interface SideChannelOptions {
+  host: string;
+  /** 0: any free port. */
+  port: number;
+  /** Its compatibility hash (default: the model's): a peer of another mode or model is refused at the handshake. */
+  hash?: string;
+}
+
 /** A worker's KV mode, picked once. */
 export interface KvHandoff {
   readonly pull: PullSide;
-  /** The side channel's compatibility hash, from the model's. */
-  sideHash(modelHash: string): string;
-  /** The side channel is up. */
-  start(side: HandshakeServer): void;
+  /** Serves the side channel (peers handshake there) and what moves KV through it. */
+  start(o: SideChannelOptions): Promise<void>;
   /** The route of one request's kv_transfer_params. Throws HttpError (kv_mode_mismatch). */
   pick(kvp: Record<string, unknown> | undefined): KvRoute;
   /** What /health says of it (a push proxy reads where a prefill's KV is). */

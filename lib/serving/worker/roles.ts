@@ -34,11 +34,7 @@ export function classify(body: Record<string, unknown>, kvp: Record<string, unkn
 }
 
 /** Checks a request, then serves it in its role. Throws HttpError (or what its role threw). */
-export async function serve(
-  w: WorkerParts & { servedModelNames: readonly string[]; modelId: string },
-  q: WorkerRequest,
-  span: SpanLike,
-): Promise<void> {
+export async function serve(w: WorkerParts, q: WorkerRequest, span: SpanLike): Promise<void> {
   const arrivedMs = performance.now();
   const { path, body, requestId, signal, sink } = q;
   if (path !== '/v1/completions' && path !== '/v1/chat/completions') throw new HttpError(404, `no route ${path}`);
