@@ -1,7 +1,7 @@
 // What a worker answers: the request as a model takes it (from the OpenAI
 // body), and the answer as it goes out (streamed chunks or one body, then the
 // end with its usage and nixl_node fields).
-import { HttpError } from '../api/http';
+import { failure } from '../api/errors';
 import { chunkBody, completionBody, usageBody } from '../api/openai';
 import type { ChatMessage, Generated, GenerationRequest } from '../models/types';
 import type { Sink } from './fronts/front';
@@ -69,7 +69,7 @@ export class Answer {
 export function generationRequest(path: string, body: Record<string | symbol, unknown>): GenerationRequest {
   const maxTokens = Number(body.max_tokens ?? body.max_completion_tokens ?? 16);
   if (!Number.isInteger(maxTokens) || maxTokens < 1 || maxTokens > 4096)
-    throw new HttpError(400, "'max_tokens' must be an integer from 1 to 4096");
+    throw failure('invalid_request_error', "'max_tokens' must be an integer from 1 to 4096");
   const stop =
     body.stop === undefined || body.stop === null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop;
   return {

@@ -4,7 +4,6 @@
 // bidirectional KV the answered turn is held for the next turn's prefill.
 // A decode in place reads a prefill's hold on this same worker.
 import { failure } from '../api/errors';
-import { HttpError } from '../api/http';
 import { type Generated, type KvBinding, KvRejected } from '../models/types';
 import type { RoleCall, WorkerParts } from './context';
 import { bindingOf } from './handoff';
@@ -43,8 +42,8 @@ export async function decodeInPlace(w: WorkerParts, r: RoleCall, kvp: Record<str
   const held = w.holds.blocksOf(p.remoteRequestId, 'prefill');
   // Only blocks this worker holds for exactly that request (anything else is forged or expired).
   if (!held || held.join() !== p.remoteBlockIds[0]?.join())
-    throw new HttpError(
-      400,
+    throw failure(
+      'invalid_request_error',
       `request '${p.remoteRequestId}' holds no such blocks here (expired, or not prefilled here)`,
     );
   try {

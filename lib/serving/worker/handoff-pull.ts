@@ -10,7 +10,7 @@ import { verifyKvTransferParams } from '../../kv/params-auth';
 import { PrefillTracker, servePrefill } from '../../kv/prefill';
 import { KvPuller } from '../../kv/pull/puller';
 import type { PullError } from '../../kv/pull/types';
-import { HttpError } from '../api/http';
+import { failure } from '../api/errors';
 import type { GenerationRequest, KvBinding, PrefilledKv } from '../models/types';
 import type { Taken } from './block-store';
 import { badParams, pullFailure, pullSetupFailure } from './failures';
@@ -74,11 +74,7 @@ export class PullHandoff implements KvHandoff, KvRoute {
 
   pick(kvp: Record<string, unknown> | undefined): KvRoute {
     if (asksForPush(kvp))
-      throw new HttpError(
-        400,
-        'this worker moves KV in pull mode; these kv_transfer_params ask for push',
-        'kv_mode_mismatch',
-      );
+      throw failure('kv_mode_mismatch', 'this worker moves KV in pull mode; these kv_transfer_params ask for push');
     return this;
   }
 
@@ -217,8 +213,8 @@ class PullPlan implements DecodePlan {
 
 function fitsContext(ctx: number | undefined, req: GenerationRequest, prompt: number | null): void {
   if (ctx === undefined || prompt === null || prompt + req.maxTokens <= ctx) return;
-  throw new HttpError(
-    400,
+  throw failure(
+    'invalid_request_error',
     `this model's context holds ${ctx} tokens; the request needs ${prompt + req.maxTokens} ` +
       `(${prompt} in the prompt, ${req.maxTokens} to generate)`,
   );

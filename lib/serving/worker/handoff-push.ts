@@ -13,7 +13,6 @@ import { KvPushSender } from '../../kv/push/prefill';
 import { baseRequestId, isNotifId, parsePushParams, type PushParams } from '../../kv/push/reg';
 import { PushError } from '../../kv/push/types';
 import { failure } from '../api/errors';
-import { HttpError } from '../api/http';
 import { type GenerationRequest, type KvBinding, KvRejected, type PrefilledKv } from '../models/types';
 import type { Taken } from './block-store';
 import { badParams, pushFailure } from './failures';
@@ -290,8 +289,8 @@ class PushPlan implements DecodePlan {
 function transferId(kvp: Record<string, unknown>): string {
   const t = kvp.transfer_id ?? kvp.remote_request_id;
   if (typeof t !== 'string' || t.length < 1 || t.length > 200 || !isNotifId(t))
-    throw new HttpError(
-      400,
+    throw failure(
+      'invalid_request_error',
       "push kv_transfer_params need a 'transfer_id' (or remote_request_id) usable in a notification",
     );
   return t;
