@@ -12,7 +12,7 @@
 import { createHash, randomUUID } from 'node:crypto';
 import type * as http from 'node:http';
 import { buildKvTransferParams } from '../lib/handshake/wire';
-import type { FrontHandler, Sink } from '../lib/serving/worker/fronts/front';
+import type { FrontHandler, WorkerRequest } from '../lib/serving/worker/fronts/front';
 import { HttpError } from '../lib/serving/api/http';
 import { serveHttp } from '../lib/serving/worker/fronts/http';
 import { ZmqFront } from '../lib/serving/worker/fronts/zmq';
@@ -68,7 +68,7 @@ class FakeWorker implements FrontHandler {
     return e instanceof HttpError ? e : new HttpError(500, (e as Error).message, 'internal_error');
   }
 
-  async handle(path: string, body: Obj, requestId: string, _s: AbortSignal, sink: Sink): Promise<void> {
+  async handle({ path, body, requestId, sink }: WorkerRequest): Promise<void> {
     if (path !== '/v1/completions') throw new HttpError(404, `fake workers serve /v1/completions, not ${path}`);
     const prompt = body.prompt;
     if (typeof prompt !== 'string') throw new HttpError(400, 'prompt must be a string');

@@ -101,8 +101,8 @@ async function round(policy: Policy, prefills: Worker[], decode: Worker, n: numb
 
 /** Round-robin and 'load' on the same workers: `n` requests per locality run and per round. */
 export async function benchFleet(n: number, rounds: number): Promise<FleetResult> {
-  const fast = await Promise.all([0, 1].map(() => startWorker({ blocks: 1024, stallPrefillMs: 5 })));
-  const slow = await startWorker({ blocks: 1024, stallPrefillMs: 100 });
+  const fast = await Promise.all([0, 1].map(() => startWorker({ blocks: 1024, testHooks: { stallPrefillMs: 5 } })));
+  const slow = await startWorker({ blocks: 1024, testHooks: { stallPrefillMs: 100 } });
   const decode = await startWorker({ blocks: 4096 });
   const prefills = [...fast, slow];
   try {

@@ -5,6 +5,7 @@
 import type { WireName } from '../lib/handshake/model';
 import { startWorker } from '../lib/serving';
 import { modelPath } from '../lib/serving/models/test-models';
+import type { TestHooks } from '../lib/serving/worker/test-hooks';
 import { DEFAULT_REUSE_HANDSHAKE_MS } from '../lib/serving/worker/turns';
 import {
   applyUcxNetDevices,
@@ -54,8 +55,6 @@ Usage: nixl-node worker [options]
   --wire W             v12 | v0.13 (default NIXL_WIRE, else v12)
   --kv-mode M          pull | push: how this worker's KV moves, as vLLM's NixlConnector or NixlPushConnector
                        (default pull; every worker behind one proxy uses the proxy's --kv-mode)
-  --stall-prefill-ms N test hook: answer prefills this much later
-  --stall-decode-ms N  test hook: start decode pulls this much later
   --kv-secret S        sign / require signed kv_transfer_params (default NIXL_NODE_KV_SECRET)
   --bidirectional-kv   multi-turn: a decode holds each answered turn's KV for the next turn's prefill,
                        which reads what is provably its prompt's prefix (vLLM bidirectional_kv_xfer)
@@ -70,9 +69,6 @@ Usage: nixl-node worker [options]
   --otlp-endpoint URL  export traces to URL/v1/traces (OTLP/HTTP JSON; default OTEL_EXPORTER_OTLP_ENDPOINT)
   --log-level L        trace | debug | info | warn | error | silent (default info, or NIXL_NODE_LOG_LEVEL):
                        JSON lines on stderr; each request at debug, failed ones at info / warn
-  --poison-freed       test hook: overwrite blocks freed by lease at once (as reuse would)
-  --clock-skew-ms N    test hook: run this worker's monotonic clock N ms ahead (negative: behind)
-  --tamper-kv HOW      test hook (GGUF): damage each prefilled state: truncate | corrupt | oversize | foreign
 ${UCX_NET_DEVICES_HELP}
 ${VLLM_WORKER_HELP}`;
 
@@ -146,17 +142,13 @@ export async function workerCommand(argv: string[]): Promise<void> {
     kvWaitMs: v['kv-wait-ms'] === undefined ? undefined : integer(String(v['kv-wait-ms']), 'kv-wait-ms'),
     kvQueueMax: v['kv-queue-max'] === undefined ? undefined : integer(String(v['kv-queue-max']), 'kv-queue-max'),
     wire: oneOf(v, 'wire', ['v12', 'v0.13'] as const, (process.env.NIXL_WIRE as WireName) ?? 'v12'),
-    stallPrefillMs: v['stall-prefill-ms'] === undefined ? undefined : positiveInt(v, 'stall-prefill-ms', 0, 3_600_000),
-    stallDecodeMs: v['stall-decode-ms'] === undefined ? undefined : positiveInt(v, 'stall-decode-ms', 0, 3_600_000),
     sideChannelPort:
       v['side-channel-port'] === undefined
         ? undefined
         : portNumber(String(v['side-channel-port']), 'side-channel-port'),
-    poisonFreed: v['poison-freed'] === true,
     kvSecret: v['kv-secret'] as string | undefined,
     kvMode: oneOf(v, 'kv-mode', ['pull', 'push'] as const, 'pull'),
     ...bidirectionalOptions(v),
-    clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
     model:
       gguf ?? (v['block-size'] === undefined ? undefined : { ...DEFAULT_MODEL, blockSize: Number(v['block-size']) }),
     servedModelNames: vllm.servedModelNames,
@@ -169,15 +161,12 @@ export async function workerCommand(argv: string[]): Promise<void> {
     kvEvents: v['kv-events-config'] as string | undefined,
     blockBytes: v['block-kib'] === undefined ? undefined : positiveInt(v, 'block-kib', 64, 1 << 20) * 1024,
     stateDir: v['state-dir'] as string | undefined,
-    tamperKv:
-      v['tamper-kv'] === undefined
-        ? undefined
-        : oneOf(v, 'tamper-kv', ['truncate', 'corrupt', 'oversize', 'foreign'] as const, 'corrupt'),
     etcd: etcd && {
       ...etcd,
       role: oneOf(v, 'role', ['prefill', 'decode', 'both', 'encode'] as const, 'both'),
       ttlSec: positiveInt(v, 'etcd-ttl', 5, 3600),
     },
+    testHooks: testHooks(v),
     logger: log,
   }).catch((e) => {
     throw inUse(e, '--host, --port, --side-channel-port, --zmq-addr or --metrics-port');
@@ -226,5 +215,23 @@ function bidirectionalOptions(v: Record<string, unknown>) {
     kvRecomputeThreshold:
       v['kv-recompute-threshold'] === '0' ? 0 : positiveInt(v, 'kv-recompute-threshold', 64, 1 << 20),
     kvReuseHandshakeMs: positiveInt(v, 'kv-reuse-handshake-timeout', DEFAULT_REUSE_HANDSHAKE_MS, 600_000),
+  };
+}
+
+/**
+ * The test hooks' flags (test-hooks.ts): tests start workers with them; --help leaves them out.
+ * --stall-prefill-ms N, --stall-decode-ms N, --poison-freed, --clock-skew-ms N,
+ * --tamper-kv truncate | corrupt | oversize | foreign.
+ */
+function testHooks(v: Record<string, unknown>): TestHooks {
+  return {
+    stallPrefillMs: v['stall-prefill-ms'] === undefined ? undefined : positiveInt(v, 'stall-prefill-ms', 0, 3_600_000),
+    stallDecodeMs: v['stall-decode-ms'] === undefined ? undefined : positiveInt(v, 'stall-decode-ms', 0, 3_600_000),
+    poisonFreed: v['poison-freed'] === true,
+    clockSkewMs: v['clock-skew-ms'] === undefined ? undefined : integer(String(v['clock-skew-ms']), 'clock-skew-ms'),
+    tamperKv:
+      v['tamper-kv'] === undefined
+        ? undefined
+        : oneOf(v, 'tamper-kv', ['truncate', 'corrupt', 'oversize', 'foreign'] as const, 'corrupt'),
   };
 }

@@ -3,10 +3,13 @@
 // node-llama-cpp) and fleets. The transports between proxy and workers and
 // their ZeroMQ codec stay internal: a user picks one by name (`transport`).
 export { ServingProxy, startProxy, type ProxyOptions } from './proxy/proxy';
+export { startWorker } from './worker/start';
+export { Worker } from './worker/worker';
+export type { WorkerOptions } from './worker/options';
+export type { WorkerStats } from './worker/stats';
+export type { KvMode } from './worker/handoff';
+export type { FrontHandler, RequestHints, Sink, WorkerRequest } from './worker/fronts/front';
 export type { ProxyStats } from './proxy/metrics';
-export { Worker, startWorker, type WorkerOptions, type WorkerStats, type Sink } from './worker/worker';
-export type { KvMode } from './worker/push-serving';
-export type { FrontHandler, RequestHints } from './worker/fronts/front';
 export type { Logger } from './log';
 export type { Tamper } from './models/kv-state';
 export type { WorkerPool, Policy, Stage, WorkerRef } from './proxy/pool';

@@ -248,8 +248,8 @@ describe('through the proxy: a right answer or a typed error, never stale KV', (
     it(`prefill lease 200 ms, decode stalled 1 s, freed blocks poisoned at once (${transport}, prefill clock ${skew} ms off)`, async () => {
       const { prefill, decode, proxy } = await serveTrio(closers, {
         transport,
-        prefill: { blocks: 48, leaseMs: 200, poisonFreed: true, clockSkewMs: skew },
-        decode: { blocks: 256, stallDecodeMs: 1000 },
+        prefill: { blocks: 48, leaseMs: 200, testHooks: { poisonFreed: true, clockSkewMs: skew } },
+        decode: { blocks: 256, testHooks: { stallDecodeMs: 1000 } },
       });
       const tally: Tally = { right: 0, typed: 0, wrong: [] };
       const first = Array.from({ length: 6 }, (_, i) => ask(proxy.url, i, tally));
@@ -271,7 +271,7 @@ describe('through the proxy: a right answer or a typed error, never stale KV', (
 
   it('a lease long enough for the pulls: every answer right, nothing expired', async () => {
     const { prefill, decode, proxy } = await serveTrio(closers, {
-      prefill: { blocks: 512, leaseMs: 10_000, poisonFreed: true },
+      prefill: { blocks: 512, leaseMs: 10_000, testHooks: { poisonFreed: true } },
       decode: { blocks: 256 },
     });
     const tally: Tally = { right: 0, typed: 0, wrong: [] };

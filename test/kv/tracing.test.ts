@@ -127,7 +127,7 @@ describe.each(['http', 'zmq'] as const)('a traced request over %s', (transport) 
   it('a failing stage shows its error on its span, with the code', async () => {
     const { proxy } = await serveTrio(closers, {
       transport,
-      decode: { stallDecodeMs: 2000 },
+      decode: { testHooks: { stallDecodeMs: 2000 } },
       proxy: { timeoutMs: { decode: 300 } },
     });
     const r = await fetch(`${proxy.url}/v1/completions`, {

@@ -25,7 +25,11 @@ describe('a GGUF decode refuses KV states it cannot vouch for (no KV secret)', (
 
   beforeAll(async () => {
     gguf = modelPath('tiny', dir);
-    prefill = await startWorker({ ...options, model: gguf, tamperKv: (env) => (mutate ? mutate(env) : env) });
+    prefill = await startWorker({
+      ...options,
+      model: gguf,
+      testHooks: { tamperKv: (env) => (mutate ? mutate(env) : env) },
+    });
     decode = await startWorker({ ...options, model: gguf });
     for (const [k, b] of Object.entries(asks)) {
       const g = await disaggregated(prefill, decode, b);
@@ -138,7 +142,7 @@ describe('with a KV secret', () => {
     const gguf = modelPath('tiny', dir);
     let mutate: ((env: Buffer) => Buffer) | undefined;
     const o = { ...options, model: gguf, kvSecret: 'deployment secret' };
-    const prefill = await startWorker({ ...o, tamperKv: (env) => (mutate ? mutate(env) : env) });
+    const prefill = await startWorker({ ...o, testHooks: { tamperKv: (env) => (mutate ? mutate(env) : env) } });
     const decode = await startWorker(o);
     const plain = await startWorker({ ...options, model: gguf });
     try {

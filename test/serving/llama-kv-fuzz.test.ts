@@ -26,7 +26,11 @@ let mutate: ((env: Buffer) => Buffer) | undefined;
 
 beforeAll(async () => {
   const gguf = modelPath('tiny', dir);
-  prefill = await startWorker({ ...options, model: gguf, tamperKv: (env) => (mutate ? mutate(env) : env) });
+  prefill = await startWorker({
+    ...options,
+    model: gguf,
+    testHooks: { tamperKv: (env) => (mutate ? mutate(env) : env) },
+  });
   decode = await startWorker({ ...options, model: gguf });
   for (const b of asks) honest.push((await disaggregated(prefill, decode, b)).text);
 }, 60_000);

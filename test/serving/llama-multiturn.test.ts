@@ -76,7 +76,7 @@ describe('a held turn damaged on the decode (tiny)', () => {
     const worker = { model: gguf, ...CTX, bidirectionalKv: true, kvRecomputeThreshold: 16, kvSecret: 's3cret' };
     const { proxy, prefill } = await serveTrio(closers, {
       prefill: { ...worker, prefixCache: false },
-      decode: { ...worker, tamperKv: 'corrupt' },
+      decode: { ...worker, testHooks: { tamperKv: 'corrupt' } },
     });
     const first = CONVERSATIONS.tiny[0];
     const a = await chat(proxy.url, [{ role: 'user', content: first }], 24, 'damaged');

@@ -98,7 +98,7 @@ describe('tiny GGUF: one worker and prefill + decode through the proxy agree', (
 });
 
 it('a decode that refuses a bad state stays in the pool: the honest prefill answers next', async () => {
-  const bad = await worker({ tamperKv: 'corrupt' });
+  const bad = await worker({ testHooks: { tamperKv: 'corrupt' } });
   const good = await worker();
   const decode = await worker();
   const proxy = await startProxy({

@@ -21,7 +21,7 @@ import type { LlamaModel } from '../../lib/serving/models/llama';
 import { modelPath } from '../../lib/serving/models/test-models';
 import type { GenerationRequest } from '../../lib/serving/models/types';
 import { pushDecodeParams } from '../../lib/serving/proxy/handoff-push';
-import { pushHash } from '../../lib/serving/worker/push-serving';
+import { pushHash } from '../../lib/serving/worker/handoff-push';
 
 const CTX = { contextSize: 2048, threads: 1 };
 const MAX_TOKENS = 10;

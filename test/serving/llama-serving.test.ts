@@ -240,7 +240,7 @@ describe('llama worker', () => {
   it.each(['truncate', 'corrupt', 'oversize', 'foreign'] as const)(
     'a %s state is refused before llama.cpp loads it; the decode stays up and serves the next request',
     async (how) => {
-      const bad = await startWorker({ ...workerOptions, model: gguf, tamperKv: how });
+      const bad = await startWorker({ ...workerOptions, model: gguf, testHooks: { tamperKv: how } });
       closers.push(() => bad.close());
       const a: Ask = { chat: false, text: 'the quiet hills and rivers under rain '.repeat(6) };
       const before = { ...decode.stats };

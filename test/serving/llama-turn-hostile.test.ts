@@ -274,7 +274,7 @@ describe.each([3_600_000, -3_600_000])('GGUF turns, the decode clock %d ms off t
     const ref = await OneProcess.load(gguf, CTX);
     const w = { model: gguf, ...CTX, parallel: 1, bidirectionalKv: true, kvRecomputeThreshold: 16 };
     const prefill = await startWorker({ ...w, prefixCache: false });
-    const decode = await startWorker({ ...w, clockSkewMs: skew });
+    const decode = await startWorker({ ...w, testHooks: { clockSkewMs: skew } });
     try {
       const a = await chatTurn(prefill, decode, [{ role: 'user', content: FIRST }], 12);
       const messages = [

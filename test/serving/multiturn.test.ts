@@ -55,7 +55,7 @@ async function pair(
   const d = await startWorker({
     name: `MD-${Math.random()}`,
     decoderKvTtlMs: o.ttlMs,
-    clockSkewMs: o.decodeSkewMs,
+    testHooks: { clockSkewMs: o.decodeSkewMs },
     ...common,
   });
   closers.push(

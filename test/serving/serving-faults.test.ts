@@ -187,8 +187,8 @@ describe('every client mistake is a 4xx and never counts against a worker', () =
 
 describe('prefill holds released when their decode will not read them', () => {
   it('a client that goes away during the prefill or the pull frees the blocks at once, not at the lease', async () => {
-    const prefill = await startWorker({ blocks: 64, stallPrefillMs: 300 });
-    const decode = await startWorker({ blocks: 256, stallDecodeMs: 300 });
+    const prefill = await startWorker({ blocks: 64, testHooks: { stallPrefillMs: 300 } });
+    const decode = await startWorker({ blocks: 256, testHooks: { stallDecodeMs: 300 } });
     const proxy = await startProxy({ prefill: [prefill.address], decode: [decode.address], healthIntervalMs: 0 });
     closers.push(
       () => prefill.close(),

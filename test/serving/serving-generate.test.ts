@@ -362,7 +362,7 @@ describe('generate on a model whose text encodes to more ids than it sampled', (
     const w = {
       modelId: 'm',
       model: { tokenizer },
-      handle: async (_p: string, body: Json, _id: string, _s: AbortSignal, sink: Sink) => {
+      handle: async ({ body, sink }: { body: Json; sink: Sink }) => {
         if (body.stream !== true)
           return sink.end(200, { model: 'm', choices: [{ index: 0, text: 'abc', finish_reason: 'stop' }], usage });
         sink.chunk({ choices: [{ index: 0, text: 'ab', finish_reason: null }] });
@@ -377,7 +377,13 @@ describe('generate on a model whose text encodes to more ids than it sampled', (
       let whole: Json | undefined;
       const sink: Sink = { chunk: (c) => chunks.push(c), end: (_s, b) => (whole = b) };
       const body = { token_ids: [104, 105], sampling_params: { max_tokens: 4 }, stream };
-      await handleGenerate(w, body, 'x', new AbortController().signal, sink);
+      await handleGenerate(w, {
+        path: '/inference/v1/generate',
+        body,
+        requestId: 'x',
+        signal: new AbortController().signal,
+        sink,
+      });
       const out = stream ? tokensOf(chunks) : whole!.choices[0].token_ids;
       expect(out, `stream ${stream}`).toEqual(ids('aabb'));
       const last = stream ? chunks.at(-1)! : whole!;

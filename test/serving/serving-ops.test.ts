@@ -473,6 +473,13 @@ it('nixl-node --version, and --help names what the worker serves', () => {
   expect(help).toContain('--version');
 });
 
+it('worker --help lists no test hook (they are flags tests start workers with, grouped under testHooks)', () => {
+  const help = cli(['worker', '--help']).stdout;
+  expect(help).toContain('--kv-mode');
+  for (const hook of ['--stall-prefill-ms', '--stall-decode-ms', '--poison-freed', '--clock-skew-ms', '--tamper-kv'])
+    expect(help, hook).not.toContain(hook);
+});
+
 it('an address in use: the message names it, says EADDRINUSE and which options choose it', async () => {
   const port = await freePort();
   const w = await startWorker({ port });

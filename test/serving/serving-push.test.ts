@@ -29,7 +29,9 @@ async function cluster(
   kvMode: Mode,
   o: { leaseMs?: number; pushTimeoutMs?: number; stallPrefillMs?: number } = {},
 ) {
-  const w = (name: string) => ({ name: `${name}-${kvMode}-${transport}`, blocks: 256, kvMode, ...o });
+  const { stallPrefillMs, ...rest } = o;
+  const testHooks = { stallPrefillMs };
+  const w = (name: string) => ({ name: `${name}-${kvMode}-${transport}`, blocks: 256, kvMode, ...rest, testHooks });
   return serveTrio(cleanup, {
     transport,
     prefill: w('P'),

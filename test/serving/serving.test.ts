@@ -127,7 +127,12 @@ describe.each(['http', 'zmq'] as const)('proxy over %s', (transport) => {
   }, 60_000);
 
   it('a client that disconnects aborts the stage in flight', async () => {
-    const slow = await startWorker({ name: `slowP-${transport}`, transport, stallPrefillMs: 5000, leaseMs: 500 });
+    const slow = await startWorker({
+      name: `slowP-${transport}`,
+      transport,
+      testHooks: { stallPrefillMs: 5000 },
+      leaseMs: 500,
+    });
     const d = await startWorker({ name: `D-${transport}`, transport });
     cleanup.push(
       () => slow.close(),

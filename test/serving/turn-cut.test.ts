@@ -101,7 +101,7 @@ async function trio(transport: 'http' | 'zmq', relay: boolean) {
   const o = { transport, bidirectionalKv: true, blocks: 128 } as const;
   const prefill = await startWorker({ name: `CP-${Math.random()}`, ...o });
   // The decode waits a little before its pull: time to cut before its first byte.
-  const decode = await startWorker({ name: `CD-${Math.random()}`, ...o, stallDecodeMs: 150 });
+  const decode = await startWorker({ name: `CD-${Math.random()}`, ...o, testHooks: { stallDecodeMs: 150 } });
   const r = !relay
     ? undefined
     : transport === 'http'
@@ -243,22 +243,46 @@ describe("the decode's own side of a turn's hold", () => {
     const sink = { chunk() {}, end() {} };
     // The front aborts the request's signal when its connection closes before the last chunk was written out.
     const ac = new AbortController();
-    await d.handle('/v1/completions', await prefilled(p, true), 'own-1', ac.signal, sink);
+    await d.handle({
+      path: '/v1/completions',
+      body: await prefilled(p, true),
+      requestId: 'own-1',
+      signal: ac.signal,
+      sink,
+    });
     expect(d.turns!.held).toBe(1);
     ac.abort();
     await until(() => free(d) === d0, 3000, 'the hold freed on its abort');
     // The proxy's release by its request id (it never got the params).
-    await d.handle('/v1/completions', await prefilled(p, false), 'own-2', new AbortController().signal, sink);
+    await d.handle({
+      path: '/v1/completions',
+      body: await prefilled(p, false),
+      requestId: 'own-2',
+      signal: new AbortController().signal,
+      sink,
+    });
     expect(d.turns!.held).toBe(1);
     expect(d.releaseRequest('own-2')).toBe(1);
     await until(() => free(d) === d0, 3000, 'the hold freed by request id');
     // A release that came before the decode ended: no hold is made.
     expect(d.releaseRequest('own-3')).toBe(0);
-    await d.handle('/v1/completions', await prefilled(p, false), 'own-3', new AbortController().signal, sink);
+    await d.handle({
+      path: '/v1/completions',
+      body: await prefilled(p, false),
+      requestId: 'own-3',
+      signal: new AbortController().signal,
+      sink,
+    });
     expect(d.turns!.held).toBe(0);
     expect(free(d)).toBe(d0);
     // Any other request still holds its turn.
-    await d.handle('/v1/completions', await prefilled(p, false), 'own-4', new AbortController().signal, sink);
+    await d.handle({
+      path: '/v1/completions',
+      body: await prefilled(p, false),
+      requestId: 'own-4',
+      signal: new AbortController().signal,
+      sink,
+    });
     expect(d.turns!.held).toBe(1);
   }, 30_000);
 });

@@ -8,38 +8,29 @@
 //            gone, another prompt, forged) is recomputed, never an error.
 import { randomUUID } from 'node:crypto';
 import type { WireName } from '../../handshake/model';
-import type { HandshakeServer } from '../../handshake/types';
 import { buildKvTransferParams } from '../../handshake/wire';
-import type { PrefillTracker } from '../../kv/prefill';
-import type { KvPuller, PullError } from '../../kv/pull/puller';
+import type { PullError } from '../../kv/pull/puller';
 import { signKvTransferParams } from '../../kv/params-auth';
 import { type ReusePlan, planReuse, turnParams } from '../../kv/turn-params';
 import type { SpanLike } from '../../tracing';
-import type {
-  BlockView,
-  GenerationRequest,
-  PrefilledKv,
-  PreviousTurn,
-  ServingModel,
-  TurnKvState,
-} from '../models/types';
+import { type Tamper, tamperEnvelope } from '../models/kv-state';
+import type { GenerationRequest, PrefilledKv, PreviousTurn, ServingModel, TurnKvState } from '../models/types';
+import type { BlockStore } from './block-store';
+import type { PullSide } from './handoff';
+import type { HoldTable } from './holds';
 
-/** What TurnKv needs of its worker. */
+/** What TurnKv needs of its worker: its blocks, its holds, and the pull that reads and holds turns. */
 export interface TurnDeps {
   name: string;
   wire?: WireName;
   secret?: string;
   model: ServingModel;
-  tracker: PrefillTracker;
-  puller: KvPuller;
-  /** Its side channel (where the params say a prefill handshakes). */
-  side(): HandshakeServer;
-  /** Free blocks, or undefined when there are not that many. */
-  take(n: number): number[] | undefined;
-  /** Gives blocks back. */
-  give(ids: number[]): void;
-  /** The blocks `ids` of its pool, as a model reads and writes them. */
-  view(ids: readonly number[]): BlockView;
+  /** The worker's KV cache blocks. @internal */
+  blocks: BlockStore;
+  /** Where a held turn is filed, and freed. @internal */
+  holds: HoldTable;
+  /** The tracker that holds a turn, the puller that reads one, the side channel the params name. @internal */
+  pull: PullSide;
   /** How long a finished turn is held, ms. */
   ttlMs: number;
   /**
@@ -50,10 +41,8 @@ export interface TurnDeps {
   recomputeThreshold?: number;
   /** The handshake with the decode holding the previous turn: one attempt of this many ms. */
   reuseHandshakeMs?: number;
-  /** Whether a release of this request id (the proxy's) came before its turn was held: then none is. */
-  releasedEarly?(requestId: string): boolean;
-  /** Test hook: damages a held turn's KV once written (its `n` blocks). */
-  tamper?: (view: BlockView, n: number) => void;
+  /** Test hook (GGUF): damages a held turn's KV once written. */
+  tamperKv?: Tamper;
 }
 
 /** The default of TurnDeps.reuseHandshakeMs. */
@@ -98,23 +87,18 @@ export interface Reuse {
 /** A worker's holds of finished turns, and its reads of them. */
 export class TurnKv {
   readonly stats: TurnStats = { turnsHeld: 0, turnsReused: 0, reusedTokens: 0, turnsRecomputed: 0 };
-  /** Turns held here, by the id their params carry. */
-  readonly #held = new Map<string, number[]>();
-  /** The turns held for each request id (TurnOwner). */
-  readonly #of = new Map<string, Set<string>>();
-  #heldBlocks = 0;
   #seq = 0;
 
   constructor(private readonly d: TurnDeps) {}
 
   /** Turns held right now. */
   get held(): number {
-    return this.#held.size;
+    return this.d.holds.count('turn');
   }
 
   /** Blocks they take. */
   get heldBlocks(): number {
-    return this.#heldBlocks;
+    return this.d.holds.turnBlocks;
   }
 
   /**
@@ -126,27 +110,30 @@ export class TurnKv {
    * (the hold ends with it when its client leaves first).
    */
   keep(req: GenerationRequest, text: string, made?: TurnKvState, owner?: TurnOwner): HeldTurn | undefined {
-    if (owner && (owner.signal.aborted || this.d.releasedEarly?.(owner.requestId))) return undefined;
+    const { holds, blocks, pull } = this.d;
+    if (owner && (owner.signal.aborted || holds.releasedEarly(owner.requestId))) return undefined;
     const kv = made ?? this.d.model.turnKv?.(req, text);
     if (!kv || kv.tokens.length === 0) return undefined;
-    if (this.#heldBlocks + kv.blocks > this.d.maxHeldBlocks) return undefined;
-    const ids = this.d.take(kv.blocks);
+    if (holds.turnBlocks + kv.blocks > this.d.maxHeldBlocks) return undefined;
+    const ids = blocks.take(kv.blocks);
     if (!ids) return undefined;
-    this.#heldBlocks += ids.length;
     const id = `turn-${++this.#seq}-${randomUUID()}`;
-    kv.writeTo(this.d.view(ids), { engineId: this.d.name, requestId: id, blockIds: ids });
-    this.d.tamper?.(this.d.view(ids), ids.length);
-    this.#held.set(id, ids);
-    const mine = owner && this.#own(id, owner);
-    void this.d.tracker.expect(id, ids, { leaseMs: this.d.ttlMs, renewable: false }).then(() => {
-      mine?.();
-      this.#held.delete(id);
-      this.#heldBlocks -= ids.length;
-      this.d.give(ids);
+    kv.writeTo(blocks.view(ids), { engineId: this.d.name, requestId: id, blockIds: ids });
+    // A decode's held turns are damaged too (GGUF: the next prefill must refuse them).
+    if (this.d.tamperKv)
+      tamperEnvelope(blocks.view(ids), ids.length, this.d.model.geometry.blockBytes, this.d.tamperKv, this.d.secret);
+    const hold = holds.add({
+      id,
+      ids,
+      kind: 'turn',
+      keeper: pull,
+      requestId: owner?.requestId,
+      signal: owner?.signal,
     });
+    hold.settles(pull.tracker.expect(id, ids, { leaseMs: this.d.ttlMs, renewable: false }));
     this.stats.turnsHeld++;
-    const expiry = this.d.tracker.leaseExpiry(id);
-    const side = this.d.side();
+    const expiry = pull.tracker.leaseExpiry(id);
+    const side = pull.side!;
     const base = buildKvTransferParams(
       {
         remoteBlockIds: [ids],
@@ -165,26 +152,6 @@ export class TurnKv {
     return {
       params: this.d.secret === undefined ? params : signKvTransferParams(params, this.d.secret),
       holdMs: this.d.ttlMs,
-    };
-  }
-
-  /** Frees the turns held for a request id now (its client left); how many. */
-  releaseRequest(requestId: string): number {
-    let n = 0;
-    for (const id of [...(this.#of.get(requestId) ?? [])]) if (this.d.tracker.abort(id)) n++;
-    return n;
-  }
-
-  /** Files turn `id` under its owner, freed when the owner's signal aborts; returns what unfiles it. */
-  #own(id: string, o: TurnOwner): () => void {
-    const set = this.#of.get(o.requestId) ?? new Set<string>();
-    this.#of.set(o.requestId, set.add(id));
-    const cut = () => this.d.tracker.abort(id);
-    o.signal.addEventListener('abort', cut, { once: true });
-    return () => {
-      o.signal.removeEventListener('abort', cut);
-      set.delete(id);
-      if (set.size === 0 && this.#of.get(o.requestId) === set) this.#of.delete(o.requestId);
     };
   }
 
@@ -219,16 +186,16 @@ export class TurnKv {
     let previous: PreviousTurn | undefined;
     try {
       if (plan.params && plan.tokens === 0 && plan.release)
-        await this.#read(kvp, plan.params, [], 0, signal, span).catch(() => {});
+        await this.#read(plan.params, [], 0, signal, span).catch(() => {});
       else if (plan.params && plan.tokens > 0) {
-        tmp = this.d.take(plan.blocks);
+        tmp = this.d.blocks.take(plan.blocks);
         if (!tmp) skipped = 'no-room';
         else
           try {
-            await this.#read(kvp, plan.params, tmp, plan.blocks, signal, span);
+            await this.#read(plan.params, tmp, plan.blocks, signal, span);
             const p = plan.params;
             previous = {
-              view: this.d.view(tmp),
+              view: this.d.blocks.view(tmp),
               blocks: plan.blocks,
               tokens: plan.tokens,
               binding: { engineId: p.remoteEngineId, requestId: p.remoteRequestId, blockIds: p.remoteBlockIds[0] },
@@ -243,13 +210,12 @@ export class TurnKv {
       this.#count(tokens, span);
       return { kv, reuse: { tokens, blocks: 0, ...(skipped !== undefined ? { skipped } : {}) } };
     } finally {
-      if (tmp) this.d.give(tmp);
+      if (tmp) this.d.blocks.give(tmp);
     }
   }
 
   /** Reads the first `blocks` of the previous turn's blocks into `ids` (copied when held here). */
   async #read(
-    kvp: Record<string, unknown>,
     p: NonNullable<ReusePlan['params']>,
     ids: readonly number[],
     blocks: number,
@@ -258,7 +224,7 @@ export class TurnKv {
   ): Promise<void> {
     if (p.remoteEngineId === this.d.name) this.#copyHere(p, ids, blocks);
     else
-      await this.d.puller.pullFromParams(kvp, {
+      await this.d.pull.puller.pullFromParams(p, {
         localBlockIds: ids.slice(0, blocks),
         continuation: true,
         signal,
@@ -300,7 +266,7 @@ export class TurnKv {
     if (plan.params && (plan.tokens > 0 || plan.release)) {
       const blocks = plan.blocks;
       try {
-        await this.#read(kvp, plan.params, ids, blocks, signal, span);
+        await this.#read(plan.params, ids, blocks, signal, span);
         if (blocks > 0) r = { tokens: plan.tokens, blocks };
       } catch (e) {
         // The KV we may have read is not trusted: every block is computed again.
@@ -314,12 +280,12 @@ export class TurnKv {
 
   /** The previous turn is held by this worker: its blocks are copied, then freed. */
   #copyHere(p: NonNullable<ReusePlan['params']>, ids: readonly number[], blocks: number): void {
-    const held = this.#held.get(p.remoteRequestId);
+    const held = this.d.holds.blocksOf(p.remoteRequestId, 'turn');
     // Only a hold of exactly those blocks (anything else is forged or expired).
     if (!held || held.join() !== p.remoteBlockIds[0]?.join()) throw { kind: 'expired' };
-    const from = this.d.view(held);
-    const to = this.d.view(ids);
+    const from = this.d.blocks.view(held);
+    const to = this.d.blocks.view(ids);
     for (let b = 0; b < blocks; b++) for (let l = 0; l < this.d.model.geometry.layers; l++) from(b, l).copy(to(b, l));
-    this.d.tracker.release(p.remoteRequestId);
+    this.d.holds.consumed(p.remoteRequestId);
   }
 }

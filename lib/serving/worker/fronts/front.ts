@@ -20,6 +20,22 @@ export interface RequestHints {
   decodeMaxTokens?: unknown;
 }
 
+/** One request as a front passes it to the worker. */
+export interface WorkerRequest {
+  /** The route: /v1/completions, /v1/chat/completions. */
+  path: string;
+  body: Record<string, unknown>;
+  /** The request's id (X-Request-Id, the ZeroMQ request_id, or one made up). */
+  requestId: string;
+  /** Aborted when the client goes away. */
+  signal: AbortSignal;
+  /** Where the answer goes. */
+  sink: Sink;
+  /** The proxy's W3C traceparent: the worker's span is a child of its stage span. */
+  traceparent?: unknown;
+  hints?: RequestHints;
+}
+
 /** The worker as its fronts (HTTP, ZeroMQ) see it. */
 export interface FrontHandler {
   readonly name: string;
@@ -50,15 +66,7 @@ export interface FrontHandler {
   /** Frees the holds of a request by the proxy's request id (its prefill answer may not have arrived). */
   releaseRequest(requestId: unknown): number;
   /** One request, answered into `sink`. Throws HttpError. */
-  handle(
-    path: string,
-    body: Record<string, unknown>,
-    requestId: string,
-    signal: AbortSignal,
-    sink: Sink,
-    traceparent?: unknown,
-    hints?: RequestHints,
-  ): Promise<void>;
+  handle(r: WorkerRequest): Promise<void>;
   /** Counts a failed request; the error as the front answers it. */
   failed(e: unknown): HttpError;
   /** GET /metrics: Prometheus text; undefined without prom-client. */

@@ -5,7 +5,7 @@ import { randomUUID } from 'node:crypto';
 import { HttpError } from '../../api/http';
 import type { ModelTokenizer } from '../../models/types';
 import { GENERATE_PATH, MAX_NEW_TOKENS, checkGenerateRequest, generateKvParams } from '../../api/generate';
-import type { FrontHandler, RequestHints, Sink } from './front';
+import type { FrontHandler, Sink, WorkerRequest } from './front';
 
 type Obj = Record<string, unknown>;
 const isObject = (v: unknown): v is Obj => typeof v === 'object' && v !== null && !Array.isArray(v);
@@ -29,15 +29,8 @@ function promptIds(tok: ModelTokenizer, ids: number[]): number[] {
  * vLLM's generate shape (token ids; kv_transfer_params at the top level,
  * and on a stream's last chunk). Throws HttpError.
  */
-export async function handleGenerate(
-  w: FrontHandler,
-  body: Obj,
-  headerId: unknown,
-  signal: AbortSignal,
-  sink: Sink,
-  traceparent?: unknown,
-  hints: RequestHints = {},
-): Promise<void> {
+export async function handleGenerate(w: FrontHandler, q: WorkerRequest): Promise<void> {
+  const { body, requestId: headerId } = q;
   try {
     checkGenerateRequest(body, { kvTransferParams: 'object' });
   } catch (e) {
@@ -77,8 +70,8 @@ export async function handleGenerate(
         ? body.request_id
         : randomUUID();
   const id = `generate-tokens-${base}`;
-  const out = generateSink(sink, id, tok, maxTokens);
-  await w.handle('/v1/completions', completion as Obj, id, signal, out, traceparent, hints);
+  const out = generateSink(q.sink, id, tok, maxTokens);
+  await w.handle({ ...q, path: '/v1/completions', body: completion as Obj, requestId: id, sink: out });
 }
 
 /**
@@ -140,16 +133,6 @@ function generateSink(sink: Sink, id: string, tok: ModelTokenizer, maxTokens: nu
 }
 
 /** What a worker's front calls for a POST: the generate endpoint here, every other route on the worker. */
-export function serveRoute(
-  w: FrontHandler,
-  path: string,
-  body: Obj,
-  requestId: string,
-  signal: AbortSignal,
-  sink: Sink,
-  traceparent?: unknown,
-  hints: RequestHints = {},
-): Promise<void> {
-  if (path === GENERATE_PATH) return handleGenerate(w, body, requestId, signal, sink, traceparent, hints);
-  return w.handle(path, body, requestId, signal, sink, traceparent, hints);
+export function serveRoute(w: FrontHandler, q: WorkerRequest): Promise<void> {
+  return q.path === GENERATE_PATH ? handleGenerate(w, q) : w.handle(q);
 }

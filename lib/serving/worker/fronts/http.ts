@@ -115,13 +115,12 @@ async function api({ w, o, req, res, path, json }: Call): Promise<void> {
     // generate: ids are built from the header, else the body's request_id (as vLLM does).
     const rid = path === GENERATE_PATH && typeof header !== 'string' ? '' : String(header ?? randomUUID());
     let streaming = false;
-    await serveRoute(
-      w,
+    await serveRoute(w, {
       path,
       body,
-      rid,
-      ac.signal,
-      {
+      requestId: rid,
+      signal: ac.signal,
+      sink: {
         chunk: (c) => {
           if (!streaming) {
             streaming = true;
@@ -134,9 +133,9 @@ async function api({ w, o, req, res, path, json }: Call): Promise<void> {
           else json(status, b);
         },
       },
-      req.headers.traceparent,
-      { decodeMaxTokens: req.headers['x-nixl-node-decode-max-tokens'] },
-    );
+      traceparent: req.headers.traceparent,
+      hints: { decodeMaxTokens: req.headers['x-nixl-node-decode-max-tokens'] },
+    });
   } catch (e) {
     const h = w.failed(e);
     json(

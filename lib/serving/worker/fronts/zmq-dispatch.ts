@@ -144,19 +144,18 @@ export class ZmqDispatch {
     };
     void (async () => {
       try {
-        await serveRoute(
-          this.#w,
-          (b.path as string | undefined) ?? '/v1/completions',
-          b.payload as Record<string, unknown>,
-          (b.request_id as string | undefined) ?? msgId,
-          ac.signal,
-          {
+        await serveRoute(this.#w, {
+          path: (b.path as string | undefined) ?? '/v1/completions',
+          body: b.payload as Record<string, unknown>,
+          requestId: (b.request_id as string | undefined) ?? msgId,
+          signal: ac.signal,
+          sink: {
             chunk: (c) => reply({ msg_id: msgId, chunk: c, done: false }),
             end: (status, body) => reply({ msg_id: msgId, status, payload: body, done: true }),
           },
-          b.traceparent,
-          { decodeMaxTokens: b.decode_max_tokens },
-        );
+          traceparent: b.traceparent,
+          hints: { decodeMaxTokens: b.decode_max_tokens },
+        });
       } catch (e) {
         const h = this.#w.failed(e);
         if (!lost) fail(h.status, { message: h.message, code: h.code, ...h.details });
