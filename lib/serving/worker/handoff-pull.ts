@@ -40,6 +40,7 @@ export class PullHandoff implements KvHandoff, KvRoute {
     this.puller = new KvPuller({
       agent: o.agent,
       layout: o.layout,
+      peers: o.peers,
       wire: o.wire,
       kvLeaseMs: o.leaseMs,
       // A prefill of another model fails at the handshake, before any read.
@@ -170,6 +171,8 @@ export class PullHandoff implements KvHandoff, KvRoute {
     await this.side?.close();
     await this.puller.close();
     await this.tracker.close();
+    // Last: every role that shared the peers is closed (push closes this side last).
+    await this.o.peers.close();
   }
 }
 

@@ -91,6 +91,7 @@ export class PushHandoff implements KvHandoff, KvRoute {
     const common = {
       agent: o.agent,
       layout: o.layout,
+      peers: o.peers,
       expectedHash: pushHash(o.model.compatibilityHash),
       wire: o.wire,
       secret: o.secret,

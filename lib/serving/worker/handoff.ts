@@ -8,6 +8,7 @@ import type { NixlAgent } from '../../agent';
 import type { KvTransferParams, WireName } from '../../handshake/model';
 import type { HandshakeServer } from '../../handshake/types';
 import type { KvLayout } from '../../kv/layout';
+import type { KvPeers } from '../../kv/peers';
 import type { PrefillTracker } from '../../kv/prefill';
 import type { KvPuller } from '../../kv/pull/puller';
 import type { SpanLike } from '../../tracing';
@@ -101,6 +102,8 @@ export interface HandoffOptions {
   name: string;
   agent: NixlAgent;
   layout: KvLayout;
+  /** The agent's connections, shared by every KV role of the worker (one handshake and agent load per peer). */
+  peers: KvPeers;
   model: ServingModel;
   stats: WorkerStats;
   wire?: WireName;

@@ -15,6 +15,7 @@ import { type WorkerOptions, kvSecret } from './options';
 import { newStats } from './stats';
 import { DEFAULT_REUSE_HANDSHAKE_MS, TurnKv } from './turns';
 import { WorkerMetrics } from './vllm-metrics';
+import { KvPeers } from '../../kv/peers';
 
 /** A worker's parts, and what only the worker itself uses of them. */
 export interface Wired extends WorkerParts {
@@ -32,10 +33,12 @@ export function makeParts(o: WorkerOptions, model: ServingModel, name: string, a
   const holds = new HoldTable({ stats, blocks, poisonFreed: hooks.poisonFreed });
   const secret = kvSecret(o);
   const skew = hooks.clockSkewMs ?? 0;
+  const layout = blocks.layout(name);
   const h: HandoffOptions = {
     name,
     agent,
-    layout: blocks.layout(name),
+    layout,
+    peers: new KvPeers({ agent, layout, wire: o.wire }),
     model,
     stats,
     wire: o.wire,
