@@ -220,12 +220,7 @@ const FOLDER_RULES: FolderRule[] = [
  * its own: the list shrinks and never grows, and an entry that no longer
  * breaks its rule fails the test until it is removed.
  */
-const KNOWN_EDGES: string[] = [
-  // namesPreviousTurn is kv_transfer_params vocabulary: it belongs in lib/handshake/.
-  'lib/serving/proxy/proxy.ts -> lib/kv/turn-params.ts',
-  // The KV-busy codes and Retry-After belong to api/errors.ts's table.
-  'lib/serving/proxy/proxy.ts -> lib/serving/worker/blocks.ts',
-];
+const KNOWN_EDGES: string[] = [];
 
 const under = (file: string, prefix: string) => (prefix.endsWith('/') ? file.startsWith(prefix) : file === prefix);
 
@@ -267,7 +262,7 @@ it('lib/serving folders import only what their role needs (allow-lists; KNOWN_ED
     ['lib/serving/proxy/pool.ts', 'lib/serving/models/types.ts', true],
     ['lib/serving/proxy/pool.ts', 'lib/serving/worker/turns.ts'],
     ['lib/serving/worker/turns.ts', 'lib/serving/proxy/pool.ts', true],
-    ['lib/serving/worker/fronts/zmq.ts', 'lib/serving/proxy/transports.ts'],
+    ['lib/serving/worker/fronts/zmq.ts', 'lib/serving/proxy/transports/zmq.ts'],
     ['lib/serving/worker/fronts/http.ts', 'lib/serving/worker/worker.ts', true],
   ];
   for (const [from, to, typeOnly] of planted) {
@@ -296,13 +291,7 @@ const LONG_ALLOWED = new Set(['lib/agent.ts']);
  * Today's files over MAX_LINES, with their lines today: each may shrink, never
  * grow, and leaves this list once it is under the bar.
  */
-const KNOWN_LONG: Record<string, number> = {
-  'lib/handshake/codec.ts': 580,
-  'lib/kv/push/prefill.ts': 575,
-  'lib/serving/models/llama.ts': 843,
-  'lib/serving/proxy/proxy.ts': 754,
-  'lib/serving/worker/worker.ts': 1237,
-};
+const KNOWN_LONG: Record<string, number> = {};
 
 /** Every file over the bar beyond what KNOWN_LONG allows, and every KNOWN_LONG entry now under it. */
 function lengthBreaches(lines: Map<string, number>, known: Record<string, number>): string[] {
@@ -321,12 +310,13 @@ it(`no file in lib/ over ${MAX_LINES} lines but lib/agent.ts (KNOWN_LONG shrinks
   const lines = new Map(sources('lib').map((f) => [f, lineCount(fs.readFileSync(path.join(ROOT, f), 'utf8'))]));
   expect(lengthBreaches(lines, KNOWN_LONG)).toEqual([]);
   // Broken on purpose: a new long file, a known one grown, and lib/agent.ts long as it likes.
+  const known = { ...KNOWN_LONG, 'lib/serving/worker/worker.ts': MAX_LINES + 10 };
   const planted = new Map(lines);
   planted.set('lib/serving/planted.ts', MAX_LINES + 1);
-  planted.set('lib/serving/worker/worker.ts', KNOWN_LONG['lib/serving/worker/worker.ts'] + 1);
+  planted.set('lib/serving/worker/worker.ts', MAX_LINES + 11);
   planted.set('lib/agent.ts', 5000);
-  expect(lengthBreaches(planted, KNOWN_LONG)).toEqual([
-    `lib/serving/worker/worker.ts: ${KNOWN_LONG['lib/serving/worker/worker.ts'] + 1} lines, grown from ${KNOWN_LONG['lib/serving/worker/worker.ts']}`,
+  expect(lengthBreaches(planted, known)).toEqual([
+    `lib/serving/worker/worker.ts: ${MAX_LINES + 11} lines, grown from ${MAX_LINES + 10}`,
     `lib/serving/planted.ts: ${MAX_LINES + 1} lines (at most ${MAX_LINES})`,
   ]);
   expect(lengthBreaches(lines, { ...KNOWN_LONG, 'lib/errors.ts': 600 })).toEqual([
@@ -344,13 +334,7 @@ const PUSH_HOME = /(^|\/)handoff-push\.ts$/;
  * many times: a count only goes down (change it here when it does), and a file
  * leaves this list at zero.
  */
-const KNOWN_PUSH: Record<string, number> = {
-  'lib/serving/proxy/proxy.ts': 1,
-  'lib/serving/proxy/push-proxy.ts': 2,
-  'lib/serving/proxy/transports.ts': 1,
-  'lib/serving/worker/push-serving.ts': 1,
-  'lib/serving/worker/worker.ts': 13,
-};
+const KNOWN_PUSH: Record<string, number> = {};
 
 function pushBreaches(texts: Map<string, string>, known: Record<string, number>): string[] {
   const out: string[] = [];
