@@ -27,7 +27,7 @@
         # nixl engine; without it the addon is loopback-only.
         ["'<!(node scripts/find-nixl.js found)'=='1'", {
           "defines": ["NIXL_NODE_WITH_NIXL"],
-          "sources": ["native/nixl/nixl_engine.cpp"],
+          "sources": ["native/nixl/nixl_engine.cpp", "native/nixl/poller.cpp"],
           "include_dirs": ["<!(node scripts/find-nixl.js include)"],
           "libraries": [
             "-L<!(node scripts/find-nixl.js libdir)", "-lnixl", "-lnixl_build",

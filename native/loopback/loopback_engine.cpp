@@ -30,6 +30,7 @@
 #include <unordered_map>
 
 #include "../engine.h"
+#include "../lookup.h"
 #include "copy.h"
 #include "live_table.h"
 #include "metadata.h"
@@ -44,15 +45,6 @@ namespace {
 
 using namespace loopback;
 constexpr const char* kPlugin = "LOOPBACK";
-
-// One lookup for every handle map: the entry, or NIXL_ERR_NOT_FOUND saying
-// which call looked for what.
-template <class Map>
-typename Map::mapped_type& lookup(Map& m, const typename Map::key_type& key, const char* call, const char* what) {
-  auto it = m.find(key);
-  if (it == m.end()) throw EngineError(ERR_NOT_FOUND, std::string(call) + ": unknown or released " + what);
-  return it->second;
-}
 
 template <class Map>
 typename Map::mapped_type& remoteAgent(Map& m, const std::string& agent, const char* call) {

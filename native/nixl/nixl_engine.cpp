@@ -1,33 +1,29 @@
 // The NIXL engine: the Engine interface over a real nixlAgent (compiled only
 // when the build found an installed NIXL; see scripts/find-nixl.js).
 //
-// The engine's own thread (the poller) posts every transfer: UCX's cma
-// transport finishes a one-host READ inside postXferReq, so posting on the JS
-// thread would block the event loop for the whole copy. transfer() queues the
-// request and returns IN_PROG in microseconds. NIXL has no completion
-// callbacks: the same thread asks getXferStatus for every request in flight
-// and drains getNotifs (which also progresses the target side of READs when
-// NIXL's own progress thread is off), backing off when nothing happens (see
-// pollLoop). The agent runs with syncMode RW so that thread and the JS thread
-// may call it concurrently.
+// Transfers are posted and polled by the engine's own thread (poller.h). The
+// agent runs with syncMode RW so that thread and the JS thread may call it
+// concurrently.
 #include <dlfcn.h>
 #include <nixl.h>
 #include <nixl_node_status_table.h>
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "../engine.h"
+#include "../lookup.h"
+#include "poller.h"
 #include "reg_index.h"
 
 namespace nixlnode {
 namespace {
 
+using nixl::Poller;
+using nixl::Request;
+using nixl::RequestP;
 using Clock = std::chrono::steady_clock;
 
 void check(nixl_status_t s, const char* what) {
@@ -64,34 +60,6 @@ static_assert(sameCode(ERR_REMOTE_DISCONNECT, NIXL_ERR_REMOTE_DISCONNECT),
 static_assert(sameCode(ERR_CANCELED, NIXL_ERR_CANCELED), "native/status.h: ERR_CANCELED must be NIXL's number");
 static_assert(sameCode(ERR_NO_TELEMETRY, NIXL_ERR_NO_TELEMETRY),
               "native/status.h: ERR_NO_TELEMETRY must be NIXL's number");
-
-std::string failureText(nixl_status_t s) {
-#ifdef NIXL_NODE_HAS_NIXL_ERR_XFER_STALLED
-  // NIXL gave up waiting (nixlAgentConfig xferStallTimeout) but did not abort:
-  // the transfer may still complete, so its memory stays in use until it is released.
-  if (s == NIXL_ERR_XFER_STALLED)
-    return "transfer stalled past NIXL's xferStallTimeout (not aborted: it may still complete; release the handle "
-           "before reusing its memory)";
-#endif
-  return std::string("transfer failed: ") + nixlEnumStrings::statusStr(s);
-}
-
-struct Request {
-  Handle id;
-  nixlXferReqH* h = nullptr;
-  std::atomic<int> status{ERR_NOT_POSTED};
-  std::string err;        // written by the poller before status (release), read after (acquire)
-  bool hasNotif = false;  // the message of the next post (guarded by mu_)
-  std::string notif;
-  bool released = false;  // released by JS while the poller was posting it (guarded by mu_)
-  // What the NIXL request resolved when it was made (see reg_index.h): the
-  // local registrations it covers, and the remote agent's load generation.
-  std::vector<Handle> regs;
-  std::string agent;
-  uint64_t agentGen = 0;
-  uint64_t totalBytes = 0;  // of the local side: whether it may be posted inline
-};
-using RequestP = std::shared_ptr<Request>;
 
 // A prepared list, and what each of its descriptors resolved to.
 struct Dlist {
@@ -132,7 +100,6 @@ class NixlEngine final : public Engine {
                                      cfg.progressThread ? std::max<uint64_t>(cfg.progressDelayUs, 1000) : 0,
                                      nixlAgentConfig::kDefaultLthrDelayUs, cfg.captureTelemetry)) {
     for (const auto& b : cfg.backends) createBackend(b, {});
-    poller_ = std::thread([this] { pollLoop(); });
   }
 
   ~NixlEngine() override { close(); }
@@ -162,7 +129,7 @@ class NixlEngine final : public Engine {
     nixlBackendH* h = nullptr;
     check(agent_.createBackend(plugin, p, h), ("createBackend(" + plugin + ")").c_str());
     backends_[plugin] = h;
-    hasBackend_.store(true, std::memory_order_release);
+    poller_.backendCreated();
   }
 
   std::vector<std::string> getBackends() override {
@@ -173,12 +140,10 @@ class NixlEngine final : public Engine {
 
   PluginInfo getBackendParams(const std::string& backend) override {
     checkOpen();
-    auto it = backends_.find(backend);
-    if (it == backends_.end())
-      throw EngineError(ERR_NOT_FOUND, "getBackendParams: backend '" + backend + "' was not created");
+    nixlBackendH* bh = lookup(backends_, backend, "getBackendParams", "backend");
     nixl_mem_list_t mems;
     nixl_b_params_t params;
-    check(agent_.getBackendParams(it->second, mems, params), "getBackendParams");
+    check(agent_.getBackendParams(bh, mems, params), "getBackendParams");
     PluginInfo info;
     for (auto& [k, v] : params) info.params[k] = v;
     for (auto m : mems) info.memTypes.push_back(static_cast<MemType>(static_cast<int>(m)));
@@ -199,22 +164,18 @@ class NixlEngine final : public Engine {
 
   void deregisterMem(Handle reg) override {
     checkOpen();
-    auto it = regs_.find(reg);
-    if (it == regs_.end()) throw EngineError(ERR_NOT_FOUND, "deregisterMem: unknown or already deregistered memory");
-    {
-      // NIXL does not stop a transfer from using memory deregistered under it:
-      // refuse while a queued, running or released-but-unfinished one uses it.
-      std::lock_guard<std::mutex> lk(mu_);
-      size_t users =
-          countActive([reg](const Request& r) { return std::binary_search(r.regs.begin(), r.regs.end(), reg); });
-      if (users > 0)
-        throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + std::to_string(users) +
-                                               " transfer(s) using this memory are queued or in flight; wait for "
-                                               "them or release them first");
-    }
-    nixl_opt_args_t args = opts(it->second.second);
-    check(agent_.deregisterMem(it->second.first, &args), "deregisterMem");
-    regs_.erase(it);
+    auto& [dl, backends] = lookup(regs_, reg, "deregisterMem", "memory registration");
+    // NIXL does not stop a transfer from using memory deregistered under it:
+    // refuse while a queued, running or released-but-unfinished one uses it.
+    size_t users =
+        poller_.countActive([reg](const Request& r) { return std::binary_search(r.regs.begin(), r.regs.end(), reg); });
+    if (users > 0)
+      throw EngineError(ERR_NOT_ALLOWED, "deregisterMem: " + std::to_string(users) +
+                                             " transfer(s) using this memory are queued or in flight; wait for "
+                                             "them or release them first");
+    nixl_opt_args_t args = opts(backends);
+    check(agent_.deregisterMem(dl, &args), "deregisterMem");
+    regs_.erase(reg);
     regIndex_.remove(reg);
   }
 
@@ -297,7 +258,7 @@ class NixlEngine final : public Engine {
 
   Cost estimateXferCost(Handle h) override {
     checkOpen();
-    RequestP req = find(h);
+    RequestP req = find(h, "estimateXferCost");
     std::chrono::microseconds d{}, m{};
     nixl_cost_t method{};
     check(agent_.estimateXferCost(req->h, d, m, method), "estimateXferCost");
@@ -313,16 +274,13 @@ class NixlEngine final : public Engine {
 
   void invalidateRemoteMD(const std::string& agent) override {
     checkOpen();
-    {
-      // NIXL frees the agent's connection and remote keys at once, under
-      // whatever still uses them.
-      std::lock_guard<std::mutex> lk(mu_);
-      uint64_t gen = agentGen_[agent];
-      size_t users = countActive([&](const Request& r) { return r.agent == agent && r.agentGen == gen; });
-      if (users > 0)
-        throw EngineError(ERR_NOT_ALLOWED, "removeRemoteAgent: " + std::to_string(users) + " transfer(s) to " + agent +
-                                               " are queued or in flight; wait for them or release them first");
-    }
+    // NIXL frees the agent's connection and remote keys at once, under
+    // whatever still uses them.
+    uint64_t gen = agentGen_[agent];
+    size_t users = poller_.countActive([&](const Request& r) { return r.agent == agent && r.agentGen == gen; });
+    if (users > 0)
+      throw EngineError(ERR_NOT_ALLOWED, "removeRemoteAgent: " + std::to_string(users) + " transfer(s) to " + agent +
+                                             " are queued or in flight; wait for them or release them first");
     check(agent_.invalidateRemoteMD(agent), "invalidateRemoteMD");
     agentGen_[agent]++;  // lists and requests made before now refer to what was freed
   }
@@ -357,36 +315,32 @@ class NixlEngine final : public Engine {
 
   void releaseDlist(Handle h) override {
     checkOpen();
-    auto it = dlists_.find(h);
-    if (it == dlists_.end()) throw EngineError(ERR_NOT_FOUND, "releaseDlistHandle: unknown or already released handle");
-    check(agent_.releasedDlistH(it->second.h), "releasedDlistH");
-    dlists_.erase(it);
+    check(agent_.releasedDlistH(lookup(dlists_, h, "releaseDlistHandle", "descriptor list handle").h),
+          "releasedDlistH");
+    dlists_.erase(h);
   }
 
   Handle makeXferReq(XferOp op, Handle local, const uint32_t* li, size_t nl, Handle remote, const uint32_t* ri,
                      size_t nr, const std::string* notif) override {
     checkOpen();
-    auto l = dlists_.find(local);
-    auto r = dlists_.find(remote);
-    if (l == dlists_.end() || r == dlists_.end())
-      throw EngineError(ERR_NOT_FOUND, "makeXferReq: unknown descriptor list handle");
+    const Dlist& L = lookup(dlists_, local, "makeXferReq", "local descriptor list handle");
+    const Dlist& R = lookup(dlists_, remote, "makeXferReq", "remote descriptor list handle");
     std::vector<int> lv(li, li + nl), rv(ri, ri + nr);
-    for (const Dlist* d : {&l->second, &r->second})
+    for (const Dlist* d : {&L, &R})
       if (!d->agent.empty() && !agentCurrent(d->agent, d->agentGen))
         throw EngineError(ERR_NOT_FOUND,
                           "makeXferReq: " + d->agent + " was removed since the list was prepared; prepare it again");
     std::vector<Handle> regs;
-    l->second.regsUsed(li, nl, regs);
-    r->second.regsUsed(ri, nr, regs);
+    L.regsUsed(li, nl, regs);
+    R.regsUsed(ri, nr, regs);
     regs = RegIndex::unique(std::move(regs));
     if (!allRegistered(regs))
       throw EngineError(ERR_NOT_FOUND, "makeXferReq: memory of the list was deregistered since it was prepared");
     nixl_opt_args_t args;
     setNotif(args, notif);
     nixlXferReqH* xh = nullptr;
-    check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, l->second.h, lv, r->second.h, rv, xh, &args),
-          "makeXferReq");
-    return addRequest(xh, std::move(regs), r->second.agent, r->second.agentGen, l->second.bytes(li, nl));
+    check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, L.h, lv, R.h, rv, xh, &args), "makeXferReq");
+    return addRequest(xh, std::move(regs), R.agent, R.agentGen, L.bytes(li, nl));
   }
 
   Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
@@ -410,97 +364,37 @@ class NixlEngine final : public Engine {
 
   int postXferReq(Handle h, const std::string* notif, bool mayInline) override {
     checkOpen();
-    RequestP req = find(h);
+    RequestP req = find(h, "postXferReq");
     if (req->status.load() == IN_PROG)
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
     if (!allRegistered(req->regs))
       throw EngineError(ERR_NOT_FOUND, "postXferReq: memory of this transfer was deregistered since it was made");
     if (!agentCurrent(req->agent, req->agentGen))
       throw EngineError(ERR_NOT_FOUND, "postXferReq: " + req->agent + " was removed since this transfer was made");
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      req->err.clear();
-      // Small, and nothing queued ahead of it (no transfer or notification
-      // overtakes one posted before it): post it here, as NIXL's Python API
-      // does. UCX's cma finishes a one-host transfer inside postXferReq, so
-      // most return done, with no hop to the poller and none back.
-      bool inlinePost = mayInline && req->totalBytes <= cfg_.inlineMaxBytes && cfg_.inlineMaxBytes > 0 &&
-                        toPost_.empty() && !posting_;
-      if (!inlinePost) {
-        if (notif) {
-          req->hasNotif = true;
-          req->notif = *notif;
-        }
-        req->status.store(IN_PROG, std::memory_order_release);
-        toPost_.push_back(req);
-        wake_ = true;
-        cv_.notify_one();
-        return IN_PROG;
-      }
-    }
-    // Only this (the JS) thread queues, releases or deregisters, so nothing
-    // changes the request or what it uses while NIXL posts it.
-    nixl_opt_args_t args;
-    setNotif(args, notif);
-    nixl_status_t s = agent_.postXferReq(req->h, notif ? &args : nullptr);
-    if (s == NIXL_IN_PROG) {
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        req->status.store(IN_PROG, std::memory_order_release);
-        inflight_.push_back(req);
-        wake_ = true;
-      }
-      cv_.notify_one();
-      return IN_PROG;
-    }
-    if (s != NIXL_SUCCESS) req->err = std::string("postXferReq: ") + nixlEnumStrings::statusStr(s);
-    int st = s == NIXL_SUCCESS ? SUCCESS : static_cast<int>(s);
-    req->status.store(st, std::memory_order_release);
-    return st;
+    return poller_.post(req, notif, mayInline && cfg_.inlineMaxBytes > 0 && req->totalBytes <= cfg_.inlineMaxBytes);
   }
 
   int getXferStatus(Handle h, std::string* errMsg) override {
     checkOpen();
-    RequestP req = find(h);
+    RequestP req = find(h, "checkXferState");
     int s = req->status.load(std::memory_order_acquire);
-    if (s == IN_PROG && cfg_.inlineMaxBytes > 0) s = checkNow(*req);
+    if (s == IN_PROG && cfg_.inlineMaxBytes > 0) s = poller_.checkNow(*req);
     if (s < 0 && errMsg) *errMsg = req->err;
     return s;
   }
 
   void releaseXferReq(Handle h) override {
     checkOpen();
-    RequestP req = find(h);
+    RequestP req = find(h, "releaseXferHandle");
     bool wasInflight = req->status.load() == IN_PROG;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      auto drop = [&](std::vector<RequestP>& v) {
-        for (auto it = v.begin(); it != v.end(); ++it)
-          if (*it == req) {
-            v.erase(it);
-            return true;
-          }
-        return false;
-      };
-      if (posting_ == req) {
-        // The poller is inside postXferReq with it: it releases the NIXL
-        // request itself once that call returns.
-        req->released = true;
-      } else {
-        drop(toPost_);  // queued, never posted: nothing to abort
-        drop(inflight_);
-        // NIXL aborts an active request on release; one it cannot abort stays
-        // with the poller, which releases it once it finishes.
-        if (agent_.releaseXferReq(req->h) != NIXL_SUCCESS) zombies_.push_back(req);
-      }
-    }
+    poller_.release(req);
     requests_.erase(h);
     if (wasInflight) sink_->onComplete(h);  // every IN_PROG post completes exactly once
   }
 
   Telemetry getXferTelemetry(Handle h) override {
     checkOpen();
-    RequestP req = find(h);
+    RequestP req = find(h, "getXferTelemetry");
     nixl_xfer_telem_t t{};
     check(agent_.getXferTelemetry(req->h, t), "getXferTelemetry");
     auto sinceStart = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t.startTime).count();
@@ -513,7 +407,7 @@ class NixlEngine final : public Engine {
 
   std::string queryXferBackend(Handle h) override {
     checkOpen();
-    RequestP req = find(h);
+    RequestP req = find(h, "queryXferBackend");
     nixlBackendH* b = nullptr;
     check(agent_.queryXferBackend(req->h, b), "queryXferBackend");
     // NIXL answers with a handle; its name is the one createBackend gave it.
@@ -529,31 +423,16 @@ class NixlEngine final : public Engine {
 
   void getNotifs(std::vector<std::pair<std::string, std::string>>& out) override {
     checkOpen();
-    drainNotifs();
-    std::lock_guard<std::mutex> lk(nMu_);
-    for (auto& n : notifs_) out.push_back(std::move(n));
-    notifs_.clear();
+    poller_.takeNotifs(out);
   }
 
-  void watchNotifs(bool on) override {
-    if (notifWatched_.exchange(on) == on || !on) return;
-    std::lock_guard<std::mutex> lk(mu_);
-    wake_ = true;  // start looking at the watched pace now, not after a 16 ms wait
-    cv_.notify_one();
-  }
+  void watchNotifs(bool on) override { poller_.watchNotifs(on); }
 
   void close() override {
     if (closed_.exchange(true)) return;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    if (poller_.joinable()) poller_.join();
+    poller_.stop();
     for (auto& [h, req] : requests_) agent_.releaseXferReq(req->h);
     requests_.clear();
-    for (auto& z : zombies_) agent_.releaseXferReq(z->h);
-    zombies_.clear();
     for (auto& [h, d] : dlists_) agent_.releasedDlistH(d.h);
     dlists_.clear();
     for (auto& [h, r] : regs_) {
@@ -630,180 +509,7 @@ class NixlEngine final : public Engine {
     return true;
   }
 
-  // Requests NIXL may still be using: queued, being posted, in flight, or
-  // released while unfinished. Called with mu_ held.
-  template <typename Pred>
-  size_t countActive(Pred uses) const {
-    size_t n = 0;
-    for (const auto* v : {&toPost_, &inflight_, &zombies_})
-      for (const auto& r : *v) n += uses(*r) ? 1 : 0;
-    if (posting_ && uses(*posting_)) n++;
-    return n;
-  }
-
-  // NIXL's check_xfer_state, on the calling (JS) thread: asks NIXL about a
-  // request in flight now instead of waiting for the poller's next look.
-  // Whoever takes it out of inflight_ (this or the poller) completes it, once.
-  int checkNow(Request& req) {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto it = inflight_.begin(); it != inflight_.end(); ++it) {
-      if (it->get() != &req) continue;
-      nixl_status_t s = agent_.getXferStatus(req.h);
-      if (s == NIXL_IN_PROG) return IN_PROG;
-      if (s != NIXL_SUCCESS) req.err = failureText(s);
-      req.status.store(static_cast<int>(s), std::memory_order_release);
-      inflight_.erase(it);
-      sink_->onCompleteHere(req.id);
-      return static_cast<int>(s);
-    }
-    return req.status.load(std::memory_order_acquire);
-  }
-
-  RequestP find(Handle h) {
-    auto it = requests_.find(h);
-    if (it == requests_.end()) throw EngineError(ERR_NOT_FOUND, "unknown or released transfer handle");
-    return it->second;
-  }
-
-  bool drainNotifs() {
-    // NIXL logs an error for each getNotifs while the agent has no backend,
-    // and this thread starts before NixlAgent creates the first one.
-    if (!hasBackend_.load(std::memory_order_acquire)) return false;
-    nixl_notifs_t got;
-    if (agent_.getNotifs(got) != NIXL_SUCCESS || got.empty()) return false;
-    bool any = false;
-    {
-      std::lock_guard<std::mutex> lk(nMu_);
-      for (auto& [from, msgs] : got)
-        for (auto& m : msgs) {
-          notifs_.emplace_back(from, std::move(m));
-          any = true;
-        }
-    }
-    if (any) sink_->onNotif();
-    return any;
-  }
-
-  // Posts what transfer() queued. postXferReq may run a whole one-host copy,
-  // so it is called without mu_ held; posting_ tells releaseXferReq that the
-  // NIXL request is in use.
-  void postQueued(std::unique_lock<std::mutex>& lk, std::vector<RequestP>& done) {
-    while (!toPost_.empty() && !stopping_) {
-      RequestP req = toPost_.front();
-      toPost_.erase(toPost_.begin());
-      nixl_opt_args_t args;
-      bool withNotif = req->hasNotif;
-      if (withNotif) {
-        args.notifMsg = req->notif;
-        args.hasNotif = true;
-        req->hasNotif = false;
-      }
-      posting_ = req;
-      lk.unlock();
-      nixl_status_t s = agent_.postXferReq(req->h, withNotif ? &args : nullptr);
-      lk.lock();
-      posting_.reset();
-      if (req->released) {
-        // Released by JS meanwhile (its completion was reported then).
-        if (agent_.releaseXferReq(req->h) != NIXL_SUCCESS) zombies_.push_back(req);
-        continue;
-      }
-      if (s == NIXL_IN_PROG) {
-        inflight_.push_back(req);
-        continue;
-      }
-      if (s != NIXL_SUCCESS) req->err = std::string("postXferReq: ") + nixlEnumStrings::statusStr(s);
-      req->status.store(s == NIXL_SUCCESS ? SUCCESS : static_cast<int>(s), std::memory_order_release);
-      done.push_back(req);
-    }
-  }
-
-  // Adaptive polling. In flight: poll back to back (getXferStatus is what
-  // progresses UCX when NIXL's progress thread is off) while requests keep
-  // finishing; after kSpinBudget of polls with no completion, sleep between
-  // polls, doubling from 2 us to kMaxBusySleep, so agents sharing cores do not
-  // each burn one. Idle: wait on the condition variable (a post wakes it at
-  // once), looking for notifications every 1 ms, backing off to kMaxIdleWait
-  // while none come. While JS waits for a notification (watchNotifs), look
-  // from every kWatchedWait up to kMaxWatchedWait instead: NIXL has no event
-  // for an arriving notification, and at 16 ms each push-mode request spent
-  // two such waits (PUSH_REG, then the WRITE's notification).
-  static constexpr int kSpinBudget = 64;
-  static constexpr std::chrono::microseconds kMaxBusySleep{256};
-  static constexpr std::chrono::microseconds kIdleWait{1000};
-  static constexpr std::chrono::microseconds kMaxIdleWait{16000};
-  static constexpr std::chrono::microseconds kWatchedWait{50};
-  static constexpr std::chrono::microseconds kMaxWatchedWait{1000};
-
-  std::chrono::microseconds firstIdleWait() const { return notifWatched_.load() ? kWatchedWait : kIdleWait; }
-  std::chrono::microseconds maxIdleWait() const { return notifWatched_.load() ? kMaxWatchedWait : kMaxIdleWait; }
-
-  void pollLoop() {
-    std::vector<RequestP> done;
-    int fruitless = 0;
-    std::chrono::microseconds busySleep{2};
-    std::chrono::microseconds idleWait = firstIdleWait();
-    for (;;) {
-      bool progressed = false;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        if (inflight_.empty() && zombies_.empty() && toPost_.empty() && !wake_) {
-          cv_.wait_for(lk, idleWait, [this] { return stopping_ || wake_; });
-          if (!wake_) idleWait = std::min(idleWait * 2, maxIdleWait());
-        }
-        if (stopping_) return;
-        if (wake_) {
-          wake_ = false;
-          idleWait = firstIdleWait();
-          fruitless = 0;
-          busySleep = std::chrono::microseconds(2);
-        }
-        postQueued(lk, done);
-        if (stopping_) return;
-        for (auto it = inflight_.begin(); it != inflight_.end();) {
-          nixl_status_t s = agent_.getXferStatus((*it)->h);
-          if (s == NIXL_IN_PROG) {
-            ++it;
-            continue;
-          }
-          if (s != NIXL_SUCCESS) (*it)->err = failureText(s);
-          (*it)->status.store(static_cast<int>(s), std::memory_order_release);
-          done.push_back(*it);
-          it = inflight_.erase(it);
-        }
-        for (auto it = zombies_.begin(); it != zombies_.end();) {
-          if (agent_.getXferStatus((*it)->h) != NIXL_IN_PROG && agent_.releaseXferReq((*it)->h) == NIXL_SUCCESS)
-            it = zombies_.erase(it);
-          else
-            ++it;
-        }
-      }
-      progressed = !done.empty();
-      for (auto& r : done) sink_->onComplete(r->id);
-      done.clear();
-      if (drainNotifs()) {
-        progressed = true;
-        idleWait = firstIdleWait();
-      }
-      bool busy;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        busy = !inflight_.empty() || !zombies_.empty();
-      }
-      if (!busy) continue;
-      if (progressed) {
-        fruitless = 0;
-        busySleep = std::chrono::microseconds(2);
-      }
-      if (++fruitless <= kSpinBudget) {
-        std::this_thread::yield();
-      } else {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait_for(lk, busySleep, [this] { return stopping_ || wake_; });
-        busySleep = std::min(busySleep * 2, kMaxBusySleep);
-      }
-    }
-  }
+  RequestP find(Handle h, const char* call) { return lookup(requests_, h, call, "transfer handle"); }
 
   const EngineConfig cfg_;
   CompletionSink* sink_;
@@ -818,20 +524,7 @@ class NixlEngine final : public Engine {
   std::unordered_map<std::string, uint64_t> agentGen_;  // bumped by invalidateRemoteMD
   std::unordered_map<Handle, RequestP> requests_;
 
-  std::mutex mu_;  // toPost_, posting_, inflight_, zombies_, wake_, stopping_, Request::hasNotif/notif/released
-  std::condition_variable cv_;
-  std::vector<RequestP> toPost_;
-  RequestP posting_;
-  std::vector<RequestP> inflight_;
-  std::vector<RequestP> zombies_;
-  bool wake_ = false;
-  bool stopping_ = false;
-  std::atomic<bool> notifWatched_{false};
-  std::atomic<bool> hasBackend_{false};  // set by createBackend, read by the poller
-  std::thread poller_;
-
-  std::mutex nMu_;
-  std::vector<std::pair<std::string, std::string>> notifs_;
+  Poller poller_{agent_, sink_};  // after every member its thread uses
 };
 
 }  // namespace
