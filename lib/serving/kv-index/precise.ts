@@ -46,22 +46,29 @@ export interface PreciseHint {
   prefixMatchTokens?: number;
 }
 
-/** Parses `WORKER=PUB[,REPLAY]` (--kv-events-endpoint). */
+/** Parses `WORKER=PUB[,REPLAY][,topic=TOPIC]` (--kv-events-endpoint). */
 export function parseEventEndpoint(spec: string): [string, EventEndpoint] {
-  const eq = spec.lastIndexOf('=');
+  // The worker's name may hold '=' (a URL's query); its publisher starts at '=tcp://' or '=ipc://'.
+  const at = spec.search(/=(tcp|ipc):\/\//);
+  const eq = at >= 0 ? at : spec.indexOf('=');
   const worker = spec.slice(0, eq);
-  const [pub, replay, extra] = spec.slice(eq + 1).split(',');
+  const parts = spec.slice(eq + 1).split(',');
+  const topicAt = parts.findIndex((p) => p.startsWith('topic='));
+  const topic = topicAt >= 0 ? parts.splice(topicAt, 1)[0].slice('topic='.length) : undefined;
+  const [pub, replay, extra] = parts;
   if (
     eq <= 0 ||
     !pub ||
     extra !== undefined ||
+    (topicAt >= 0 && topicAt !== parts.length) ||
     !/^(tcp|ipc):\/\//.test(pub) ||
     (replay && !/^(tcp|ipc):\/\//.test(replay))
   )
-    throw Object.assign(new Error(`--kv-events-endpoint wants WORKER=tcp://PUB[,tcp://REPLAY], not '${spec}'`), {
-      code: 'NIXL_ERR_INVALID_PARAM',
-    });
-  return [worker, replay ? { pub, replay } : { pub }];
+    throw Object.assign(
+      new Error(`--kv-events-endpoint wants WORKER=tcp://PUB[,tcp://REPLAY][,topic=TOPIC], not '${spec}'`),
+      { code: 'NIXL_ERR_INVALID_PARAM' },
+    );
+  return [worker, { pub, ...(replay ? { replay } : {}), ...(topic ? { topic } : {}) }];
 }
 
 export class PreciseRouting {
