@@ -7,6 +7,7 @@
 // still places them.
 import { describe, expect, it } from 'vitest';
 import { affinityOrder } from '../../lib/serving/fleet/routing';
+import { promptKeys } from '../../lib/serving/kv-index/index';
 import { PreciseRouting } from '../../lib/serving/kv-index/precise';
 import { WorkerPool } from '../../lib/serving/proxy/pool';
 
@@ -28,19 +29,22 @@ function fleet(withEvents: boolean): { p: WorkerPool; r: PreciseRouting } {
   const r = new PreciseRouting({ blockSize: 16 });
   p.router = r;
   if (withEvents)
-    ADDRS.forEach((a, i) =>
+    ADDRS.forEach((a, i) => {
+      // Each holds a prompt a decision sent it: its event confirms the proxy keys prompts as the workers do.
+      const held = Array.from(Buffer.from(`held by ${i} `.padEnd(32, '.')));
+      r.index.speculate(a, promptKeys(held, 16));
       r.index.apply(a, [
         {
           type: 'BlockStored',
           blockHashes: [BigInt(10 * i + 1), BigInt(10 * i + 2)],
           parent: null,
-          tokenIds: Array.from(Buffer.from(`held by ${i} `.padEnd(32, '.'))),
+          tokenIds: held,
           blockSize: 16,
           medium: 'GPU',
           loraName: null,
         },
-      ]),
-    );
+      ]);
+    });
   return { p, r };
 }
 
@@ -68,6 +72,25 @@ describe('precise, new prefixes', () => {
 
   it('with no events from any prefill, follow the prefix affinity as the load policy does', () => {
     const { p, r } = fleet(false);
+    const sent = promptsPreferringA(4).map((prompt) => route(p, r, prompt));
+    expect(new Set(sent)).toEqual(new Set(['http://a']));
+  });
+
+  it('with events no decision was confirmed by (prompts tokenized otherwise than the workers), the affinity too', () => {
+    const { p, r } = fleet(false);
+    ADDRS.forEach((a, i) =>
+      r.index.apply(a, [
+        {
+          type: 'BlockStored',
+          blockHashes: [BigInt(i + 1)],
+          parent: null,
+          tokenIds: Array.from({ length: 16 }, (_, t) => 1000 + t + i),
+          blockSize: 16,
+          medium: 'GPU',
+          loraName: null,
+        },
+      ]),
+    );
     const sent = promptsPreferringA(4).map((prompt) => route(p, r, prompt));
     expect(new Set(sent)).toEqual(new Set(['http://a']));
   });

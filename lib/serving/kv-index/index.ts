@@ -102,9 +102,19 @@ function trim<K, V>(m: Map<K, V>, cap: number, onDrop?: (k: K) => void): void {
 export class KvBlockIndex {
   readonly #workers = new Map<string, WorkerBlocks>();
   readonly o: Required<IndexOptions>;
+  #confirmed = 0;
 
   constructor(o: IndexOptions = {}) {
     this.o = { maxBlocksPerWorker: 1_000_000, maxWorkers: 1024, speculativeTtlMs: 2000, maxSpeculative: 10_000, ...o };
+  }
+
+  /**
+   * Stored blocks that a routing decision had sent there (a speculative entry
+   * the event confirmed): proof that the proxy keys prompts as the workers'
+   * events do (same tokens, same block size).
+   */
+  get confirmed(): number {
+    return this.#confirmed;
   }
 
   /** Blocks indexed, all workers together. */
@@ -190,7 +200,7 @@ export class KvBlockIndex {
         parent = blockKey(parent, e.tokenIds, i * e.blockSize, (i + 1) * e.blockSize);
         w.engine.set(e.blockHashes[i], parent);
         this.#hold(w, parent, code);
-        w.spec.delete(slotOf(parent)); // confirmed
+        if (w.spec.delete(slotOf(parent))) this.#confirmed++;
       }
       trim(w.keys, this.o.maxBlocksPerWorker);
       trim(w.engine, this.o.maxBlocksPerWorker);

@@ -233,15 +233,17 @@ export class PreciseRouting {
   }
 
   /**
-   * A prompt no prefill holds any of. While the index knows what the prefills
-   * hold, it goes by load and then to the prefill holding the fewest blocks,
-   * so that new prefixes spread instead of piling onto the prefill their
-   * rendezvous hash picks, whose contexts would evict each other. With no
-   * events from any of them (no publisher yet, or events the proxy's tokens
-   * cannot match), the 'load' policy's prefix affinity, as without events.
+   * A prompt no prefill holds any of. Once an event has confirmed a decision
+   * (the proxy's keys are the workers'), it goes by load and then to the
+   * prefill holding the fewest blocks, so that new prefixes spread instead
+   * of piling onto the prefill their rendezvous hash picks, whose contexts
+   * would evict each other. Before that (no events, or prompts the proxy
+   * tokenizes otherwise than the workers), the 'load' policy's prefix
+   * affinity, as without events.
    */
   #place(from: readonly WorkerRef[], d: DecisionScratch, h: PreciseHint | undefined, turn: number): number {
-    if (h && d.names.some((n) => this.index.knows(n))) return this.#best(from, d, 0, true, turn);
+    if (h && this.index.confirmed > 0 && d.names.some((n) => this.index.knows(n)))
+      return this.#best(from, d, 0, true, turn);
     if (h?.affinity !== undefined) {
       const w = pickByLoad(from, turn, h.affinity, this.#pool?.routing);
       if (w) return from.indexOf(w);
