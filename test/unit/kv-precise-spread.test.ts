@@ -78,7 +78,7 @@ describe('precise, new prefixes', () => {
 
   it('with events no decision was confirmed by (prompts tokenized otherwise than the workers), the affinity too', () => {
     const { p, r } = fleet(false);
-    ADDRS.forEach((a, i) =>
+    for (const [i, a] of ADDRS.entries())
       r.index.apply(a, [
         {
           type: 'BlockStored',
@@ -89,8 +89,7 @@ describe('precise, new prefixes', () => {
           medium: 'GPU',
           loraName: null,
         },
-      ]),
-    );
+      ]);
     const sent = promptsPreferringA(4).map((prompt) => route(p, r, prompt));
     expect(new Set(sent)).toEqual(new Set(['http://a']));
   });
