@@ -44,9 +44,10 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
                        load, free blocks, prefix affinity) | precise (the default with --etcd: the
                        prefill whose KV events say it holds the longest run of the prompt's blocks,
                        with load; the events of every prefill that advertises them are followed)
-  --kv-events-endpoint WORKER=PUB[,REPLAY]  (repeatable) where a prefill worker (as given to --prefill)
-                       publishes vLLM KV events (ZMQ PUB, and its replay ROUTER), over what it
-                       advertises; docs/kv-events.md
+  --kv-events-endpoint WORKER=PUB[,REPLAY][,topic=T]  (repeatable) where a prefill worker (as given to
+                       --prefill) publishes vLLM KV events (ZMQ PUB, its replay ROUTER, and the topic
+                       its messages carry when a PUB carries several), over what it advertises;
+                       docs/kv-events.md
   --kv-block-size N    precise: tokens per block, the workers' --block-size (default: from the events)
   --kv-tokenizer T     precise: local (the synthetic model's, default) | worker (a prefill's /tokenize)
   --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)

@@ -25,8 +25,13 @@ export function advertised(workers: readonly WorkerRef[], explicit: ReadonlySet<
   for (const w of workers) {
     const k = w.kvEvents;
     if (!k || explicit.has(w.address) || (w.fleet !== undefined && explicit.has(w.fleet))) continue;
-    const ep: EventEndpoint = k.replay_endpoint ? { pub: k.endpoint, replay: k.replay_endpoint } : { pub: k.endpoint };
-    out.set(autoName(w), { ep, sig: `${k.endpoint} ${k.replay_endpoint ?? ''}`, blockSize: k.block_size });
+    const ep: EventEndpoint = {
+      pub: k.endpoint,
+      ...(k.replay_endpoint ? { replay: k.replay_endpoint } : {}),
+      ...(k.topic ? { topic: k.topic } : {}),
+    };
+    const sig = `${k.endpoint} ${k.replay_endpoint ?? ''} ${k.topic ?? ''}`;
+    out.set(autoName(w), { ep, sig, blockSize: k.block_size });
   }
   return out;
 }

@@ -102,9 +102,19 @@ function trim<K, V>(m: Map<K, V>, cap: number, onDrop?: (k: K) => void): void {
 export class KvBlockIndex {
   readonly #workers = new Map<string, WorkerBlocks>();
   readonly o: Required<IndexOptions>;
+  #confirmed = 0;
 
   constructor(o: IndexOptions = {}) {
     this.o = { maxBlocksPerWorker: 1_000_000, maxWorkers: 1024, speculativeTtlMs: 2000, maxSpeculative: 10_000, ...o };
+  }
+
+  /**
+   * Stored blocks that a routing decision had sent there (a speculative entry
+   * the event confirmed): proof that the proxy keys prompts as the workers'
+   * events do (same tokens, same block size).
+   */
+  get confirmed(): number {
+    return this.#confirmed;
   }
 
   /** Blocks indexed, all workers together. */
@@ -190,7 +200,7 @@ export class KvBlockIndex {
         parent = blockKey(parent, e.tokenIds, i * e.blockSize, (i + 1) * e.blockSize);
         w.engine.set(e.blockHashes[i], parent);
         this.#hold(w, parent, code);
-        w.spec.delete(slotOf(parent)); // confirmed
+        if (w.spec.delete(slotOf(parent))) this.#confirmed++;
       }
       trim(w.keys, this.o.maxBlocksPerWorker);
       trim(w.engine, this.o.maxBlocksPerWorker);
@@ -210,11 +220,11 @@ export class KvBlockIndex {
     const w = this.#worker(name);
     if (!w) return;
     const until = Math.ceil((now + this.o.speculativeTtlMs) / SPEC_TICK_MS);
-    for (const k of keys) {
-      if (this.#held(w, k) !== undefined) continue;
-      const slot = slotOf(k);
-      w.spec.delete(slot);
-      w.spec.set(slot, until);
+    // An entry sent again keeps its place in the trimming order (set() alone
+    // updates in place): a delete per key would double the decision's map work,
+    // and the TTL, not the order, is what retires entries.
+    for (let j = 0; j < keys.length; j++) {
+      if (this.#held(w, keys[j]) === undefined) w.spec.set(slotOf(keys[j]), until);
     }
     trim(w.spec, this.o.maxSpeculative);
   }
@@ -226,25 +236,55 @@ export class KvBlockIndex {
    * its first miss: O(candidates + matched blocks).
    */
   match(keys: readonly number[], candidates: readonly string[], now = performance.now()): Map<string, Match> {
-    const score = new Map<string, Match>();
-    for (const c of candidates) {
-      const m = { blocks: 0, weight: 0 };
-      score.set(c, m);
-      const w = this.#workers.get(c);
-      if (!w) continue;
-      for (const k of keys) {
-        const code = this.#held(w, k);
-        let wgt: number;
-        if (code !== undefined) wgt = CODE_WEIGHT[code];
-        else {
-          const until = w.spec.get(slotOf(k));
-          if (until === undefined || until * SPEC_TICK_MS <= now) break;
-          wgt = 1;
+    const blocks = new Float64Array(candidates.length);
+    const weight = new Float64Array(candidates.length);
+    this.matchInto(keys, candidates, blocks, weight, now);
+    return new Map(candidates.map((c, i) => [c, { blocks: blocks[i], weight: weight[i] }]));
+  }
+
+  /**
+   * match() into the caller's arrays (index i: candidates[i]), allocating
+   * nothing: the routing decision runs this for every prefill on every
+   * request, and garbage made there is the decision's tail latency.
+   */
+  matchInto(
+    keys: readonly number[],
+    candidates: readonly string[],
+    blocks: Float64Array,
+    weight: Float64Array,
+    now = performance.now(),
+  ): void {
+    const tick = now / SPEC_TICK_MS;
+    for (let c = 0; c < candidates.length; c++) {
+      let n = 0;
+      let sum = 0;
+      const w = this.#workers.get(candidates[c]);
+      if (w)
+        for (let j = 0; j < keys.length; j++) {
+          const k = keys[j];
+          const slot = slotOf(k);
+          const v = w.keys.get(slot);
+          if (v !== undefined && v >>> 2 === highOf(k)) sum += CODE_WEIGHT[v & 3];
+          else if (w.spec.size > 0) {
+            const until = w.spec.get(slot);
+            if (until === undefined || until <= tick) break;
+            sum += 1;
+          } else break;
+          n++;
         }
-        m.blocks++;
-        m.weight += wgt;
-      }
+      blocks[c] = n;
+      weight[c] = sum;
     }
-    return score;
+  }
+
+  /** Blocks a worker holds or was just sent (speculative entries, until trimmed): where new prefixes go least. */
+  held(name: string): number {
+    const w = this.#workers.get(name);
+    return w ? w.keys.size + w.spec.size : 0;
+  }
+
+  /** Whether any event of the worker's left blocks in the index (speculative entries aside). */
+  knows(name: string): boolean {
+    return (this.#workers.get(name)?.keys.size ?? 0) > 0;
   }
 }

@@ -13,6 +13,7 @@ import { BatchRefused, type DecodeLimits, decodeBatch } from './decode';
 import { AdvertisedFollower } from './discover';
 import { type IndexOptions, KvBlockIndex, promptKeys } from './index';
 import { type KvIndexMetrics, kvIndexMetrics } from './metrics';
+import { DecisionScratch } from './scratch';
 import { type EventEndpoint, EventSubscriber } from './subscriber';
 import { type PromptTokenizer, syntheticTokenizer, workerTokenizer } from './tokenizer';
 
@@ -45,24 +46,29 @@ export interface PreciseHint {
   prefixMatchTokens?: number;
 }
 
-export type DecisionReason = 'prefix' | 'load' | 'no_tokens';
-
-/** Parses `WORKER=PUB[,REPLAY]` (--kv-events-endpoint). */
+/** Parses `WORKER=PUB[,REPLAY][,topic=TOPIC]` (--kv-events-endpoint). */
 export function parseEventEndpoint(spec: string): [string, EventEndpoint] {
-  const eq = spec.lastIndexOf('=');
+  // The worker's name may hold '=' (a URL's query); its publisher starts at '=tcp://' or '=ipc://'.
+  const at = spec.search(/=(tcp|ipc):\/\//);
+  const eq = at >= 0 ? at : spec.indexOf('=');
   const worker = spec.slice(0, eq);
-  const [pub, replay, extra] = spec.slice(eq + 1).split(',');
+  const parts = spec.slice(eq + 1).split(',');
+  const topicAt = parts.findIndex((p) => p.startsWith('topic='));
+  const topic = topicAt >= 0 ? parts.splice(topicAt, 1)[0].slice('topic='.length) : undefined;
+  const [pub, replay, extra] = parts;
   if (
     eq <= 0 ||
     !pub ||
     extra !== undefined ||
+    (topicAt >= 0 && topicAt !== parts.length) ||
     !/^(tcp|ipc):\/\//.test(pub) ||
     (replay && !/^(tcp|ipc):\/\//.test(replay))
   )
-    throw Object.assign(new Error(`--kv-events-endpoint wants WORKER=tcp://PUB[,tcp://REPLAY], not '${spec}'`), {
-      code: 'NIXL_ERR_INVALID_PARAM',
-    });
-  return [worker, replay ? { pub, replay } : { pub }];
+    throw Object.assign(
+      new Error(`--kv-events-endpoint wants WORKER=tcp://PUB[,tcp://REPLAY][,topic=TOPIC], not '${spec}'`),
+      { code: 'NIXL_ERR_INVALID_PARAM' },
+    );
+  return [worker, { pub, ...(replay ? { replay } : {}), ...(topic ? { topic } : {}) }];
 }
 
 export class PreciseRouting {
@@ -78,6 +84,7 @@ export class PreciseRouting {
   readonly #explicit: Set<string>;
   readonly follower: AdvertisedFollower;
   #timer?: NodeJS.Timeout;
+  readonly #scratch = new DecisionScratch();
   #synced = Number.NEGATIVE_INFINITY;
 
   constructor(
@@ -211,41 +218,72 @@ export class PreciseRouting {
     if (from.length === 0) return undefined;
     if (performance.now() - this.#synced >= SYNC_ON_PICK_MS) this.sync();
     const h = hint as PreciseHint | undefined;
-    const names = from.map((w) => this.nameOf(w));
-    const matches = h ? this.index.match(h.keys, names) : undefined;
-    const loads = from.map((w) => loadOf(w));
-    const maxQ = Math.max(...loads);
-    const minQ = Math.min(...loads);
-    let best: number[] = [];
+    const d = this.#scratch.fill(from, (w) => this.nameOf(w));
+    if (h) this.index.matchInto(h.keys, d.names, d.blocks, d.weight);
+    let i = h && d.anyMatch() ? this.#best(from, d, h.keys.length, false, turn) : -1;
+    if (i < 0) i = this.#place(from, d, h, turn);
+    const blocks = d.blocks[i];
+    this.#count('decisions', 1, !h ? 'no_tokens' : blocks > 0 ? 'prefix' : 'load');
+    if (h) {
+      h.prefill = d.names[i];
+      h.prefixMatchTokens = blocks * this.blockSize;
+      this.index.speculate(d.names[i], h.keys);
+    }
+    return from[i];
+  }
+
+  /**
+   * A prompt no prefill holds any of. Once an event has confirmed a decision
+   * (the proxy's keys are the workers'), it goes by load and then to the
+   * prefill holding the fewest blocks, so that new prefixes spread instead
+   * of piling onto the prefill their rendezvous hash picks, whose contexts
+   * would evict each other. Before that (no events, or prompts the proxy
+   * tokenizes otherwise than the workers), the 'load' policy's prefix
+   * affinity, as without events.
+   */
+  #place(from: readonly WorkerRef[], d: DecisionScratch, h: PreciseHint | undefined, turn: number): number {
+    if (h && this.index.confirmed > 0 && d.names.some((n) => this.index.knows(n)))
+      return this.#best(from, d, 0, true, turn);
+    if (h?.affinity !== undefined) {
+      const w = pickByLoad(from, turn, h.affinity, this.#pool?.routing);
+      if (w) return from.indexOf(w);
+    }
+    return this.#best(from, d, 0, false, turn);
+  }
+
+  /**
+   * The best-scoring candidate (ties in turn): prefix 2 (the matched run's
+   * tier-weighted share of the prompt), KV utilisation 1 (what the worker
+   * reports, else with `byHeld` the blocks the index holds for it against the
+   * fullest candidate's), queue 1 (load against the candidates' range).
+   */
+  #best(from: readonly WorkerRef[], d: DecisionScratch, promptBlocks: number, byHeld: boolean, turn: number): number {
+    const n = from.length;
+    let maxQ = Number.NEGATIVE_INFINITY;
+    let minQ = Number.POSITIVE_INFINITY;
+    let maxHeld = 0;
+    for (let i = 0; i < n; i++) {
+      d.loads[i] = loadOf(from[i]);
+      maxQ = Math.max(maxQ, d.loads[i]);
+      minQ = Math.min(minQ, d.loads[i]);
+      d.held[i] = byHeld ? this.index.held(d.names[i]) : 0;
+      maxHeld = Math.max(maxHeld, d.held[i]);
+    }
     let bestScore = Number.NEGATIVE_INFINITY;
-    for (let i = 0; i < from.length; i++) {
-      const m = matches?.get(names[i]);
-      const prefix = m && h && h.keys.length > 0 ? m.weight / h.keys.length : 0;
+    let ties = 0;
+    for (let i = 0; i < n; i++) {
       const r = from[i].reported;
-      const kv = r && r.totalBlocks > 0 ? r.freeBlocks / r.totalBlocks : 1;
-      const queue = maxQ === minQ ? 1 : (maxQ - loads[i]) / (maxQ - minQ);
+      const kv = r && r.totalBlocks > 0 ? r.freeBlocks / r.totalBlocks : maxHeld > 0 ? 1 - d.held[i] / maxHeld : 1;
+      const queue = maxQ === minQ ? 1 : (maxQ - d.loads[i]) / (maxQ - minQ);
+      const prefix = promptBlocks > 0 ? d.weight[i] / promptBlocks : 0;
       const s = this.#w.prefix * prefix + this.#w.kvUtilization * kv + this.#w.queue * queue;
       if (s > bestScore + 1e-9) {
         bestScore = s;
-        best = [i];
-      } else if (Math.abs(s - bestScore) <= 1e-9) best.push(i);
+        ties = 0;
+      } else if (s < bestScore - 1e-9) continue;
+      d.tied[ties++] = i;
     }
-    let i = best[turn % best.length];
-    // Nobody holds any of it: the prefix affinity of the 'load' policy, so a prompt the events cannot place
-    // (no publisher, another tokenizer) still lands where its prefix went before.
-    if (h?.affinity !== undefined && ![...(matches?.values() ?? [])].some((m) => m.blocks > 0)) {
-      const w = pickByLoad(from, turn, h.affinity, this.#pool?.routing);
-      i = w ? from.indexOf(w) : i;
-    }
-    const blocks = matches?.get(names[i])?.blocks ?? 0;
-    const reason: DecisionReason = !h ? 'no_tokens' : blocks > 0 ? 'prefix' : 'load';
-    this.#count('decisions', 1, reason);
-    if (h) {
-      h.prefill = names[i];
-      h.prefixMatchTokens = blocks * this.blockSize;
-      this.index.speculate(names[i], h.keys);
-    }
-    return from[i];
+    return d.tied[turn % ties];
   }
 
   /** What the answer says of the decision (nixl_node.prefill, nixl_node.prefix_match_tokens). */

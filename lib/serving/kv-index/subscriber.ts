@@ -9,6 +9,12 @@ import { EventStream, type StreamSink } from './stream';
 export interface EventEndpoint {
   pub: string;
   replay?: string;
+  /**
+   * Take only messages of this topic (vLLM's `topic`; llm-d's convention
+   * kv@<pod-ip>:<port>@<model>): one PUB may carry several workers' streams
+   * (a collector the workers connect to). Unset or '': every message.
+   */
+  topic?: string;
 }
 
 const END = (1n << 64n) - 1n;
@@ -33,6 +39,7 @@ export class EventSubscriber {
   /** Replays given up on (timed out) whose replies may still come. */
   #stale = 0;
   #timer?: NodeJS.Timeout;
+  readonly #topic?: Buffer;
 
   constructor(
     readonly endpoint: EventEndpoint,
@@ -40,10 +47,13 @@ export class EventSubscriber {
     readonly onMalformed: () => void,
   ) {
     this.stream = new EventStream({ ...sink, replay: (start) => this.#replay(start) });
+    if (endpoint.topic) this.#topic = Buffer.from(endpoint.topic);
   }
 
   start(): void {
-    this.#sub.subscribe();
+    // ZeroMQ filters by prefix; the live loop then keeps the exact topic only.
+    if (this.endpoint.topic) this.#sub.subscribe(this.endpoint.topic);
+    else this.#sub.subscribe();
     this.#sub.connect(this.endpoint.pub);
     if (this.endpoint.replay) {
       this.#dealer = new zmq.Dealer({ maxMessageSize: MAX_MESSAGE, linger: 0 });
@@ -61,7 +71,7 @@ export class EventSubscriber {
         if (this.#closed) break;
         const seq = seqOf(frames[1]);
         if (frames.length !== 3 || seq === undefined) this.onMalformed();
-        else this.stream.live(seq, frames[2]);
+        else if (this.#topic === undefined || frames[0].equals(this.#topic)) this.stream.live(seq, frames[2]);
         if (++n % YIELD_EVERY === 0) await new Promise((r) => setImmediate(r));
       }
     } catch {

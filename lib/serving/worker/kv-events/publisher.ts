@@ -9,6 +9,7 @@
 import * as zmq from 'zeromq';
 import { NixlError } from '../../../errors';
 import { type KvEventsSettings, bindsEndpoint } from './config';
+import { connectable } from './host';
 
 /** The end-of-replay marker (seq -1). */
 export const END_SEQ = Buffer.alloc(8, 0xff);
@@ -26,11 +27,6 @@ function seqFrame(seq: bigint): Buffer {
   const b = Buffer.alloc(8);
   b.writeBigUInt64BE(seq);
   return b;
-}
-
-/** An address a peer can connect to: a wildcard host becomes `host`. */
-function connectable(bound: string, host: string): string {
-  return bound.replace(/^tcp:\/\/(0\.0\.0\.0|\*|\[::\]|::)(?=:)/, `tcp://${host.includes(':') ? `[${host}]` : host}`);
 }
 
 export class KvEventPublisher {
