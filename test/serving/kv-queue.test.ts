@@ -9,6 +9,7 @@ import { prefillRequestParams } from '../../lib/handshake/wire';
 import { type Worker, startWorker } from '../../lib/serving';
 import { BlockPool } from '../../lib/serving/worker/blocks';
 import { serveTrio } from '../helpers';
+import { retryAfterHeader } from '../../lib/serving/api/errors';
 
 const closers: Array<() => unknown> = [];
 afterEach(async () => {
@@ -209,7 +210,8 @@ describe('BlockPool', () => {
     expect((await y).length).toBe(2);
     expect(p.waiting).toBe(0);
     await expect(p.acquire(11)).rejects.toMatchObject({ status: 400, code: 'kv_request_too_large' });
-    await expect(p.acquire(5)).rejects.toMatchObject({ status: 503, code: 'kv_cache_full', retryAfterS: 1 });
+    await expect(p.acquire(5)).rejects.toMatchObject({ status: 503, code: 'kv_cache_full' });
+    expect(retryAfterHeader('kv_cache_full')).toEqual({ 'retry-after': '1' });
     p.give(first);
     expect(got).toEqual(['y']);
     expect(p.available).toBe(8);

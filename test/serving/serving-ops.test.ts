@@ -11,7 +11,8 @@ import * as readline from 'node:readline';
 import { afterEach, describe, expect, it } from 'vitest';
 import { NixlAgent } from '../../lib';
 import { startProxy, startWorker, SyntheticModel, Worker } from '../../lib/serving';
-import { HttpTransport, ZmqTransport } from '../../lib/serving/proxy/transports';
+import { HttpTransport } from '../../lib/serving/proxy/transports/http';
+import { ZmqTransport } from '../../lib/serving/proxy/transports/zmq';
 import { MODEL_NAME } from '../../lib/serving/models/synthetic-kv';
 import { freePort, repeatedJsonKeys, ROOT } from '../helpers';
 
@@ -93,7 +94,7 @@ describe('a ZeroMQ proxy whose workers it cannot connect to', () => {
     // In a process of its own: its file descriptors, and whether it ends by itself.
     const script = `
       const fs = require('node:fs');
-      const { ZmqTransport } = require(${JSON.stringify(path.join(ROOT, 'dist/lib/serving/proxy/transports'))});
+      const { ZmqTransport } = require(${JSON.stringify(path.join(ROOT, 'dist/lib/serving/proxy/transports/zmq'))});
       (async () => {
         const t = await new ZmqTransport().bind();
         const fds = () => fs.readdirSync('/proc/self/fd').length;

@@ -5,7 +5,8 @@
 // small ones. A waiter leaves at its deadline (503 with Retry-After) or when
 // its client goes away; a request bigger than the whole cache is a 400 at once.
 import { NixlError } from '../../errors';
-import { HttpError } from '../api/http';
+import type { HttpError } from '../api/http';
+import { failure } from '../api/errors';
 
 /** How long a request may wait for blocks, and how many may wait. */
 export interface BlockQueueOptions {
@@ -19,22 +20,6 @@ export const DEFAULT_KV_WAIT_MS = 30_000;
 export const DEFAULT_KV_QUEUE_MAX = 1024;
 /** The longest wait a Node.js timer takes (longer ones fire at once). */
 const MAX_TIMER_MS = 2 ** 31 - 1;
-
-/** A 503 of a cache that stayed full (or a queue that is): the client may try again after retryAfterS. */
-export class KvBusy extends HttpError {
-  readonly retryAfterS = 1;
-  constructor(message: string, code: 'kv_cache_full' | 'kv_queue_full') {
-    super(503, message, code);
-  }
-}
-
-/** The error codes a worker answers when it could not place a request's KV in time: worth another worker. */
-export const KV_BUSY_CODES: ReadonlySet<string> = new Set(['kv_cache_full', 'kv_queue_full']);
-
-/** The Retry-After header of a busy worker's 503 (the proxy passes it on), or none for other errors. */
-export function retryAfter(code: string | undefined): Record<string, string> {
-  return code !== undefined && KV_BUSY_CODES.has(code) ? { 'retry-after': '1' } : {};
-}
 
 /** Throws NIXL_ERR_INVALID_PARAM on out-of-range queue options (checked at start). */
 export function checkBlockQueueOptions(o: BlockQueueOptions): void {
@@ -51,11 +36,7 @@ export function checkBlockQueueOptions(o: BlockQueueOptions): void {
 
 /** A request whose KV cannot fit the cache even when empty: a 400 at once, never a wait. */
 export function tooLarge(n: number, size: number): HttpError {
-  return new HttpError(
-    400,
-    `the prompt's KV needs ${n} blocks; this worker's KV cache holds ${size}`,
-    'kv_request_too_large',
-  );
+  return failure('kv_request_too_large', `the prompt's KV needs ${n} blocks; this worker's KV cache holds ${size}`);
 }
 
 interface Waiter {
@@ -104,12 +85,12 @@ export class BlockPool {
     if (n > this.size) return Promise.reject(tooLarge(n, this.size));
     const now = this.take(n);
     if (now) return Promise.resolve(now);
-    if (signal?.aborted) return Promise.reject(new HttpError(499, 'the client went away', 'aborted'));
+    if (signal?.aborted) return Promise.reject(failure('aborted', 'the client went away'));
     if (this.#waitMs === 0)
-      return Promise.reject(new KvBusy(`KV cache full: ${n} blocks wanted, ${this.available} free`, 'kv_cache_full'));
+      return Promise.reject(failure('kv_cache_full', `KV cache full: ${n} blocks wanted, ${this.available} free`));
     if (this.#waiters.length >= this.#queueMax)
       return Promise.reject(
-        new KvBusy(`KV cache full and ${this.#waiters.length} requests already wait for blocks`, 'kv_queue_full'),
+        failure('kv_queue_full', `KV cache full and ${this.#waiters.length} requests already wait for blocks`),
       );
     return new Promise((resolve, reject) => {
       const t0 = performance.now();
@@ -129,14 +110,14 @@ export class BlockPool {
         const ms = Math.round(performance.now() - t0);
         w.done(
           undefined,
-          new KvBusy(
+          failure(
+            'kv_cache_full',
             `KV cache full: ${n} blocks wanted, ${this.available} free after waiting ${ms} ms ` +
               `(${this.#waiters.length} requests waiting)`,
-            'kv_cache_full',
           ),
         );
       }, this.#waitMs);
-      const onAbort = () => w.done(undefined, new HttpError(499, 'the client went away', 'aborted'));
+      const onAbort = () => w.done(undefined, failure('aborted', 'the client went away'));
       signal?.addEventListener('abort', onAbort, { once: true });
       this.#waiters.push(w);
     });
@@ -149,7 +130,7 @@ export class BlockPool {
 
   /** Fails every waiter (the worker is closing). */
   close(): void {
-    for (const w of [...this.#waiters]) w.done(undefined, new KvBusy('the worker is closing', 'kv_cache_full'));
+    for (const w of [...this.#waiters]) w.done(undefined, failure('kv_cache_full', 'the worker is closing'));
   }
 
   /** Takes a waiter out of the queue; the next ones may fit now. */

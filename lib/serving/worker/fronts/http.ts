@@ -4,7 +4,7 @@
 import { randomUUID } from 'node:crypto';
 import type * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
-import { KvBusy } from '../blocks';
+import { retryAfterHeader } from '../../api/errors';
 import type { FrontHandler } from './front';
 import { GENERATE_PATH } from '../../api/generate';
 import { serveRoute } from './generate-route';
@@ -141,7 +141,8 @@ async function api({ w, o, req, res, path, json }: Call): Promise<void> {
     json(
       h.status,
       h instanceof ModelNotFound ? modelNotFoundBody(h) : errorBody(h.message, h.code, h.details),
-      h instanceof KvBusy ? { 'retry-after': h.retryAfterS } : {},
+      // A body past the limit is not read to its end: the connection goes, as the proxy's front does.
+      { ...retryAfterHeader(h.code), ...(h.status === 413 ? { connection: 'close' } : {}) },
     );
   }
 }
