@@ -13,40 +13,10 @@
 // one map of all workers' blocks (cache misses), halving the update rate.
 import type { KvEvent } from './decode';
 import { Holders } from './holders';
+import { blockKey, rootKey } from './keys';
+import { trim } from './trim';
 
-/** The key of a block: a 53-bit chain over the parent's key and the block's token ids. */
-export function blockKey(parent: number, tokens: ArrayLike<number>, from: number, to: number): number {
-  let h1 = (0xdeadbeef ^ parent) >>> 0;
-  let h2 = (0x41c6ce57 ^ Math.floor(parent / 0x100000000)) >>> 0;
-  for (let i = from; i < to; i++) {
-    const t = tokens[i];
-    h1 = Math.imul(h1 ^ t, 2654435761);
-    h2 = Math.imul(h2 ^ t, 1597334677);
-  }
-  h1 = Math.imul(h1 ^ (h1 >>> 16), 2246822507);
-  h1 ^= Math.imul(h2 ^ (h2 >>> 13), 3266489909);
-  h2 = Math.imul(h2 ^ (h2 >>> 16), 2246822507);
-  h2 ^= Math.imul(h1 ^ (h1 >>> 13), 3266489909);
-  return 4294967296 * (2097151 & h2) + (h1 >>> 0);
-}
-
-/** The chain's first parent: the LoRA adapter (or none) starts its own chain. */
-export function rootKey(lora: string | null = null): number {
-  if (lora === null) return 0;
-  const b = Buffer.from(lora, 'utf8');
-  return blockKey(1, b, 0, b.length);
-}
-
-/** The keys of a prompt's full blocks, in order. */
-export function promptKeys(tokens: ArrayLike<number>, blockSize: number, lora: string | null = null): number[] {
-  const keys: number[] = [];
-  let parent = rootKey(lora);
-  for (let i = 0; i + blockSize <= tokens.length; i += blockSize) {
-    parent = blockKey(parent, tokens, i, i + blockSize);
-    keys.push(parent);
-  }
-  return keys;
-}
+export { blockKey, promptKeys, rootKey } from './keys';
 
 // Map keys and values are kept small integers (V8 Smis): a 53-bit key as a
 // Map key or value is a heap number, one more cache miss a lookup, and the
@@ -94,27 +64,6 @@ export interface Match {
 
 /** What one apply() did, by outcome, for the metrics. */
 export type ApplyCounts = Record<string, number>;
-
-/** Entries one trim deletes beyond what the cap requires: a decision's share of the work, not its tail. */
-const TRIM_STEP = 128;
-
-/**
- * Keeps a map within `cap` entries, the oldest going first. Over the cap, it
- * trims ahead, towards a tenth below it, at most TRIM_STEP entries more than
- * the cap requires: deleting one entry at a time from the front of a V8 Map
- * leaves holes that each later scan from the front walks again, and a tenth
- * at once (1,000 speculative entries) was one routing decision in thirty
- * taking 100 us more.
- */
-function trim<K, V>(m: Map<K, V>, cap: number, onDrop?: (k: K, v: V) => void): void {
-  if (m.size <= cap) return;
-  let n = Math.max(m.size - cap, Math.min(m.size - Math.floor(cap * 0.9), TRIM_STEP));
-  for (const [k, v] of m) {
-    if (n-- <= 0) break;
-    m.delete(k);
-    onDrop?.(k, v);
-  }
-}
 
 /** Which worker holds which prompt prefix. */
 export class KvBlockIndex {
