@@ -40,8 +40,15 @@ interface WorkerBlocks {
   keys: Map<number, number>;
   /** Engine hash -> own key. */
   engine: Map<bigint, number>;
-  /** Slot -> expiry in SPEC_TICK_MS ticks * 2 + 1 for a first block: routing decisions not yet confirmed by an event. */
+  /** Slot -> expiry in SPEC_TICK_MS ticks: routing decisions not yet confirmed by an event, prompts' blocks after the first. */
   spec: Map<number, number>;
+  /**
+   * The same for prompts' first blocks, mirrored in the inverted side. Apart
+   * from `spec`, so that writing a decision's entries needs no read of what
+   * a slot held before (a 32-bit slot of a later block may equal a first
+   * block's).
+   */
+  specFirst: Map<number, number>;
 }
 
 /** Bounds of the proxy's block index. */
@@ -71,7 +78,7 @@ export class KvBlockIndex {
   readonly o: Required<IndexOptions>;
   /** First block's slot -> workers holding it (payload: what their `keys` holds). */
   readonly #holders = new Holders();
-  /** First block's slot -> workers with a speculative entry for it (payload: what their `spec` holds). */
+  /** First block's slot -> workers with a speculative entry for it (payload: what their `specFirst` holds). */
   readonly #specHolders = new Holders();
   /** By worker id: the worker (ids are reused, so they stay below the most workers held at once). */
   readonly #byId: (WorkerBlocks | undefined)[] = [];
@@ -116,7 +123,7 @@ export class KvBlockIndex {
     if (!w) {
       if (this.#workers.size >= this.o.maxWorkers) return undefined;
       const id = this.#freeIds.pop() ?? this.#nextId++;
-      w = { id, keys: new Map(), engine: new Map(), spec: new Map() };
+      w = { id, keys: new Map(), engine: new Map(), spec: new Map(), specFirst: new Map() };
       this.#byId[id] = w;
       this.#workers.set(name, w);
     }
@@ -155,12 +162,11 @@ export class KvBlockIndex {
     if (v & FIRST) this.#holders.delete(slot, w.id);
   }
 
-  /** Forgets a speculative entry of a worker, both sides; whether there was one. */
-  #unspec(w: WorkerBlocks, slot: number): boolean {
-    const v = w.spec.get(slot);
-    if (v === undefined) return false;
-    w.spec.delete(slot);
-    if (v & 1) this.#specHolders.delete(slot, w.id);
+  /** Forgets a speculative entry of a worker (a first block's: both sides); whether there was one. */
+  #unspec(w: WorkerBlocks, slot: number, first: boolean): boolean {
+    if (!first) return w.spec.delete(slot);
+    if (!w.specFirst.delete(slot)) return false;
+    this.#specHolders.delete(slot, w.id);
     return true;
   }
 
@@ -211,8 +217,9 @@ export class KvBlockIndex {
       for (let i = 0; i < e.blockHashes.length; i++) {
         parent = blockKey(parent, e.tokenIds, i * e.blockSize, (i + 1) * e.blockSize);
         w.engine.set(e.blockHashes[i], parent);
-        this.#hold(w, parent, code, i === 0 && e.parent === null ? FIRST : 0);
-        if (this.#unspec(w, slotOf(parent))) this.#confirmed++;
+        const first = i === 0 && e.parent === null;
+        this.#hold(w, parent, code, first ? FIRST : 0);
+        if (this.#unspec(w, slotOf(parent), first)) this.#confirmed++;
       }
       trim(w.keys, this.o.maxBlocksPerWorker, (slot, v) => {
         if (v & FIRST) this.#holders.delete(slot, w.id);
@@ -229,7 +236,7 @@ export class KvBlockIndex {
     const w = this.#workers.get(name);
     if (!w) return;
     for (const [slot, v] of w.keys) if (v & FIRST) this.#holders.delete(slot, w.id);
-    for (const [slot, v] of w.spec) if (v & 1) this.#specHolders.delete(slot, w.id);
+    for (const slot of w.specFirst.keys()) this.#specHolders.delete(slot, w.id);
     this.#workers.delete(name);
     this.#byId[w.id] = undefined;
     this.#freeIds.push(w.id);
@@ -243,23 +250,18 @@ export class KvBlockIndex {
   speculate(name: string, keys: readonly number[], now = performance.now()): void {
     const w = this.#worker(name);
     if (!w) return;
-    // An int32 in the inverted records (holders.ts), with the first-block bit: 2^30 ticks is 3.4 years.
-    const until = Math.max(0, Math.min(0x3fffffff, Math.ceil((now + this.o.speculativeTtlMs) / SPEC_TICK_MS)));
+    // An int32 in the inverted records (holders.ts): 2^31 ticks is 6.8 years.
+    const until = Math.max(0, Math.min(0x7fffffff, Math.ceil((now + this.o.speculativeTtlMs) / SPEC_TICK_MS)));
     // An entry sent again keeps its place in the trimming order (set() alone
     // updates in place): a delete per key would double the decision's map work,
     // and the TTL, not the order, is what retires entries.
-    for (let j = 0; j < keys.length; j++) {
-      if (this.#held(w, keys[j]) !== undefined) continue;
-      const slot = slotOf(keys[j]);
-      const had = w.spec.get(slot);
-      // A slot's first-block bit stays once set: the inverted side holds it.
-      const v = until * 2 + (j === 0 || (had !== undefined && had & 1) ? 1 : 0);
-      w.spec.set(slot, v);
-      if (v & 1) this.#specHolders.set(slot, w.id, v);
+    if (keys.length > 0 && this.#held(w, keys[0]) === undefined) {
+      w.specFirst.set(slotOf(keys[0]), until);
+      this.#specHolders.set(slotOf(keys[0]), w.id, until);
     }
-    trim(w.spec, this.o.maxSpeculative, (slot, v) => {
-      if (v & 1) this.#specHolders.delete(slot, w.id);
-    });
+    for (let j = 1; j < keys.length; j++) if (this.#held(w, keys[j]) === undefined) w.spec.set(slotOf(keys[j]), until);
+    trim(w.spec, this.o.maxSpeculative);
+    trim(w.specFirst, this.o.maxSpeculative, (slot) => this.#specHolders.delete(slot, w.id));
   }
 
   /**
@@ -305,7 +307,7 @@ export class KvBlockIndex {
         if (v !== undefined && v >>> 3 === highOf(k)) sum += CODE_WEIGHT[v & 3];
         else if (w.spec.size > 0) {
           const s = w.spec.get(slot);
-          if (s === undefined || s >>> 1 <= tick) break;
+          if (s === undefined || s <= tick) break;
           sum += 1;
         } else break;
       }
@@ -366,7 +368,7 @@ export class KvBlockIndex {
     if (spec.size > 0)
       for (let r = spec.map.get(slot) ?? -1; r >= 0; r = spec.next[r]) {
         const c = at[spec.id[r]] - 1;
-        if (c < 0 || blocks[c] !== 0 || spec.payload[r] >>> 1 <= tick) continue;
+        if (c < 0 || blocks[c] !== 0 || spec.payload[r] <= tick) continue;
         blocks[c] = 1;
         weight[c] = 1;
         this.#run[runs++] = c;
@@ -376,19 +378,26 @@ export class KvBlockIndex {
 
   /** Both sides of the index, for consistency checks: per worker its map, and the inverted maps' entries. */
   views(): {
-    workers: Map<string, { id: number; keys: [number, number][]; spec: [number, number][] }>;
+    workers: Map<
+      string,
+      { id: number; keys: [number, number][]; spec: [number, number][]; specFirst: [number, number][] }
+    >;
     holders: [number, number, number][];
     specHolders: [number, number, number][];
   } {
-    const workers = new Map<string, { id: number; keys: [number, number][]; spec: [number, number][] }>();
-    for (const [name, w] of this.#workers) workers.set(name, { id: w.id, keys: [...w.keys], spec: [...w.spec] });
+    const workers = new Map<
+      string,
+      { id: number; keys: [number, number][]; spec: [number, number][]; specFirst: [number, number][] }
+    >();
+    for (const [name, w] of this.#workers)
+      workers.set(name, { id: w.id, keys: [...w.keys], spec: [...w.spec], specFirst: [...w.specFirst] });
     return { workers, holders: [...this.#holders.entries()], specHolders: [...this.#specHolders.entries()] };
   }
 
   /** Blocks a worker holds or was just sent (speculative entries, until trimmed): where new prefixes go least. */
   held(name: string): number {
     const w = this.#workers.get(name);
-    return w ? w.keys.size + w.spec.size : 0;
+    return w ? w.keys.size + w.spec.size + w.specFirst.size : 0;
   }
 
   /** Whether any event of the worker's left blocks in the index (speculative entries aside). */
