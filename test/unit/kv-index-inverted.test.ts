@@ -175,5 +175,11 @@ describe('KvBlockIndex inverted side', () => {
     // The ids come back for new workers, and nothing of the old ones is matched under them.
     ix.apply('c', [stored([9], null, [1, 1])]);
     expect(ix.match(promptKeys(prompt, BS), ['c']).get('c')?.blocks).toBe(0);
+    // More workers than the decision's arrays first hold: each its own run.
+    const names = Array.from({ length: 200 }, (_, i) => `w${i}`);
+    names.forEach((n, i) => ix.apply(n, [stored([1, 2, 3], null, prompt.slice(0, 2 * (1 + (i % 3))))]));
+    const many = ix.match(promptKeys(prompt, BS), names, 0);
+    expect(names.map((n) => many.get(n)?.blocks)).toEqual(names.map((_, i) => 1 + (i % 3)));
+    expectConsistent(ix);
   });
 });

@@ -59,7 +59,7 @@ export interface IndexOptions {
   maxWorkers?: number;
   /** How long a routing decision's speculative entry counts, ms (default 2000, as llm-d). */
   speculativeTtlMs?: number;
-  /** Speculative entries per worker at most (default 10,000). */
+  /** Speculative entries per worker at most (default 10,000), for prompts' first blocks and for later blocks each. */
   maxSpeculative?: number;
 }
 
@@ -86,7 +86,7 @@ export class KvBlockIndex {
   readonly #freeIds: number[] = [];
   #nextId = 0;
   /** By worker id: the decision's candidate index + 1, 0 when not a candidate (zero between decisions). */
-  readonly #at: Int32Array;
+  #at = new Int32Array(64);
   /** By candidate index: its worker id, -1 when not indexed. */
   #candIds = new Int32Array(64);
   /** The candidates holding the prompt's first block. */
@@ -95,7 +95,6 @@ export class KvBlockIndex {
 
   constructor(o: IndexOptions = {}) {
     this.o = { maxBlocksPerWorker: 1_000_000, maxWorkers: 1024, speculativeTtlMs: 2000, maxSpeculative: 10_000, ...o };
-    this.#at = new Int32Array(this.o.maxWorkers);
   }
 
   /**
@@ -123,6 +122,11 @@ export class KvBlockIndex {
     if (!w) {
       if (this.#workers.size >= this.o.maxWorkers) return undefined;
       const id = this.#freeIds.pop() ?? this.#nextId++;
+      if (id >= this.#at.length) {
+        const at = new Int32Array(this.#at.length * 2);
+        at.set(this.#at);
+        this.#at = at;
+      }
       w = { id, keys: new Map(), engine: new Map(), spec: new Map(), specFirst: new Map() };
       this.#byId[id] = w;
       this.#workers.set(name, w);
