@@ -177,7 +177,7 @@ describe('KvBlockIndex inverted side', () => {
     expect(ix.match(promptKeys(prompt, BS), ['c']).get('c')?.blocks).toBe(0);
     // More workers than the decision's arrays first hold: each its own run.
     const names = Array.from({ length: 200 }, (_, i) => `w${i}`);
-    names.forEach((n, i) => ix.apply(n, [stored([1, 2, 3], null, prompt.slice(0, 2 * (1 + (i % 3))))]));
+    for (const [i, n] of names.entries()) ix.apply(n, [stored([1, 2, 3], null, prompt.slice(0, 2 * (1 + (i % 3))))]);
     const many = ix.match(promptKeys(prompt, BS), names, 0);
     expect(names.map((n) => many.get(n)?.blocks)).toEqual(names.map((_, i) => 1 + (i % 3)));
     expectConsistent(ix);
