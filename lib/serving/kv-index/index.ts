@@ -3,49 +3,29 @@
 // whatever hash a publisher uses; each worker's engine hashes map to those
 // keys for removals and tokenless (offload) stores. Bounded: at most
 // `maxBlocksPerWorker` blocks a worker (its oldest go first) and
-// `maxWorkers` workers. Lookup costs O(prompt blocks).
+// `maxWorkers` workers. Each worker's map (what it holds, oldest first, for
+// eviction and removals) has an inverted side for prompts' first blocks
+// (first block -> the workers holding it, as llm-d keeps for every block),
+// which every path that changes a worker's map keeps equal to it: a routing
+// decision looks the prompt's first block up once, whatever the number of
+// workers, and walks on only in the maps of the workers that hold it. Only
+// first blocks: inverting every block made each update two more lookups in
+// one map of all workers' blocks (cache misses), halving the update rate.
 import type { KvEvent } from './decode';
+import { Holders } from './holders';
+import { blockKey, rootKey } from './keys';
+import { trim } from './trim';
 
-/** The key of a block: a 53-bit chain over the parent's key and the block's token ids. */
-export function blockKey(parent: number, tokens: ArrayLike<number>, from: number, to: number): number {
-  let h1 = (0xdeadbeef ^ parent) >>> 0;
-  let h2 = (0x41c6ce57 ^ Math.floor(parent / 0x100000000)) >>> 0;
-  for (let i = from; i < to; i++) {
-    const t = tokens[i];
-    h1 = Math.imul(h1 ^ t, 2654435761);
-    h2 = Math.imul(h2 ^ t, 1597334677);
-  }
-  h1 = Math.imul(h1 ^ (h1 >>> 16), 2246822507);
-  h1 ^= Math.imul(h2 ^ (h2 >>> 13), 3266489909);
-  h2 = Math.imul(h2 ^ (h2 >>> 16), 2246822507);
-  h2 ^= Math.imul(h1 ^ (h1 >>> 13), 3266489909);
-  return 4294967296 * (2097151 & h2) + (h1 >>> 0);
-}
-
-/** The chain's first parent: the LoRA adapter (or none) starts its own chain. */
-export function rootKey(lora: string | null = null): number {
-  if (lora === null) return 0;
-  const b = Buffer.from(lora, 'utf8');
-  return blockKey(1, b, 0, b.length);
-}
-
-/** The keys of a prompt's full blocks, in order. */
-export function promptKeys(tokens: ArrayLike<number>, blockSize: number, lora: string | null = null): number[] {
-  const keys: number[] = [];
-  let parent = rootKey(lora);
-  for (let i = 0; i + blockSize <= tokens.length; i += blockSize) {
-    parent = blockKey(parent, tokens, i, i + blockSize);
-    keys.push(parent);
-  }
-  return keys;
-}
+export { blockKey, promptKeys, rootKey } from './keys';
 
 // Map keys and values are kept small integers (V8 Smis): a 53-bit key as a
 // Map key or value is a heap number, one more cache miss a lookup, and the
 // decision's lookups are its cost. A slot is the key's low 32 bits; its
 // value holds the other 21 bits (checked on lookup, so no two keys are
-// confused) and the best tier held.
+// confused), whether it is a prompt's first block (FIRST) and the best tier
+// held: high * 8 + FIRST + tier code.
 const slotOf = (k: number) => k | 0;
+const FIRST = 4;
 const highOf = (k: number) => Math.floor(k / 0x100000000);
 /** Tier codes, best first, and what a block in each is worth to a prefill (llm-d: gpu 1.0, cpu 0.8; others 0.5). */
 const TIER_CODE: Record<string, number> = { GPU: 0, CPU: 1, CPU_PINNED: 1 };
@@ -54,12 +34,21 @@ const tierCode = (medium: string | null) => TIER_CODE[medium ?? 'GPU'] ?? 2;
 const SPEC_TICK_MS = 100;
 
 interface WorkerBlocks {
-  /** Slot -> high bits * 4 + tier code, in insertion order: the oldest are evicted first. */
+  /** Its id in the inverted maps (reused once the worker is dropped). */
+  id: number;
+  /** Slot -> high bits * 8 + FIRST + tier code, in insertion order: the oldest are evicted first. */
   keys: Map<number, number>;
   /** Engine hash -> own key. */
   engine: Map<bigint, number>;
-  /** Slot -> expiry in SPEC_TICK_MS ticks: routing decisions not yet confirmed by an event. */
+  /** Slot -> expiry in SPEC_TICK_MS ticks: routing decisions not yet confirmed by an event, prompts' blocks after the first. */
   spec: Map<number, number>;
+  /**
+   * The same for prompts' first blocks, mirrored in the inverted side. Apart
+   * from `spec`, so that writing a decision's entries needs no read of what
+   * a slot held before (a 32-bit slot of a later block may equal a first
+   * block's).
+   */
+  specFirst: Map<number, number>;
 }
 
 /** Bounds of the proxy's block index. */
@@ -70,7 +59,7 @@ export interface IndexOptions {
   maxWorkers?: number;
   /** How long a routing decision's speculative entry counts, ms (default 2000, as llm-d). */
   speculativeTtlMs?: number;
-  /** Speculative entries per worker at most (default 10,000). */
+  /** Speculative entries per worker at most (default 10,000), for prompts' first blocks and for later blocks each. */
   maxSpeculative?: number;
 }
 
@@ -83,25 +72,25 @@ export interface Match {
 /** What one apply() did, by outcome, for the metrics. */
 export type ApplyCounts = Record<string, number>;
 
-/**
- * Keeps a map within `cap` entries, the oldest going first. It trims a tenth
- * below the cap at once: deleting one entry at a time from the front of a
- * V8 Map leaves holes that each later scan from the front walks again.
- */
-function trim<K, V>(m: Map<K, V>, cap: number, onDrop?: (k: K) => void): void {
-  if (m.size <= cap) return;
-  let n = m.size - Math.floor(cap * 0.9);
-  for (const k of m.keys()) {
-    if (n-- <= 0) break;
-    m.delete(k);
-    onDrop?.(k);
-  }
-}
-
 /** Which worker holds which prompt prefix. */
 export class KvBlockIndex {
   readonly #workers = new Map<string, WorkerBlocks>();
   readonly o: Required<IndexOptions>;
+  /** First block's slot -> workers holding it (payload: what their `keys` holds). */
+  readonly #holders = new Holders();
+  /** First block's slot -> workers with a speculative entry for it (payload: what their `specFirst` holds). */
+  readonly #specHolders = new Holders();
+  /** By worker id: the worker (ids are reused, so they stay below the most workers held at once). */
+  readonly #byId: (WorkerBlocks | undefined)[] = [];
+  /** Worker ids of dropped workers, for reuse. */
+  readonly #freeIds: number[] = [];
+  #nextId = 0;
+  /** By worker id: the decision's candidate index + 1, 0 when not a candidate (zero between decisions). */
+  #at = new Int32Array(64);
+  /** By candidate index: its worker id, -1 when not indexed. */
+  #candIds = new Int32Array(64);
+  /** The candidates holding the prompt's first block. */
+  #run = new Int32Array(64);
   #confirmed = 0;
 
   constructor(o: IndexOptions = {}) {
@@ -132,7 +121,14 @@ export class KvBlockIndex {
     let w = this.#workers.get(name);
     if (!w) {
       if (this.#workers.size >= this.o.maxWorkers) return undefined;
-      w = { keys: new Map(), engine: new Map(), spec: new Map() };
+      const id = this.#freeIds.pop() ?? this.#nextId++;
+      if (id >= this.#at.length) {
+        const at = new Int32Array(this.#at.length * 2);
+        at.set(this.#at);
+        this.#at = at;
+      }
+      w = { id, keys: new Map(), engine: new Map(), spec: new Map(), specFirst: new Map() };
+      this.#byId[id] = w;
       this.#workers.set(name, w);
     }
     return w;
@@ -141,15 +137,41 @@ export class KvBlockIndex {
   /** The tier code a worker holds `key` at, if it does. */
   #held(w: WorkerBlocks, key: number): number | undefined {
     const v = w.keys.get(slotOf(key));
-    return v !== undefined && v >>> 2 === highOf(key) ? v & 3 : undefined;
+    return v !== undefined && v >>> 3 === highOf(key) ? v & 3 : undefined;
   }
 
-  /** Marks `key` held at tier `code` (the best tier wins), as the youngest entry. */
-  #hold(w: WorkerBlocks, key: number, code: number): void {
+  /**
+   * Marks `key` held at tier `code` (the best tier wins), as the youngest
+   * entry; `first`: a prompt's first block (a tokenless store keeps what the
+   * block was).
+   */
+  #hold(w: WorkerBlocks, key: number, code: number, first: number): void {
     const slot = slotOf(key);
-    const had = this.#held(w, key);
+    const had = w.keys.get(slot);
+    const same = had !== undefined && had >>> 3 === highOf(key);
+    const f = same ? had & FIRST : first;
+    const v = highOf(key) * 8 + f + (same ? Math.min(had & 3, code) : code);
     w.keys.delete(slot);
-    w.keys.set(slot, highOf(key) * 4 + (had === undefined ? code : Math.min(had, code)));
+    w.keys.set(slot, v);
+    // A slot another key held (a 32-bit collision) may have been a first block.
+    if (f !== 0) this.#holders.set(slot, w.id, v);
+    else if (had !== undefined && had & FIRST) this.#holders.delete(slot, w.id);
+  }
+
+  /** Forgets the block in `slot` of a worker, both sides. */
+  #unhold(w: WorkerBlocks, slot: number): void {
+    const v = w.keys.get(slot);
+    if (v === undefined) return;
+    w.keys.delete(slot);
+    if (v & FIRST) this.#holders.delete(slot, w.id);
+  }
+
+  /** Forgets a speculative entry of a worker (a first block's: both sides); whether there was one. */
+  #unspec(w: WorkerBlocks, slot: number, first: boolean): boolean {
+    if (!first) return w.spec.delete(slot);
+    if (!w.specFirst.delete(slot)) return false;
+    this.#specHolders.delete(slot, w.id);
+    return true;
   }
 
   /** Applies one worker's events in order; returns counts by outcome (applied, unknown_parent, ...). */
@@ -174,7 +196,7 @@ export class KvBlockIndex {
           if (key === undefined) bump('unknown_block');
           else {
             w.engine.delete(h);
-            if (this.#held(w, key) !== undefined) w.keys.delete(slotOf(key));
+            if (this.#held(w, key) !== undefined) this.#unhold(w, slotOf(key));
           }
         }
         bump('applied');
@@ -186,7 +208,7 @@ export class KvBlockIndex {
         for (const h of e.blockHashes) {
           const key = w.engine.get(h);
           if (key === undefined) bump('unknown_block');
-          else this.#hold(w, key, code);
+          else this.#hold(w, key, code, 0);
         }
         bump('applied');
         continue;
@@ -199,10 +221,13 @@ export class KvBlockIndex {
       for (let i = 0; i < e.blockHashes.length; i++) {
         parent = blockKey(parent, e.tokenIds, i * e.blockSize, (i + 1) * e.blockSize);
         w.engine.set(e.blockHashes[i], parent);
-        this.#hold(w, parent, code);
-        if (w.spec.delete(slotOf(parent))) this.#confirmed++;
+        const first = i === 0 && e.parent === null;
+        this.#hold(w, parent, code, first ? FIRST : 0);
+        if (this.#unspec(w, slotOf(parent), first)) this.#confirmed++;
       }
-      trim(w.keys, this.o.maxBlocksPerWorker);
+      trim(w.keys, this.o.maxBlocksPerWorker, (slot, v) => {
+        if (v & FIRST) this.#holders.delete(slot, w.id);
+      });
       trim(w.engine, this.o.maxBlocksPerWorker);
       bump('applied');
       bump('blocks', e.blockHashes.length);
@@ -212,28 +237,44 @@ export class KvBlockIndex {
 
   /** Forgets a worker's blocks (it left, restarted, or cleared its cache). */
   drop(name: string): void {
+    const w = this.#workers.get(name);
+    if (!w) return;
+    for (const [slot, v] of w.keys) if (v & FIRST) this.#holders.delete(slot, w.id);
+    for (const slot of w.specFirst.keys()) this.#specHolders.delete(slot, w.id);
     this.#workers.delete(name);
+    this.#byId[w.id] = undefined;
+    this.#freeIds.push(w.id);
   }
 
-  /** Records that a prompt's blocks were just sent to `name`: they count for it until `speculativeTtlMs`. */
+  /**
+   * Records that a prompt's blocks (its keys from the first block on, as
+   * promptKeys gives) were just sent to `name`: they count for it until
+   * `speculativeTtlMs`.
+   */
   speculate(name: string, keys: readonly number[], now = performance.now()): void {
     const w = this.#worker(name);
     if (!w) return;
-    const until = Math.ceil((now + this.o.speculativeTtlMs) / SPEC_TICK_MS);
+    // An int32 in the inverted records (holders.ts): 2^31 ticks is 6.8 years.
+    const until = Math.max(0, Math.min(0x7fffffff, Math.ceil((now + this.o.speculativeTtlMs) / SPEC_TICK_MS)));
     // An entry sent again keeps its place in the trimming order (set() alone
     // updates in place): a delete per key would double the decision's map work,
     // and the TTL, not the order, is what retires entries.
-    for (let j = 0; j < keys.length; j++) {
-      if (this.#held(w, keys[j]) === undefined) w.spec.set(slotOf(keys[j]), until);
+    if (keys.length > 0 && this.#held(w, keys[0]) === undefined) {
+      w.specFirst.set(slotOf(keys[0]), until);
+      this.#specHolders.set(slotOf(keys[0]), w.id, until);
     }
+    for (let j = 1; j < keys.length; j++) if (this.#held(w, keys[j]) === undefined) w.spec.set(slotOf(keys[j]), until);
     trim(w.spec, this.o.maxSpeculative);
+    trim(w.specFirst, this.o.maxSpeculative, (slot) => this.#specHolders.delete(slot, w.id));
   }
 
   /**
    * Per candidate worker, the length (blocks) of the longest run of the
-   * prompt's leading blocks it holds and its tier-weighted sum, speculative
-   * entries counting as GPU blocks until they expire. Each candidate stops at
-   * its first miss: O(candidates + matched blocks).
+   * prompt's leading blocks (its keys from the first block on) it holds and
+   * its tier-weighted sum, speculative entries counting as GPU blocks until
+   * they expire. The first block is looked up once in the inverted side;
+   * only the candidates holding it walk on, each to its first miss:
+   * O(candidates + first-block holders x matched blocks).
    */
   match(keys: readonly number[], candidates: readonly string[], now = performance.now()): Map<string, Match> {
     const blocks = new Float64Array(candidates.length);
@@ -254,33 +295,113 @@ export class KvBlockIndex {
     weight: Float64Array,
     now = performance.now(),
   ): void {
+    const n = this.#candidates(candidates, blocks, weight);
+    const ids = this.#candIds;
     const tick = now / SPEC_TICK_MS;
-    for (let c = 0; c < candidates.length; c++) {
-      let n = 0;
-      let sum = 0;
-      const w = this.#workers.get(candidates[c]);
-      if (w)
-        for (let j = 0; j < keys.length; j++) {
-          const k = keys[j];
-          const slot = slotOf(k);
-          const v = w.keys.get(slot);
-          if (v !== undefined && v >>> 2 === highOf(k)) sum += CODE_WEIGHT[v & 3];
-          else if (w.spec.size > 0) {
-            const until = w.spec.get(slot);
-            if (until === undefined || until <= tick) break;
-            sum += 1;
-          } else break;
-          n++;
-        }
-      blocks[c] = n;
+    const runs = keys.length > 0 ? this.#firstBlock(keys[0], tick, blocks, weight) : 0;
+    for (let i = 0; i < runs; i++) {
+      const c = this.#run[i];
+      const w = this.#byId[ids[c]] as WorkerBlocks;
+      let m = 1;
+      let sum = weight[c];
+      for (; m < keys.length; m++) {
+        const k = keys[m];
+        const slot = slotOf(k);
+        const v = w.keys.get(slot);
+        if (v !== undefined && v >>> 3 === highOf(k)) sum += CODE_WEIGHT[v & 3];
+        else if (w.spec.size > 0) {
+          const s = w.spec.get(slot);
+          if (s === undefined || s <= tick) break;
+          sum += 1;
+        } else break;
+      }
+      blocks[c] = m;
       weight[c] = sum;
     }
+    // A worker named twice among the candidates gets the first one's run; `at` goes back to zeros.
+    const at = this.#at;
+    for (let c = 0; c < n; c++) {
+      if (ids[c] < 0) continue;
+      const first = at[ids[c]] - 1;
+      if (first !== c) {
+        blocks[c] = blocks[first];
+        weight[c] = weight[first];
+      }
+    }
+    for (let c = 0; c < n; c++) if (ids[c] >= 0) at[ids[c]] = 0;
+  }
+
+  /** Zeroes the decision's arrays and maps the candidates' worker ids to their index (`at`, `#candIds`). */
+  #candidates(candidates: readonly string[], blocks: Float64Array, weight: Float64Array): number {
+    const n = candidates.length;
+    if (this.#candIds.length < n) {
+      this.#candIds = new Int32Array(Math.max(n, this.#candIds.length * 2));
+      this.#run = new Int32Array(this.#candIds.length);
+    }
+    const at = this.#at;
+    for (let c = 0; c < n; c++) {
+      blocks[c] = 0;
+      weight[c] = 0;
+      const w = this.#workers.get(candidates[c]);
+      this.#candIds[c] = w ? w.id : -1;
+      if (w && at[w.id] === 0) at[w.id] = c + 1;
+    }
+    return n;
+  }
+
+  /**
+   * The candidates holding the prompt's first block (key `k`), from the
+   * inverted side: their blocks and weight for it set, their indexes in
+   * `#run`; returns how many.
+   */
+  #firstBlock(k: number, tick: number, blocks: Float64Array, weight: Float64Array): number {
+    const slot = slotOf(k);
+    const high = highOf(k);
+    const at = this.#at;
+    const held = this.#holders;
+    let runs = 0;
+    for (let r = held.map.get(slot) ?? -1; r >= 0; r = held.next[r]) {
+      const c = at[held.id[r]] - 1;
+      const v = held.payload[r];
+      if (c < 0 || blocks[c] !== 0 || v >>> 3 !== high) continue;
+      blocks[c] = 1;
+      weight[c] = CODE_WEIGHT[v & 3];
+      this.#run[runs++] = c;
+    }
+    const spec = this.#specHolders;
+    if (spec.size > 0)
+      for (let r = spec.map.get(slot) ?? -1; r >= 0; r = spec.next[r]) {
+        const c = at[spec.id[r]] - 1;
+        if (c < 0 || blocks[c] !== 0 || spec.payload[r] <= tick) continue;
+        blocks[c] = 1;
+        weight[c] = 1;
+        this.#run[runs++] = c;
+      }
+    return runs;
+  }
+
+  /** Both sides of the index, for consistency checks: per worker its map, and the inverted maps' entries. */
+  views(): {
+    workers: Map<
+      string,
+      { id: number; keys: [number, number][]; spec: [number, number][]; specFirst: [number, number][] }
+    >;
+    holders: [number, number, number][];
+    specHolders: [number, number, number][];
+  } {
+    const workers = new Map<
+      string,
+      { id: number; keys: [number, number][]; spec: [number, number][]; specFirst: [number, number][] }
+    >();
+    for (const [name, w] of this.#workers)
+      workers.set(name, { id: w.id, keys: [...w.keys], spec: [...w.spec], specFirst: [...w.specFirst] });
+    return { workers, holders: [...this.#holders.entries()], specHolders: [...this.#specHolders.entries()] };
   }
 
   /** Blocks a worker holds or was just sent (speculative entries, until trimmed): where new prefixes go least. */
   held(name: string): number {
     const w = this.#workers.get(name);
-    return w ? w.keys.size + w.spec.size : 0;
+    return w ? w.keys.size + w.spec.size + w.specFirst.size : 0;
   }
 
   /** Whether any event of the worker's left blocks in the index (speculative entries aside). */
