@@ -36,7 +36,7 @@ it('push workers swapping prefill and decode with each other answer every reques
       method: 'POST',
       body: JSON.stringify({ model: MODEL_NAME, prompt, max_tokens: 5, temperature: 0 }),
     });
-    return { status: r.status, json: (await r.json()) as Record<string, any> };
+    return { status: r.status, json: (await r.json()) as Record<string, unknown> };
   };
   for (let i = 0; i < 3; i++) {
     const one = await ask(ab.url, `A prefills, B decodes ${i}`);
