@@ -253,6 +253,7 @@ class LoopbackEngine final : public Engine {
       ra->registry = it->second;
     } else {
       ra->pidfd = static_cast<int>(syscall(SYS_pidfd_open, md.pid, 0));
+      ra->startTime = md.startTime;
       uint64_t st = loopback::processStartTime(md.pid);
       if (st == 0 || st != md.startTime)
         throw EngineError(ERR_REMOTE_DISCONNECT,

@@ -83,6 +83,7 @@ struct RemoteAgent {
   uint64_t agentWord = 0;
   std::vector<RemoteRegion> regions;  // sorted by address
   int pidfd = -1;
+  uint64_t startTime = 0;  // the process's start time, as its metadata said (/proc/<pid>/stat)
   std::atomic<bool> removed{false};
 
   ~RemoteAgent() {
@@ -94,7 +95,10 @@ struct RemoteAgent {
     if (sameProcess) return !registry.expired();
     if (pidfd < 0) return true;
     pollfd p{pidfd, POLLIN, 0};
-    return poll(&p, 1, 0) == 0;  // readable = exited
+    if (poll(&p, 1, 0) == 0) return true;  // not readable: not exited
+    // Readable (exited), or the poll itself failed (POLLNVAL, an error): /proc
+    // decides, and also tells a pid reused by another process.
+    return loopback::processStartTime(pid) == startTime;
   }
 
   const RemoteRegion* find(const Desc& d, MemType type) const {
