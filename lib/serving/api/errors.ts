@@ -5,7 +5,6 @@
 // once the proxy has no other worker to try. Workers build their errors from
 // here (failure(), kvFailure()); the proxy reads the same rows (ruleOf()), so a
 // code means one thing on both sides of the wire.
-import { NixlError } from '../../errors';
 import { HttpError } from './http';
 
 /** What one error type means to the worker that answers it and to the proxy that reads it. */
@@ -106,9 +105,4 @@ export function retryAfterHeader(type: string | undefined): Record<string, strin
 /** The error a worker (or the proxy) answers with, its status from the table. */
 export function failure(type: FailureType, message: string, details?: Record<string, unknown>): HttpError {
   return new HttpError(FAILURES[type].status, message, type, details);
-}
-
-/** A NixlError's own code (NIXL_ERR_*) kept beside the table's type, for clients that read it. */
-export function nixlDetails(e: unknown): Record<string, unknown> | undefined {
-  return e instanceof NixlError ? { nixl_code: e.code } : undefined;
 }
