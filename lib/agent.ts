@@ -43,9 +43,7 @@ export interface AgentOptions {
    * the engine's thread, so a long copy never blocks the event loop. Only a
    * transfer with nothing posted before it still queued is posted inline (no
    * transfer or notification overtakes another). 0 posts every transfer from
-   * the engine's thread. Default 1 MiB on the loopback engine, 0 (off) on
-   * NIXL, where posting from the JS thread beside the engine's poller is not
-   * yet proven safe. Inline
+   * the engine's thread. Default 1 MiB on both engines. Inline
    * work (posts and the settling of waits they finished) runs for at most
    * 1 ms per turn of the event loop: past that, posts go through the
    * engine's thread until the loop has turned.
@@ -158,9 +156,7 @@ export class NixlAgent {
         captureTelemetry: options.captureTelemetry,
         listenPort: options.listenPort,
         testDelayUs: options.testDelayUs,
-        // NIXL: off unless asked for, until the grid shows what it gains there (docs/agent-api.md: the
-        // model-test crash once blamed on it happens with it off too, in NIXL's telemetry teardown).
-        inlinePostMaxBytes: options.inlinePostMaxBytes ?? (engine === 'nixl' ? 0 : DEFAULT_INLINE_POST_MAX_BYTES),
+        inlinePostMaxBytes: options.inlinePostMaxBytes ?? DEFAULT_INLINE_POST_MAX_BYTES,
       },
       (done, notif) => this.#onEvents(done, notif),
     );

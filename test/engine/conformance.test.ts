@@ -202,6 +202,26 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     for (const h of handles) a.releaseXferHandle(h);
   });
 
+  it('by default a small transfer is posted on the calling thread and is DONE when transfer() returns', async () => {
+    // Both engines post up to inlinePostMaxBytes inline (NIXL as its Python
+    // API does); on one host the copy finishes inside the post (UCX's cma,
+    // the loopback mapping), so no completion event is needed.
+    const { a, ma, remote } = loaded(4096, 0x6e);
+    const h = a.initializeXfer('READ', ma.subarray(0, 4096), remote, 'conf-b');
+    try {
+      for (let i = 0; i < 20; i++) {
+        ma.fill(0);
+        await new Promise<void>((r) => setImmediate(r)); // a turn with its inline budget whole
+        expect(a.transfer(h)).toBe('DONE');
+        expect(ma[0]).toBe(0x6e);
+        expect(ma[4095]).toBe(0x6e);
+        await a.wait(h, { timeoutMs: 10_000 });
+      }
+    } finally {
+      a.releaseXferHandle(h);
+    }
+  });
+
   it('a re-posted transfer resolves only when its own posting is done (100 postings, some waits late)', async () => {
     const BLOCK = 256 << 10;
     const N = 16;
