@@ -431,14 +431,24 @@ export class NixlAgent {
 
   /** A posted transfer's state (NIXL check_xfer_state); throws if it was never posted. */
   checkXferState(handle: XferHandle): XferState {
-    const s = this.#native.getXferStatus(handle.id);
+    const s = this.#statusNow(handle.id);
     if (Array.isArray(s) && s[0] === -1) throw NixlError.fromStatus(s[0], 'checkXferState: transfer was never posted');
     return stateOf(s);
   }
 
   /** The error of a transfer in state ERR, else undefined. */
   getXferError(handle: XferHandle): NixlError | undefined {
-    return errorOf(this.#native.getXferStatus(handle.id));
+    return errorOf(this.#statusNow(handle.id));
+  }
+
+  // NIXL's state check may itself find a transfer done (check_xfer_state
+  // progresses it), and then no completion event follows: waits already
+  // pending on it settle here.
+  #statusNow(id: number): number | [number, string] {
+    const s = this.#native.getXferStatus(id);
+    if (this.#waiters.has(id) && stateOf(s) !== 'PROC' && !(Array.isArray(s) && s[0] === -1))
+      this.#settle(id, errorOf(s));
+    return s;
   }
 
   /** The backend that serves a transfer request, by name (NIXL query_xfer_backend / queryXferBackend). */

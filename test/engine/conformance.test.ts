@@ -222,6 +222,28 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     }
   });
 
+  it('a wait already pending settles when checkXferState is what finds the transfer done', async () => {
+    // NIXL's checkXferState asks NIXL directly (check_xfer_state) and may be
+    // the one that finishes a request: no completion event follows then, so
+    // the state check itself must settle the waits.
+    const size = 8 << 20; // above inlinePostMaxBytes: posted from the engine's thread
+    const { a, ma, remote } = loaded(size, 0x2d);
+    const h = a.initializeXfer('READ', ma, remote, 'conf-b');
+    try {
+      for (let i = 0; i < 30; i++) {
+        ma.fill(0);
+        a.transfer(h);
+        const waited = a.wait(h, { timeoutMs: 10_000 });
+        while (a.checkXferState(h) === 'PROC') {}
+        await waited;
+        expect(ma[0]).toBe(0x2d);
+        expect(ma[size - 1]).toBe(0x2d);
+      }
+    } finally {
+      a.releaseXferHandle(h);
+    }
+  });
+
   it('a re-posted transfer resolves only when its own posting is done (100 postings, some waits late)', async () => {
     const BLOCK = 256 << 10;
     const N = 16;
