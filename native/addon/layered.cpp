@@ -105,7 +105,9 @@ void LayeredRequests::postOne(Engine& e, Request& r, uint32_t l, bool mayInline,
   int s;
   std::string msg;
   try {
-    s = e.postXferReq(r.subs[l], nullptr, mayInline);
+    // The peer's process is checked once per posting: at its first layer here,
+    // and at its end (finishIfDone), not at every layer.
+    s = e.postXferReq(r.subs[l], nullptr, mayInline, r.posted == 1);
   } catch (const EngineError& x) {
     s = x.status;
     msg = x.what();
@@ -137,6 +139,11 @@ void LayeredRequests::settle(Engine& e, Request& r, uint32_t l, int s, const std
 
 void LayeredRequests::finishIfDone(Engine& e, Request& r) {
   if (r.status != IN_PROG || r.done < r.subs.size()) return;
+  if (!e.peerAlive(r.remoteAgent)) {
+    r.status = ERR_REMOTE_DISCONNECT;
+    r.err = "agent '" + r.remoteAgent + "' is gone (process exited) before the last layer was confirmed";
+    return;
+  }
   if (r.notif) {
     try {
       e.genNotif(r.remoteAgent, *r.notif);
