@@ -170,7 +170,11 @@ export async function benchLayerwise(
         const order = [0, 1, 2].map((k) => (k + r + 1) % 3);
         const t = [0, 0, 0];
         for (const k of order)
-          t[k] = await (k === 0 ? oneRequest(agent, lists, all) : k === 1 ? layerwise(agent, lists) : layered(agent, h));
+          t[k] = await (k === 0
+            ? oneRequest(agent, lists, all)
+            : k === 1
+              ? layerwise(agent, lists)
+              : layered(agent, h));
         if (r < 0) continue;
         one.push(t[0]);
         lw.push(t[1]);

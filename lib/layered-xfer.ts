@@ -7,7 +7,15 @@
 import { invalidParam } from './errors';
 import { toIndices } from './descriptors';
 import type { NativeAgent } from './native';
-import type { DlistHandle, NotifMsg, XferOp } from './agent';
+
+// What this file needs of agent.ts's types, by shape: agent.ts imports this
+// file, and lib/ has no import cycles.
+type XferOp = 'READ' | 'WRITE';
+type NotifMsg = string | Uint8Array;
+interface DlistHandle {
+  readonly id: number;
+  readonly agent: string;
+}
 
 /**
  * A layered transfer request (NixlAgent.makeLayeredXfer): one request whose
@@ -41,7 +49,7 @@ function flatten(layers: ReadonlyArray<Indices>, side: string): { flat: Uint32Ar
     return a;
   });
   const flat = new Uint32Array(bounds[layers.length]);
-  parts.forEach((p, l) => flat.set(p, bounds[l]));
+  for (let l = 0; l < parts.length; l++) flat.set(parts[l], bounds[l]);
   return { flat, bounds };
 }
 
@@ -58,9 +66,7 @@ export function makeLayeredXfer(
   const l = flatten(localLayers, 'local');
   const r = flatten(remoteLayers, 'remote');
   if (localLayers.length !== remoteLayers.length)
-    throw invalidParam(
-      `makeLayeredXfer: ${localLayers.length} local layers vs ${remoteLayers.length} remote layers`,
-    );
+    throw invalidParam(`makeLayeredXfer: ${localLayers.length} local layers vs ${remoteLayers.length} remote layers`);
   for (let i = 0; i < localLayers.length; i++) {
     const nl = l.bounds[i + 1] - l.bounds[i];
     const nr = r.bounds[i + 1] - r.bounds[i];

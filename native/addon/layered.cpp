@@ -77,9 +77,8 @@ void LayeredRequests::begin(Request& r, uint32_t layer) {
 int LayeredRequests::postLayer(Engine& e, Handle h, uint32_t layer, bool mayInline, uint32_t* inProg) {
   Request& r = find(h, "postLayer");
   if (layer >= r.subs.size())
-    throw EngineError(ERR_INVALID_PARAM,
-                      "postLayer: layer " + num(layer) + " is out of range (the transfer has " + num(r.subs.size()) +
-                          " layers)");
+    throw EngineError(ERR_INVALID_PARAM, "postLayer: layer " + num(layer) + " is out of range (the transfer has " +
+                                             num(r.subs.size()) + " layers)");
   begin(r, layer);
   postOne(e, r, layer, mayInline, inProg);
   finishIfDone(e, r);

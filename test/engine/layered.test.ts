@@ -25,8 +25,11 @@ function wrongBlocks(mem: Buffer, want: (b: number) => number, blocks: number[])
 }
 /** Local block i <- remote block perm[i]: scattered, so no two descriptors merge. */
 const perm = Array.from({ length: N }, (_, i) => (i * 5 + 7) % N);
-const localLayers = Array.from({ length: LAYERS }, (_, l) => Array.from({ length: PER_LAYER }, (_, k) => l + LAYERS * k));
+const localLayers = Array.from({ length: LAYERS }, (_, l) =>
+  Array.from({ length: PER_LAYER }, (_, k) => l + LAYERS * k),
+);
 const remoteLayers = localLayers.map((idx) => Uint32Array.from(idx, (i) => perm[i]));
+const ALL = Array.from({ length: N }, (_, i) => i);
 const blocksOf = (l: number): number[] => localLayers[l];
 
 const turns = async (n: number): Promise<void> => {
@@ -100,8 +103,8 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
     a.postLayer(h, LAYERS - 1);
     expect(await waited).toBe('done');
     expect(a.checkXferState(h)).toBe('DONE');
-    const all = Array.from({ length: N }, (_, i) => i);
-    expect(wrongBlocks(ma, (i) => mark(1, perm[i]), all)).toEqual([]);
+
+    expect(wrongBlocks(ma, (i) => mark(1, perm[i]), ALL)).toEqual([]);
     a.releaseXferHandle(h);
   });
 
@@ -109,7 +112,7 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
     const { a, b, ma, mb, layered } = setup();
     const h = layered('WRITE', 'kv-ready');
     const want = (seed: number) => (i: number) => mark(seed, perm.indexOf(i));
-    const all = Array.from({ length: N }, (_, i) => i);
+
     for (const seed of [3, 4]) {
       fill(ma, seed);
       for (let l = 0; l < LAYERS - 1; l++) a.postLayer(h, l);
@@ -118,7 +121,7 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
       a.postLayer(h, LAYERS - 1);
       const n = await b.waitForNotif({ agent: 'lay-a' }, { timeoutMs: 10_000 });
       // Seen by the peer: every byte of every layer is already there.
-      expect(wrongBlocks(mb, want(seed), all)).toEqual([]);
+      expect(wrongBlocks(mb, want(seed), ALL)).toEqual([]);
       expect(n.msg.toString()).toBe('kv-ready');
       await a.wait(h, { timeoutMs: 10_000 });
       await turns(10);
@@ -134,14 +137,14 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
     a.postLayer(h, 2);
     a.transfer(h);
     await a.wait(h, { timeoutMs: 10_000 });
-    expect(wrongBlocks(ma, (i) => mark(5, perm[i]), Array.from({ length: N }, (_, i) => i))).toEqual([]);
+    expect(wrongBlocks(ma, (i) => mark(5, perm[i]), ALL)).toEqual([]);
     fill(mb, 6);
     a.postLayer(h, 1);
     expect(a.checkXferState(h)).toBe('PROC');
     expect(codeOf(() => a.postLayer(h, 1))).toBe('NIXL_ERR_REPOST_ACTIVE');
     for (const l of [0, 2, 3]) a.postLayer(h, l);
     await a.wait(h, { timeoutMs: 10_000 });
-    expect(wrongBlocks(ma, (i) => mark(6, perm[i]), Array.from({ length: N }, (_, i) => i))).toEqual([]);
+    expect(wrongBlocks(ma, (i) => mark(6, perm[i]), ALL)).toEqual([]);
   });
 
   it('misuse: a layer out of range or not a number, the same layer twice, unknown ops on the handle', () => {
