@@ -654,9 +654,25 @@ class LoopbackEngine final : public Engine {
     req->local = std::move(le);
     req->remote_ = std::move(re);
     if (!req->remote->sameProcess) {
-      std::set<std::pair<uint32_t, uint64_t>> seen;  // (slot, word): a reused slot has a new word
-      for (size_t i = 0; i < req->remote_.size(); ++i)
-        if (seen.emplace(req->remote_[i].liveSlot, req->remote_[i].liveWord).second) req->liveChecks.push_back(i);
+      // (slot, word) pairs seen: a reused slot has a new word. A request
+      // touches few registrations, so a linear look through those found so
+      // far beats a tree (whose nodes cost an allocation each) until many.
+      constexpr size_t kLinear = 16;
+      std::set<std::pair<uint32_t, uint64_t>> many;
+      for (size_t i = 0; i < req->remote_.size(); ++i) {
+        const Entry& e = req->remote_[i];
+        bool fresh;
+        if (req->liveChecks.size() < kLinear) {
+          fresh = std::none_of(req->liveChecks.begin(), req->liveChecks.end(), [&](size_t j) {
+            return req->remote_[j].liveSlot == e.liveSlot && req->remote_[j].liveWord == e.liveWord;
+          });
+        } else {
+          if (many.empty())
+            for (size_t j : req->liveChecks) many.emplace(req->remote_[j].liveSlot, req->remote_[j].liveWord);
+          fresh = many.emplace(e.liveSlot, e.liveWord).second;
+        }
+        if (fresh) req->liveChecks.push_back(i);
+      }
     }
     req->id = nextHandle_++;
     requests_[req->id] = req;
