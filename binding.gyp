@@ -6,6 +6,7 @@
         "native/addon/agent.cpp",
         "native/addon/args.cpp",
         "native/addon/errors.cpp",
+        "native/addon/layered.cpp",
         "native/addon/module.cpp",
         "native/loopback/copy.cpp",
         "native/loopback/live_table.cpp",

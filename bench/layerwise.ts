@@ -6,8 +6,10 @@
 // block ids do). Both forms prep their lists once (as a connector does at the
 // handshake) and time making, posting and waiting for their requests, from
 // the first layer marked ready to the last byte in. ratio = layer-wise time /
-// one-request time, per round, median over rounds.
-import { DescList, type DlistHandle, type NixlAgent, allocate } from '../lib';
+// one-request time, per round, median over rounds. A third form is the
+// library's layered request (makeLayeredXfer): made once, each layer posted
+// with postLayer as it is ready, one wait (layeredRatio).
+import { DescList, type DlistHandle, type LayeredXferHandle, type NixlAgent, allocate } from '../lib';
 import { benchAgent, type Engine } from './agents';
 import { type Peer, startPeer } from './grid';
 import { median, nowNs } from './stats';
@@ -30,6 +32,12 @@ export interface LayerwiseRow {
   /** Layer-wise / one-request time within a round, median over rounds (goal: <= 1.2). */
   ratio: number;
   ratioRange: [number, number];
+  /** One layered request (made once), each layer posted with postLayer as it is ready: median us, range. */
+  layeredUs: number;
+  layeredRange: [number, number];
+  /** Layered / one-request time within a round, median over rounds (goal: <= 1.2). */
+  layeredRatio: number;
+  layeredRatioRange: [number, number];
 }
 
 /** Layer readiness as a sender reports it: a promise per layer, resolved in layer order. */
@@ -117,6 +125,19 @@ async function layerwise(agent: NixlAgent, lists: Lists) {
   return us;
 }
 
+/** One layered request, made once per block size; each layer posted with postLayer as it is marked ready. */
+async function layered(agent: NixlAgent, h: LayeredXferHandle) {
+  const { ready, markAll } = layerMarks(LAYERS);
+  const t0 = nowNs();
+  markAll();
+  for (let l = 0; l < LAYERS; l++) {
+    await ready[l];
+    agent.postLayer(h, l);
+  }
+  await agent.wait(h);
+  return Number(nowNs() - t0) / 1000;
+}
+
 /**
  * The layer-wise pull against the one-request pull on one engine, per block
  * size, the two alternating round by round (warm-up round first).
@@ -138,17 +159,30 @@ export async function benchLayerwise(
     for (const { blockBytes, blocksPerLayer } of sizes) {
       const lists = prepLists(agent, peer, base, blockBytes, blocksPerLayer);
       const all = { local: concat(lists.localIdx), remote: concat(lists.remoteIdx) };
+      const h = agent.makeLayeredXfer('READ', lists.local, lists.localIdx, lists.remote, lists.remoteIdx);
       const one: number[] = [];
       const lw: number[] = [];
+      const ly: number[] = [];
       const ratios: number[] = [];
+      const lyRatios: number[] = [];
       for (let r = -1; r < rounds; r++) {
-        const a = await oneRequest(agent, lists, all);
-        const b = await layerwise(agent, lists);
+        // The three forms rotate within a round, so none always follows the same one.
+        const order = [0, 1, 2].map((k) => (k + r + 1) % 3);
+        const t = [0, 0, 0];
+        for (const k of order)
+          t[k] = await (k === 0
+            ? oneRequest(agent, lists, all)
+            : k === 1
+              ? layerwise(agent, lists)
+              : layered(agent, h));
         if (r < 0) continue;
-        one.push(a);
-        lw.push(b);
-        ratios.push(b / a);
+        one.push(t[0]);
+        lw.push(t[1]);
+        ly.push(t[2]);
+        ratios.push(t[1] / t[0]);
+        lyRatios.push(t[2] / t[0]);
       }
+      agent.releaseXferHandle(h);
       agent.releaseDlistHandle(lists.local);
       agent.releaseDlistHandle(lists.remote);
       rows.push({
@@ -163,6 +197,10 @@ export async function benchLayerwise(
         layerwiseRange: [Math.min(...lw), Math.max(...lw)],
         ratio: median(ratios),
         ratioRange: [Math.min(...ratios), Math.max(...ratios)],
+        layeredUs: median(ly),
+        layeredRange: [Math.min(...ly), Math.max(...ly)],
+        layeredRatio: median(lyRatios),
+        layeredRatioRange: [Math.min(...lyRatios), Math.max(...lyRatios)],
       });
     }
   } finally {

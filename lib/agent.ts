@@ -6,6 +6,7 @@ import { explainLoadFailure, prepareUcxEnv, ucxBackendParams, ucxErrorMode } fro
 import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
+import { type LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
 
 /** Which engine an agent runs on: NIXL, or the in-process loopback engine. */
 export type EngineKind = 'loopback' | 'nixl';
@@ -394,6 +395,36 @@ export class NixlAgent {
       notifMsg,
     );
     return new XferHandle(id, remote.agent);
+  }
+
+  /**
+   * A layered transfer between entries of two prepared lists: per layer, the
+   * local and remote indices of its blocks. Post each layer with postLayer as
+   * it is ready; the request completes once (one wait, one notification, sent
+   * after every layer's bytes are in place). See docs/agent-api.md.
+   */
+  makeLayeredXfer(
+    op: XferOp,
+    local: DlistHandle,
+    localLayers: ReadonlyArray<Uint32Array | readonly number[]>,
+    remote: DlistHandle,
+    remoteLayers: ReadonlyArray<Uint32Array | readonly number[]>,
+    notifMsg?: NotifMsg,
+  ): LayeredXferHandle {
+    return makeLayeredXfer(this.#native, op, local, localLayers, remote, remoteLayers, notifMsg);
+  }
+
+  /**
+   * Posts one layer of a layered transfer: the request's state after it
+   * ('PROC' until the last layer is done). The first layer posted after a
+   * finished posting starts a new one. Small layers are copied inline as
+   * transfer() posts.
+   */
+  postLayer(handle: LayeredXferHandle, layer: number): XferState {
+    const s = stateOf(this.#native.postLayer(handle.id, layer, inlineBudgetLeft()));
+    // This layer ended the posting here: no completion event follows.
+    if (s !== 'PROC' && this.#waiters.has(handle.id)) this.#settle(handle.id, this.getXferError(handle));
+    return s;
   }
 
   /** A transfer between two descriptor lists (NIXL initialize_xfer); post it with transfer, then wait. */

@@ -13,6 +13,7 @@ export type {
   XferOptions,
   XferState,
 } from './agent';
+export { LayeredXferHandle } from './layered-xfer';
 export { DescList, allocate } from './descriptors';
 export type { MemType, MemoryLike, RawDesc } from './descriptors';
 export { NixlError, Status } from './errors';

@@ -75,6 +75,18 @@ export declare class NativeAgent {
     agent: string,
     notif?: Uint8Array | string,
   ): number;
+  makeLayeredXferReq(
+    op: 'READ' | 'WRITE',
+    local: number,
+    localIdx: Uint32Array,
+    remote: number,
+    remoteIdx: Uint32Array,
+    bounds: Uint32Array,
+    notif: Uint8Array | string | undefined,
+    remoteAgent: string,
+  ): number;
+  /** The layered request's status after posting the layer (1 = in progress). */
+  postLayer(h: number, layer: number, mayInline: boolean): number;
   /** 1 = in progress (a completion event follows), 0 = already done */
   /** mayInline false: through the engine's thread whatever the size. */
   postXferReq(h: number, notif?: Uint8Array | string, mayInline?: boolean): number;

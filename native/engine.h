@@ -143,7 +143,16 @@ class Engine {
   // IN_PROG: onComplete follows, once, for this posting. SUCCESS or an error
   // status (its message from getXferStatus): the transfer finished inside the
   // call (posted inline, see EngineConfig::inlineMaxBytes) and nothing follows.
-  virtual int postXferReq(Handle req, const std::string* notif, bool mayInline = true) = 0;
+  // checkPeer: false when the caller vouches for the peer's process itself (a
+  // layered request asks peerAlive once per posting instead of once per layer:
+  // on the loopback engine the check is a poll(2) on the peer's pidfd).
+  virtual int postXferReq(Handle req, const std::string* notif, bool mayInline = true, bool checkPeer = true) = 0;
+  // Whether the remote agent's process still runs, as far as the engine can
+  // tell (true when it cannot: NIXL reports a lost peer on the transfer).
+  virtual bool peerAlive(const std::string& agent) {
+    (void)agent;
+    return true;
+  }
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
   virtual void releaseXferReq(Handle req) = 0;
   virtual Telemetry getXferTelemetry(Handle req) = 0;

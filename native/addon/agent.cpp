@@ -18,6 +18,7 @@
 #include "../engine.h"
 #include "args.h"
 #include "errors.h"
+#include "layered.h"
 
 namespace nixlnode {
 namespace {
@@ -79,6 +80,8 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
                            Method<&NativeAgent::ReleaseDlist>("releaseDlist"),
                            Method<&NativeAgent::MakeXferReq>("makeXferReq"),
                            Method<&NativeAgent::CreateXferReq>("createXferReq"),
+                           Method<&NativeAgent::MakeLayeredXferReq>("makeLayeredXferReq"),
+                           Method<&NativeAgent::PostLayer>("postLayer"),
                            Method<&NativeAgent::PostXferReq>("postXferReq"),
                            Method<&NativeAgent::GetXferStatus>("getXferStatus"),
                            Method<&NativeAgent::ReleaseXferReq>("releaseXferReq"),
@@ -179,6 +182,25 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     self->inflight_ -= std::min<uint32_t>(self->inflight_, static_cast<uint32_t>(batch.size()));
     self->UpdateRef(env);
     if (!self->engine_) return;  // closed meanwhile
+    // A layer's request is the addon's own: JS hears of its layered request,
+    // once, when the layer ends that request's posting.
+    size_t kept = 0;
+    for (Handle h : batch) {
+      Handle ended = 0;
+      bool layer = false;
+      try {
+        layer = self->layered_.onEngineDone(*self->engine_, h, &ended);
+      } catch (const std::exception&) {
+        // The layer's engine request cannot say its state (engine closing):
+        // its layered request's waiters hear of it from close().
+        layer = true;
+      }
+      if (!layer)
+        batch[kept++] = h;
+      else if (ended)
+        batch[kept++] = ended;
+    }
+    batch.resize(kept);
     auto arr = Napi::Uint32Array::New(env, batch.size());
     if (!batch.empty()) memcpy(arr.Data(), batch.data(), batch.size() * 4);
     fn.Call({arr, Napi::Boolean::New(env, notif)});
@@ -224,7 +246,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
 
   Napi::Value QueryXferBackend(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    return Napi::String::New(env, E(env).queryXferBackend(args::handle(env, info[0], "transfer handle")));
+    return Napi::String::New(env, E(env).queryXferBackend(PlainHandle(env, info[0], "queryXferBackend")));
   }
 
   static Napi::Object pluginInfo(Napi::Env env, const PluginInfo& p) {
@@ -357,7 +379,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
 
   Napi::Value EstimateXferCost(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    auto c = E(env).estimateXferCost(args::handle(env, info[0], "transfer handle"));
+    auto c = E(env).estimateXferCost(PlainHandle(env, info[0], "estimateXferCost"));
     auto o = Napi::Object::New(env);
     o.Set("durationUs", Napi::Number::New(env, static_cast<double>(c.durationUs)));
     o.Set("errMarginUs", Napi::Number::New(env, static_cast<double>(c.errMarginUs)));
@@ -422,19 +444,84 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     Handle h = args::handle(env, info[0], "transfer handle");
     auto notif = args::optBlob(env, info[1], "notification message");
     bool mayInline = args::optBoolean(env, info[2], "mayInline").value_or(true);
-    int s = E(env).postXferReq(h, notif ? &*notif : nullptr, mayInline);
-    if (s == IN_PROG) {
-      ++inflight_;
-      UpdateRef(env);
+    if (isLayered(h)) {
+      uint32_t inProg = 0;
+      int s = layered_.postAll(E(env), h, notif ? &*notif : nullptr, mayInline, &inProg);
+      AddInflight(env, inProg);
+      return Napi::Number::New(env, s);
     }
+    int s = E(env).postXferReq(h, notif ? &*notif : nullptr, mayInline);
+    if (s == IN_PROG) AddInflight(env, 1);
     return Napi::Number::New(env, s);
+  }
+
+  // makeLayeredXferReq(op, localDlist, localIdx, remoteDlist, remoteIdx, bounds, notif?, remoteAgent) -> handle
+  Napi::Value MakeLayeredXferReq(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    XferOp op = args::op(env, info[0]);
+    Handle l = args::handle(env, info[1], "local dlist handle");
+    auto li = args::indices(env, info[2], "local indices");
+    Handle r = args::handle(env, info[3], "remote dlist handle");
+    auto ri = args::indices(env, info[4], "remote indices");
+    auto bounds = args::indices(env, info[5], "layer bounds");
+    auto notif = args::optBlob(env, info[6], "notification message");
+    std::string agent = args::string(env, info[7], "remote agent");
+    Handle h = layered_.make(E(env), op, l, li.Data(), li.ElementLength(), r, ri.Data(), ri.ElementLength(),
+                             bounds.Data(), bounds.ElementLength(), std::move(notif), agent);
+    return Napi::Number::New(env, h);
+  }
+
+  // postLayer(handle, layer, mayInline) -> the request's status after it. The
+  // per-layer call of a layer-wise transfer: no allocation, no event unless the
+  // engine's thread runs the layer.
+  Napi::Value PostLayer(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Handle h = args::handle(env, info[0], "layered transfer handle");
+    if (!info[1].IsNumber()) invalidArg(env, "postLayer: layer must be a number");
+    double d = info[1].As<Napi::Number>().DoubleValue();
+    if (!(d >= 0 && d < 4294967296.0) || d != static_cast<double>(static_cast<uint32_t>(d)))
+      invalidArg(env, "postLayer: layer must be a non-negative integer");
+    bool mayInline = info[2].IsBoolean() ? info[2].As<Napi::Boolean>().Value() : true;
+    uint32_t inProg = 0;
+    int s = layered_.postLayer(E(env), h, static_cast<uint32_t>(d), mayInline, &inProg);
+    AddInflight(env, inProg);
+    return Napi::Number::New(env, s);
+  }
+
+  void AddInflight(Napi::Env env, uint32_t n) {
+    if (n == 0) return;
+    inflight_ += n;
+    UpdateRef(env);
+  }
+
+  // A handle of an engine request: a layered request has no single backend,
+  // cost or telemetry (ask per layer with an ordinary request).
+  Handle PlainHandle(Napi::Env env, const Napi::Value& v, const char* what) {
+    Handle h = args::handle(env, v, "transfer handle");
+    if (isLayered(h)) fail(env, ERR_NOT_SUPPORTED, std::string(what) + " is not supported on a layered transfer");
+    return h;
   }
 
   // -> status number; on error also the message as second element.
   Napi::Value GetXferStatus(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     std::string err;
-    int s = E(env).getXferStatus(args::handle(env, info[0], "transfer handle"), &err);
+    Handle h = args::handle(env, info[0], "transfer handle");
+    int s;
+    if (isLayered(h)) {
+      bool ended = false;
+      s = layered_.status(E(env), h, &err, &ended);
+      // Ended here, not by a completion event: waiters still get their event.
+      if (ended) {
+        std::lock_guard<std::mutex> lk(mu_);
+        finished_.push_back(h);
+        ++inflight_;
+        SignalLocked();
+      }
+      UpdateRef(env);
+    } else {
+      s = E(env).getXferStatus(h, &err);
+    }
     if (s >= 0) return Napi::Number::New(env, s);
     auto a = Napi::Array::New(env, 2);
     a.Set(0u, Napi::Number::New(env, s));
@@ -444,13 +531,17 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
 
   Napi::Value ReleaseXferReq(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    E(env).releaseXferReq(args::handle(env, info[0], "transfer handle"));
+    Handle h = args::handle(env, info[0], "transfer handle");
+    if (isLayered(h))
+      layered_.release(E(env), h);
+    else
+      E(env).releaseXferReq(h);
     return env.Undefined();
   }
 
   Napi::Value GetXferTelemetry(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    Telemetry t = E(env).getXferTelemetry(args::handle(env, info[0], "transfer handle"));
+    Telemetry t = E(env).getXferTelemetry(PlainHandle(env, info[0], "getXferTelemetry"));
     auto o = Napi::Object::New(env);
     o.Set("startTimeUs", Napi::Number::New(env, static_cast<double>(t.startTimeUs)));
     o.Set("postDurationUs", Napi::Number::New(env, static_cast<double>(t.postDurationUs)));
@@ -502,6 +593,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   void Shutdown() {
     engine_->close();  // joins engine threads: no more onComplete after this
     engine_.reset();
+    layered_.clear();
     keep_.clear();
     if (haveTsfn_) {
       {
@@ -526,6 +618,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   using Tsfn = Napi::TypedThreadSafeFunction<TsfnCtx, NativeAgent, &NativeAgent::DeliverThunk>;
 
   std::unique_ptr<nixlnode::Engine> engine_;
+  LayeredRequests layered_;
   Tsfn tsfn_;
   TsfnCtx tsfnCtx_;
   bool haveTsfn_ = false;

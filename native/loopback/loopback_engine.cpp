@@ -380,9 +380,10 @@ class LoopbackEngine final : public Engine {
     return newRequest(op, R.remote, std::move(L.entries), std::move(R.entries), notif);
   }
 
-  int postXferReq(Handle h, const std::string* notif, bool mayInline) override {
+  int postXferReq(Handle h, const std::string* notif, bool mayInline, bool checkPeer) override {
     checkOpen();
-    RequestP req = lookup(requests_, h, "postXferReq", "transfer handle");
+    // A reference: nothing in this call changes requests_, and a copy would cost two atomics per post.
+    const RequestP& req = lookup(requests_, h, "postXferReq", "transfer handle");
     if (req->status.load() == IN_PROG)
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
     if (req->remote->removed)
@@ -392,11 +393,14 @@ class LoopbackEngine final : public Engine {
       req->hasNotif = true;
       req->notif = *notif;
     }
-    auto t0 = Clock::now();
+    // Telemetry's clocks only when asked for: a layer-wise sender posts many small requests.
+    const bool tel = cfg_.captureTelemetry;
+    auto t0 = tel ? Clock::now() : Clock::time_point{};
     pin(*req);  // throws if memory went away since the handle was made
     req->pinned = true;
+    req->checkPeer = checkPeer;
     req->err.clear();
-    req->tel = Telemetry{nowEpochUs(), 0, 0, req->totalBytes, req->local.size()};
+    if (tel) req->tel = Telemetry{nowEpochUs(), 0, 0, req->totalBytes, req->local.size()};
     req->postedAt = t0;
     req->status.store(IN_PROG);
     if (mayInline && postInline(*req)) {
@@ -413,8 +417,9 @@ class LoopbackEngine final : public Engine {
       queue_.push_back(req);
     }
     qCv_.notify_one();
-    req->tel.postDurationUs =
-        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
+    if (tel)
+      req->tel.postDurationUs =
+          static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
     return IN_PROG;
   }
 
@@ -448,6 +453,12 @@ class LoopbackEngine final : public Engine {
     checkOpen();
     lookup(requests_, h, "queryXferBackend", "transfer handle");
     return kPlugin;  // the only backend a loopback agent has
+  }
+
+  bool peerAlive(const std::string& agent) override {
+    checkOpen();
+    auto it = remotes_.find(agent);
+    return it == remotes_.end() || it->second->processAlive();
   }
 
   void genNotif(const std::string& agent, const std::string& msg) override {
@@ -643,9 +654,25 @@ class LoopbackEngine final : public Engine {
     req->local = std::move(le);
     req->remote_ = std::move(re);
     if (!req->remote->sameProcess) {
-      std::set<std::pair<uint32_t, uint64_t>> seen;  // (slot, word): a reused slot has a new word
-      for (size_t i = 0; i < req->remote_.size(); ++i)
-        if (seen.emplace(req->remote_[i].liveSlot, req->remote_[i].liveWord).second) req->liveChecks.push_back(i);
+      // (slot, word) pairs seen: a reused slot has a new word. A request
+      // touches few registrations, so a linear look through those found so
+      // far beats a tree (whose nodes cost an allocation each) until many.
+      constexpr size_t kLinear = 16;
+      std::set<std::pair<uint32_t, uint64_t>> many;
+      for (size_t i = 0; i < req->remote_.size(); ++i) {
+        const Entry& e = req->remote_[i];
+        bool fresh;
+        if (req->liveChecks.size() < kLinear) {
+          fresh = std::none_of(req->liveChecks.begin(), req->liveChecks.end(), [&](size_t j) {
+            return req->remote_[j].liveSlot == e.liveSlot && req->remote_[j].liveWord == e.liveWord;
+          });
+        } else {
+          if (many.empty())
+            for (size_t j : req->liveChecks) many.emplace(req->remote_[j].liveSlot, req->remote_[j].liveWord);
+          fresh = many.emplace(e.liveSlot, e.liveWord).second;
+        }
+        if (fresh) req->liveChecks.push_back(i);
+      }
     }
     req->id = nextHandle_++;
     requests_[req->id] = req;
@@ -660,7 +687,7 @@ class LoopbackEngine final : public Engine {
       for (auto& e : es)
         if (!e.region->live)
           throw EngineError(ERR_NOT_FOUND, "memory " + descStr(e.d) + " of agent '" + who + "' was deregistered");
-      for (auto& e : es) e.region->inUse.fetch_add(1, std::memory_order_relaxed);
+      addInUse(es, 1);
     };
     pinSide(req.local, *registry_, name_);
     if (req.remote->sameProcess) {
@@ -677,9 +704,18 @@ class LoopbackEngine final : public Engine {
       }
     }
   }
-  static void unpinSide(std::vector<Entry>& es) {
-    for (auto& e : es)
-      if (e.region) e.region->inUse.fetch_sub(1, std::memory_order_relaxed);
+  static void unpinSide(std::vector<Entry>& es) { addInUse(es, -1); }
+  // One atomic per run of entries in the same region, not one per entry: the
+  // blocks of a request mostly share a registration, and a small request's
+  // post is dominated by these read-modify-writes otherwise.
+  static void addInUse(std::vector<Entry>& es, int sign) {
+    for (size_t i = 0; i < es.size();) {
+      Region* r = es[i].region.get();
+      size_t j = i + 1;
+      while (j < es.size() && es[j].region.get() == r) ++j;
+      if (r) r->inUse.fetch_add(sign * static_cast<int>(j - i), std::memory_order_relaxed);
+      i = j;
+    }
   }
   static void unpin(Request& req) {
     if (!req.pinned) return;
@@ -722,7 +758,7 @@ class LoopbackEngine final : public Engine {
     if (req.released) {
       status = ERR_CANCELED;
       err = "released before it ran";
-    } else if (!req.remote->processAlive()) {
+    } else if (req.checkPeer && !req.remote->processAlive()) {
       status = ERR_REMOTE_DISCONNECT;
       err = "agent '" + req.remote->name + "' is gone (process exited or agent closed)";
     } else {
@@ -763,8 +799,9 @@ class LoopbackEngine final : public Engine {
   }
 
   void finish(Request& req, int status, const std::string& err, bool report) {
-    req.tel.xferDurationUs = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - req.postedAt).count());
+    if (cfg_.captureTelemetry)
+      req.tel.xferDurationUs = static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - req.postedAt).count());
     req.err = err;
     req.status.store(status, std::memory_order_release);
     if (report) sink_->onComplete(req.id);

@@ -27,6 +27,7 @@ const PUBLIC: Record<string, string[]> = {
     'KvPuller',
     'KvPushReceiver',
     'KvPushSender',
+    'LayeredXferHandle',
     'NixlAgent',
     'NixlError',
     'PrefillTracker',

@@ -1,0 +1,216 @@
+#include "layered.h"
+
+#include <algorithm>
+#include <string>
+
+namespace nixlnode {
+
+namespace {
+std::string num(size_t n) { return std::to_string(n); }
+}  // namespace
+
+Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t* li, size_t nl, Handle remote,
+                             const uint32_t* ri, size_t nr, const uint32_t* bounds, size_t nb,
+                             std::optional<std::string> notif, const std::string& remoteAgent) {
+  if (nb < 2) throw EngineError(ERR_INVALID_PARAM, "makeLayeredXfer: a layered transfer needs at least one layer");
+  if (nl != nr)
+    throw EngineError(ERR_INVALID_PARAM,
+                      "makeLayeredXfer: " + num(nl) + " local vs " + num(nr) + " remote indices in all");
+  if (bounds[0] != 0 || bounds[nb - 1] != nl)
+    throw EngineError(ERR_INVALID_PARAM, "makeLayeredXfer: layer bounds must run from 0 to the number of indices");
+  if (next_ == 0) throw EngineError(ERR_NOT_ALLOWED, "makeLayeredXfer: out of layered request ids");
+  Request r;
+  r.remoteAgent = remoteAgent;
+  r.notif = std::move(notif);
+  size_t layers = nb - 1;
+  r.subs.reserve(layers);
+  r.state.assign(layers, kIdle);
+  try {
+    for (size_t l = 0; l < layers; ++l) {
+      if (bounds[l + 1] <= bounds[l])
+        throw EngineError(ERR_INVALID_PARAM, "makeLayeredXfer: layer " + num(l) + " has no blocks");
+      size_t b = bounds[l], n = bounds[l + 1] - b;
+      try {
+        r.subs.push_back(e.makeXferReq(op, local, li + b, n, remote, ri + b, n, nullptr));
+      } catch (const EngineError& x) {
+        throw EngineError(x.status, "makeLayeredXfer: layer " + num(l) + ": " + x.what());
+      }
+    }
+  } catch (...) {
+    for (Handle s : r.subs) e.releaseXferReq(s);
+    throw;
+  }
+  Handle h = next_++;
+  if (next_ == 0 || !isLayered(next_)) next_ = 0;  // wrapped: no more ids rather than a reused one
+  for (uint32_t l = 0; l < r.subs.size(); ++l) owner_[r.subs[l]] = {h, l};
+  reqs_.emplace(h, std::move(r));
+  return h;
+}
+
+LayeredRequests::Request& LayeredRequests::find(Handle h, const char* what) {
+  auto it = reqs_.find(h);
+  if (it == reqs_.end())
+    throw EngineError(ERR_NOT_FOUND, std::string(what) + ": unknown or already released layered transfer handle");
+  return it->second;
+}
+
+// Starts a new posting when the last one had every layer posted (or none was
+// ever made); refuses one while that posting still moves bytes. Within a
+// posting, refuses a layer already posted (UINT32_MAX: no layer to check).
+void LayeredRequests::begin(Request& r, uint32_t layer) {
+  uint32_t n = static_cast<uint32_t>(r.subs.size());
+  if (r.status != ERR_NOT_POSTED && r.posted < n) {
+    if (layer < n && r.state[layer] != kIdle)
+      throw EngineError(ERR_REPOST_ACTIVE, "postLayer: layer " + num(layer) + " was already posted in this posting (" +
+                                               num(r.posted) + " of " + num(n) + " layers posted)");
+    return;
+  }
+  if (r.inflight > 0)
+    throw EngineError(ERR_REPOST_ACTIVE, "postLayer: " + num(r.inflight) +
+                                             " layers of the last posting are still in flight; wait for it first");
+  std::fill(r.state.begin(), r.state.end(), kIdle);
+  r.posted = r.done = 0;
+  r.status = IN_PROG;
+  r.err.clear();
+}
+
+int LayeredRequests::postLayer(Engine& e, Handle h, uint32_t layer, bool mayInline, uint32_t* inProg) {
+  Request& r = find(h, "postLayer");
+  if (layer >= r.subs.size())
+    throw EngineError(ERR_INVALID_PARAM, "postLayer: layer " + num(layer) + " is out of range (the transfer has " +
+                                             num(r.subs.size()) + " layers)");
+  begin(r, layer);
+  postOne(e, r, layer, mayInline, inProg);
+  finishIfDone(e, r);
+  return r.status;
+}
+
+int LayeredRequests::postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint32_t* inProg) {
+  Request& r = find(h, "transfer");
+  begin(r, UINT32_MAX);  // any layer: postAll posts only those not yet posted
+  if (notif) r.notif = *notif;
+  for (uint32_t l = 0; l < r.subs.size(); ++l)
+    if (r.state[l] == kIdle) postOne(e, r, l, mayInline, inProg);
+  finishIfDone(e, r);
+  return r.status;
+}
+
+void LayeredRequests::postOne(Engine& e, Request& r, uint32_t l, bool mayInline, uint32_t* inProg) {
+  r.posted++;
+  if (r.status < 0) {  // the posting failed: its remaining layers move nothing
+    r.state[l] = kSkipped;
+    return;
+  }
+  int s;
+  std::string msg;
+  try {
+    // The peer's process is checked once per posting: at its first layer here,
+    // and at its end (finishIfDone), not at every layer.
+    s = e.postXferReq(r.subs[l], nullptr, mayInline, r.posted == 1);
+  } catch (const EngineError& x) {
+    s = x.status;
+    msg = x.what();
+  }
+  if (s == IN_PROG) {
+    r.state[l] = kInFlight;
+    r.inflight++;
+    ++*inProg;
+    return;
+  }
+  if (s < 0 && msg.empty()) e.getXferStatus(r.subs[l], &msg);
+  settle(e, r, l, s, msg);
+}
+
+// A layer left IN_PROG (or finished inside its post) with status s.
+void LayeredRequests::settle(Engine& e, Request& r, uint32_t l, int s, const std::string& msg) {
+  if (r.state[l] == kInFlight) r.inflight--;
+  if (s == SUCCESS) {
+    r.state[l] = kDone;
+    r.done++;
+    return;
+  }
+  r.state[l] = kFailed;
+  if (r.status == IN_PROG) {
+    r.status = s;
+    r.err = "layer " + num(l) + ": " + msg;
+  }
+}
+
+void LayeredRequests::finishIfDone(Engine& e, Request& r) {
+  if (r.status != IN_PROG || r.done < r.subs.size()) return;
+  if (!e.peerAlive(r.remoteAgent)) {
+    r.status = ERR_REMOTE_DISCONNECT;
+    r.err = "agent '" + r.remoteAgent + "' is gone (process exited) before the last layer was confirmed";
+    return;
+  }
+  if (r.notif) {
+    try {
+      e.genNotif(r.remoteAgent, *r.notif);
+    } catch (const EngineError& x) {
+      r.status = x.status;
+      r.err = std::string("every layer moved, but the notification failed: ") + x.what();
+      return;
+    }
+  }
+  r.status = SUCCESS;
+}
+
+int LayeredRequests::status(Engine& e, Handle h, std::string* err, bool* ended) {
+  Request& r = find(h, "checkXferState");
+  *ended = false;
+  if (r.status == IN_PROG && r.inflight > 0) {
+    for (uint32_t l = 0; l < r.subs.size(); ++l) {
+      if (r.state[l] != kInFlight) continue;
+      std::string msg;
+      int s = e.getXferStatus(r.subs[l], &msg);
+      if (s != IN_PROG) settle(e, r, l, s, msg);
+    }
+    finishIfDone(e, r);
+    *ended = r.status != IN_PROG;
+  }
+  if (r.status < 0 && err) *err = r.status == ERR_NOT_POSTED ? "transfer was never posted" : r.err;
+  return r.status;
+}
+
+bool LayeredRequests::onEngineDone(Engine& e, Handle sub, Handle* ended) {
+  *ended = 0;
+  auto it = owner_.find(sub);
+  if (it == owner_.end()) return false;
+  auto [h, l] = it->second;
+  Request& r = reqs_.at(h);
+  // Already seen finished (status() asked first), or the event of an earlier
+  // posting delivered after the layer was posted again: nothing new.
+  if (r.state[l] != kInFlight) return true;
+  std::string msg;
+  int s = e.getXferStatus(sub, &msg);
+  if (s == IN_PROG) return true;
+  bool wasOpen = r.status == IN_PROG;
+  settle(e, r, l, s, msg);
+  finishIfDone(e, r);
+  if (wasOpen && r.status != IN_PROG) *ended = h;
+  return true;
+}
+
+void LayeredRequests::release(Engine& e, Handle h) {
+  Request& r = find(h, "releaseXferHandle");
+  // Every layer's request goes, even if one release throws: the first error
+  // is reported once the rest are released.
+  std::optional<EngineError> first;
+  for (Handle s : r.subs) {
+    owner_.erase(s);
+    try {
+      e.releaseXferReq(s);
+    } catch (const EngineError& x) {
+      if (!first) first = x;
+    }
+  }
+  reqs_.erase(h);
+  if (first) throw *first;
+}
+
+void LayeredRequests::clear() {
+  reqs_.clear();
+  owner_.clear();
+}
+
+}  // namespace nixlnode
