@@ -4,47 +4,46 @@
 // and a V8 Map there was the decision's tail: deleting from its front leaves
 // holes that each later walk from the front steps over again, and once the
 // holes fill its table it rehashes every entry (10,000 speculative entries
-// a worker: one decision in a hundred took 100-500 us more). Here every
-// operation is O(1) (a short bucket chain aside): entries are records in a
-// doubly linked list (oldest first) and a bucket chain, freed records are
-// reused, and the table only grows (to the most entries held at once, which
-// the index bounds), never rehashes otherwise. Nothing is allocated per
-// operation.
+// a worker: one decision in a hundred took 100-500 us more).
+//
+// Records sit in a ring in insertion order (key, value, bucket chain), so
+// appending and trimming the oldest walk memory in order (the CPU prefetches
+// them; a linked list's next record is a miss that waits on the last one),
+// and a bucket chain over them finds a key. A record deleted out of order
+// (or moved to the young end: deleted, then appended) is marked dead and
+// skipped when the oldest end reaches it. The ring grows only when live and
+// dead records fill it: to twice the size, or the same size without the
+// dead ones when they are half of it. Nothing is allocated per operation.
 
 const NONE = -1;
+/** The value of a dead record (live values are non-negative). */
+const DEAD = -1;
 /** An odd multiplier per process: bucket chains that input chooses cannot be built offline. */
 const MIX = (Math.floor(Math.random() * 0x7fffffff) * 2 + 1) | 0;
-/**
- * A record's fields, side by side in one array (a lookup or a trim touches
- * one record's fields together: one cache line, not five arrays' worth).
- */
 const KEY = 0;
 const VAL = 1;
-/** Order links: the older and younger record, NONE at the ends. */
-const PREV = 2;
-const NEXT = 3;
-/** The bucket's next record; for a free record, the next free one. */
-const CHAIN = 4;
-const STRIDE = 5;
+/** The bucket's next record (its offset), or NONE. */
+const CHAIN = 2;
+const STRIDE = 3;
 
 export class OrderedIntMap {
-  /** Records (record r at r * STRIDE). */
+  /** The ring of records: record p (a position, counted from the start) at (p & mask) * STRIDE. */
   #r: Int32Array;
   #buckets: Int32Array;
-  #cap: number;
+  #mask: number;
   #shift: number;
-  #head = NONE;
-  #tail = NONE;
-  #free = NONE;
-  #used = 0;
+  /** Positions of the oldest record and the next one appended (live and dead between). */
+  #head = 0;
+  #tail = 0;
   #size = 0;
+  #dead = 0;
 
   constructor(capacity = 8) {
     let cap = 8;
     while (cap < capacity) cap *= 2;
-    this.#cap = cap;
     this.#r = new Int32Array(cap * STRIDE);
     this.#buckets = new Int32Array(cap).fill(NONE);
+    this.#mask = cap - 1;
     this.#shift = 32 - Math.log2(cap);
   }
 
@@ -56,7 +55,7 @@ export class OrderedIntMap {
     return Math.imul(k, MIX) >>> this.#shift;
   }
 
-  /** The record holding `k` (its offset in #r), or NONE. */
+  /** The record holding `k` (its offset), or NONE. */
   #find(k: number): number {
     const r = this.#r;
     let at = this.#buckets[this.#bucket(k)];
@@ -74,7 +73,7 @@ export class OrderedIntMap {
     return this.#find(k) !== NONE;
   }
 
-  /** Sets `k` to `v`: in place (its age kept) when present, else as the youngest. */
+  /** Sets `k` to `v` (non-negative): in place (its age kept) when present, else as the youngest. */
   set(k: number, v: number): void {
     const at = this.#find(k);
     if (at !== NONE) this.#r[at + VAL] = v;
@@ -83,44 +82,39 @@ export class OrderedIntMap {
 
   /** Sets `k` to `v` as the youngest entry (a Map's delete then set). */
   setYoungest(k: number, v: number): void {
-    const at = this.#find(k);
-    if (at === NONE) {
-      this.#append(k, v);
+    const last = ((this.#tail - 1) & this.#mask) * STRIDE;
+    if (this.#tail > this.#head && this.#r[last + KEY] === k && this.#r[last + VAL] !== DEAD) {
+      this.#r[last + VAL] = v;
       return;
     }
-    this.#r[at + VAL] = v;
-    if (at === this.#tail) return;
-    this.#unlinkOrder(at);
-    this.#linkTail(at);
+    this.delete(k);
+    this.#append(k, v);
   }
 
   /** Forgets `k`; whether it was there. */
   delete(k: number): boolean {
-    const r = this.#r;
-    const b = this.#bucket(k);
-    let prev = NONE;
-    let at = this.#buckets[b];
-    while (at !== NONE && r[at + KEY] !== k) {
-      prev = at;
-      at = r[at + CHAIN];
-    }
+    const at = this.#unchain(k);
     if (at === NONE) return false;
-    if (prev === NONE) this.#buckets[b] = r[at + CHAIN];
-    else r[prev + CHAIN] = r[at + CHAIN];
-    this.#unlinkOrder(at);
-    r[at + CHAIN] = this.#free;
-    this.#free = at;
+    this.#r[at + VAL] = DEAD;
     this.#size--;
+    this.#dead++;
+    this.#dropDeadHead();
     return true;
   }
 
-  /** The oldest record (NONE when empty); walk on with younger(). */
-  oldest(): number {
-    return this.#head;
-  }
-
-  younger(at: number): number {
-    return this.#r[at + NEXT];
+  /**
+   * Forgets the oldest entry and returns its record, whose keyAt() and
+   * valueAt() hold until the next change; NONE when empty.
+   */
+  popOldest(): number {
+    if (this.#size === 0) return NONE;
+    const r = this.#r;
+    const at = (this.#head & this.#mask) * STRIDE;
+    this.#unchain(r[at + KEY]);
+    this.#head++;
+    this.#size--;
+    this.#dropDeadHead();
+    return at;
   }
 
   keyAt(at: number): number {
@@ -131,63 +125,83 @@ export class OrderedIntMap {
     return this.#r[at + VAL];
   }
 
-  /** Entries, oldest first (for tests and checks). */
+  /** Entries, oldest first. */
   *entries(): Generator<[number, number]> {
-    for (let at = this.#head; at !== NONE; at = this.#r[at + NEXT]) yield [this.#r[at + KEY], this.#r[at + VAL]];
+    for (let p = this.#head; p < this.#tail; p++) {
+      const at = (p & this.#mask) * STRIDE;
+      if (this.#r[at + VAL] !== DEAD) yield [this.#r[at + KEY], this.#r[at + VAL]];
+    }
   }
 
   *keys(): Generator<number> {
-    for (let at = this.#head; at !== NONE; at = this.#r[at + NEXT]) yield this.#r[at + KEY];
+    for (const [k] of this.entries()) yield k;
+  }
+
+  /** Takes `k`'s record out of its bucket chain; its offset, or NONE. */
+  #unchain(k: number): number {
+    const r = this.#r;
+    const b = this.#bucket(k);
+    let prev = NONE;
+    let at = this.#buckets[b];
+    while (at !== NONE && r[at + KEY] !== k) {
+      prev = at;
+      at = r[at + CHAIN];
+    }
+    if (at === NONE) return NONE;
+    if (prev === NONE) this.#buckets[b] = r[at + CHAIN];
+    else r[prev + CHAIN] = r[at + CHAIN];
+    return at;
+  }
+
+  /** Moves the oldest end past dead records. */
+  #dropDeadHead(): void {
+    while (this.#head < this.#tail && this.#r[(this.#head & this.#mask) * STRIDE + VAL] === DEAD) {
+      this.#head++;
+      this.#dead--;
+    }
   }
 
   #append(k: number, v: number): void {
-    if (this.#free === NONE && this.#used === this.#cap) this.#grow();
-    let at: number;
-    if (this.#free !== NONE) {
-      at = this.#free;
-      this.#free = this.#r[at + CHAIN];
-    } else at = this.#used++ * STRIDE;
+    if (this.#tail - this.#head > this.#mask) this.#relayout();
+    else if (this.#head > this.#mask) {
+      // Positions stay small integers: both ends back by the ring's size, the same records.
+      this.#head -= this.#mask + 1;
+      this.#tail -= this.#mask + 1;
+    }
     const r = this.#r;
+    const at = (this.#tail & this.#mask) * STRIDE;
     const b = this.#bucket(k);
     r[at + KEY] = k;
     r[at + VAL] = v;
     r[at + CHAIN] = this.#buckets[b];
     this.#buckets[b] = at;
-    this.#linkTail(at);
+    this.#tail++;
     this.#size++;
   }
 
-  #linkTail(at: number): void {
-    const r = this.#r;
-    r[at + PREV] = this.#tail;
-    r[at + NEXT] = NONE;
-    if (this.#tail !== NONE) r[this.#tail + NEXT] = at;
-    else this.#head = at;
-    this.#tail = at;
-  }
-
-  #unlinkOrder(at: number): void {
-    const r = this.#r;
-    const p = r[at + PREV];
-    const n = r[at + NEXT];
-    if (p !== NONE) r[p + NEXT] = n;
-    else this.#head = n;
-    if (n !== NONE) r[n + PREV] = p;
-    else this.#tail = p;
-  }
-
-  /** Doubles the records (all in use, none free) and rebuilds the buckets. */
-  #grow(): void {
-    this.#cap *= 2;
-    const r = new Int32Array(this.#cap * STRIDE);
-    r.set(this.#r);
-    this.#r = r;
-    this.#buckets = new Int32Array(this.#cap).fill(NONE);
-    this.#shift--;
-    for (let at = 0; at < this.#used * STRIDE; at += STRIDE) {
-      const b = this.#bucket(r[at + KEY]);
+  /** The ring is full: lays the live records out again in order, in a ring twice the size unless half were dead. */
+  #relayout(): void {
+    const old = this.#r;
+    const oldMask = this.#mask;
+    const cap = this.#dead * 2 >= oldMask + 1 ? oldMask + 1 : (oldMask + 1) * 2;
+    const r = cap === oldMask + 1 ? new Int32Array(old.length) : new Int32Array(cap * STRIDE);
+    this.#buckets = new Int32Array(cap).fill(NONE);
+    this.#mask = cap - 1;
+    this.#shift = 32 - Math.log2(cap);
+    let at = 0;
+    for (let p = this.#head; p < this.#tail; p++) {
+      const from = (p & oldMask) * STRIDE;
+      if (old[from + VAL] === DEAD) continue;
+      const b = this.#bucket(old[from + KEY]);
+      r[at + KEY] = old[from + KEY];
+      r[at + VAL] = old[from + VAL];
       r[at + CHAIN] = this.#buckets[b];
       this.#buckets[b] = at;
+      at += STRIDE;
     }
+    this.#r = r;
+    this.#head = 0;
+    this.#tail = this.#size;
+    this.#dead = 0;
   }
 }

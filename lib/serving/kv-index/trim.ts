@@ -25,10 +25,8 @@ export function excess(size: number, cap: number): number {
  */
 export function trimOrdered(m: OrderedIntMap, cap: number, holders?: Holders, id = 0, mask = -1): void {
   for (let n = excess(m.size, cap); n > 0; n--) {
-    const r = m.oldest();
-    const k = m.keyAt(r);
+    const r = m.popOldest();
     const v = m.valueAt(r);
-    m.delete(k);
-    if (holders && (mask === -1 || (v & mask) !== 0)) holders.delete(k, id);
+    if (holders && (mask === -1 || (v & mask) !== 0)) holders.delete(m.keyAt(r), id);
   }
 }
