@@ -71,6 +71,15 @@ export interface Match {
   weight: number;
 }
 
+/** A worker's maps as views() gives them: [slot, value] entries, oldest first. */
+export interface WorkerView {
+  id: number;
+  keys: [number, number][];
+  spec: [number, number][];
+  specFirst: [number, number][];
+}
+type Tuple3 = [number, number, number];
+
 /** What one apply() did, by outcome, for the metrics. */
 export type ApplyCounts = Record<string, number>;
 
@@ -386,25 +395,12 @@ export class KvBlockIndex {
   }
 
   /** Both sides of the index, for consistency checks: per worker its map, and the inverted maps' entries. */
-  views(): {
-    workers: Map<
-      string,
-      { id: number; keys: [number, number][]; spec: [number, number][]; specFirst: [number, number][] }
-    >;
-    holders: [number, number, number][];
-    specHolders: [number, number, number][];
-  } {
-    const workers = new Map<
-      string,
-      { id: number; keys: [number, number][]; spec: [number, number][]; specFirst: [number, number][] }
-    >();
-    for (const [name, w] of this.#workers)
-      workers.set(name, {
-        id: w.id,
-        keys: [...w.keys.entries()],
-        spec: [...w.spec.entries()],
-        specFirst: [...w.specFirst.entries()],
-      });
+  views(): { workers: Map<string, WorkerView>; holders: Tuple3[]; specHolders: Tuple3[] } {
+    const workers = new Map<string, WorkerView>();
+    for (const [name, w] of this.#workers) {
+      const [keys, spec, specFirst] = [w.keys, w.spec, w.specFirst].map((m) => [...m.entries()]);
+      workers.set(name, { id: w.id, keys, spec, specFirst });
+    }
     return { workers, holders: [...this.#holders.entries()], specHolders: [...this.#specHolders.entries()] };
   }
 
