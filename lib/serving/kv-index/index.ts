@@ -20,12 +20,11 @@ import { excess, trimOrdered } from './trim';
 
 export { blockKey, promptKeys, rootKey } from './keys';
 
-// Map keys and values are kept int32 (OrderedIntMap's typed arrays; a
-// 53-bit key would take two, and the decision's lookups are its cost). A
-// slot is the key's low 32 bits; its
-// value holds the other 21 bits (checked on lookup, so no two keys are
-// confused), whether it is a prompt's first block (FIRST) and the best tier
-// held: high * 8 + FIRST + tier code.
+// Map keys and values are int32 (OrderedIntMap's typed arrays; a 53-bit key
+// would take two, and the decision's lookups are its cost). A slot is the
+// key's low 32 bits; its value holds the other 21 bits (checked on lookup,
+// so no two keys are confused), whether it is a prompt's first block (FIRST)
+// and the best tier held: high * 8 + FIRST + tier code.
 const slotOf = (k: number) => k | 0;
 const FIRST = 4;
 const highOf = (k: number) => Math.floor(k / 0x100000000);
