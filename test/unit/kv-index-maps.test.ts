@@ -90,6 +90,21 @@ describe('OrderedIntMap', () => {
     for (let k = 0; k < 14; k++) expect(m.get(k)).toBe(ref.get(k) ?? -1);
   });
 
+  it('stays within four records a live entry under churn (dead records do not grow the ring)', () => {
+    const m = new OrderedIntMap();
+    let x = 1;
+    for (let i = 0; i < 100_000; i++) {
+      x = Math.imul(x ^ (x >>> 15), 0x2c1b3c6d) + i;
+      // 100 keys at most: moved to the young end, set in place, deleted out of order, trimmed.
+      const k = (x >>> 0) % 100;
+      if (i % 4 === 0) m.delete(k);
+      else if (i % 4 === 1) m.set(k, i);
+      else m.setYoungest(k, i);
+      if (i % 1000 === 0) trimOrdered(m, 50);
+      expect(m.capacity).toBeLessThanOrEqual(Math.max(8, 4 * 100));
+    }
+  });
+
   it('grows past its first capacity and reuses freed records, keeping order', () => {
     const m = new OrderedIntMap();
     const ref = new Map<number, number>();

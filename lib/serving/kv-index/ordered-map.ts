@@ -51,6 +51,11 @@ export class OrderedIntMap {
     return this.#size;
   }
 
+  /** Records the ring holds, live and dead: what the map's memory is (16 bytes a record with its bucket). */
+  get capacity(): number {
+    return this.#mask + 1;
+  }
+
   #bucket(k: number): number {
     return Math.imul(k, MIX) >>> this.#shift;
   }
