@@ -8,7 +8,8 @@ export const kvIndex: Section = {
   async run({ quick, table }) {
     const r = benchIndex(quick);
     console.log(
-      `\n# KV-event index: ${r.workers} workers x ${r.blocksPerWorker} blocks, ${r.promptTokens}-token prompts`,
+      `\n# KV-event index: ${r.workers} workers x ${r.blocksPerWorker} blocks, ${r.promptTokens}-token prompts` +
+        ` (first pass, compiling: ${Math.round(r.coldBlocksPerCpuSecond)} block updates per CPU s)`,
     );
     table(
       ['', 'block updates/s', 'index alone/s', 'decision p50 us', 'decision p99 us', 'decision mean us'],

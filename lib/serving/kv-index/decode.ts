@@ -48,10 +48,12 @@ export class BatchRefused extends Error {
 const unpackr = new Unpackr({ mapsAsObjects: false, useRecords: false, int64AsType: 'bigint' } as never);
 
 const U64 = (1n << 64n) - 1n;
+const I64_MIN = -(1n << 63n);
 
 /** A block hash as an unsigned 64-bit value, or undefined when it is none of uint64, int64, bin. */
 export function hashValue(v: unknown): bigint | undefined {
-  if (typeof v === 'bigint') return v < -(1n << 63n) || v > U64 ? undefined : BigInt.asUintN(64, v);
+  // A uint64 (the usual hash) is returned as it is: asUintN makes a new BigInt.
+  if (typeof v === 'bigint') return v < I64_MIN || v > U64 ? undefined : v >= 0n ? v : BigInt.asUintN(64, v);
   if (typeof v === 'number') return Number.isSafeInteger(v) ? BigInt.asUintN(64, BigInt(v)) : undefined;
   if (v instanceof Uint8Array) {
     if (v.length === 0) return undefined;

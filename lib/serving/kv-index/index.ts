@@ -14,16 +14,17 @@
 import type { KvEvent } from './decode';
 import { Holders } from './holders';
 import { blockKey, rootKey } from './keys';
-import { trim } from './trim';
+import { OrderedIntMap } from './ordered-map';
+import { EngineMap } from './engine-map';
+import { excess, trimOrdered } from './trim';
 
 export { blockKey, promptKeys, rootKey } from './keys';
 
-// Map keys and values are kept small integers (V8 Smis): a 53-bit key as a
-// Map key or value is a heap number, one more cache miss a lookup, and the
-// decision's lookups are its cost. A slot is the key's low 32 bits; its
-// value holds the other 21 bits (checked on lookup, so no two keys are
-// confused), whether it is a prompt's first block (FIRST) and the best tier
-// held: high * 8 + FIRST + tier code.
+// Map keys and values are int32 (OrderedIntMap's typed arrays; a 53-bit key
+// would take two, and the decision's lookups are its cost). A slot is the
+// key's low 32 bits; its value holds the other 21 bits (checked on lookup,
+// so no two keys are confused), whether it is a prompt's first block (FIRST)
+// and the best tier held: high * 8 + FIRST + tier code.
 const slotOf = (k: number) => k | 0;
 const FIRST = 4;
 const highOf = (k: number) => Math.floor(k / 0x100000000);
@@ -37,18 +38,18 @@ interface WorkerBlocks {
   /** Its id in the inverted maps (reused once the worker is dropped). */
   id: number;
   /** Slot -> high bits * 8 + FIRST + tier code, in insertion order: the oldest are evicted first. */
-  keys: Map<number, number>;
+  keys: OrderedIntMap;
   /** Engine hash -> own key. */
-  engine: Map<bigint, number>;
+  engine: EngineMap;
   /** Slot -> expiry in SPEC_TICK_MS ticks: routing decisions not yet confirmed by an event, prompts' blocks after the first. */
-  spec: Map<number, number>;
+  spec: OrderedIntMap;
   /**
    * The same for prompts' first blocks, mirrored in the inverted side. Apart
    * from `spec`, so that writing a decision's entries needs no read of what
    * a slot held before (a 32-bit slot of a later block may equal a first
    * block's).
    */
-  specFirst: Map<number, number>;
+  specFirst: OrderedIntMap;
 }
 
 /** Bounds of the proxy's block index. */
@@ -68,6 +69,15 @@ export interface Match {
   blocks: number;
   weight: number;
 }
+
+/** A worker's maps as views() gives them: [slot, value] entries, oldest first. */
+export interface WorkerView {
+  id: number;
+  keys: [number, number][];
+  spec: [number, number][];
+  specFirst: [number, number][];
+}
+type Tuple3 = [number, number, number];
 
 /** What one apply() did, by outcome, for the metrics. */
 export type ApplyCounts = Record<string, number>;
@@ -127,7 +137,13 @@ export class KvBlockIndex {
         at.set(this.#at);
         this.#at = at;
       }
-      w = { id, keys: new Map(), engine: new Map(), spec: new Map(), specFirst: new Map() };
+      w = {
+        id,
+        keys: new OrderedIntMap(),
+        engine: new EngineMap(),
+        spec: new OrderedIntMap(),
+        specFirst: new OrderedIntMap(),
+      };
       this.#byId[id] = w;
       this.#workers.set(name, w);
     }
@@ -137,7 +153,7 @@ export class KvBlockIndex {
   /** The tier code a worker holds `key` at, if it does. */
   #held(w: WorkerBlocks, key: number): number | undefined {
     const v = w.keys.get(slotOf(key));
-    return v !== undefined && v >>> 3 === highOf(key) ? v & 3 : undefined;
+    return v >= 0 && v >>> 3 === highOf(key) ? v & 3 : undefined;
   }
 
   /**
@@ -148,20 +164,19 @@ export class KvBlockIndex {
   #hold(w: WorkerBlocks, key: number, code: number, first: number): void {
     const slot = slotOf(key);
     const had = w.keys.get(slot);
-    const same = had !== undefined && had >>> 3 === highOf(key);
+    const same = had >= 0 && had >>> 3 === highOf(key);
     const f = same ? had & FIRST : first;
     const v = highOf(key) * 8 + f + (same ? Math.min(had & 3, code) : code);
-    w.keys.delete(slot);
-    w.keys.set(slot, v);
+    w.keys.setYoungest(slot, v);
     // A slot another key held (a 32-bit collision) may have been a first block.
     if (f !== 0) this.#holders.set(slot, w.id, v);
-    else if (had !== undefined && had & FIRST) this.#holders.delete(slot, w.id);
+    else if (had >= 0 && had & FIRST) this.#holders.delete(slot, w.id);
   }
 
   /** Forgets the block in `slot` of a worker, both sides. */
   #unhold(w: WorkerBlocks, slot: number): void {
     const v = w.keys.get(slot);
-    if (v === undefined) return;
+    if (v < 0) return;
     w.keys.delete(slot);
     if (v & FIRST) this.#holders.delete(slot, w.id);
   }
@@ -193,7 +208,7 @@ export class KvBlockIndex {
       if (e.type === 'BlockRemoved') {
         for (const h of e.blockHashes) {
           const key = w.engine.get(h);
-          if (key === undefined) bump('unknown_block');
+          if (key < 0) bump('unknown_block');
           else {
             w.engine.delete(h);
             if (this.#held(w, key) !== undefined) this.#unhold(w, slotOf(key));
@@ -207,14 +222,14 @@ export class KvBlockIndex {
         // Tokenless (an offload tier): only blocks whose tokens an earlier store gave.
         for (const h of e.blockHashes) {
           const key = w.engine.get(h);
-          if (key === undefined) bump('unknown_block');
+          if (key < 0) bump('unknown_block');
           else this.#hold(w, key, code, 0);
         }
         bump('applied');
         continue;
       }
-      let parent: number | undefined = e.parent === null ? rootKey(e.loraName) : w.engine.get(e.parent);
-      if (parent === undefined) {
+      let parent = e.parent === null ? rootKey(e.loraName) : w.engine.get(e.parent);
+      if (parent < 0) {
         bump('unknown_parent');
         continue;
       }
@@ -225,10 +240,8 @@ export class KvBlockIndex {
         this.#hold(w, parent, code, first ? FIRST : 0);
         if (this.#unspec(w, slotOf(parent), first)) this.#confirmed++;
       }
-      trim(w.keys, this.o.maxBlocksPerWorker, (slot, v) => {
-        if (v & FIRST) this.#holders.delete(slot, w.id);
-      });
-      trim(w.engine, this.o.maxBlocksPerWorker);
+      trimOrdered(w.keys, this.o.maxBlocksPerWorker, this.#holders, w.id, FIRST);
+      w.engine.dropOldest(excess(w.engine.size, this.o.maxBlocksPerWorker));
       bump('applied');
       bump('blocks', e.blockHashes.length);
     }
@@ -239,7 +252,7 @@ export class KvBlockIndex {
   drop(name: string): void {
     const w = this.#workers.get(name);
     if (!w) return;
-    for (const [slot, v] of w.keys) if (v & FIRST) this.#holders.delete(slot, w.id);
+    for (const [slot, v] of w.keys.entries()) if (v & FIRST) this.#holders.delete(slot, w.id);
     for (const slot of w.specFirst.keys()) this.#specHolders.delete(slot, w.id);
     this.#workers.delete(name);
     this.#byId[w.id] = undefined;
@@ -264,8 +277,8 @@ export class KvBlockIndex {
       this.#specHolders.set(slotOf(keys[0]), w.id, until);
     }
     for (let j = 1; j < keys.length; j++) if (this.#held(w, keys[j]) === undefined) w.spec.set(slotOf(keys[j]), until);
-    trim(w.spec, this.o.maxSpeculative);
-    trim(w.specFirst, this.o.maxSpeculative, (slot) => this.#specHolders.delete(slot, w.id));
+    trimOrdered(w.spec, this.o.maxSpeculative);
+    trimOrdered(w.specFirst, this.o.maxSpeculative, this.#specHolders, w.id);
   }
 
   /**
@@ -308,10 +321,10 @@ export class KvBlockIndex {
         const k = keys[m];
         const slot = slotOf(k);
         const v = w.keys.get(slot);
-        if (v !== undefined && v >>> 3 === highOf(k)) sum += CODE_WEIGHT[v & 3];
+        if (v >= 0 && v >>> 3 === highOf(k)) sum += CODE_WEIGHT[v & 3];
         else if (w.spec.size > 0) {
           const s = w.spec.get(slot);
-          if (s === undefined || s <= tick) break;
+          if (s < 0 || s <= tick) break;
           sum += 1;
         } else break;
       }
@@ -381,20 +394,12 @@ export class KvBlockIndex {
   }
 
   /** Both sides of the index, for consistency checks: per worker its map, and the inverted maps' entries. */
-  views(): {
-    workers: Map<
-      string,
-      { id: number; keys: [number, number][]; spec: [number, number][]; specFirst: [number, number][] }
-    >;
-    holders: [number, number, number][];
-    specHolders: [number, number, number][];
-  } {
-    const workers = new Map<
-      string,
-      { id: number; keys: [number, number][]; spec: [number, number][]; specFirst: [number, number][] }
-    >();
-    for (const [name, w] of this.#workers)
-      workers.set(name, { id: w.id, keys: [...w.keys], spec: [...w.spec], specFirst: [...w.specFirst] });
+  views(): { workers: Map<string, WorkerView>; holders: Tuple3[]; specHolders: Tuple3[] } {
+    const workers = new Map<string, WorkerView>();
+    for (const [name, w] of this.#workers) {
+      const [keys, spec, specFirst] = [w.keys, w.spec, w.specFirst].map((m) => [...m.entries()]);
+      workers.set(name, { id: w.id, keys, spec, specFirst });
+    }
     return { workers, holders: [...this.#holders.entries()], specHolders: [...this.#specHolders.entries()] };
   }
 

@@ -33,6 +33,9 @@ export interface KvEventsOptions {
   followMs?: number;
 }
 
+/** The stats key of each decision reason, made once: a key built per decision is a string to hash each time. */
+const DECISION_KEY = { no_tokens: 'decisions:no_tokens', prefix: 'decisions:prefix', load: 'decisions:load' };
+
 /** A decision looks at the advertisements again at most this often (ms); the timer does the rest. */
 const SYNC_ON_PICK_MS = 250;
 
@@ -85,6 +88,8 @@ export class PreciseRouting {
   readonly follower: AdvertisedFollower;
   #timer?: NodeJS.Timeout;
   readonly #scratch = new DecisionScratch();
+  /** nameOf, bound once (not a closure per decision). */
+  readonly #nameOf = (w: WorkerRef) => this.nameOf(w);
   #synced = Number.NEGATIVE_INFINITY;
 
   constructor(
@@ -126,9 +131,8 @@ export class PreciseRouting {
     return this.#blockSize ?? 16;
   }
 
-  #count(what: string, n = 1, label?: string): void {
-    const k = label ? `${what}:${label}` : what;
-    this.stats[k] = (this.stats[k] ?? 0) + n;
+  #count(what: string, n = 1, label?: string, key = label ? `${what}:${label}` : what): void {
+    this.stats[key] = (this.stats[key] ?? 0) + n;
     this.#metrics?.count(what, n, label);
   }
 
@@ -218,12 +222,13 @@ export class PreciseRouting {
     if (from.length === 0) return undefined;
     if (performance.now() - this.#synced >= SYNC_ON_PICK_MS) this.sync();
     const h = hint as PreciseHint | undefined;
-    const d = this.#scratch.fill(from, (w) => this.nameOf(w));
+    const d = this.#scratch.fill(from, this.#nameOf);
     if (h) this.index.matchInto(h.keys, d.names, d.blocks, d.weight);
     let i = h && d.anyMatch() ? this.#best(from, d, h.keys.length, false, turn) : -1;
     if (i < 0) i = this.#place(from, d, h, turn);
     const blocks = d.blocks[i];
-    this.#count('decisions', 1, !h ? 'no_tokens' : blocks > 0 ? 'prefix' : 'load');
+    const why = !h ? 'no_tokens' : blocks > 0 ? 'prefix' : 'load';
+    this.#count('decisions', 1, why, DECISION_KEY[why]);
     if (h) {
       h.prefill = d.names[i];
       h.prefixMatchTokens = blocks * this.blockSize;

@@ -12,8 +12,15 @@ export interface PromptTokenizer {
   tokens(body: Record<string, unknown>): number[] | undefined | Promise<number[] | undefined>;
 }
 
-const isIds = (p: unknown): p is number[] =>
-  Array.isArray(p) && p.length > 0 && p.every((t) => typeof t === 'number' && Number.isInteger(t) && t >= 0);
+/** Whether `p` is a prompt given as token ids (a loop, not every(): this runs on each routing decision). */
+function isIds(p: unknown): p is number[] {
+  if (!Array.isArray(p) || p.length === 0) return false;
+  for (let i = 0; i < p.length; i++) {
+    const t = p[i];
+    if (typeof t !== 'number' || !Number.isInteger(t) || t < 0) return false;
+  }
+  return true;
+}
 
 /** The synthetic model's tokenizer, as its workers run it (lib/serving/models/synthetic.ts). */
 export const syntheticTokenizer: PromptTokenizer = {
