@@ -46,7 +46,7 @@ export interface FleetGgufRun {
   /** Means over the run's requests, ms. ttftRatio: ttftMs / round-robin's of the same run; prefillRatio likewise. */
   ttftRatio: number;
   prefillRatio: number;
-  /** Mean TTFT of the requests that reused a prefix / of those that did not (0 without both): what a hit costs. */
+  /** Median TTFT of the requests that reused a prefix / of those that did not (0 without both): what a hit costs. */
   hitCost: number;
 }
 
@@ -224,7 +224,8 @@ const mean = (a: number[]) => a.reduce((x, y) => x + y, 0) / a.length;
 function hitCost(t: Tally): number {
   const hits = t.ttft.filter((_, i) => t.hit[i]);
   const misses = t.ttft.filter((_, i) => !t.hit[i]);
-  return hits.length && misses.length ? mean(hits) / mean(misses) : 0;
+  // Medians: a shared machine's stalls land on a few requests and would decide a ratio of means of 6 misses.
+  return hits.length && misses.length ? median(hits) / median(misses) : 0;
 }
 
 /** Round-robin, 'load' and 'precise' on the same GGUF workers, `runs` times, `n` requests each. */

@@ -10,7 +10,7 @@ export const prefix: Section = {
     const n = quick ? 6 : 36;
     const runs = quick ? 1 : 3;
     console.log(
-      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills of its own per policy ('small', 3 contexts each, KV events on ipc://) + 1 shared decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs), the policies taking turns; possible = requests some prefill held a whole batch of when sent (as the prefills announce it); ratio = policy / round-robin of the same run; hit / miss TTFT = mean TTFT of the policy's requests that reused a prefix / of those that did not`,
+      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills of its own per policy ('small', 3 contexts each, KV events on ipc://) + 1 shared decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs), the policies taking turns; possible = requests some prefill held a whole batch of when sent (as the prefills announce it); ratio = policy / round-robin of the same run; hit / miss TTFT = median TTFT of the policy's requests that reused a prefix / of those that did not`,
     );
     const fg = await benchFleetGguf(n, runs);
     if (fg.note) {
