@@ -10,7 +10,9 @@
 // with one of 6 long shared prefixes (system prompts over 1000 tokens) and
 // end with a short question; one at a time, streamed, 2 tokens; the three
 // policies take turns request by request (each with prefixes of its own, so
-// that no cache helps another) and see the same machine.
+// that no cache helps another) and see the same machine. Before the runs
+// every prefill makes its contexts and its pull connection (warmUp), so no
+// policy pays more of that inside its measured requests.
 // Every prefill publishes KV events (ipc:// sockets in a temp dir); only the
 // precise proxy follows them. Per policy and run: the share of prefills that
 // reused a prefix, of all and of those that could (some prefill held a whole
@@ -44,6 +46,8 @@ export interface FleetGgufRun {
   /** Means over the run's requests, ms. ttftRatio: ttftMs / round-robin's of the same run; prefillRatio likewise. */
   ttftRatio: number;
   prefillRatio: number;
+  /** Median TTFT of the requests that reused a prefix / of those that did not (0 without both): what a hit costs. */
+  hitCost: number;
 }
 
 export interface FleetGgufResult {
@@ -57,7 +61,17 @@ export interface FleetGgufResult {
 }
 
 const PREFIXES = 6;
-const BATCH = 512; // node-llama-cpp's default for these contexts: whole batches of it are reused
+/**
+ * The prefills' batch (`--batch-size`): whole batches of it are what a hit
+ * reuses (lib/serving/models/llama/prefix.ts), so a hit evaluates the part
+ * of the shared prefix past its last whole batch as well as its own
+ * question. At node-llama-cpp's default of 512 that was 243 of the 1267
+ * tokens, and a hit cost about 0.27 of a miss; at 128 it is under 128 (vLLM
+ * reuses 16-token blocks), and a 1266-token miss takes about 3% more CPU
+ * time than at 512 (64: 13%, 32: twice as much; docs/fleet.md). An operator
+ * who wants prefix reuse chooses it; every policy runs with the same one.
+ */
+const BATCH = 128;
 const WORDS = ['answer', 'briefly', 'cite', 'sources', 'never', 'guess', 'keep', 'units', 'exact', 'and', 'clear'];
 
 /** A system prompt of about 1100 tokens, different from its first character on for each (set, index). */
@@ -71,7 +85,17 @@ function prefix(set: string, i: number): string {
   return `${i}${set} System: ${words.join(' ')}.`;
 }
 
-/** The prefix of request i (a fixed pseudo-random draw, the same for both policies). */
+/**
+ * Request i of run r for the policy at index j: its policy's own prefix
+ * (tagged by index, so every policy's prompts are as long as the others':
+ * tagged by name they differed by up to 7 tokens, which moves where the
+ * shared prefix ends against the batches) and a question.
+ */
+export function promptOf(r: number, j: number, i: number): string {
+  return `${prefix(`/${r}p${j}`, draw(i))} Question ${i}: what comes next?`;
+}
+
+/** The prefix of request i (a fixed pseudo-random draw, the same for every policy). */
 function draw(i: number): number {
   return createHash('sha256').update(`request ${i}`).digest()[0] % PREFIXES;
 }
@@ -83,11 +107,13 @@ interface Tally {
   reused: number;
   tokens: number;
   ttft: number[];
+  /** Per request: whether its prefill reused a prefix. */
+  hit: boolean[];
   prefill: number[];
   prompt: number[];
 }
 
-const POLICIES: Policy[] = ['round-robin', 'load', 'precise'];
+export const POLICIES: Policy[] = ['round-robin', 'load', 'precise'];
 
 /** The prompt's ids as the prefills evaluate it (a completion's, with BOS): their own /tokenize. */
 async function tokensOf(worker: Worker, prompt: string): Promise<number[]> {
@@ -141,7 +167,7 @@ async function run(r: number, sets: Map<Policy, Worker[]>, decode: Worker, n: nu
   const out = new Map<Policy, Tally>(
     POLICIES.map((p) => [
       p,
-      { hits: 0, possible: 0, possibleTokens: 0, reused: 0, tokens: 0, ttft: [], prefill: [], prompt: [] },
+      { hits: 0, possible: 0, possibleTokens: 0, reused: 0, tokens: 0, ttft: [], hit: [], prefill: [], prompt: [] },
     ]),
   );
   try {
@@ -150,7 +176,7 @@ async function run(r: number, sets: Map<Policy, Worker[]>, decode: Worker, n: nu
         const j = (i + k) % POLICIES.length; // each policy goes first, second and last in turn
         const t = out.get(POLICIES[j])!;
         const prefills = sets.get(POLICIES[j])!;
-        const prompt = `${prefix(`/${r}${POLICIES[j]}`, draw(i))} Question ${i}: what comes next?`;
+        const prompt = promptOf(r, j, i);
         const held = heldTokens(prefills, await tokensOf(prefills[0], prompt));
         const now = () =>
           (['prefixHits', 'prefixReusedTokens', 'prefillEvaluatedTokens', 'prefillMs'] as const).map((k) =>
@@ -163,6 +189,7 @@ async function run(r: number, sets: Map<Policy, Worker[]>, decode: Worker, n: nu
         if (held > 0) t.possible++;
         t.possibleTokens += held;
         t.hits += a[0] - b[0];
+        t.hit.push(a[0] > b[0]);
         t.reused += reused;
         t.tokens += reused + a[2] - b[2];
         t.prompt.push(reused + a[2] - b[2]);
@@ -174,7 +201,32 @@ async function run(r: number, sets: Map<Policy, Worker[]>, decode: Worker, n: nu
   return out;
 }
 
+/**
+ * Every prefill starts as the others do: its 3 contexts made and its pull
+ * connection to the decode set up (else whichever policy spreads prompts
+ * wider pays more of that inside its measured requests), the decode's
+ * context made, and nothing cached (short prompts leave no whole batch).
+ */
+async function warmUp(sets: Map<Policy, Worker[]>, decode: Worker): Promise<void> {
+  for (const w of [...sets.values()].flat()) {
+    const proxy = await startProxy({ prefill: [w.address], decode: [decode.address], healthIntervalMs: 0 });
+    try {
+      await Promise.all([0, 1, 2].map((k) => stream(proxy.url, `warm up ${k}`, 1)));
+    } finally {
+      await proxy.close();
+    }
+    if (w.kvEvents?.announced().length) throw new Error(`${w.address} kept a warm-up prompt`);
+  }
+}
+
 const mean = (a: number[]) => a.reduce((x, y) => x + y, 0) / a.length;
+
+function hitCost(t: Tally): number {
+  const hits = t.ttft.filter((_, i) => t.hit[i]);
+  const misses = t.ttft.filter((_, i) => !t.hit[i]);
+  // Medians: a shared machine's stalls land on a few requests and would decide a ratio of means of 6 misses.
+  return hits.length && misses.length ? median(hits) / median(misses) : 0;
+}
 
 /** Round-robin, 'load' and 'precise' on the same GGUF workers, `runs` times, `n` requests each. */
 export async function benchFleetGguf(n: number, runs: number): Promise<FleetGgufResult> {
@@ -192,7 +244,7 @@ export async function benchFleetGguf(n: number, runs: number): Promise<FleetGguf
       note: 'skipped: node-llama-cpp is not installed',
     };
   }
-  const o = { model: gguf, threads: os.availableParallelism(), contextSize: 2048, blocks: 512 };
+  const o = { model: gguf, threads: os.availableParallelism(), contextSize: 2048, blocks: 512, batchSize: BATCH };
   const workers: Worker[] = [];
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-prefix-bench-'));
   try {
@@ -206,6 +258,9 @@ export async function benchFleetGguf(n: number, runs: number): Promise<FleetGguf
           replay_endpoint: `ipc://${dir}/${p}-${i}.replay`,
         };
         const w = await startWorker({ ...o, parallel: 3, kvEvents });
+        // What counts as held (heldTokens) and what the precise proxy hashes must be the blocks the prefill announces.
+        if (w.kvEvents?.info.block_size !== BATCH)
+          throw new Error(`the prefill announces blocks of ${w.kvEvents?.info.block_size} tokens, not ${BATCH}`);
         workers.push(w);
         set.push(w);
       }
@@ -213,6 +268,7 @@ export async function benchFleetGguf(n: number, runs: number): Promise<FleetGguf
     }
     const decode = await startWorker({ ...o, parallel: 1 });
     workers.push(decode);
+    await warmUp(sets, decode);
     const out: FleetGgufRun[] = [];
     let promptTokens = 0;
     for (let r = 0; r < runs; r++) {
@@ -233,6 +289,7 @@ export async function benchFleetGguf(n: number, runs: number): Promise<FleetGguf
           prefillMs: mean(g.prefill),
           ttftRatio: mean(g.ttft) / mean(base.ttft),
           prefillRatio: mean(g.prefill) / mean(base.prefill),
+          hitCost: hitCost(g),
         });
       }
     }

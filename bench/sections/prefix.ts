@@ -10,7 +10,7 @@ export const prefix: Section = {
     const n = quick ? 6 : 36;
     const runs = quick ? 1 : 3;
     console.log(
-      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills of its own per policy ('small', 3 contexts each, KV events on ipc://) + 1 shared decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs), the policies taking turns; possible = requests some prefill held a whole batch of when sent (as the prefills announce it); ratio = policy / round-robin of the same run`,
+      `\n# Fleet routing with GGUF prefills reusing cached prefixes: 3 prefills of its own per policy ('small', 3 contexts each, KV events on ipc://) + 1 shared decode, ${n} streamed requests one at a time from 6 shared prefixes of ~1100 tokens, per policy and run (${runs} runs), the policies taking turns; possible = requests some prefill held a whole batch of when sent (as the prefills announce it); ratio = policy / round-robin of the same run; hit / miss TTFT = median TTFT of the policy's requests that reused a prefix / of those that did not`,
     );
     const fg = await benchFleetGguf(n, runs);
     if (fg.note) {
@@ -30,6 +30,7 @@ export const prefix: Section = {
         'TTFT ratio',
         'prefill ms',
         'prefill ratio',
+        'hit / miss TTFT',
       ],
       fg.runs.map((r, i) => [
         Math.floor(i / 3) + 1,
@@ -43,6 +44,7 @@ export const prefix: Section = {
         r.ttftRatio,
         r.prefillMs,
         r.prefillRatio,
+        r.hitCost ? r.hitCost.toFixed(2) : '-',
       ]),
     );
     console.log(`prompts of ${fg.promptTokens} tokens (median); whole batches of ${fg.batchSize} tokens are reused`);
