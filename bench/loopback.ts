@@ -27,18 +27,40 @@ export interface BwRow {
    */
   copyGbps?: number;
   copyRatio?: number;
+  /**
+   * Loopback: the median of wall time minus the engine's own time per request,
+   * in ms: the completion's way back to the JS thread, asleep in its event
+   * loop while the worker copies. Near 0.1 ms on a quiet machine; on a shared
+   * one it is the wait for a core once woken, and most of what the ratio loses.
+   */
+  hopMs?: number;
 }
 
 /** A row as the bench's table prints it. */
 export function bwCells(r: BwRow): Array<string | number> {
-  return [r.engine, r.path, fmtBytes(r.blockBytes), r.descriptors, r.gbps, r.memcpyGbps, r.ratio, r.copyRatio ?? '-'];
+  return [
+    r.engine,
+    r.path,
+    fmtBytes(r.blockBytes),
+    r.descriptors,
+    r.gbps,
+    r.memcpyGbps,
+    r.ratio,
+    r.copyRatio ?? '-',
+    r.hopMs ?? '-',
+  ];
 }
 
 function gbps(bytes: number, ns: bigint): number {
   return bytes / Number(ns);
 }
 
-/** memcpy of the whole pool, DRAM to DRAM (the ceiling for one copying thread). */
+/**
+ * memcpy of the whole pool, DRAM to DRAM (the ceiling for one copying thread).
+ * Same memory as the engine's copy: allocate() memfd mappings (4 KiB pages,
+ * as the peer's memfd mapped by the engine), faulted in before timing, and
+ * 64 MiB, twice the L3, so neither copy finds its source in cache.
+ */
 let pool: [Buffer, Buffer] | undefined;
 
 export function memcpyBaseline(reps: number): number {
@@ -131,6 +153,7 @@ export async function benchBandwidth(opts: { engine?: Engine; reps?: number; pat
           const xs: number[] = [];
           const ms: number[] = [];
           const cs: number[] = [];
+          const hops: number[] = [];
           local.transfer(h);
           await local.wait(h); // first run faults pages in
           for (let i = 0; i < reps; i++) {
@@ -138,8 +161,13 @@ export async function benchBandwidth(opts: { engine?: Engine; reps?: number; pat
             const t = nowNs();
             local.transfer(h);
             await local.wait(h);
-            xs.push(gbps(POOL, nowNs() - t));
-            if (local.engine === 'loopback') cs.push(POOL / (local.getXferTelemetry(h).xferDurationUs * 1000));
+            const wall = nowNs() - t;
+            xs.push(gbps(POOL, wall));
+            if (local.engine === 'loopback') {
+              const engineUs = local.getXferTelemetry(h).xferDurationUs;
+              cs.push(POOL / (engineUs * 1000));
+              hops.push(Number(wall) / 1e6 - engineUs / 1000);
+            }
           }
           const memcpy = median(ms);
           const g = median(xs);
@@ -151,7 +179,7 @@ export async function benchBandwidth(opts: { engine?: Engine; reps?: number; pat
             gbps: g,
             memcpyGbps: memcpy,
             ratio: g / memcpy,
-            ...(cs.length ? { copyGbps: median(cs), copyRatio: median(cs) / memcpy } : {}),
+            ...(cs.length ? { copyGbps: median(cs), copyRatio: median(cs) / memcpy, hopMs: median(hops) } : {}),
           });
           local.releaseXferHandle(h);
           local.releaseDlistHandle(ld);

@@ -22,7 +22,10 @@ export const bandwidth: Section = {
         })),
       );
     }
-    table(['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio', 'copy-only ratio'], bw.map(bwCells));
+    table(
+      ['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio', 'copy-only ratio', 'hop ms'],
+      bw.map(bwCells),
+    );
     const panels: Panel[] = [];
     for (const key of new Set(bw.map((r) => `${r.engine}|${r.path}`))) {
       const [e, path] = key.split('|');
