@@ -513,7 +513,9 @@ export class NixlAgent {
   wait(handle: XferHandle, opts: WaitOptions = {}): Promise<void> {
     let s: number | [number, string];
     try {
-      s = this.#native.getXferStatus(handle.id);
+      // Through #statusNow: the check may itself find the transfer done (no
+      // completion event follows), and the waits already pending settle too.
+      s = this.#statusNow(handle.id);
     } catch (e) {
       return Promise.reject(e);
     }
