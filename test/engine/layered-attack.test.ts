@@ -60,6 +60,24 @@ describe('layered transfers under attack (loopback)', () => {
     expect(await settledWithin(first, 2000)).toBe('resolved');
   });
 
+  it('a wait pending on a partly posted request settles when transfer() posts the rest and they finish inline', async () => {
+    const { a, ma, mb, local, remote } = setup();
+    const h = a.makeLayeredXfer('READ', local, [[0], [1], [2]], remote, [[0], [1], [2]]);
+    const outcomes: string[] = [];
+    for (let k = 1; k <= 5; k++) {
+      // A fresh turn of the loop: the inline budget is whole again.
+      await new Promise((r) => setTimeout(r, 10));
+      mb.fill(k);
+      a.postLayer(h, 0);
+      const w = a.wait(h);
+      const s = a.transfer(h);
+      outcomes.push(`${s} ${await settledWithin(w, 2000)}`);
+      expect(ma.subarray(0, 3 * BLOCK).every((x) => x === k)).toBe(true);
+    }
+    // Inline (DONE) or not (PROC, on a loaded machine), the wait settles.
+    expect(outcomes.filter((o) => !o.endsWith('resolved'))).toEqual([]);
+  });
+
   it('makeLayeredXfer: a layer list with a hole is NIXL_ERR_INVALID_PARAM, not a TypeError', () => {
     const { a, local, remote } = setup();
     // biome-ignore lint/suspicious/noSparseArray: the hole is the bad input under test
