@@ -457,7 +457,11 @@ export class NixlAgent {
       const s = this.#native.getXferStatus(handle.id);
       if (stateOf(s) !== 'PROC') this.#settle(handle.id, errorOf(s));
     }
-    return stateOf(this.#native.postXferReq(handle.id, notifMsg, inlineBudgetLeft()));
+    const s = stateOf(this.#native.postXferReq(handle.id, notifMsg, inlineBudgetLeft()));
+    // A layered request may have waits on its partly posted posting; a post
+    // that ends it here sends no completion event.
+    if (s !== 'PROC' && this.#waiters.has(handle.id)) this.#settle(handle.id, this.getXferError(handle));
+    return s;
   }
 
   /** A posted transfer's state (NIXL check_xfer_state); throws if it was never posted. */
@@ -513,7 +517,9 @@ export class NixlAgent {
   wait(handle: XferHandle, opts: WaitOptions = {}): Promise<void> {
     let s: number | [number, string];
     try {
-      s = this.#native.getXferStatus(handle.id);
+      // Through #statusNow: the check may itself find the transfer done (no
+      // completion event follows), and the waits already pending settle too.
+      s = this.#statusNow(handle.id);
     } catch (e) {
       return Promise.reject(e);
     }

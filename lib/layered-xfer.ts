@@ -42,12 +42,15 @@ function flatten(layers: ReadonlyArray<Indices>, side: string): { flat: Uint32Ar
   if (!Array.isArray(layers) || layers.length === 0)
     throw invalidParam(`makeLayeredXfer: ${side} layers must be a non-empty array of index arrays, one per layer`);
   const bounds = new Uint32Array(layers.length + 1);
-  const parts = layers.map((idx, l) => {
+  // A plain loop, not map: map skips the holes of a sparse array.
+  const parts: Uint32Array[] = [];
+  for (let l = 0; l < layers.length; l++) {
+    const idx = layers[l];
     const a = idx instanceof Uint32Array ? idx : Array.isArray(idx) ? toIndices(idx) : undefined;
     if (!a) throw invalidParam(`makeLayeredXfer: ${side} layer ${l} must be a Uint32Array or an array of indices`);
     bounds[l + 1] = bounds[l] + a.length;
-    return a;
-  });
+    parts.push(a);
+  }
   const flat = new Uint32Array(bounds[layers.length]);
   for (let l = 0; l < parts.length; l++) flat.set(parts[l], bounds[l]);
   return { flat, bounds };
