@@ -153,6 +153,16 @@ class Engine {
     (void)agent;
     return true;
   }
+  // Whether the engine runs an agent's posted transfers one after another in
+  // posting order, each sending its notification once its bytes are in place
+  // and counting the notification's delivery in its completion: then a
+  // notification given to the last of several posts goes out after all of
+  // them, in order with later posts. The loopback engine does (one worker
+  // thread; an inline post only when nothing is queued).
+  virtual bool postsInOrder() const { return false; }
+  // Forgets the notification a request was made or posted with: its next
+  // postings send none until a post gives one. Not while it is in flight.
+  virtual void clearNotif(Handle req) { (void)req; }
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
   virtual void releaseXferReq(Handle req) = 0;
   virtual Telemetry getXferTelemetry(Handle req) = 0;

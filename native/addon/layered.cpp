@@ -57,7 +57,7 @@ LayeredRequests::Request& LayeredRequests::find(Handle h, const char* what) {
 // Starts a new posting when the last one had every layer posted (or none was
 // ever made); refuses one while that posting still moves bytes. Within a
 // posting, refuses a layer already posted (UINT32_MAX: no layer to check).
-void LayeredRequests::begin(Request& r, uint32_t layer) {
+void LayeredRequests::begin(Engine& e, Request& r, uint32_t layer) {
   uint32_t n = static_cast<uint32_t>(r.subs.size());
   if (r.status != ERR_NOT_POSTED && r.posted < n) {
     if (layer < n && r.state[layer] != kIdle)
@@ -68,6 +68,10 @@ void LayeredRequests::begin(Request& r, uint32_t layer) {
   if (r.inflight > 0)
     throw EngineError(ERR_REPOST_ACTIVE, "postLayer: " + num(r.inflight) +
                                              " layers of the last posting are still in flight; wait for it first");
+  if (r.notifLayer != kNoLayer) {
+    e.clearNotif(r.subs[r.notifLayer]);  // the next posting's last layer may be another
+    r.notifLayer = kNoLayer;
+  }
   std::fill(r.state.begin(), r.state.end(), kIdle);
   r.posted = r.done = 0;
   r.status = IN_PROG;
@@ -79,7 +83,7 @@ int LayeredRequests::postLayer(Engine& e, Handle h, uint32_t layer, bool mayInli
   if (layer >= r.subs.size())
     throw EngineError(ERR_INVALID_PARAM, "postLayer: layer " + num(layer) + " is out of range (the transfer has " +
                                              num(r.subs.size()) + " layers)");
-  begin(r, layer);
+  begin(e, r, layer);
   postOne(e, r, layer, mayInline, inProg);
   finishIfDone(e, r);
   return r.status;
@@ -87,7 +91,7 @@ int LayeredRequests::postLayer(Engine& e, Handle h, uint32_t layer, bool mayInli
 
 int LayeredRequests::postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint32_t* inProg) {
   Request& r = find(h, "transfer");
-  begin(r, UINT32_MAX);  // any layer: postAll posts only those not yet posted
+  begin(e, r, UINT32_MAX);  // any layer: postAll posts only those not yet posted
   if (notif) r.notif = *notif;
   for (uint32_t l = 0; l < r.subs.size(); ++l)
     if (r.state[l] == kIdle) postOne(e, r, l, mayInline, inProg);
@@ -101,12 +105,21 @@ void LayeredRequests::postOne(Engine& e, Request& r, uint32_t l, bool mayInline,
     r.state[l] = kSkipped;
     return;
   }
+  // On an engine that posts in order the posting's last layer carries the
+  // notification: it goes out after every earlier layer's bytes, before any
+  // later transfer's, and a notification the peer never takes fails the
+  // posting, as a request's own does. Elsewhere it is sent once DONE.
+  const std::string* notif = nullptr;
+  if (r.posted == r.subs.size() && r.notif && e.postsInOrder()) {
+    notif = &*r.notif;
+    r.notifLayer = l;
+  }
   int s;
   std::string msg;
   try {
     // The peer's process is checked once per posting: at its first layer here,
     // and at its end (finishIfDone), not at every layer.
-    s = e.postXferReq(r.subs[l], nullptr, mayInline, r.posted == 1);
+    s = e.postXferReq(r.subs[l], notif, mayInline, r.posted == 1 || notif != nullptr);
   } catch (const EngineError& x) {
     s = x.status;
     msg = x.what();
@@ -143,7 +156,7 @@ void LayeredRequests::finishIfDone(Engine& e, Request& r) {
     r.err = "agent '" + r.remoteAgent + "' is gone (process exited) before the last layer was confirmed";
     return;
   }
-  if (r.notif) {
+  if (r.notif && r.notifLayer == kNoLayer) {
     try {
       e.genNotif(r.remoteAgent, *r.notif);
     } catch (const EngineError& x) {

@@ -30,6 +30,7 @@ namespace nixlnode {
 // Layered request ids live above every engine handle (engines count from 1).
 constexpr Handle kLayeredBit = 0x80000000u;
 inline bool isLayered(Handle h) { return (h & kLayeredBit) != 0; }
+constexpr uint32_t kNoLayer = UINT32_MAX;
 
 class LayeredRequests {
  public:
@@ -62,12 +63,15 @@ class LayeredRequests {
     uint32_t posted = 0;    // layers posted (or skipped) in this posting
     uint32_t inflight = 0;  // layers posted IN_PROG and not yet seen finished
     uint32_t done = 0;      // layers DONE in this posting
+    // The layer whose engine request carries the notification in this posting
+    // (an engine that posts in order), else kNoLayer: genNotif once DONE.
+    uint32_t notifLayer = kNoLayer;
     int status = ERR_NOT_POSTED;
     std::string err;
   };
 
   Request& find(Handle h, const char* what);
-  void begin(Request& r, uint32_t layer);
+  void begin(Engine& e, Request& r, uint32_t layer);
   void postOne(Engine& e, Request& r, uint32_t l, bool mayInline, uint32_t* inProg);
   void settle(Engine& e, Request& r, uint32_t l, int s, const std::string& msg);
   void finishIfDone(Engine& e, Request& r);

@@ -455,6 +455,17 @@ class LoopbackEngine final : public Engine {
     return kPlugin;  // the only backend a loopback agent has
   }
 
+  bool postsInOrder() const override { return true; }
+
+  void clearNotif(Handle h) override {
+    checkOpen();
+    const RequestP& req = lookup(requests_, h, "clearNotif", "transfer handle");
+    if (req->status.load() == IN_PROG)
+      throw EngineError(ERR_REPOST_ACTIVE, "clearNotif: transfer is still in progress");
+    req->hasNotif = false;
+    req->notif.clear();
+  }
+
   bool peerAlive(const std::string& agent) override {
     checkOpen();
     auto it = remotes_.find(agent);
