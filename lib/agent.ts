@@ -421,10 +421,7 @@ export class NixlAgent {
    * transfer() posts.
    */
   postLayer(handle: LayeredXferHandle, layer: number): XferState {
-    const s = stateOf(this.#native.postLayer(handle.id, layer, inlineBudgetLeft()));
-    // This layer ended the posting here: no completion event follows.
-    if (s !== 'PROC' && this.#waiters.has(handle.id)) this.#settle(handle.id, this.getXferError(handle));
-    return s;
+    return this.#endedByPost(handle, stateOf(this.#native.postLayer(handle.id, layer, inlineBudgetLeft())));
   }
 
   /** A transfer between two descriptor lists (NIXL initialize_xfer); post it with transfer, then wait. */
@@ -453,13 +450,14 @@ export class NixlAgent {
   transfer(handle: XferHandle, notifMsg?: NotifMsg): XferState {
     // Waiters left from the previous posting (finished, its event not yet
     // delivered) are settled now, so a wait never spans two postings.
-    if (this.#waiters.has(handle.id)) {
-      const s = this.#native.getXferStatus(handle.id);
-      if (stateOf(s) !== 'PROC') this.#settle(handle.id, errorOf(s));
-    }
-    const s = stateOf(this.#native.postXferReq(handle.id, notifMsg, inlineBudgetLeft()));
-    // A layered request may have waits on its partly posted posting; a post
-    // that ends it here sends no completion event.
+    if (this.#waiters.has(handle.id)) this.#statusNow(handle.id);
+    return this.#endedByPost(handle, stateOf(this.#native.postXferReq(handle.id, notifMsg, inlineBudgetLeft())));
+  }
+
+  // A post that ends a posting on this thread (a transfer finished inline, a
+  // layered request's last layer) sends no completion event: the waits on it
+  // (a layered posting may have some) settle here.
+  #endedByPost(handle: XferHandle | LayeredXferHandle, s: XferState): XferState {
     if (s !== 'PROC' && this.#waiters.has(handle.id)) this.#settle(handle.id, this.getXferError(handle));
     return s;
   }
