@@ -9,7 +9,13 @@ import { commandLogger, logLevel } from './log';
 import { etcdOptions, inUse, list, port } from './serving-args';
 import { parseEventEndpoint } from '../lib/serving/kv-index/precise';
 
-/** --kv-events-endpoint (repeatable) and --kv-block-size. */
+/** --kv-tokenizer gguf:PATH: the workers' model file. */
+function ggufPath(p: string): string {
+  if (!p) throw new UsageError('--kv-tokenizer gguf:PATH wants the path of the GGUF the prefill workers serve');
+  return p;
+}
+
+/** --kv-events-endpoint (repeatable), --kv-block-size and --kv-tokenizer. */
 function kvEventsOptions(v: Record<string, unknown>) {
   const specs = (v['kv-events-endpoint'] as unknown as string[] | undefined) ?? [];
   const endpoints: Record<string, { pub: string; replay?: string }> = {};
@@ -22,7 +28,11 @@ function kvEventsOptions(v: Record<string, unknown>) {
     }
   }
   const blockSize = v['kv-block-size'] === undefined ? undefined : positiveInt(v, 'kv-block-size', 16, 4096);
-  const tokenizer = oneOf(v, 'kv-tokenizer', ['local', 'worker'] as const, 'local');
+  const t = v['kv-tokenizer'];
+  const tokenizer =
+    typeof t === 'string' && t.startsWith('gguf:')
+      ? { gguf: ggufPath(t.slice('gguf:'.length)) }
+      : oneOf(v, 'kv-tokenizer', ['local', 'worker'] as const, 'local');
   return specs.length > 0 || blockSize || v['kv-tokenizer'] ? { endpoints, blockSize, tokenizer } : undefined;
 }
 
@@ -49,7 +59,8 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
                        its messages carry when a PUB carries several), over what it advertises;
                        docs/kv-events.md
   --kv-block-size N    precise: tokens per block, the workers' --block-size (default: from the events)
-  --kv-tokenizer T     precise: local (the synthetic model's, default) | worker (a prefill's /tokenize)
+  --kv-tokenizer T     precise: local (the synthetic model's, default) | worker (a prefill's /tokenize) |
+                       gguf:PATH (the prefills' GGUF: its vocabulary and chat template loaded here)
   --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)
   --timeout-ms N       per stage (default 60000)
   --health-ms N        between health checks (default 2000)

@@ -15,6 +15,7 @@ import { type IndexOptions, KvBlockIndex, promptKeys } from './index';
 import { type KvIndexMetrics, kvIndexMetrics } from './metrics';
 import { DecisionScratch } from './scratch';
 import { type EventEndpoint, EventSubscriber } from './subscriber';
+import { ggufTokenizer } from './gguf-tokenizer';
 import { type PromptTokenizer, syntheticTokenizer, workerTokenizer } from './tokenizer';
 
 /** The proxy's KV events (`startProxy({ kvEvents })`): whom to follow, how to tokenize, bounds, weights. */
@@ -23,8 +24,11 @@ export interface KvEventsOptions {
   endpoints?: Record<string, EventEndpoint>;
   /** Tokens per block, as the workers' --block-size (default: the first advertised or BlockStored's, else 16). */
   blockSize?: number;
-  /** How the proxy gets a prompt's token ids: 'local' (the synthetic model's; default), 'worker' (a prefill's /tokenize), or your own. */
-  tokenizer?: PromptTokenizer | 'local' | 'worker';
+  /**
+   * How the proxy gets a prompt's token ids: 'local' (the synthetic model's; default), 'worker' (a prefill's
+   * /tokenize), `{ gguf: path }` (the workers' GGUF, its vocabulary loaded in the proxy), or your own.
+   */
+  tokenizer?: PromptTokenizer | 'local' | 'worker' | { gguf: string };
   index?: IndexOptions;
   limits?: DecodeLimits;
   /** Weights of the scores (llm-d's sample profile: prefix 2, kv utilisation 1, queue 1). */
@@ -80,6 +84,8 @@ export class PreciseRouting {
   readonly #subs = new Map<string, EventSubscriber>();
   readonly #metrics?: KvIndexMetrics;
   readonly #tokenizer: PromptTokenizer;
+  /** The GGUF vocabulary this router loads (tokenizer { gguf }), which it closes. */
+  readonly #vocab?: Promise<PromptTokenizer & { close(): Promise<void> }>;
   #blockSize?: number;
   readonly #w: { prefix: number; kvUtilization: number; queue: number };
   readonly #pool?: { workers: readonly WorkerRef[]; routing?: RoutingOptions };
@@ -102,12 +108,20 @@ export class PreciseRouting {
     this.index = new KvBlockIndex(o.index);
     this.#metrics = registry ? kvIndexMetrics(registry, () => this.index.size) : undefined;
     const t = o.tokenizer ?? 'local';
+    if (typeof t === 'object' && 'gguf' in t) {
+      const vocab = ggufTokenizer(t.gguf);
+      vocab.catch(() => {}); // ready() reports it; a decision meanwhile routes by load
+      this.#vocab = vocab;
+    }
+    const vocab = this.#vocab;
     this.#tokenizer =
       t === 'local'
         ? syntheticTokenizer
         : t === 'worker'
           ? workerTokenizer(() => (pool?.workers ?? []).filter((w) => w.healthy).map((w) => w.address))
-          : t;
+          : vocab
+            ? { tokens: (body) => vocab.then((v) => v.tokens(body)) }
+            : (t as PromptTokenizer);
     this.#blockSize = o.blockSize;
     this.#w = { prefix: 2, kvUtilization: 1, queue: 1, ...o.weights };
     this.#pool = pool;
@@ -137,6 +151,11 @@ export class PreciseRouting {
   }
 
   /** Subscribes to every configured publisher, then follows those the prefills advertise. */
+  /** Resolves once the tokenizer is loaded (a GGUF vocabulary); rejects with its error (a bad file: NIXL_ERR_INVALID_PARAM). */
+  async ready(): Promise<void> {
+    await this.#vocab;
+  }
+
   start(): void {
     for (const [name, ep] of Object.entries(this.o.endpoints ?? {})) this.subscribe(name, ep);
     this.sync();
@@ -298,10 +317,14 @@ export class PreciseRouting {
     return { prefill: h.prefill, prefix_match_tokens: h.prefixMatchTokens ?? 0 };
   }
 
-  close(): void {
+  async close(): Promise<void> {
     clearInterval(this.#timer);
     for (const s of this.#subs.values()) s.close();
     this.#subs.clear();
+    await this.#vocab?.then(
+      (v) => v.close(),
+      () => {},
+    );
   }
 }
 

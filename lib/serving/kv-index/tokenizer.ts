@@ -2,7 +2,8 @@
 // the ids the workers cache under, or no block matches. The local source
 // tokenizes as the synthetic model does (UTF-8 bytes; a chat as the worker
 // renders it); the worker source asks a healthy prefill's `/tokenize`
-// (vLLM's endpoint), so the model's own tokenizer and chat template decide.
+// (vLLM's endpoint), so the model's own tokenizer and chat template decide;
+// the GGUF source (gguf-tokenizer.ts) loads the workers' vocabulary itself.
 // A prompt given as token ids is taken as it is.
 import { chatPrompt, tokenize } from '../models/synthetic-kv';
 
@@ -10,6 +11,8 @@ import { chatPrompt, tokenize } from '../models/synthetic-kv';
 export interface PromptTokenizer {
   /** The ids of a request body's prompt, as the prefill workers evaluate it. */
   tokens(body: Record<string, unknown>): number[] | undefined | Promise<number[] | undefined>;
+  /** Frees what it holds (a loaded vocabulary); called by the proxy that made it. */
+  close?(): Promise<void>;
 }
 
 /** Whether `p` is a prompt given as token ids (a loop, not every(): this runs on each routing decision). */
@@ -40,6 +43,19 @@ export const syntheticTokenizer: PromptTokenizer = {
   },
 };
 
+/** What a request body prompts, as /tokenize takes it: ids as given, a text, or chat messages; undefined for neither. */
+export function promptAsked(
+  body: Record<string, unknown>,
+): number[] | { prompt: string } | { messages: unknown[] } | undefined {
+  const p = body.prompt;
+  if (isIds(p)) return p;
+  if (Array.isArray(p) && isIds(p[0])) return p[0];
+  if (typeof p === 'string') return { prompt: p };
+  if (Array.isArray(p) && typeof p[0] === 'string') return { prompt: p[0] };
+  if (Array.isArray(body.messages)) return { messages: body.messages };
+  return undefined;
+}
+
 /**
  * Asks a worker's `POST /tokenize` ({model, prompt} or {model, messages}) for
  * the prompt's ids; undefined (routing by load) when no worker answers in
@@ -49,14 +65,9 @@ export const syntheticTokenizer: PromptTokenizer = {
 export function workerTokenizer(workers: () => string[], timeoutMs = 1000): PromptTokenizer {
   return {
     async tokens(body) {
-      const p = body.prompt;
-      if (isIds(p)) return p;
-      if (Array.isArray(p) && isIds(p[0])) return p[0];
-      const ask: Record<string, unknown> = { model: body.model };
-      if (typeof p === 'string') ask.prompt = p;
-      else if (Array.isArray(p) && typeof p[0] === 'string') ask.prompt = p[0];
-      else if (Array.isArray(body.messages)) ask.messages = body.messages;
-      else return undefined;
+      const asked = promptAsked(body);
+      if (asked === undefined || Array.isArray(asked)) return asked;
+      const ask = { model: body.model, ...asked };
       for (const url of workers()
         .filter((u) => /^https?:\/\//.test(u))
         .slice(0, 2)) {

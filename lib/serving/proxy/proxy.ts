@@ -167,6 +167,7 @@ export class ServingProxy {
 
   /** Listens; resolves once the proxy takes requests. */
   async start(): Promise<this> {
+    await this.kvRouting?.ready(); // a GGUF vocabulary that cannot load fails the start, before anything listens
     if (this.#transport instanceof ZmqTransport) await this.#transport.bind(this.#o.zmqReplyAddr);
     const host = this.#o.host ?? '127.0.0.1';
     await new Promise<void>((resolve, reject) => {
@@ -198,7 +199,7 @@ export class ServingProxy {
   async close(): Promise<void> {
     this.#health.stop();
     await this.fleet?.close();
-    this.kvRouting?.close();
+    await this.kvRouting?.close();
     this.#front.abortAll(new Error('proxy closing'));
     this.#server.closeAllConnections();
     await new Promise((r) => this.#server.close(r));
@@ -209,5 +210,11 @@ export class ServingProxy {
 /** Starts a serving proxy. */
 export async function startProxy(o: ProxyOptions): Promise<ServingProxy> {
   compileBodySchemas(); // at startup, not on the first request (a missing or broken docs/ schema fails here)
-  return new ServingProxy(o).start();
+  const proxy = new ServingProxy(o);
+  try {
+    return await proxy.start();
+  } catch (e) {
+    await proxy.close().catch(() => {}); // what started before the failure (a vocabulary, a socket)
+    throw e;
+  }
 }

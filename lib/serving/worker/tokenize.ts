@@ -59,6 +59,8 @@ export function tokenizeBody(w: TokenizeHandler, body: Record<string, unknown>):
   } catch (e) {
     throw e instanceof HttpError ? e : new HttpError(400, (e as Error).message);
   }
+  // A model gives no ids for a chat it cannot render (a role it does not take): a 400, as the chat itself gets.
+  if (chat && tokens.length === 0) throw new HttpError(400, "'messages' are not a chat this model can render");
   const bos = w.model.tokenizer?.bos;
   if (!chat && !special && bos !== undefined && tokens[0] === bos) tokens.shift();
   return { count: tokens.length, max_model_len: w.healthInfo().max_model_len ?? null, tokens };

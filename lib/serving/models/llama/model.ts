@@ -21,7 +21,7 @@ import { saveState } from './state-file';
 // process 'beforeExit' listener until disposed, so workers started and closed
 // in one process (tests, the bench) would pile them up.
 const llamas = new Map<string, Promise<Nlc.Llama>>();
-function sharedLlama(nlc: typeof Nlc, gpu: NonNullable<LlamaModelOptions['gpu']>): Promise<Nlc.Llama> {
+export function sharedLlama(nlc: typeof Nlc, gpu: NonNullable<LlamaModelOptions['gpu']>): Promise<Nlc.Llama> {
   const key = JSON.stringify(gpu);
   let p = llamas.get(key);
   if (!p) {

@@ -25,11 +25,18 @@ export function tokenizerOf(m: LoadedLlama): ModelTokenizer | undefined {
   };
 }
 
+/** What a prompt's tokens depend on: the vocabulary and the chat template (a whole LoadedLlama, or the vocabulary alone: vocab.ts). */
+export interface PromptModel {
+  readonly id: string;
+  readonly model: Nlc.LlamaModel;
+  readonly chatWrapper: Nlc.ChatWrapper;
+}
+
 /**
  * The tokens a request's prompt evaluates as, as the class computes them; a
  * chat whose messages are not valid gives none (run.ts answers the 400).
  */
-export function promptOf(m: LoadedLlama, req: GenerationRequest): Nlc.Token[] | undefined {
+export function promptOf(m: PromptModel, req: GenerationRequest): Nlc.Token[] | undefined {
   if (req.chat) return chatTokens(m, req, [{ type: 'model', response: [] }]);
   const model = m.model;
   const bos = model.tokens.shouldPrependBosToken ? model.tokens.bos : null;
@@ -51,7 +58,7 @@ export function nextPromptOf(m: LoadedLlama, req: GenerationRequest, text: strin
 }
 
 /** A chat's tokens as its template renders them: the messages, then `after` (undefined: messages not valid). */
-function chatTokens(m: LoadedLlama, req: GenerationRequest, after: Nlc.ChatHistoryItem[]): Nlc.Token[] | undefined {
+function chatTokens(m: PromptModel, req: GenerationRequest, after: Nlc.ChatHistoryItem[]): Nlc.Token[] | undefined {
   let h: ReturnType<typeof chatHistory>;
   try {
     h = chatHistory(req.messages, m.id);

@@ -1,0 +1,142 @@
+// Precise routing with the workers' GGUF loaded in the proxy (vocabulary and
+// chat template, no weights): its ids are the ids a worker's /tokenize answers
+// for the same bodies, a proxy routes on them, and a file it cannot load fails
+// the proxy's start with a code.
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { type Worker, startProxy, startWorker } from '../../lib/serving';
+import { ggufTokenizer } from '../../lib/serving/kv-index/gguf-tokenizer';
+import { modelPath } from '../../lib/serving/models/test-models';
+
+const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-gguf-tok-'));
+const BATCH = 32;
+let prefills: Worker[] = [];
+let decode: Worker | undefined;
+
+beforeAll(async () => {
+  const common = { model: modelPath('tiny'), contextSize: 1024, threads: 1, parallel: 1, batchSize: BATCH };
+  prefills = await Promise.all(
+    [0, 1].map((i) =>
+      startWorker({
+        ...common,
+        role: 'prefill',
+        kvEvents: { enable_kv_cache_events: true, endpoint: `ipc://${dir}/p${i}` },
+      }),
+    ),
+  );
+  decode = await startWorker({ ...common, role: 'decode' });
+}, 120_000);
+
+afterAll(async () => {
+  await Promise.all([...prefills, ...(decode ? [decode] : [])].map((w) => w.close()));
+  fs.rmSync(dir, { recursive: true, force: true });
+});
+
+async function workerIds(w: Worker, body: Record<string, unknown>): Promise<unknown> {
+  const r = await fetch(`${w.address}/tokenize`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify(body),
+  });
+  return r.ok ? ((await r.json()) as { tokens: number[] }).tokens : `HTTP ${r.status}`;
+}
+
+describe('the GGUF tokenizer', () => {
+  it("gives the ids a worker's /tokenize gives, for texts, chats and ids", async () => {
+    const t = await ggufTokenizer(modelPath('tiny'));
+    try {
+      const texts = [
+        'What is 2 + 2?',
+        ' leading space, and trailing ',
+        '数据中心的缓存 — KV блоки, emoji 🚀🧠 and a combining é',
+        'x'.repeat(700),
+      ];
+      for (const prompt of texts) {
+        const mine = await t.tokens({ model: 'm', prompt });
+        expect(mine, prompt).toEqual(await workerIds(prefills[0], { prompt }));
+        expect(await t.tokens({ prompt: [prompt] }), prompt).toEqual(mine);
+      }
+      const messages = [
+        { role: 'system', content: 'Be brief.' },
+        { role: 'user', content: 'Привет! ¿Qué tal? 你好' },
+        { role: 'assistant', content: 'Fine.' },
+        { role: 'user', content: [{ type: 'text', text: 'And now?' }] },
+      ];
+      const chat = await t.tokens({ messages });
+      expect(chat).toEqual(await workerIds(prefills[0], { messages }));
+      expect((chat as number[]).length).toBeGreaterThan(20);
+      // Ids as given are taken as they are; what cannot be a prompt gives none (the proxy routes by load).
+      expect(await t.tokens({ prompt: [5, 6, 7] })).toEqual([5, 6, 7]);
+      expect(await t.tokens({ prompt: [[8, 9]] })).toEqual([8, 9]);
+      expect(await t.tokens({ prompt: 42 })).toBeUndefined();
+      expect(await t.tokens({})).toBeUndefined();
+      const bad = [{ role: 'tool', content: 'x' }];
+      expect(await t.tokens({ messages: bad })).toBeUndefined();
+      expect(await workerIds(prefills[0], { messages: bad })).toBe('HTTP 400');
+    } finally {
+      await t.close();
+    }
+  });
+
+  it('a proxy routes on it: a prompt that shares a prefix goes to the prefill holding it', async () => {
+    const endpoints = Object.fromEntries(prefills.map((w) => [w.address, { pub: w.kvEvents!.info.endpoint }]));
+    const proxy = await startProxy({
+      prefill: prefills.map((w) => w.address),
+      decode: [decode!.address],
+      policy: 'precise',
+      healthIntervalMs: 0,
+      kvEvents: { endpoints, blockSize: BATCH, tokenizer: { gguf: modelPath('tiny') }, index: { speculativeTtlMs: 1 } },
+    });
+    try {
+      // Chats: the proxy's own synthetic tokenizer renders them otherwise than the GGUF's template, so only
+      // the model's vocabulary and template find the held blocks.
+      const system = 'Ein gemeinsamer Anfang — 共通の前置き, shared by both chats. '.repeat(4);
+      const ask = async (question: string) => {
+        const r = await fetch(`${proxy.url}/v1/chat/completions`, {
+          method: 'POST',
+          headers: { 'content-type': 'application/json' },
+          body: JSON.stringify({
+            model: 'nixl-node-tiny',
+            messages: [
+              { role: 'system', content: system },
+              { role: 'user', content: question },
+            ],
+            max_tokens: 2,
+          }),
+        });
+        expect(r.status).toBe(200);
+        return ((await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } }).nixl_node;
+      };
+      const first = await ask('One?');
+      expect(first.prefix_match_tokens).toBe(0);
+      // The prefill's events reach the proxy asynchronously: wait until they have (bounded), and past the
+      // decision's own speculative entry (1 ms, counted in 100 ms ticks), so that only the events can match.
+      for (let i = 0; i < 100 && proxy.kvRouting!.index.size === 0; i++) await new Promise((r) => setTimeout(r, 50));
+      await new Promise((r) => setTimeout(r, 250));
+      const second = await ask('Two?');
+      expect(second.prefill).toBe(first.prefill);
+      expect(second.prefix_match_tokens).toBeGreaterThanOrEqual(2 * BATCH);
+      expect(second.prefix_match_tokens % BATCH).toBe(0);
+    } finally {
+      await proxy.close();
+    }
+  }, 120_000);
+
+  it('a file it cannot load fails the proxy start with a code, and nothing is left listening', async () => {
+    const notGguf = path.join(dir, 'not-a-model.gguf');
+    fs.writeFileSync(notGguf, 'this is not a GGUF file');
+    for (const gguf of [path.join(dir, 'missing.gguf'), notGguf])
+      await expect(
+        startProxy({
+          prefill: [prefills[0].address],
+          decode: [decode!.address],
+          policy: 'precise',
+          port: 0,
+          healthIntervalMs: 0,
+          kvEvents: { tokenizer: { gguf } },
+        }),
+      ).rejects.toMatchObject({ code: 'NIXL_ERR_INVALID_PARAM' });
+  });
+});
