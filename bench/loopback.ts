@@ -9,6 +9,9 @@ import { fmtBytes, median, nowNs } from './stats';
 
 export const BLOCK_SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20];
 const POOL = 64 << 20;
+/** Idle time before every timed op, memcpy and engine alike (why: benchBandwidth's loop). */
+const GAP_MS = 20;
+const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
 
 export type Path = 'in-process' | 'shared mapping' | 'process_vm';
 
@@ -149,24 +152,39 @@ export async function benchBandwidth(opts: { engine?: Engine; reps?: number; pat
           const rd = local.prepXferDlist(remote.name, new DescList(r));
           const idx = Uint32Array.from({ length: n }, (_, i) => i);
           const h = local.makePreppedXfer('READ', ld, idx, rd, idx);
-          // memcpy and engine runs alternate, so machine noise and drift hit both alike
           const xs: number[] = [];
           const ms: number[] = [];
           const cs: number[] = [];
           const hops: number[] = [];
           local.transfer(h);
           await local.wait(h); // first run faults pages in
+          // Both sides start from the same state: idle for GAP_MS, then one timed op, in alternating order.
+          // The scheduler shares the CPU between process groups (CFS/EEVDF autogroups): after a burst of
+          // CPU, the process's next wake-up waits until the other groups have caught up. Back to back,
+          // the op that came second paid for the first one's burst: with four busy loops, a 16 MiB READ
+          // timed right after the memcpy ran 0.13x it (median of 9 runs, 0.10-0.83), after an idle gap
+          // 0.93x (0.80-1.05); a 1 ms timer set right after a 64 MiB memcpy fired 2.9-5.0 ms late, after
+          // idle 0.14-0.17 ms. And the memcpy timed right after the engine's completion ran at 3.4-8.8
+          // GB/s in 3 of 4 runs of the back-to-back order, against 12-19 with the gap. Equal
+          // conditions do not hide what is the engine's own: its completion is a wake-up after the
+          // worker's burst, which pays that wait, where a memcpy's clock stops before it (hopMs).
           for (let i = 0; i < reps; i++) {
-            ms.push(memcpyBaseline(1));
-            const t = nowNs();
-            local.transfer(h);
-            await local.wait(h);
-            const wall = nowNs() - t;
-            xs.push(gbps(POOL, wall));
-            if (local.engine === 'loopback') {
-              const engineUs = local.getXferTelemetry(h).xferDurationUs;
-              cs.push(POOL / (engineUs * 1000));
-              hops.push(Number(wall) / 1e6 - engineUs / 1000);
+            for (const op of i % 2 ? ['engine', 'memcpy'] : ['memcpy', 'engine']) {
+              await sleep(GAP_MS);
+              if (op === 'memcpy') {
+                ms.push(memcpyBaseline(1));
+                continue;
+              }
+              const t = nowNs();
+              local.transfer(h);
+              await local.wait(h);
+              const wall = nowNs() - t;
+              xs.push(gbps(POOL, wall));
+              if (local.engine === 'loopback') {
+                const engineUs = local.getXferTelemetry(h).xferDurationUs;
+                cs.push(POOL / (engineUs * 1000));
+                hops.push(Number(wall) / 1e6 - engineUs / 1000);
+              }
             }
           }
           const memcpy = median(ms);
