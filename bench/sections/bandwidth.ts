@@ -9,7 +9,7 @@ export const bandwidth: Section = {
   byDefault: true,
   async run({ quick, engines, table }) {
     console.log(
-      '\n# READ bandwidth: 64 MiB per request in blocks of each size; ratio = engine / memcpy of the same 64 MiB',
+      '\n# READ bandwidth: 64 MiB per request in blocks of each size; ratio = engine / memcpy of the same 64 MiB, each after the same idle gap; stream: 4 back to back',
     );
     const bw: BwRow[] = [];
     for (const e of engines) {
@@ -23,7 +23,19 @@ export const bandwidth: Section = {
       );
     }
     table(
-      ['engine', 'path', 'block', 'descs', 'GB/s', 'memcpy GB/s', 'ratio', 'copy-only ratio', 'hop ms'],
+      [
+        'engine',
+        'path',
+        'block',
+        'descs',
+        'GB/s',
+        'memcpy GB/s',
+        'ratio',
+        'copy-only ratio',
+        'hop ms',
+        'stream ratio',
+        'stream memcpy GB/s',
+      ],
       bw.map(bwCells),
     );
     const panels: Panel[] = [];
