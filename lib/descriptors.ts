@@ -99,8 +99,23 @@ export function toDescList(m: DescList | MemoryLike | readonly MemoryLike[], mem
   return m instanceof DescList ? m : DescList.from(m, memType ?? 'DRAM');
 }
 
+/**
+ * Entry indices of a prepared list. Each number must be an integer in
+ * [0, 2^32): Uint32Array.from would wrap or truncate the rest (2^32 + 1 -> 1,
+ * 1.5 -> 1, NaN -> 0) and the request would silently move another block.
+ */
 export function toIndices(idx: Uint32Array | readonly number[]): Uint32Array {
-  return idx instanceof Uint32Array ? idx : Uint32Array.from(idx);
+  if (idx instanceof Uint32Array) return idx;
+  const out = new Uint32Array(idx.length);
+  for (let i = 0; i < idx.length; i++) {
+    const v = idx[i];
+    if (!Number.isInteger(v) || v < 0 || v > 0xffffffff)
+      throw invalidParam(
+        `index [${i}] is ${typeof v === 'number' ? v : typeof v}: indices are integers from 0 to 2^32 - 1`,
+      );
+    out[i] = v;
+  }
+  return out;
 }
 
 /** Page-aligned memory backed by a shared mapping that peers on this host can map directly. */
