@@ -124,7 +124,7 @@ describe('the GGUF tokenizer', () => {
     }
   }, 120_000);
 
-  it('a file it cannot load fails the proxy's start with a code', async () => {
+  it("a file it cannot load fails the proxy's start with a code", async () => {
     const notGguf = path.join(dir, 'not-a-model.gguf');
     fs.writeFileSync(notGguf, 'this is not a GGUF file');
     for (const gguf of [path.join(dir, 'missing.gguf'), notGguf])
