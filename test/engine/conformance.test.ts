@@ -25,8 +25,8 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     return;
   }
   const open: NixlAgent[] = [];
-  const mk = (name: string): NixlAgent => {
-    const a = setupAgent(NixlAgent, name, engine) as NixlAgent;
+  const mk = (name: string, loopbackOptions?: { testDelayUs?: number }): NixlAgent => {
+    const a = setupAgent(NixlAgent, name, engine, loopbackOptions) as NixlAgent;
     open.push(a);
     return a;
   };
@@ -34,8 +34,8 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     for (const a of open.splice(0)) a.close();
   });
   /** Two agents, each with `size` bytes of registered memory. */
-  const pair = (size: number) => {
-    const a = mk('conf-a');
+  const pair = (size: number, loopbackOptions?: { testDelayUs?: number }) => {
+    const a = mk('conf-a', loopbackOptions);
     const b = mk('conf-b');
     const ma = allocate(size);
     const mb = allocate(size);
@@ -45,8 +45,8 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
   };
 
   /** A pair whose b holds `size` bytes of `mark`, loaded by a; `remote` is all of b's memory. */
-  const loaded = (size: number, mark: number) => {
-    const p = pair(size);
+  const loaded = (size: number, mark: number, loopbackOptions?: { testDelayUs?: number }) => {
+    const p = pair(size, loopbackOptions);
     p.mb.fill(mark);
     p.a.addRemoteAgent(p.b.getAgentMetadata());
     return { ...p, remote: DescList.from([{ addr: DescList.from(p.mb).addr(0), len: size }]) };
@@ -317,9 +317,12 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
 
   it('memory a queued or running transfer uses cannot be deregistered (NIXL_ERR_NOT_ALLOWED); after it, it can', async () => {
     // transfer() only queues: the copy starts on the engine's thread a moment
-    // later. Deregistering in that moment would free what the copy uses.
+    // later. Deregistering in that moment would free what the copy uses. The
+    // loopback worker waits 200 ms before each request, so the transfer is
+    // still queued when deregistration is tried: without the wait a JS thread
+    // descheduled for the copy's few ms on a loaded machine found it done.
     const size = 64 << 20;
-    const { a, ma, remote } = loaded(size, 0x33);
+    const { a, ma, remote } = loaded(size, 0x33, { testDelayUs: 200_000 });
     const extra = allocate(4096);
     const other = a.registerMemory(extra);
     const used = a.registerMemory(allocate(64)); // registered after ma: still idle
