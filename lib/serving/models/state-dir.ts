@@ -26,11 +26,71 @@ export function stateDirectory(dir?: string, env: NodeJS.ProcessEnv = process.en
   return os.tmpdir();
 }
 
-/** A fresh directory of this worker's own under stateDirectory(dir); NIXL_ERR_INVALID_PARAM when it cannot be made. */
+// A worker killed (SIGKILL, OOM, a crash) cannot remove its directory, and on
+// a memory file system what it left holds RAM until the machine reboots. Each
+// directory names its PID namespace and process, so the next worker in the
+// same parent can tell which were left by processes that are gone.
+
+/** This PID namespace's id (the inode of /proc/self/ns/pid), or undefined where it cannot be read. */
+function pidNamespace(): string | undefined {
+  try {
+    return String(fs.statSync('/proc/self/ns/pid').ino);
+  } catch {
+    return undefined;
+  }
+}
+
+/** How the state directories of process `pid` (of this PID namespace) begin. */
+export function stateDirPrefix(pid: number): string {
+  return `nixl-node-kv-${pidNamespace() ?? 'na'}-${pid}-`;
+}
+
+function running(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'EPERM'; // it runs, as another user
+  }
+}
+
+/**
+ * Removes the state directories in `parent` of processes of this PID namespace
+ * that no longer run. Never one whose process runs (a reused PID keeps it: the
+ * safe side), of another namespace (a /dev/shm shared between containers) or
+ * of another name. Best effort: what cannot be read or removed stays.
+ */
+function sweepGone(parent: string): void {
+  const ns = pidNamespace();
+  if (ns === undefined) return;
+  const mine = new RegExp(`^nixl-node-kv-${ns}-(\\d+)-`);
+  let names: string[];
+  try {
+    names = fs.readdirSync(parent);
+  } catch {
+    return;
+  }
+  for (const name of names) {
+    const pid = Number(mine.exec(name)?.[1]);
+    if (!Number.isSafeInteger(pid) || pid <= 0 || pid === process.pid || running(pid)) continue;
+    try {
+      fs.rmSync(path.join(parent, name), { recursive: true, force: true });
+    } catch {
+      // another worker removing it too, or not ours to remove: leave it
+    }
+  }
+}
+
+/**
+ * A fresh directory of this worker's own under stateDirectory(dir), after
+ * removing those of workers that are gone; NIXL_ERR_INVALID_PARAM when it
+ * cannot be made.
+ */
 export function makeStateDir(dir?: string): string {
   const parent = stateDirectory(dir);
+  sweepGone(parent);
   try {
-    return fs.mkdtempSync(path.join(parent, 'nixl-node-kv-'));
+    return fs.mkdtempSync(path.join(parent, stateDirPrefix(process.pid)));
   } catch (e) {
     throw new NixlError(
       `cannot make a state directory in ${parent}: ${(e as Error).message}`,
