@@ -1,20 +1,20 @@
 // node-llama-cpp saves and loads a sequence's state only through a file:
 // each state on its way out of llama.cpp or into it goes through a file in
 // the model's state directory (state-dir.ts: a memory file system where
-// there is one). The files are a few slots used again and again, one per
-// state in flight (at most a worker's contexts), removed with the directory
-// when the model closes.
+// there is one), all removed with the directory when the model closes.
 //
-// Why slots and not a new file each time: on a memory file system a new
-// file's pages are allocated and zeroed as it is written, 6-17 ms for a
-// 10 MiB state on the bench machine, where writing over the pages of a file
-// of about that size takes 1.5 ms. llama.cpp's own save opens its file
-// truncated, so only the decode's write gains; the slot keeps its pages for
-// the next load.
+// Loads go through a few slots used again and again, one per load in flight
+// (at most a worker's contexts): on a memory file system a new file's pages
+// are allocated and zeroed as it is written, 6-17 ms for a 10 MiB state on
+// the bench machine, where writing over the pages of a file of about that
+// size takes 1.5 ms. Saves go to a new file each, removed after it is read,
+// off the request's path: llama.cpp opens the file it saves to truncated, and
+// truncating a slot's 10 MiB there costs the request about 1.4 ms more than
+// a new file (measured alike).
 //
-// Why synchronous calls: each is one copy of a few megabytes in memory
-// (1-2 ms), which the thread pool would only wrap in a hand-off each way and
-// an event-loop turn behind whatever else is queued.
+// Reads and writes are synchronous: each is one copy of a few megabytes in
+// memory (1-2 ms), which the thread pool would only wrap in a hand-off each
+// way and an event-loop turn behind whatever else is queued.
 import { randomUUID } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
@@ -56,11 +56,11 @@ export function writeOver(file: string, data: Buffer): void {
   }
 }
 
-/** The state files of one model: slots in its state directory, used again. */
+/** The state files of one model, in its state directory: a new one per save, slots used again for loads. */
 export class StateFiles {
   readonly #free: string[] = [];
 
-  /** `keep`: slots kept at most (the model's contexts); `buffers`: where saved states are read into. */
+  /** `keep`: load slots kept at most (the model's contexts); `buffers`: where saved states are read into. */
   constructor(
     readonly dir: string,
     readonly keep: number,
@@ -78,12 +78,12 @@ export class StateFiles {
 
   /** The sequence's state as llama.cpp saves it, in a buffer of `buffers` (the caller gives it back). */
   async save(seq: Nlc.LlamaContextSequence): Promise<Buffer> {
-    const file = this.#take();
+    const file = path.join(this.dir, `${randomUUID()}.saved`);
     try {
       await seq.saveStateToFile(file);
       return readInto(file, this.buffers);
     } finally {
-      this.#give(file);
+      fs.rm(file, { force: true }, () => {});
     }
   }
 
