@@ -243,19 +243,34 @@ describe('llama worker', () => {
       const bad = await startWorker({ ...workerOptions, model: gguf, testHooks: { tamperKv: how } });
       closers.push(() => bad.close());
       const a: Ask = { chat: false, text: 'the quiet hills and rivers under rain '.repeat(6) };
+      // The same prompt's honest state first: the decode's state buffer and file hold it when the bad one comes.
+      expect((await disaggregated(prefill, decode, a)).text).toBe(await reference(a));
+      const proto = nlc.LlamaContextSequence.prototype;
+      const load = proto.loadStateFromFile;
+      let loads = 0;
+      proto.loadStateFromFile = function (this: Nlc.LlamaContextSequence, ...args: Parameters<typeof load>) {
+        loads++;
+        return load.apply(this, args);
+      };
       const before = { ...decode.stats };
-      const g = await disaggregated(bad, decode, a);
-      expect(g.status).toBe(502);
-      expect(g.error?.type).toBe('kv_rejected');
-      const reason = { truncate: 'truncated', corrupt: 'corrupted', oversize: 'oversized', foreign: 'foreign-model' }[
-        how
-      ];
-      expect(g.error?.message).toContain(`(${reason})`);
-      expect(decode.stats.rejectedKv).toBe(before.rejectedKv + 1);
-      expect(decode.stats.decodes).toBe(before.decodes);
-      const ok = await disaggregated(prefill, decode, a);
-      expect(ok.status).toBe(200);
-      expect(ok.text).toBe(await reference(a));
+      try {
+        const g = await disaggregated(bad, decode, a);
+        expect(loads).toBe(0);
+        expect(g.status).toBe(502);
+        expect(g.error?.type).toBe('kv_rejected');
+        const reason = { truncate: 'truncated', corrupt: 'corrupted', oversize: 'oversized', foreign: 'foreign-model' }[
+          how
+        ];
+        expect(g.error?.message).toContain(`(${reason})`);
+        expect(decode.stats.rejectedKv).toBe(before.rejectedKv + 1);
+        expect(decode.stats.decodes).toBe(before.decodes);
+        const ok = await disaggregated(prefill, decode, a);
+        expect(ok.status).toBe(200);
+        expect(ok.text).toBe(await reference(a));
+        expect(loads).toBe(1);
+      } finally {
+        proto.loadStateFromFile = load;
+      }
     },
     60_000,
   );

@@ -110,6 +110,20 @@ describe.each([
   }, 60_000);
 });
 
+it("a prefill's state is sealed into blocks once: its buffer goes back to be used again, so a second writeTo throws", async () => {
+  const m = models.tiny;
+  const kv = await m.prefill(request(false, 'sealed once'), new AbortController().signal);
+  const all = Buffer.alloc(kv.blocks * (1 << 16));
+  const view = (b: number) => all.subarray(b * (1 << 16), (b + 1) * (1 << 16));
+  const binding = { engineId: 'e', requestId: 'r', blockIds: [0] };
+  kv.writeTo(view, binding);
+  const first = Buffer.from(all);
+  // The next prefill may take the same buffer: the first state must not be sealed again from it.
+  await m.prefill(request(false, 'another prompt, another state'), new AbortController().signal);
+  expect(() => kv.writeTo(view, binding)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }));
+  expect(all.equals(first)).toBe(true);
+});
+
 it('both V layouts: with flash attention (V by rows) and without (V transposed), states parse', async () => {
   const nlc = await loadNodeLlamaCpp();
   const llama = await nlc.getLlama({ gpu: false, build: 'never', logLevel: nlc.LlamaLogLevel.error });

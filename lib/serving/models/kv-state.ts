@@ -161,6 +161,11 @@ export interface OpenOptions {
   maxTokens: number;
   /** Most state bytes this decode accepts. */
   maxStateBytes: number;
+  /**
+   * Where the state is copied to (default: a new buffer): `take(n)` a buffer
+   * of n bytes, `give` it back when the envelope is refused.
+   */
+  into?: { take(bytes: number): Buffer; give(b: Buffer): void };
 }
 
 /**
@@ -198,7 +203,18 @@ export function openEnvelope(view: (i: number) => Buffer, o: OpenOptions): Conti
       `the KV state is ${stateBytes} bytes but ${o.blocks} blocks hold ${room - HEADER_BYTES} after the header`,
       'truncated',
     );
-  const state = gather(view, o.blockBytes, HEADER_BYTES, stateBytes);
+  const state = o.into?.take(stateBytes) ?? Buffer.allocUnsafe(stateBytes);
+  try {
+    gather(view, o.blockBytes, HEADER_BYTES, stateBytes, state);
+    return { state, ...checkSealed(h, state, o) };
+  } catch (e) {
+    o.into?.give(state);
+    throw e;
+  }
+}
+
+/** The checks of a header whose state is gathered: its MAC first, then what the header says. */
+function checkSealed(h: Buffer, state: Buffer, o: OpenOptions): Continuation {
   if (!timingSafeEqual(mac(h, state, o.secret), h.subarray(AT.mac, AT.mac + 32)))
     throw o.secret === undefined
       ? new KvRejected('the KV state is corrupted (checksum)', 'corrupted')
@@ -223,12 +239,12 @@ export function openEnvelope(view: (i: number) => Buffer, o: OpenOptions): Conti
       `a KV state of ${fields.promptTokens} tokens: this decode's context holds ${o.maxTokens}`,
       'oversized',
     );
-  return { state, ...fields };
+  return fields;
 }
 
-/** Bytes [from, from+len) of the envelope, copied out of the blocks. */
-function gather(view: (i: number) => Buffer, blockBytes: number, from: number, len: number): Buffer {
-  const out = Buffer.allocUnsafe(len);
+/** Bytes [from, from+len) of the envelope, copied out of the blocks (into `out` when given: len bytes). */
+function gather(view: (i: number) => Buffer, blockBytes: number, from: number, len: number, out?: Buffer): Buffer {
+  out ??= Buffer.allocUnsafe(len);
   let done = 0;
   while (done < len) {
     const at = from + done;

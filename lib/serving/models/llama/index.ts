@@ -8,7 +8,8 @@
 //   kv.ts          prefill and decode through the KV in blocks
 //   envelope.ts    a state in its envelope: sealed, opened and checked
 //   turn.ts        multi-turn: a previous turn's KV in, the next turn's out
-//   state-file.ts  states in and out of llama.cpp through files
+//   state-file.ts  states in and out of llama.cpp through files (slots used again)
+//   state-buffers.ts  the buffers states move through, used again
 //   contexts.ts, prefix.ts, continue.ts, push.ts, seq-state.ts, text.ts
 // Each request has a context of its own (a pool of `parallel` contexts, one
 // sequence each), so that nothing another request evaluates changes this

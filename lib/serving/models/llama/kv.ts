@@ -31,7 +31,6 @@ import { reusing } from './prefix';
 import { chatHistory, promptOf, pushPromptOf, samplingKey } from './prompt';
 import { pushSize, unpushable } from './push';
 import { evaluated, run } from './run';
-import { loadState, saveState } from './state-file';
 import { type TurnStart, exactPrompt, keepTurn, startTurn } from './turn';
 
 /** What a prefill's evaluation left: the state, its tokens, the first token sampled, and what was reused. */
@@ -107,7 +106,7 @@ async function evaluate(
     }
     const saved = [...seq.contextTokens];
     const t0 = performance.now();
-    const state = await saveState(m.stateDir, seq);
+    const state = await m.files.save(seq); // lent: sealState's writeTo gives it back
     const saveMs = performance.now() - t0;
     const exactTokens = r.exactAfter();
     keep = m.reusable(exactTokens);
@@ -139,17 +138,29 @@ export async function decode(
   signal: AbortSignal,
 ): Promise<Generated> {
   const t0 = performance.now();
-  const env = openState(m, kv, req);
+  // The state is lent by m.buffers (given back once llama.cpp has it); `env` is the rest.
+  const { state, ...env } = openState(m, kv, req);
   kv.blocksRead?.(); // the state is a copy now
-  // Every path below (the greedy ones too) fits the context, or nothing is loaded.
-  m.fits(env.promptTokens, req.maxTokens);
-  const ctx = await m.pool.acquire(signal);
+  let ctx: Nlc.LlamaContext;
+  try {
+    // Every path below (the greedy ones too) fits the context, or nothing is loaded.
+    m.fits(env.promptTokens, req.maxTokens);
+    ctx = await m.pool.acquire(signal);
+  } catch (e) {
+    m.buffers.give(state);
+    throw e;
+  }
   let after: { clean: boolean; keep: number } = { clean: false, keep: 0 };
   try {
     const seq = sequenceOf(ctx);
-    if (seq.nextTokenIndex > 0) await seq.clearHistory(); // a prompt kept for reuse
-    await loadState(m.stateDir, seq, env.state);
-    const d = await generateLoaded(m, { seq, env, loadMs: performance.now() - t0, req, out, signal });
+    try {
+      if (seq.nextTokenIndex > 0) await seq.clearHistory(); // a prompt kept for reuse
+      await m.files.load(seq, state);
+    } finally {
+      m.buffers.give(state); // llama.cpp has its own copy now (or refused it)
+    }
+    const loadMs = performance.now() - t0;
+    const d = await generateLoaded(m, { seq, env, stateBytes: state.length, loadMs, req, out, signal });
     after = d;
     return d.generated;
   } catch (e) {
@@ -164,7 +175,9 @@ export async function decode(
 /** A decode with its state loaded into `seq`. */
 interface Loaded {
   seq: Nlc.LlamaContextSequence;
-  env: OpenedState;
+  /** The opened state's fields and tokens (its bytes' buffer is given back). */
+  env: Omit<OpenedState, 'state'>;
+  stateBytes: number;
   loadMs: number;
   req: GenerationRequest;
   out: TextSink;
@@ -179,7 +192,7 @@ interface Loaded {
  */
 async function generateLoaded(
   m: LoadedLlama,
-  { seq, env, loadMs, req, out, signal }: Loaded,
+  { seq, env, stateBytes, loadMs, req, out, signal }: Loaded,
 ): Promise<{ generated: Generated; clean: boolean; keep: number }> {
   const loaded = seq.contextTokens.length;
   const before = evaluated(seq);
@@ -215,7 +228,7 @@ async function generateLoaded(
     promptTokens: env.promptTokens,
     ...(turn ? { turn } : {}),
     info: {
-      kv_state_bytes: env.state.length,
+      kv_state_bytes: stateBytes,
       kv_tokens_loaded: loaded,
       kv_continued: go?.used() ?? false,
       tokens_evaluated: evaluatedHere,

@@ -14,7 +14,8 @@ import { ModelRequestError, NODE_LLAMA_CPP } from '../types';
 import { ContextPool, sequenceOf } from './contexts';
 import { type LlamaModelOptions, checkOptions } from './options';
 import { type LlamaStateLayout, kvGeometry, learnLayout } from './seq-state';
-import { saveState } from './state-file';
+import { StateBuffers } from './state-buffers';
+import { StateFiles } from './state-file';
 
 // One llama.cpp binding per process and GPU setting, shared by every model it
 // loads: each getLlama() makes another, which holds its backend and a
@@ -44,6 +45,9 @@ export class LoadedLlama {
   readonly contextSize: number;
   readonly threads: number;
   readonly pool: ContextPool;
+  /** The buffers and files states move through (state-buffers.ts, state-file.ts). */
+  readonly buffers: StateBuffers;
+  readonly files: StateFiles;
   /** What states of this model look like, or why they cannot be checked (then a decode refuses them all). */
   layout: LlamaStateLayout | string = 'not probed yet';
   /** The contexts' batch size (learned from the probe's context). */
@@ -64,6 +68,8 @@ export class LoadedLlama {
     this.contextSize = Math.min(o.contextSize ?? 4096, trained > 0 ? trained : Number.POSITIVE_INFINITY);
     const parallel = o.parallel ?? 2;
     this.threads = o.threads ?? Math.max(1, Math.floor(os.availableParallelism() / parallel));
+    this.buffers = new StateBuffers(parallel);
+    this.files = new StateFiles(stateDir, parallel, this.buffers);
     this.pool = new ContextPool(parallel, () =>
       model.createContext({
         contextSize: this.contextSize,
@@ -121,7 +127,12 @@ export class LoadedLlama {
     try {
       const seq = sequenceOf(ctx);
       await seq.evaluateWithoutGeneratingNewTokens(this.model.tokenize('probe', false).slice(0, 3));
-      this.layout = learnLayout(await saveState(this.stateDir, seq), geometry, nVocab, ctx.contextSize);
+      const probe = await this.files.save(seq);
+      try {
+        this.layout = learnLayout(probe, geometry, nVocab, ctx.contextSize);
+      } finally {
+        this.buffers.give(probe);
+      }
     } catch (e) {
       this.layout = `its states are not in a layout nixl-node can check (${(e as Error).message})`;
     } finally {

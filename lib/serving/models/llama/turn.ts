@@ -13,7 +13,6 @@ import type { LoadedLlama } from './model';
 import { reusableTokens } from './prefix';
 import { nextPromptOf } from './prompt';
 import { type LlamaStateLayout, truncateSeqState } from './seq-state';
-import { loadState, saveState } from './state-file';
 
 /** The context a prefill evaluates in, the tokens of it that are exact, and what it took of a previous turn. */
 export interface TurnStart {
@@ -55,7 +54,7 @@ export async function startTurn(
     return skip('cached', ctx, exact);
   try {
     if (seq.nextTokenIndex > 0) await seq.clearHistory();
-    await loadState(m.stateDir, seq, prior.state);
+    await m.files.load(seq, prior.state);
     return { ctx, exact: prior.tokens, turn: { reused: 0 } };
   } catch {
     await m.pool.discard(ctx);
@@ -81,15 +80,20 @@ function previousTurn(m: LoadedLlama, previous: PreviousTurn, prompt: readonly N
     if (e instanceof KvRejected) return none(`rejected:${e.reason}`);
     throw e;
   }
-  const B = m.batch;
-  if (opened.batch !== B) return none('batch-size');
-  const held = opened.tokens;
-  let same = 0;
-  const limit = Math.min(held.length, prompt.length - 1, previous.tokens);
-  while (same < limit && held[same] === prompt[same]) same++;
-  const tokens = same - (same % B);
-  if (tokens === 0) return none('mismatch');
-  return { state: truncateSeqState(opened.state, m.layout as LlamaStateLayout, tokens), tokens };
+  try {
+    const B = m.batch;
+    if (opened.batch !== B) return none('batch-size');
+    const held = opened.tokens;
+    let same = 0;
+    const limit = Math.min(held.length, prompt.length - 1, previous.tokens);
+    while (same < limit && held[same] === prompt[same]) same++;
+    const tokens = same - (same % B);
+    if (tokens === 0) return none('mismatch');
+    // A copy: the opened state's buffer goes back below.
+    return { state: truncateSeqState(opened.state, m.layout as LlamaStateLayout, tokens), tokens };
+  } finally {
+    m.buffers.give(opened.state);
+  }
 }
 
 /**
@@ -117,7 +121,7 @@ export async function keepTurn(
   const from = Math.min(answered.exactPrompt - (answered.exactPrompt % B), tokens);
   await seq.eraseContextTokenRanges([{ start: from, end: seq.nextTokenIndex }]);
   if (from < tokens) await seq.evaluateWithoutGeneratingNewTokens(context.slice(from, tokens));
-  const state = await saveState(m.stateDir, seq);
+  const state = await m.files.save(seq);
   const info = { promptTokens: tokens, seed: 0, samplingKey: 0, batch: B, fingerprint: m.fingerprint };
   return { exact: tokens, turn: { tokens: context.slice(0, tokens), ...sealState(m, state, info) } };
 }
