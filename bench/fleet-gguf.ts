@@ -1,7 +1,7 @@
 // Fleet routing with GGUF prefills that reuse a cached prompt prefix
 // (lib/serving/models/llama/prefix.ts): 'load' (prefix affinity) and
 // 'precise' (the proxy follows the prefills' KV events, tokenizing prompts
-// through a prefill's /tokenize) against round-robin, in this process: each
+// with the prefills' GGUF vocabulary loaded on the proxy) against round-robin, in this process: each
 // policy routes over 3 prefill workers of its own, configured alike, of the
 // generated 'small' model, 3 contexts each (each caches the prompt it last
 // evaluated: 9 prompts in all, 3 per prefill), and all share 1 decode. Own
@@ -140,7 +140,13 @@ function heldTokens(prefills: Worker[], tokens: number[]): number {
 }
 
 /** One run: n requests per policy, the policies taking turns request by request (each its own prefixes). */
-async function run(r: number, sets: Map<Policy, Worker[]>, decode: Worker, n: number): Promise<Map<Policy, Tally>> {
+async function run(
+  r: number,
+  sets: Map<Policy, Worker[]>,
+  decode: Worker,
+  n: number,
+  gguf: string,
+): Promise<Map<Policy, Tally>> {
   const endpoints = Object.fromEntries(
     sets.get('precise')!.map((w) => {
       const info = w.kvEvents?.info;
@@ -158,7 +164,7 @@ async function run(r: number, sets: Map<Policy, Worker[]>, decode: Worker, n: nu
         decode: [decode.address],
         policy,
         healthIntervalMs: 0,
-        ...(policy === 'precise' ? { kvEvents: { endpoints, blockSize: BATCH, tokenizer: 'worker' as const } } : {}),
+        ...(policy === 'precise' ? { kvEvents: { endpoints, blockSize: BATCH, tokenizer: { gguf } } } : {}),
       }),
     ),
   );
@@ -272,7 +278,7 @@ export async function benchFleetGguf(n: number, runs: number): Promise<FleetGguf
     const out: FleetGgufRun[] = [];
     let promptTokens = 0;
     for (let r = 0; r < runs; r++) {
-      const got = await run(r, sets, decode, n);
+      const got = await run(r, sets, decode, n, gguf);
       const base = got.get('round-robin')!;
       for (const p of POLICIES) {
         const g = got.get(p)!;
