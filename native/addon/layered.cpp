@@ -119,7 +119,7 @@ void LayeredRequests::postOne(Engine& e, Request& r, uint32_t l, bool mayInline,
   try {
     // The peer's process is checked once per posting: at its first layer here,
     // and at its end (finishIfDone), not at every layer.
-    s = e.postXferReq(r.subs[l], notif, mayInline, r.posted == 1 || notif != nullptr);
+    s = e.postXferReq(r.subs[l], notif, mayInline, r.posted == 1 || notif != nullptr, r.posted < r.subs.size());
   } catch (const EngineError& x) {
     s = x.status;
     msg = x.what();
