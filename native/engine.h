@@ -170,6 +170,12 @@ class Engine {
   // Forgets the notification a request was made or posted with: its next
   // postings send none until a post gives one. Not while it is in flight.
   virtual void clearNotif(Handle req) { (void)req; }
+  // The bytes a request moves, if the engine knows them (UINT64_MAX if not):
+  // how much copying a post of it may do inline (EngineConfig::inlineMaxBytes).
+  virtual uint64_t xferBytes(Handle req) {
+    (void)req;
+    return UINT64_MAX;
+  }
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
   virtual void releaseXferReq(Handle req) = 0;
   virtual Telemetry getXferTelemetry(Handle req) = 0;

@@ -455,7 +455,8 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     return Napi::Number::New(env, s);
   }
 
-  // makeLayeredXferReq(op, localDlist, localIdx, remoteDlist, remoteIdx, bounds, notif?, remoteAgent) -> handle
+  // makeLayeredXferReq(op, localDlist, localIdx, remoteDlist, remoteIdx, bounds, notif?, remoteAgent)
+  //   -> [handle, the most bytes a layer moves (-1: unknown)]
   Napi::Value MakeLayeredXferReq(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     XferOp op = args::op(env, info[0]);
@@ -468,7 +469,11 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     std::string agent = args::string(env, info[7], "remote agent");
     Handle h = layered_.make(E(env), op, l, li.Data(), li.ElementLength(), r, ri.Data(), ri.ElementLength(),
                              bounds.Data(), bounds.ElementLength(), std::move(notif), agent);
-    return Napi::Number::New(env, h);
+    uint64_t bytes = layered_.maxLayerBytes(h);
+    auto out = Napi::Array::New(env, 2);
+    out.Set(0u, Napi::Number::New(env, h));
+    out.Set(1u, Napi::Number::New(env, bytes == UINT64_MAX ? -1.0 : static_cast<double>(bytes)));
+    return out;
   }
 
   // postLayer(handle, layer, mayInline) -> the request's status after it. The

@@ -40,6 +40,7 @@ Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t*
     for (Handle s : r.subs) e.releaseXferReq(s);
     throw;
   }
+  for (Handle s : r.subs) r.maxLayerBytes = std::max(r.maxLayerBytes, e.xferBytes(s));
   Handle h = next_++;
   if (next_ == 0 || !isLayered(next_)) next_ = 0;  // wrapped: no more ids rather than a reused one
   for (uint32_t l = 0; l < r.subs.size(); ++l) owner_[r.subs[l]] = {h, l};
@@ -88,6 +89,8 @@ int LayeredRequests::postLayer(Engine& e, Handle h, uint32_t layer, bool mayInli
   finishIfDone(e, r);
   return r.status;
 }
+
+uint64_t LayeredRequests::maxLayerBytes(Handle h) { return find(h, "makeLayeredXfer").maxLayerBytes; }
 
 int LayeredRequests::postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint32_t* inProg) {
   Request& r = find(h, "transfer");

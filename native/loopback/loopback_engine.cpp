@@ -474,6 +474,11 @@ class LoopbackEngine final : public Engine {
     return kPlugin;  // the only backend a loopback agent has
   }
 
+  uint64_t xferBytes(Handle h) override {
+    checkOpen();
+    return lookup(requests_, h, "xferBytes", "transfer handle")->totalBytes;
+  }
+
   bool postsInOrder() const override { return true; }
 
   void clearNotif(Handle h) override {
