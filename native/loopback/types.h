@@ -142,7 +142,7 @@ struct Request {
   bool pinned = false;       // posted and not yet run: holds inUse on its regions
   bool pinnedLocal = false;  // ... this agent's too (not when run inline: see pin)
   bool deferFence = false;   // this posting's streamed stores are fenced by a later post (copy.h)
-  bool checkPeer = true;  // this posting checks that the peer's process lives (see Engine::postXferReq)
+  bool checkPeer = true;     // this posting checks that the peer's process lives (see Engine::postXferReq)
   // Other processes: each distinct registration the remote entries use, once
   // (index of its first entry), so the liveness check costs per registration,
   // not per descriptor. Filled when the request is made.
