@@ -401,8 +401,8 @@ class LoopbackEngine final : public Engine {
     // when the worker has nothing queued or running, so no transfer or
     // notification overtakes one posted before it.
     const bool inl = mayInline && postInline(*req);
-    // Throws if memory went away since the handle was made. Run here, this
-    // agent's own memory needs no pin: only this thread deregisters it.
+    // Throws if memory went away since the handle was made. A copy run inline
+    // needs no pin on this agent's own memory: only this thread deregisters it.
     pin(*req, !inl);
     req->checkPeer = checkPeer;
     // A layer-wise sender's next post follows at once: its streamed stores
@@ -416,7 +416,11 @@ class LoopbackEngine final : public Engine {
     req->status.store(IN_PROG, std::memory_order_release);
     if (inl) {
       int s = execute(req, false);
-      unfenced_ = req->deferFence;
+      // A post that failed before its copy fenced nothing: fence here.
+      if (req->deferFence)
+        unfenced_ = true;
+      else
+        fenceInlineCopies();
       req->tel.postDurationUs = req->tel.xferDurationUs;
       return s;
     }
