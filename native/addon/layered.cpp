@@ -120,9 +120,12 @@ void LayeredRequests::postOne(Engine& e, Request& r, uint32_t l, bool mayInline,
   int s;
   std::string msg;
   try {
-    // The peer's process is checked once per posting: at its first layer here,
-    // and at its end (finishIfDone), not at every layer.
-    s = e.postXferReq(r.subs[l], notif, mayInline, r.posted == 1 || notif != nullptr, r.posted < r.subs.size());
+    // The peer's process is checked once per posting, at its end
+    // (finishIfDone), after every layer's copy: a peer that died before or
+    // during the posting fails it there (a copy from or to its memfd mapping
+    // touches only that mapping; process_vm_* fails by itself). The layer that
+    // carries the notification checks it too, before sending.
+    s = e.postXferReq(r.subs[l], notif, mayInline, notif != nullptr, r.posted < r.subs.size());
   } catch (const EngineError& x) {
     s = x.status;
     msg = x.what();
