@@ -7,6 +7,7 @@ import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
 import { type LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
+import { inlineBudgetLeft, inlineBudgetLeftFor, settledNow } from './inline-budget';
 
 /** Which engine an agent runs on: NIXL, or the in-process loopback engine. */
 export type EngineKind = 'loopback' | 'nixl';
@@ -421,7 +422,10 @@ export class NixlAgent {
    * transfer() posts.
    */
   postLayer(handle: LayeredXferHandle, layer: number): XferState {
-    return this.#endedByPost(handle, stateOf(this.#native.postLayer(handle.id, layer, inlineBudgetLeft())));
+    return this.#endedByPost(
+      handle,
+      stateOf(this.#native.postLayer(handle.id, layer, inlineBudgetLeftFor(handle.layerBytes))),
+    );
   }
 
   /** A transfer between two descriptor lists (NIXL initialize_xfer); post it with transfer, then wait. */
@@ -727,42 +731,6 @@ export class NixlAgent {
       else i++;
     }
   }
-}
-
-// Work done inline on the event loop's thread is bounded per turn of the
-// loop. Transfers posted inline (inlinePostMaxBytes) copy on this thread, and
-// their waits settle at once, as microtasks: a loop of `transfer(); await
-// wait()` would never let the event loop turn, and a burst of posts would
-// hold it for all their copies. So both happen inline only while such work
-// has run for less than TURN_BUDGET_MS since the first of it in this turn;
-// past it, posts go through the engine's thread and settlements wait for the
-// next turn (setImmediate), released together there. One budget for the
-// process: there is one loop.
-const TURN_BUDGET_MS = 1;
-let turnStart = -1;
-let deferred: Array<() => void> = [];
-
-function endTurn(): void {
-  turnStart = -1;
-  const d = deferred;
-  deferred = [];
-  for (const release of d) release();
-}
-
-/** Whether this turn of the loop may still do inline work. */
-function inlineBudgetLeft(): boolean {
-  const now = performance.now();
-  if (turnStart < 0) {
-    turnStart = now;
-    setImmediate(endTurn);
-    return true;
-  }
-  return now - turnStart < TURN_BUDGET_MS;
-}
-
-function settledNow(): Promise<void> {
-  if (inlineBudgetLeft()) return Promise.resolve();
-  return new Promise<void>((resolve) => deferred.push(resolve));
 }
 
 function errorOf(status: number | [number, string]): NixlError | undefined {

@@ -32,6 +32,8 @@ export class LayeredXferHandle {
     readonly remoteAgent: string,
     /** How many layers the request has: postLayer takes 0 to layers - 1. */
     readonly layers: number,
+    /** @internal The most bytes one layer moves, -1 if the engine cannot tell (the inline budget's clock). */
+    readonly layerBytes = -1,
   ) {}
 }
 
@@ -75,6 +77,15 @@ export function makeLayeredXfer(
     const nr = r.bounds[i + 1] - r.bounds[i];
     if (nl !== nr) throw invalidParam(`makeLayeredXfer: layer ${i} has ${nl} local vs ${nr} remote indices`);
   }
-  const id = native.makeLayeredXferReq(op, local.id, l.flat, remote.id, r.flat, l.bounds, notifMsg, remote.agent);
-  return new LayeredXferHandle(id, remote.agent, localLayers.length);
+  const [id, layerBytes] = native.makeLayeredXferReq(
+    op,
+    local.id,
+    l.flat,
+    remote.id,
+    r.flat,
+    l.bounds,
+    notifMsg,
+    remote.agent,
+  );
+  return new LayeredXferHandle(id, remote.agent, localLayers.length, layerBytes);
 }

@@ -84,7 +84,7 @@ export declare class NativeAgent {
     bounds: Uint32Array,
     notif: Uint8Array | string | undefined,
     remoteAgent: string,
-  ): number;
+  ): [handle: number, maxLayerBytes: number];
   /** The layered request's status after posting the layer (1 = in progress). */
   postLayer(h: number, layer: number, mayInline: boolean): number;
   /** 1 = in progress (a completion event follows), 0 = already done */

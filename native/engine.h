@@ -146,7 +146,14 @@ class Engine {
   // checkPeer: false when the caller vouches for the peer's process itself (a
   // layered request asks peerAlive once per posting instead of once per layer:
   // on the loopback engine the check is a poll(2) on the peer's pidfd).
-  virtual int postXferReq(Handle req, const std::string* notif, bool mayInline = true, bool checkPeer = true) = 0;
+  // moreFollow: the caller posts more of the same batch from this thread (a
+  // layered request's layers before the posting's last): a copy run inline
+  // may leave its streamed stores unfenced until the batch's last post, or
+  // until anything another thread or process could see (a post through the
+  // engine's thread, a notification). Nothing sees them before: the batch
+  // completes only with its last post.
+  virtual int postXferReq(Handle req, const std::string* notif, bool mayInline = true, bool checkPeer = true,
+                          bool moreFollow = false) = 0;
   // Whether the remote agent's process still runs, as far as the engine can
   // tell (true when it cannot: NIXL reports a lost peer on the transfer).
   virtual bool peerAlive(const std::string& agent) {
@@ -163,6 +170,12 @@ class Engine {
   // Forgets the notification a request was made or posted with: its next
   // postings send none until a post gives one. Not while it is in flight.
   virtual void clearNotif(Handle req) { (void)req; }
+  // The bytes a request moves, if the engine knows them (UINT64_MAX if not):
+  // how much copying a post of it may do inline (EngineConfig::inlineMaxBytes).
+  virtual uint64_t xferBytes(Handle req) {
+    (void)req;
+    return UINT64_MAX;
+  }
   virtual int getXferStatus(Handle req, std::string* errMsg) = 0;
   virtual void releaseXferReq(Handle req) = 0;
   virtual Telemetry getXferTelemetry(Handle req) = 0;

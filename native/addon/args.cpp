@@ -54,10 +54,14 @@ bool boolean(Napi::Env env, const Napi::Value& v, const char* what) {
   return v.As<Napi::Boolean>().Value();
 }
 
+// One N-API call (a handle is read on every post, a layer-wise sender's
+// included): napi_get_value_double answers "not a number" itself.
 Handle handle(Napi::Env env, const Napi::Value& v, const char* what) {
-  if (!v.IsNumber()) wrongType(env, what, "a handle number");
-  if (!isInteger(v, 1, 4294967295.0)) fail(env, ERR_NOT_FOUND, std::string(what) + ": no such handle");
-  return static_cast<Handle>(v.As<Napi::Number>().DoubleValue());
+  double d;
+  if (napi_get_value_double(env, v, &d) != napi_ok) wrongType(env, what, "a handle number");
+  if (!(std::isfinite(d) && d == std::floor(d) && d >= 1 && d <= 4294967295.0))
+    fail(env, ERR_NOT_FOUND, std::string(what) + ": no such handle");
+  return static_cast<Handle>(d);
 }
 
 XferOp op(Napi::Env env, const Napi::Value& v) {

@@ -40,6 +40,7 @@ Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t*
     for (Handle s : r.subs) e.releaseXferReq(s);
     throw;
   }
+  for (Handle s : r.subs) r.maxLayerBytes = std::max(r.maxLayerBytes, e.xferBytes(s));
   Handle h = next_++;
   if (next_ == 0 || !isLayered(next_)) next_ = 0;  // wrapped: no more ids rather than a reused one
   for (uint32_t l = 0; l < r.subs.size(); ++l) owner_[r.subs[l]] = {h, l};
@@ -89,6 +90,8 @@ int LayeredRequests::postLayer(Engine& e, Handle h, uint32_t layer, bool mayInli
   return r.status;
 }
 
+uint64_t LayeredRequests::maxLayerBytes(Handle h) { return find(h, "makeLayeredXfer").maxLayerBytes; }
+
 int LayeredRequests::postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint32_t* inProg) {
   Request& r = find(h, "transfer");
   begin(e, r, UINT32_MAX);  // any layer: postAll posts only those not yet posted
@@ -117,9 +120,12 @@ void LayeredRequests::postOne(Engine& e, Request& r, uint32_t l, bool mayInline,
   int s;
   std::string msg;
   try {
-    // The peer's process is checked once per posting: at its first layer here,
-    // and at its end (finishIfDone), not at every layer.
-    s = e.postXferReq(r.subs[l], notif, mayInline, r.posted == 1 || notif != nullptr);
+    // The peer's process is checked once per posting, at its end
+    // (finishIfDone), after every layer's copy: a peer that died before or
+    // during the posting fails it there (a copy from or to its memfd mapping
+    // touches only that mapping; process_vm_* fails by itself). The layer that
+    // carries the notification checks it too, before sending.
+    s = e.postXferReq(r.subs[l], notif, mayInline, notif != nullptr, r.posted < r.subs.size());
   } catch (const EngineError& x) {
     s = x.status;
     msg = x.what();

@@ -43,6 +43,8 @@ class LayeredRequests {
   // finished the posting) or the posting's error. *inProg counts the engine
   // posts that left IN_PROG (one completion event each follows).
   int postLayer(Engine& e, Handle h, uint32_t layer, bool mayInline, uint32_t* inProg);
+  // The most bytes one layer moves (Engine::xferBytes; UINT64_MAX: unknown).
+  uint64_t maxLayerBytes(Handle h);
   // Every layer not yet posted in this posting (postXferReq on a layered id).
   int postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint32_t* inProg);
   // Asks the engine about layers in flight; *ended: the posting ended here.
@@ -58,6 +60,7 @@ class LayeredRequests {
   struct Request {
     std::vector<Handle> subs;    // per layer
     std::vector<uint8_t> state;  // per layer, this posting
+    uint64_t maxLayerBytes = 0;
     std::string remoteAgent;
     std::optional<std::string> notif;
     uint32_t posted = 0;    // layers posted (or skipped) in this posting

@@ -69,7 +69,7 @@ int copyBytes(Request& req, std::string* err) {
     }
   }
   int s = flush();
-  streamFence();
+  if (!req.deferFence) streamFence();
   return s;
 }
 

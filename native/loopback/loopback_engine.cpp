@@ -380,11 +380,11 @@ class LoopbackEngine final : public Engine {
     return newRequest(op, R.remote, std::move(L.entries), std::move(R.entries), notif);
   }
 
-  int postXferReq(Handle h, const std::string* notif, bool mayInline, bool checkPeer) override {
+  int postXferReq(Handle h, const std::string* notif, bool mayInline, bool checkPeer, bool moreFollow) override {
     checkOpen();
     // A reference: nothing in this call changes requests_, and a copy would cost two atomics per post.
     const RequestP& req = lookup(requests_, h, "postXferReq", "transfer handle");
-    if (req->status.load() == IN_PROG)
+    if (req->status.load(std::memory_order_acquire) == IN_PROG)
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
     if (req->remote->removed)
       throw EngineError(ERR_NOT_FOUND, "postXferReq: remote agent '" + req->remote->name + "' was removed");
@@ -396,22 +396,36 @@ class LoopbackEngine final : public Engine {
     // Telemetry's clocks only when asked for: a layer-wise sender posts many small requests.
     const bool tel = cfg_.captureTelemetry;
     auto t0 = tel ? Clock::now() : Clock::time_point{};
-    pin(*req);  // throws if memory went away since the handle was made
-    req->pinned = true;
+    // A small copy costs less than the worker's wake-up and the completion's
+    // way back: run it here, as NIXL's UCX cma does inside postXferReq. Only
+    // when the worker has nothing queued or running, so no transfer or
+    // notification overtakes one posted before it.
+    const bool inl = mayInline && postInline(*req);
+    // Throws if memory went away since the handle was made. A copy run inline
+    // needs no pin on this agent's own memory: only this thread deregisters it.
+    pin(*req, !inl);
     req->checkPeer = checkPeer;
+    // A layer-wise sender's next post follows at once: its streamed stores
+    // need no fence of their own before the last post's (copy.h).
+    req->deferFence = inl && moreFollow && !req->hasNotif;
     req->err.clear();
     if (tel) req->tel = Telemetry{nowEpochUs(), 0, 0, req->totalBytes, req->local.size()};
     req->postedAt = t0;
-    req->status.store(IN_PROG);
-    if (mayInline && postInline(*req)) {
-      // A small copy costs less than the worker's wake-up and the completion's
-      // way back: run it here, as NIXL's UCX cma does inside postXferReq. Only
-      // when the worker has nothing queued or running, so no transfer or
-      // notification overtakes one posted before it.
+    // Release, not seq_cst: a seq_cst store is a locked instruction, which
+    // waits for the last inline copy's streamed stores to reach memory.
+    req->status.store(IN_PROG, std::memory_order_release);
+    if (inl) {
       int s = execute(req, false);
+      // A post that failed before its copy fenced nothing: fence here.
+      if (req->deferFence)
+        unfenced_ = true;
+      else
+        fenceInlineCopies();
       req->tel.postDurationUs = req->tel.xferDurationUs;
       return s;
     }
+    fenceInlineCopies();  // the worker's copies and reports must not overtake this thread's stores
+    busy_.fetch_add(1, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lk(qMu_);
       queue_.push_back(req);
@@ -421,6 +435,15 @@ class LoopbackEngine final : public Engine {
       req->tel.postDurationUs =
           static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
     return IN_PROG;
+  }
+
+  // Inline copies that left their streamed stores unfenced (a layer-wise
+  // sender's, with more posts to follow) are fenced before anything another
+  // thread or process could see: a post through the worker, a notification.
+  void fenceInlineCopies() {
+    if (!unfenced_) return;
+    streamFence();
+    unfenced_ = false;
   }
 
   int getXferStatus(Handle h, std::string* errMsg) override {
@@ -455,6 +478,11 @@ class LoopbackEngine final : public Engine {
     return kPlugin;  // the only backend a loopback agent has
   }
 
+  uint64_t xferBytes(Handle h) override {
+    checkOpen();
+    return lookup(requests_, h, "xferBytes", "transfer handle")->totalBytes;
+  }
+
   bool postsInOrder() const override { return true; }
 
   void clearNotif(Handle h) override {
@@ -475,6 +503,7 @@ class LoopbackEngine final : public Engine {
   void genNotif(const std::string& agent, const std::string& msg) override {
     checkOpen();
     const RemoteP& ra = remoteAgent(remotes_, agent, "genNotif");
+    fenceInlineCopies();
     if (msg.size() > NotifSocket::kMaxMsg) throw EngineError(ERR_INVALID_PARAM, "notification larger than 64 KiB");
     // A full peer queue queues it on the notifier (delivered later, in order).
     int e = notifier_->send(ra->notifAddr, msg, nullptr);
@@ -498,6 +527,7 @@ class LoopbackEngine final : public Engine {
   void close() override {
     if (closed_) return;
     closed_ = true;
+    fenceInlineCopies();
     {
       std::lock_guard<std::mutex> lk(qMu_);
       stopping_ = true;
@@ -691,29 +721,41 @@ class LoopbackEngine final : public Engine {
   }
 
   // Pins every region the request touches; fails (pinning nothing) if one was
-  // deregistered or its agent closed.
-  void pin(Request& req) {
+  // deregistered or its agent closed. pinLocal false (a copy run inline, on
+  // the JS thread that alone deregisters this agent's memory): this agent's
+  // regions are only checked, with no lock and no atomic (they are written on
+  // this thread only); a same-process peer's are pinned all the same (its
+  // agent may live on another thread).
+  void pin(Request& req, bool pinLocal) {
     auto pinSide = [&](std::vector<Entry>& es, Registry& reg, const std::string& who) {
       std::lock_guard<std::mutex> lk(reg.mu);
-      for (auto& e : es)
-        if (!e.region->live)
-          throw EngineError(ERR_NOT_FOUND, "memory " + descStr(e.d) + " of agent '" + who + "' was deregistered");
+      checkLive(es, who);
       addInUse(es, 1);
     };
-    pinSide(req.local, *registry_, name_);
+    if (pinLocal)
+      pinSide(req.local, *registry_, name_);
+    else
+      checkLive(req.local, name_);
     if (req.remote->sameProcess) {
       auto reg = req.remote->registry.lock();
       if (!reg) {
-        unpinSide(req.local);
+        if (pinLocal) unpinSide(req.local);
         throw EngineError(ERR_REMOTE_DISCONNECT, "agent '" + req.remote->name + "' is closed");
       }
       try {
         pinSide(req.remote_, *reg, req.remote->name);
       } catch (...) {
-        unpinSide(req.local);
+        if (pinLocal) unpinSide(req.local);
         throw;
       }
     }
+    req.pinned = true;
+    req.pinnedLocal = pinLocal;
+  }
+  static void checkLive(const std::vector<Entry>& es, const std::string& who) {
+    for (const auto& e : es)
+      if (!e.region->live)
+        throw EngineError(ERR_NOT_FOUND, "memory " + descStr(e.d) + " of agent '" + who + "' was deregistered");
   }
   static void unpinSide(std::vector<Entry>& es) { addInUse(es, -1); }
   // One atomic per run of entries in the same region, not one per entry: the
@@ -731,14 +773,15 @@ class LoopbackEngine final : public Engine {
   static void unpin(Request& req) {
     if (!req.pinned) return;
     req.pinned = false;
-    unpinSide(req.local);
+    if (req.pinnedLocal) unpinSide(req.local);
     unpinSide(req.remote_);
   }
 
-  bool postInline(const Request& req) {
+  // No lock: only this thread queues work, so an idle worker stays idle
+  // until this thread queues more (the acquire pairs with workerDone).
+  bool postInline(const Request& req) const {
     if (cfg_.testDelayUs || req.totalBytes > cfg_.inlineMaxBytes) return false;
-    std::lock_guard<std::mutex> lk(qMu_);
-    return queue_.empty() && !running_;
+    return busy_.load(std::memory_order_acquire) == 0;
   }
 
   void workLoop() {
@@ -746,12 +789,10 @@ class LoopbackEngine final : public Engine {
       RequestP req;
       {
         std::unique_lock<std::mutex> lk(qMu_);
-        running_ = false;
         qCv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
         if (stopping_) return;
         req = std::move(queue_.front());
         queue_.pop_front();
-        running_ = true;
       }
       if (cfg_.testDelayUs) std::this_thread::sleep_for(std::chrono::microseconds(cfg_.testDelayUs));
       execute(req, true);
@@ -798,10 +839,7 @@ class LoopbackEngine final : public Engine {
   // The worker's request has moved its bytes and handed over its notification:
   // from here nothing of it can be overtaken, so a post may go inline again
   // (before the completion is reported, which is what JS waits for).
-  void workerDone() {
-    std::lock_guard<std::mutex> lk(qMu_);
-    running_ = false;
-  }
+  void workerDone() { busy_.fetch_sub(1, std::memory_order_release); }
 
   static std::string notifError(const Request& req, int e) {
     if (e == 0) return {};
@@ -864,7 +902,10 @@ class LoopbackEngine final : public Engine {
   std::mutex qMu_;
   std::condition_variable qCv_;
   std::deque<RequestP> queue_;
-  bool running_ = false;  // the worker is running a request (guarded by qMu_)
+  // Requests queued or running on the worker, until workerDone: a post may go
+  // inline only at 0. Written by both threads, read by the JS thread.
+  std::atomic<uint32_t> busy_{0};
+  bool unfenced_ = false;  // JS thread only: see fenceInlineCopies
   bool stopping_ = false;
   std::thread worker_;
 

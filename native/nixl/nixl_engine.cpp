@@ -362,7 +362,8 @@ class NixlEngine final : public Engine {
     return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent], bytes);
   }
 
-  int postXferReq(Handle h, const std::string* notif, bool mayInline, bool /*checkPeer*/) override {
+  int postXferReq(Handle h, const std::string* notif, bool mayInline, bool /*checkPeer*/,
+                  bool /*moreFollow*/) override {
     checkOpen();
     RequestP req = find(h, "postXferReq");
     if (req->status.load() == IN_PROG)

@@ -82,6 +82,36 @@ describe('inline posting (loopback engine)', () => {
     a.releaseXferHandle(h);
   });
 
+  it('layers of a layered request read the clock once per 128 KiB: past 1 ms in one turn, at most that much more goes inline', async () => {
+    const LAYERS = 64;
+    const BLOCK = 4096;
+    const { a, local, remote } = pair(LAYERS * BLOCK);
+    const blocks = (mem: Buffer) =>
+      DescList.from(Array.from({ length: LAYERS }, (_, i) => mem.subarray(i * BLOCK, (i + 1) * BLOCK)));
+    const ll = a.prepXferDlist('NIXL_INIT_AGENT', blocks(local));
+    const rl = a.prepXferDlist('inl-b', blocks(remote));
+    const layers = Array.from({ length: LAYERS }, (_, l) => [l]);
+    const h = a.makeLayeredXfer('READ', ll, layers, rl, layers);
+    await freshTurn();
+    expect(a.postLayer(h, 0)).toBe('PROC');
+    const until = performance.now() + 2;
+    while (performance.now() < until) {} // this turn's budget spent
+    // 128 KiB of layers may still go inline; the layer after them reads the
+    // clock and goes through the engine thread, and every later one queues
+    // behind it: the last is not DONE when postLayer returns.
+    for (let l = 1; l < LAYERS - 1; l++) a.postLayer(h, l);
+    expect(a.postLayer(h, LAYERS - 1)).toBe('PROC');
+    await a.wait(h, { timeoutMs: 10_000 });
+    expect(checkPattern(local, 7)).toBe(true);
+    // The next posting, in a fresh turn: every byte again.
+    local.fill(0);
+    await freshTurn();
+    for (let l = 0; l < LAYERS; l++) a.postLayer(h, l);
+    await a.wait(h, { timeoutMs: 10_000 });
+    expect(checkPattern(local, 7)).toBe(true);
+    a.releaseXferHandle(h);
+  });
+
   it('inlinePostMaxBytes: 0 posts every transfer through the engine thread', async () => {
     const { a, local, remote } = pair(4096, { inlinePostMaxBytes: 0 });
     const h = a.initializeXfer('READ', local, remote, 'inl-b');

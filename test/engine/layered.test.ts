@@ -242,5 +242,36 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
         peer.kill();
       }
     });
+
+    it('a peer process gone before the first layer fails the posting with NIXL_ERR_REMOTE_DISCONNECT, though its memory stays mapped here', async () => {
+      const a = new NixlAgent('lay-parent', { engine: 'loopback' });
+      open.push(a);
+      const ma = allocate(N * BLOCK);
+      a.registerMemory(ma);
+      const peer = new Peer('peer.js');
+      try {
+        const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
+          cmd: 'init',
+          name: 'lay-child',
+          size: N * BLOCK,
+          shared: true,
+          seed: 2,
+        });
+        a.addRemoteAgent(Buffer.from(init.md));
+        const blocks = (base: bigint) =>
+          DescList.from(Array.from({ length: N }, (_, i) => ({ addr: base + BigInt(i * BLOCK), len: BLOCK })));
+        const local = a.prepXferDlist('', blocks(DescList.from(ma).addr(0)));
+        const remote = a.prepXferDlist('lay-child', blocks(init.addr));
+        const h = a.makeLayeredXfer('READ', local, localLayers, remote, remoteLayers);
+        peer.kill();
+        await peer.exit();
+        a.postLayer(h, 0);
+        const w = a.wait(h);
+        for (let l = 1; l < LAYERS; l++) a.postLayer(h, l);
+        await expect(w).rejects.toMatchObject({ code: 'NIXL_ERR_REMOTE_DISCONNECT' });
+      } finally {
+        peer.kill();
+      }
+    });
   }
 });
