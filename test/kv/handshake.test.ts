@@ -294,12 +294,22 @@ describe('HTTP/S side channel', () => {
     const s = await h.serve({ port: 0, payloads: payloads(1, 'v12'), logger: log });
     try {
       for (const junk of ['\x00\x01\x02garbage\r\n\r\n', `GET /${'x'.repeat(20000)} HTTP/1.1\r\n\r\n`]) {
-        const answer = await new Promise<string>((resolve) => {
+        // Each step bounded with its own message: this test timed out at 30 s twice in many runs, step unknown.
+        const answer = await new Promise<string>((resolve, reject) => {
           const c = net.connect(s.port, '127.0.0.1', () => c.write(junk));
           let out = '';
+          const t = setTimeout(() => {
+            c.destroy();
+            reject(
+              new Error(`junk ${JSON.stringify(junk.slice(0, 12))}: no close in 8 s; read ${JSON.stringify(out)}`),
+            );
+          }, 8000);
           c.on('data', (d) => (out += d));
-          c.on('close', () => resolve(out));
-          c.on('error', () => resolve(out));
+          c.on('close', () => {
+            clearTimeout(t);
+            resolve(out);
+          });
+          c.on('error', () => {});
         });
         expect(answer).toMatch(/^HTTP\/1.1 4\d\d/);
       }
@@ -325,7 +335,12 @@ describe('HTTP/S side channel', () => {
       silent.close();
     } finally {
       h.close();
-      await s.close();
+      await Promise.race([
+        s.close(),
+        new Promise((_, reject) =>
+          setTimeout(() => reject(new Error('the server did not close in 8 s')), 8000).unref(),
+        ),
+      ]);
     }
   });
 });
