@@ -212,26 +212,31 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
       await expect(a.wait(h, { timeoutMs: 100 })).rejects.toMatchObject({ code: 'NIXL_ERR_TIMEOUT' });
     });
 
-    it('a peer process gone mid-way fails the request with NIXL_ERR_REMOTE_DISCONNECT', async () => {
+    /** A loopback agent and a layered READ of the blocks of a peer process (its memory mapped here). */
+    async function withChildPeer(peer: Peer) {
       const a = new NixlAgent('lay-parent', { engine: 'loopback' });
       open.push(a);
       const ma = allocate(N * BLOCK);
       a.registerMemory(ma);
+      const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
+        cmd: 'init',
+        name: 'lay-child',
+        size: N * BLOCK,
+        shared: true,
+        seed: 2,
+      });
+      a.addRemoteAgent(Buffer.from(init.md));
+      const blocks = (base: bigint) =>
+        DescList.from(Array.from({ length: N }, (_, i) => ({ addr: base + BigInt(i * BLOCK), len: BLOCK })));
+      const local = a.prepXferDlist('', blocks(DescList.from(ma).addr(0)));
+      const remote = a.prepXferDlist('lay-child', blocks(init.addr));
+      return { a, h: a.makeLayeredXfer('READ', local, localLayers, remote, remoteLayers) };
+    }
+
+    it('a peer process gone mid-way fails the request with NIXL_ERR_REMOTE_DISCONNECT', async () => {
       const peer = new Peer('peer.js');
       try {
-        const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
-          cmd: 'init',
-          name: 'lay-child',
-          size: N * BLOCK,
-          shared: true,
-          seed: 2,
-        });
-        a.addRemoteAgent(Buffer.from(init.md));
-        const blocks = (base: bigint) =>
-          DescList.from(Array.from({ length: N }, (_, i) => ({ addr: base + BigInt(i * BLOCK), len: BLOCK })));
-        const local = a.prepXferDlist('', blocks(DescList.from(ma).addr(0)));
-        const remote = a.prepXferDlist('lay-child', blocks(init.addr));
-        const h = a.makeLayeredXfer('READ', local, localLayers, remote, remoteLayers);
+        const { a, h } = await withChildPeer(peer);
         a.postLayer(h, 0);
         peer.kill();
         await peer.exit();
@@ -244,25 +249,9 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
     });
 
     it('a peer process gone before the first layer fails the posting with NIXL_ERR_REMOTE_DISCONNECT, though its memory stays mapped here', async () => {
-      const a = new NixlAgent('lay-parent', { engine: 'loopback' });
-      open.push(a);
-      const ma = allocate(N * BLOCK);
-      a.registerMemory(ma);
       const peer = new Peer('peer.js');
       try {
-        const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
-          cmd: 'init',
-          name: 'lay-child',
-          size: N * BLOCK,
-          shared: true,
-          seed: 2,
-        });
-        a.addRemoteAgent(Buffer.from(init.md));
-        const blocks = (base: bigint) =>
-          DescList.from(Array.from({ length: N }, (_, i) => ({ addr: base + BigInt(i * BLOCK), len: BLOCK })));
-        const local = a.prepXferDlist('', blocks(DescList.from(ma).addr(0)));
-        const remote = a.prepXferDlist('lay-child', blocks(init.addr));
-        const h = a.makeLayeredXfer('READ', local, localLayers, remote, remoteLayers);
+        const { a, h } = await withChildPeer(peer);
         peer.kill();
         await peer.exit();
         a.postLayer(h, 0);
