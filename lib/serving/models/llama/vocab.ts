@@ -17,6 +17,13 @@ export interface LlamaVocab {
   readonly id: string;
   /** The ids of `req`'s prompt (a completion's with the BOS the model adds), or undefined for a chat that is not valid. */
   promptIds(req: GenerationRequest): number[] | undefined;
+  /**
+   * Prompt bytes above which the prompt certainly has more tokens than the
+   * model's trained context (so no worker serves it): the context times the
+   * longest piece of the vocabulary in UTF-8 bytes, which no token covers more
+   * of. Infinity when the metadata does not tell.
+   */
+  readonly maxPromptBytes: number;
   close(): Promise<void>;
 }
 
@@ -47,7 +54,24 @@ export async function loadVocab(modelPath: string): Promise<LlamaVocab> {
   };
   return {
     id: m.id,
+    maxPromptBytes: maxPromptBytes(model),
     promptIds: (req) => promptOf(m, req),
     close: () => model.dispose(),
   };
+}
+
+/** The trained context times the longest vocabulary piece, in bytes (see LlamaVocab.maxPromptBytes). */
+function maxPromptBytes(model: Nlc.LlamaModel): number {
+  const meta = model.fileInfo.metadata as {
+    general?: { architecture?: string };
+    tokenizer?: { ggml?: { tokens?: readonly unknown[] } };
+  } & Record<string, { context_length?: unknown } | undefined>;
+  const pieces = meta?.tokenizer?.ggml?.tokens;
+  // A vocabulary-only load has no context: trainContextSize is 0, the metadata says it.
+  const arch = meta?.general?.architecture;
+  const context = Number((arch && meta[arch]?.context_length) ?? model.trainContextSize);
+  if (!pieces?.length || !(context > 0)) return Number.POSITIVE_INFINITY;
+  let longest = 1;
+  for (const p of pieces) if (typeof p === 'string') longest = Math.max(longest, Buffer.byteLength(p));
+  return context * longest;
 }
