@@ -187,7 +187,7 @@ it('clients that leave at any time and a load llama.cpp fails: the next answers 
         }),
       );
       const answers = await Promise.all(ASKS.map((a) => disaggregated(prefill, decode, body(a))));
-      answers.forEach((g, i) => honestOk(g, i, `after clients left (round ${round})`));
+      for (const [i, g] of answers.entries()) honestOk(g, i, `after clients left (round ${round})`);
     }
   } finally {
     nlc.LlamaContextSequence.prototype.loadStateFromFile = load;
