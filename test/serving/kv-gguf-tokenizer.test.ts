@@ -139,6 +139,31 @@ describe('the GGUF tokenizer', () => {
     }
   }, 120_000);
 
+  it('a worker refuses a prompt longer in bytes than its context holds tokens without tokenizing it', async () => {
+    // llama.cpp's tokenizer runs on the worker's event loop: 1.2 s for these 100 KB, about 100 s for 1 MB.
+    // Refused untokenized, the answer says bytes (a count of its tokens would have taken the tokenizer).
+    const text = 'the quiet hills and rivers under rain. '.repeat(2600);
+    for (const [route, body] of [
+      ['completions', { prompt: text }],
+      ['chat/completions', { messages: [{ role: 'user', content: [{ type: 'text', text }] }] }],
+    ] as const) {
+      const r = await fetch(`${prefills[0].address}/v1/${route}`, {
+        method: 'POST',
+        body: JSON.stringify({ ...body, max_tokens: 2 }),
+      });
+      expect(r.status, route).toBe(400);
+      const e = ((await r.json()) as { error: { message: string } }).error.message;
+      expect(e, route).toMatch(/a prompt of 101400 bytes has more tokens than this model's context holds/);
+    }
+    // A prompt under the bound is still tokenized and answered as before (its token count).
+    const r = await fetch(`${prefills[0].address}/v1/completions`, {
+      method: 'POST',
+      body: JSON.stringify({ prompt: 'x'.repeat(2000), max_tokens: 2 }),
+    });
+    expect(r.status).toBe(400);
+    expect(((await r.json()) as { error: { message: string } }).error.message).toMatch(/2001 in the prompt/);
+  }, 60_000);
+
   it("a file it cannot load fails the proxy's start with a code", async () => {
     const notGguf = path.join(dir, 'not-a-model.gguf');
     fs.writeFileSync(notGguf, 'this is not a GGUF file');

@@ -13,10 +13,6 @@ export async function ggufTokenizer(modelPath: string): Promise<PromptTokenizer 
       if (asked === undefined || Array.isArray(asked)) return asked;
       // As the worker's /tokenize builds it (worker/tokenize.ts): the ids do not depend on the rest.
       const chat = 'messages' in asked;
-      // Tokenizing runs on the proxy's event loop (llama.cpp's tokenizer, synchronous), and its cost grows
-      // faster than the prompt (the test models' vocabulary: 0.65 s for 100 KB, 96 s for 1 MB). A prompt
-      // longer than any worker's context in bytes is answered 400 wherever it goes: route it by load.
-      if (promptBytes(asked) > vocab.maxPromptBytes) return undefined;
       try {
         return vocab.promptIds({
           chat,
@@ -27,25 +23,11 @@ export async function ggufTokenizer(modelPath: string): Promise<PromptTokenizer 
           stop: [],
         });
       } catch {
-        return undefined; // a chat the template cannot render: route by load, as without tokens
+        // A chat the template cannot render, or a prompt longer in bytes than any worker's context holds
+        // tokens (prompt.ts: not tokenized, llama.cpp's tokenizer would hold the proxy's loop): route by load.
+        return undefined;
       }
     },
     close: () => vocab.close(),
   };
-}
-
-/** UTF-8 bytes of a prompt's text: the completion's, or the text of every message (what a chat renders at least). */
-function promptBytes(asked: { prompt: string } | { messages: unknown[] }): number {
-  if ('prompt' in asked) return Buffer.byteLength(asked.prompt);
-  let n = 0;
-  for (const m of asked.messages) {
-    const c = (m as { content?: unknown } | null)?.content;
-    if (typeof c === 'string') n += Buffer.byteLength(c);
-    else if (Array.isArray(c))
-      for (const p of c) {
-        const t = (p as { text?: unknown } | null)?.text;
-        if (typeof t === 'string') n += Buffer.byteLength(t);
-      }
-  }
-  return n;
 }

@@ -8,7 +8,7 @@ import type * as Nlc from 'node-llama-cpp';
 import { NixlError } from '../../../errors';
 import { loadNodeLlamaCpp } from '../node-llama-cpp';
 import type { GenerationRequest } from '../types';
-import { sharedLlama } from './model';
+import { longestPieceBytes, sharedLlama } from './model';
 import { type PromptModel, promptOf } from './prompt';
 
 /** A GGUF's vocabulary: a prompt's ids as a worker serving the same file evaluates them. */
@@ -17,13 +17,6 @@ export interface LlamaVocab {
   readonly id: string;
   /** The ids of `req`'s prompt (a completion's with the BOS the model adds), or undefined for a chat that is not valid. */
   promptIds(req: GenerationRequest): number[] | undefined;
-  /**
-   * Prompt bytes above which the prompt certainly has more tokens than the
-   * model's trained context (so no worker serves it): the context times the
-   * longest piece of the vocabulary in UTF-8 bytes, which no token covers more
-   * of. Infinity when the metadata does not tell.
-   */
-  readonly maxPromptBytes: number;
   close(): Promise<void>;
 }
 
@@ -46,6 +39,7 @@ export async function loadVocab(modelPath: string): Promise<LlamaVocab> {
   const m: PromptModel = {
     id: path.basename(modelPath).replace(/\.gguf$/i, ''),
     model,
+    maxPromptBytes: maxPromptBytes(model),
     // Resolved as LoadedLlama resolves it: the same template gives the same ids.
     get chatWrapper() {
       chatWrapper ??= nlc.resolveChatWrapper(model);
@@ -54,24 +48,20 @@ export async function loadVocab(modelPath: string): Promise<LlamaVocab> {
   };
   return {
     id: m.id,
-    maxPromptBytes: maxPromptBytes(model),
     promptIds: (req) => promptOf(m, req),
     close: () => model.dispose(),
   };
 }
 
-/** The trained context times the longest vocabulary piece, in bytes (see LlamaVocab.maxPromptBytes). */
+/** The trained context times the longest vocabulary piece, in bytes (PromptModel.maxPromptBytes). */
 function maxPromptBytes(model: Nlc.LlamaModel): number {
-  const meta = model.fileInfo.metadata as {
-    general?: { architecture?: string };
-    tokenizer?: { ggml?: { tokens?: readonly unknown[] } };
-  } & Record<string, { context_length?: unknown } | undefined>;
-  const pieces = meta?.tokenizer?.ggml?.tokens;
+  const meta = model.fileInfo.metadata as { general?: { architecture?: string } } & Record<
+    string,
+    { context_length?: unknown } | undefined
+  >;
   // A vocabulary-only load has no context: trainContextSize is 0, the metadata says it.
   const arch = meta?.general?.architecture;
   const context = Number((arch && meta[arch]?.context_length) ?? model.trainContextSize);
-  if (!pieces?.length || !(context > 0)) return Number.POSITIVE_INFINITY;
-  let longest = 1;
-  for (const p of pieces) if (typeof p === 'string') longest = Math.max(longest, Buffer.byteLength(p));
-  return context * longest;
+  const longest = longestPieceBytes(model);
+  return longest !== undefined && context > 0 ? context * longest : Number.POSITIVE_INFINITY;
 }
