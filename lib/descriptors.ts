@@ -106,6 +106,12 @@ export function toDescList(m: DescList | MemoryLike | readonly MemoryLike[], mem
  */
 export function toIndices(idx: Uint32Array | readonly number[]): Uint32Array {
   if (idx instanceof Uint32Array) return idx;
+  // Anything else that has no list of entries (null, a number, a plain object)
+  // would read as length 0 or fail without a code: an empty transfer that moves nothing.
+  if (!Array.isArray(idx) && !(ArrayBuffer.isView(idx) && !(idx instanceof DataView)))
+    throw invalidParam(
+      `indices are ${idx === null ? 'null' : typeof idx}: give a Uint32Array or an array of integers from 0 to 2^32 - 1`,
+    );
   const out = new Uint32Array(idx.length);
   for (let i = 0; i < idx.length; i++) {
     const v = idx[i];

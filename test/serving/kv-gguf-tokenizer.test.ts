@@ -72,6 +72,14 @@ describe('the GGUF tokenizer', () => {
       expect(await t.tokens({ prompt: [[8, 9]] })).toEqual([8, 9]);
       expect(await t.tokens({ prompt: 42 })).toBeUndefined();
       expect(await t.tokens({})).toBeUndefined();
+      // A prompt longer in bytes than the trained context times the longest piece (the tiny model: 4096 x 6)
+      // has more tokens than any worker holds: not tokenized (llama.cpp's tokenizer runs on the proxy's loop,
+      // 0.65 s for these 100 KB here, 96 s for 1 MB), routed by load. Below that, the worker's ids.
+      const huge = 'x'.repeat(100_000);
+      expect(await t.tokens({ prompt: huge })).toBeUndefined();
+      expect(await t.tokens({ messages: [{ role: 'user', content: [{ type: 'text', text: huge }] }] })).toBeUndefined();
+      const long = 'y'.repeat(20_000);
+      expect(await t.tokens({ prompt: long })).toEqual(await workerIds(prefills[0], { prompt: long }));
       const bad = [{ role: 'tool', content: 'x' }];
       expect(await t.tokens({ messages: bad })).toBeUndefined();
       expect(await workerIds(prefills[0], { messages: bad })).toBe('HTTP 400');
@@ -93,7 +101,7 @@ describe('the GGUF tokenizer', () => {
       // Chats: the proxy's own synthetic tokenizer renders them otherwise than the GGUF's template, so only
       // the model's vocabulary and template find the held blocks.
       const system = 'Ein gemeinsamer Anfang — 共通の前置き, shared by both chats. '.repeat(4);
-      const ask = async (question: string) => {
+      const ask = async (question: string, extra: Record<string, unknown> = {}) => {
         const r = await fetch(`${proxy.url}/v1/chat/completions`, {
           method: 'POST',
           headers: { 'content-type': 'application/json' },
@@ -104,6 +112,7 @@ describe('the GGUF tokenizer', () => {
               { role: 'user', content: question },
             ],
             max_tokens: 2,
+            ...extra,
           }),
         });
         expect(r.status).toBe(200);
@@ -119,10 +128,41 @@ describe('the GGUF tokenizer', () => {
       expect(second.prefill).toBe(first.prefill);
       expect(second.prefix_match_tokens).toBeGreaterThanOrEqual(2 * BATCH);
       expect(second.prefix_match_tokens % BATCH).toBe(0);
+      // A chat's prompt is its messages: a `prompt` field beside them (no schema forbids one, and the worker
+      // ignores it) must not be what the proxy tokenizes, or the request routes on tokens no prefill computes.
+      await new Promise((r) => setTimeout(r, 250));
+      const decoy = await ask('Three?', { prompt: 'a decoy that shares nothing with the chat' });
+      expect(decoy.prefill).toBe(first.prefill);
+      expect(decoy.prefix_match_tokens).toBeGreaterThanOrEqual(2 * BATCH);
     } finally {
       await proxy.close();
     }
   }, 120_000);
+
+  it('a worker refuses a prompt longer in bytes than its context holds tokens without tokenizing it', async () => {
+    // llama.cpp's tokenizer runs on the worker's event loop: 1.2 s for these 100 KB, about 100 s for 1 MB.
+    // Refused untokenized, the answer says bytes (a count of its tokens would have taken the tokenizer).
+    const text = 'the quiet hills and rivers under rain. '.repeat(2600);
+    for (const [route, body] of [
+      ['completions', { prompt: text }],
+      ['chat/completions', { messages: [{ role: 'user', content: [{ type: 'text', text }] }] }],
+    ] as const) {
+      const r = await fetch(`${prefills[0].address}/v1/${route}`, {
+        method: 'POST',
+        body: JSON.stringify({ ...body, max_tokens: 2 }),
+      });
+      expect(r.status, route).toBe(400);
+      const e = ((await r.json()) as { error: { message: string } }).error.message;
+      expect(e, route).toMatch(/a prompt of 101400 bytes has more tokens than this model's context holds/);
+    }
+    // A prompt under the bound is still tokenized and answered as before (its token count).
+    const r = await fetch(`${prefills[0].address}/v1/completions`, {
+      method: 'POST',
+      body: JSON.stringify({ prompt: 'x'.repeat(2000), max_tokens: 2 }),
+    });
+    expect(r.status).toBe(400);
+    expect(((await r.json()) as { error: { message: string } }).error.message).toMatch(/2001 in the prompt/);
+  }, 60_000);
 
   it("a file it cannot load fails the proxy's start with a code", async () => {
     const notGguf = path.join(dir, 'not-a-model.gguf');

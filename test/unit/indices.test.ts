@@ -44,3 +44,22 @@ it('makePreppedXfer and makeLayeredXfer refuse indices that are not integers in 
   // Good ones still make requests, as arrays and as Uint32Array.
   a!.releaseXferHandle(a!.makePreppedXfer('WRITE', local, [0, 3], remote, new Uint32Array([1, 2])));
 });
+
+it('makePreppedXfer refuses indices that are not a list (null, a number, an object, a bad length) with a code, never an empty transfer', () => {
+  const { local, remote } = lists();
+  // A number or a plain object used to read as a list of length 0: both sides "empty", a transfer that moved nothing.
+  for (const bad of [null, undefined, 5, {}, { length: -1 }, { length: 2 ** 33 }, { length: 2, 0: 0, 1: 1 }]) {
+    const idx = bad as unknown as number[];
+    expect(() => a!.makePreppedXfer('WRITE', local, idx, remote, idx), JSON.stringify(bad) ?? 'undefined').toThrow(
+      expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }),
+    );
+    expect(() => a!.makePreppedXfer('WRITE', local, [0], remote, idx), JSON.stringify(bad) ?? 'undefined').toThrow(
+      expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM' }),
+    );
+  }
+  // Typed arrays of other kinds are checked entry by entry, as arrays are.
+  a!.releaseXferHandle(a!.makePreppedXfer('WRITE', local, new Float64Array([0, 3]), remote, new Int32Array([1, 2])));
+  expect(() => a!.makePreppedXfer('WRITE', local, new Int32Array([0, -1]), remote, [0, 1])).toThrow(
+    expect.objectContaining({ code: 'NIXL_ERR_INVALID_PARAM', message: expect.stringContaining('[1]') }),
+  );
+});

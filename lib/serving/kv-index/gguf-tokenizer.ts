@@ -23,7 +23,9 @@ export async function ggufTokenizer(modelPath: string): Promise<PromptTokenizer 
           stop: [],
         });
       } catch {
-        return undefined; // a chat the template cannot render: route by load, as without tokens
+        // A chat the template cannot render, or a prompt longer in bytes than any worker's context holds
+        // tokens (prompt.ts: not tokenized, llama.cpp's tokenizer would hold the proxy's loop): route by load.
+        return undefined;
       }
     },
     close: () => vocab.close(),

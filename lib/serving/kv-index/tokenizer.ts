@@ -43,6 +43,18 @@ export const syntheticTokenizer: PromptTokenizer = {
   },
 };
 
+/**
+ * The body with only the prompt its route evaluates: a chat's messages (a
+ * `prompt` beside them is ignored by the worker), a completion's prompt (not
+ * `messages`). Tokenizing the other field would route on tokens no prefill computes.
+ */
+export function routedPrompt(path: string, body: Record<string, unknown>): Record<string, unknown> {
+  const other = path === '/v1/chat/completions' ? 'prompt' : path === '/v1/completions' ? 'messages' : undefined;
+  if (other === undefined || !(other in body)) return body;
+  const { [other]: _, ...rest } = body;
+  return rest;
+}
+
 /** What a request body prompts, as /tokenize takes it: ids as given, a text, or chat messages; undefined for neither. */
 export function promptAsked(
   body: Record<string, unknown>,

@@ -57,8 +57,8 @@ function running(pid: number): boolean {
 /**
  * Removes the state directories in `parent` of processes of this PID namespace
  * that no longer run. Never one whose process runs (a reused PID keeps it: the
- * safe side), of another namespace (a /dev/shm shared between containers) or
- * of another name. Best effort: what cannot be read or removed stays.
+ * safe side), of another namespace (a /dev/shm shared between containers), of
+ * another name, nor anything but a directory (a link is not followed). Best effort: what cannot be read or removed stays.
  */
 function sweepGone(parent: string): void {
   const ns = pidNamespace();
@@ -73,8 +73,11 @@ function sweepGone(parent: string): void {
   for (const name of names) {
     const pid = Number(mine.exec(name)?.[1]);
     if (!Number.isSafeInteger(pid) || pid <= 0 || pid === process.pid || running(pid)) continue;
+    const dir = path.join(parent, name);
     try {
-      fs.rmSync(path.join(parent, name), { recursive: true, force: true });
+      // Only a directory, as a worker makes it: a file or a link of that name is someone else's.
+      if (!fs.lstatSync(dir).isDirectory()) continue;
+      fs.rmSync(dir, { recursive: true, force: true });
     } catch {
       // another worker removing it too, or not ours to remove: leave it
     }

@@ -16,6 +16,7 @@ import { checkRequestBody } from '../api/request-checks';
 import { API_ROUTES, PROXY_ROUTES, Router } from '../api/routes';
 import type { RoutingOptions } from '../fleet/routing';
 import { type PreciseRouting, prefillKey } from '../kv-index/precise';
+import { routedPrompt } from '../kv-index/tokenizer';
 import type { Logger } from '../log';
 import { takeConversationId } from './conversations';
 import type { Dispatch } from './dispatch';
@@ -207,7 +208,8 @@ export class ProxyFront {
       },
     });
     prom?.timeAnswer(path, res);
-    const affinity = await prefillKey(pools.prefill.policy, body, this.#d.routing, this.#d.kvRouting);
+    const prompted = routedPrompt(path, body);
+    const affinity = await prefillKey(pools.prefill.policy, prompted, this.#d.routing, this.#d.kvRouting);
     const s: Served = { call, body, status: 200 };
     const t0 = performance.now();
     const ac = new AbortController();

@@ -35,7 +35,7 @@ import type {
 import { decode, prefill, pushBlocksFor } from './kv';
 import { LoadedLlama } from './model';
 import type { LlamaModelOptions } from './options';
-import { promptOf, tokenizerOf } from './prompt';
+import { promptOfAnyLength, tokenizerOf } from './prompt';
 import { generate } from './run';
 import type { LlamaStateLayout } from './seq-state';
 
@@ -113,7 +113,7 @@ export class LlamaModel implements ServingModel {
 
   /** The tokens the prompt evaluates as (a prefill proves a previous turn's KV is of its first ones); none for a bad chat. */
   promptTokenIds(req: GenerationRequest): readonly number[] {
-    return promptOf(this.#m, req) ?? [];
+    return promptOfAnyLength(this.#m, req) ?? [];
   }
 
   blocksFor(): undefined {

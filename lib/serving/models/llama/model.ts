@@ -39,6 +39,20 @@ export function vocabSize(model: Nlc.LlamaModel): number | undefined {
     ?.tokens?.length;
 }
 
+/**
+ * The most UTF-8 bytes one token of the GGUF's vocabulary stands for, at most
+ * (its longest piece as the metadata spells it: a piece is never shorter
+ * than the bytes it decodes to), or undefined when the metadata lists none.
+ */
+export function longestPieceBytes(model: Nlc.LlamaModel): number | undefined {
+  const pieces = (model.fileInfo.metadata as { tokenizer?: { ggml?: { tokens?: readonly unknown[] } } })?.tokenizer
+    ?.ggml?.tokens;
+  if (!pieces?.length) return undefined;
+  let longest = 1;
+  for (const p of pieces) if (typeof p === 'string') longest = Math.max(longest, Buffer.byteLength(p));
+  return longest;
+}
+
 export class LoadedLlama {
   /** The model's name: the file's, without .gguf. */
   readonly id: string;
@@ -52,6 +66,8 @@ export class LoadedLlama {
   layout: LlamaStateLayout | string = 'not probed yet';
   /** The contexts' batch size (learned from the probe's context). */
   batch = 0;
+  /** Prompt bytes above which a prompt has more tokens than a context holds (prompt.ts refuses it untokenized). */
+  readonly maxPromptBytes: number;
   #chatWrapper?: Nlc.ChatWrapper;
 
   private constructor(
@@ -66,6 +82,7 @@ export class LoadedLlama {
     this.id = path.basename(o.modelPath).replace(/\.gguf$/i, '');
     const trained = model.trainContextSize;
     this.contextSize = Math.min(o.contextSize ?? 4096, trained > 0 ? trained : Number.POSITIVE_INFINITY);
+    this.maxPromptBytes = this.contextSize * (longestPieceBytes(model) ?? Number.POSITIVE_INFINITY);
     const parallel = o.parallel ?? 2;
     this.threads = o.threads ?? Math.max(1, Math.floor(os.availableParallelism() / parallel));
     this.buffers = new StateBuffers(parallel);

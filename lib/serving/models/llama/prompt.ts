@@ -30,6 +30,12 @@ export interface PromptModel {
   readonly id: string;
   readonly model: Nlc.LlamaModel;
   readonly chatWrapper: Nlc.ChatWrapper;
+  /**
+   * Prompt bytes above which the prompt certainly has more tokens than a
+   * context holds: its tokens times the longest vocabulary piece, which no
+   * token covers more bytes than.
+   */
+  readonly maxPromptBytes?: number;
 }
 
 /**
@@ -37,6 +43,12 @@ export interface PromptModel {
  * chat whose messages are not valid gives none (run.ts answers the 400).
  */
 export function promptOf(m: PromptModel, req: GenerationRequest): Nlc.Token[] | undefined {
+  refuseUntokenized(m, req);
+  return promptOfAnyLength(m, req);
+}
+
+/** promptOf, however long the prompt (POST /tokenize: vLLM answers the ids and max_model_len of any prompt). */
+export function promptOfAnyLength(m: PromptModel, req: GenerationRequest): Nlc.Token[] | undefined {
   if (req.chat) return chatTokens(m, req, [{ type: 'model', response: [] }]);
   const model = m.model;
   const bos = model.tokens.shouldPrependBosToken ? model.tokens.bos : null;
@@ -44,6 +56,34 @@ export function promptOf(m: PromptModel, req: GenerationRequest): Nlc.Token[] | 
     ? (req.promptTokens as Nlc.Token[])
     : model.tokenize(req.prompt, false, bos !== null ? 'trimLeadingSpace' : undefined);
   return bos !== null ? [bos, ...tokens] : tokens;
+}
+
+/**
+ * A 400 for a prompt longer in bytes than any context holds tokens, before
+ * tokenizing it: llama.cpp's tokenizer is synchronous, on the event loop, and
+ * its cost grows faster than the prompt (the test models' vocabulary: 1.2 s
+ * for 100 KB, about 100 s for 1 MB) for a prompt refused anyway.
+ */
+function refuseUntokenized(m: PromptModel, req: GenerationRequest): void {
+  const limit = m.maxPromptBytes;
+  if (limit === undefined || req.promptTokens) return;
+  let bytes = 0;
+  if (!req.chat) bytes = Buffer.byteLength(req.prompt);
+  else
+    for (const msg of req.messages ?? []) {
+      const c = (msg as { content?: unknown } | null)?.content;
+      if (typeof c === 'string') bytes += Buffer.byteLength(c);
+      else if (Array.isArray(c))
+        for (const p of c) {
+          const t = (p as { text?: unknown } | null)?.text;
+          if (typeof t === 'string') bytes += Buffer.byteLength(t);
+        }
+    }
+  if (bytes > limit)
+    throw new ModelRequestError(
+      400,
+      `a prompt of ${bytes} bytes has more tokens than this model's context holds (more than ${limit} bytes always do)`,
+    );
 }
 
 /** The tokens of the next turn's prompt, as far as they follow from this request and its answer. */

@@ -8,7 +8,7 @@ import type * as Nlc from 'node-llama-cpp';
 import { NixlError } from '../../../errors';
 import { loadNodeLlamaCpp } from '../node-llama-cpp';
 import type { GenerationRequest } from '../types';
-import { sharedLlama } from './model';
+import { longestPieceBytes, sharedLlama } from './model';
 import { type PromptModel, promptOf } from './prompt';
 
 /** A GGUF's vocabulary: a prompt's ids as a worker serving the same file evaluates them. */
@@ -39,6 +39,7 @@ export async function loadVocab(modelPath: string): Promise<LlamaVocab> {
   const m: PromptModel = {
     id: path.basename(modelPath).replace(/\.gguf$/i, ''),
     model,
+    maxPromptBytes: maxPromptBytes(model),
     // Resolved as LoadedLlama resolves it: the same template gives the same ids.
     get chatWrapper() {
       chatWrapper ??= nlc.resolveChatWrapper(model);
@@ -50,4 +51,17 @@ export async function loadVocab(modelPath: string): Promise<LlamaVocab> {
     promptIds: (req) => promptOf(m, req),
     close: () => model.dispose(),
   };
+}
+
+/** The trained context times the longest vocabulary piece, in bytes (PromptModel.maxPromptBytes). */
+function maxPromptBytes(model: Nlc.LlamaModel): number {
+  const meta = model.fileInfo.metadata as { general?: { architecture?: string } } & Record<
+    string,
+    { context_length?: unknown } | undefined
+  >;
+  // A vocabulary-only load has no context: trainContextSize is 0, the metadata says it.
+  const arch = meta?.general?.architecture;
+  const context = Number((arch && meta[arch]?.context_length) ?? model.trainContextSize);
+  const longest = longestPieceBytes(model);
+  return longest !== undefined && context > 0 ? context * longest : Number.POSITIVE_INFINITY;
 }
