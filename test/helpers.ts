@@ -3,7 +3,7 @@ import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { once } from 'node:events';
 import * as net from 'node:net';
-import { DescList, type KvLayout } from '../lib';
+import { DescList, type KvLayout, allocate } from '../lib';
 
 export const FIXTURES = path.join(__dirname, 'fixtures');
 export const ROOT = path.join(__dirname, '..');
@@ -84,6 +84,16 @@ export class Peer {
         },
       });
     });
+  }
+
+  /** peer.js: makes the peer's loopback agent with `size` bytes registered (filled from `seed`); its metadata and the memory's address. */
+  initAgent(o: {
+    name: string;
+    size: number;
+    shared: boolean;
+    seed: number;
+  }): Promise<{ md: Uint8Array; addr: bigint }> {
+    return this.request<{ md: Uint8Array; addr: bigint }>({ cmd: 'init', ...o });
   }
 
   async request<T = Record<string, unknown>>(m: unknown): Promise<T> {
@@ -248,4 +258,31 @@ export function repeatedJsonKeys(text: string): string[] {
     i++;
   }
   return repeated;
+}
+
+/** What preparedBlocks needs of an agent (NixlAgent). */
+interface BlockAgent {
+  readonly name: string;
+  registerMemory(m: Buffer): unknown;
+  getAgentMetadata(): Buffer;
+  addRemoteAgent(md: Uint8Array): string;
+  prepXferDlist(agent: string, descs: DescList): unknown;
+}
+
+/**
+ * `n` blocks of `block` bytes registered on each of a and b (shared
+ * mappings), b loaded on a, and a's lists of every block of each side.
+ */
+export function preparedBlocks<A extends BlockAgent>(a: A, b: BlockAgent, n: number, block: number) {
+  const ma = allocate(n * block);
+  const mb = allocate(n * block);
+  a.registerMemory(ma);
+  b.registerMemory(mb);
+  a.addRemoteAgent(b.getAgentMetadata());
+  const blocks = (m: Buffer) =>
+    DescList.from(Array.from({ length: n }, (_, i) => m.subarray(i * block, (i + 1) * block)));
+  type List = ReturnType<A['prepXferDlist']>;
+  const local = a.prepXferDlist('NIXL_INIT_AGENT', blocks(ma)) as List;
+  const remote = a.prepXferDlist(b.name, blocks(mb)) as List;
+  return { ma, mb, local, remote };
 }

@@ -3,6 +3,7 @@
 // Loopback only where the engine's test delay makes the race deterministic.
 import { afterEach, describe, expect, it } from 'vitest';
 import { DescList, NixlAgent, type NixlError, allocate, engines } from '../../lib';
+import { preparedBlocks } from '../helpers';
 
 const BLOCK = 4096;
 const N = 8;
@@ -15,16 +16,7 @@ function setup(testDelayUs?: number) {
   const a = new NixlAgent('atk-a', testDelayUs ? { engine: 'loopback', testDelayUs } : { engine: 'loopback' });
   const b = new NixlAgent('atk-b', { engine: 'loopback' });
   open.push(a, b);
-  const ma = allocate(N * BLOCK);
-  const mb = allocate(N * BLOCK);
-  a.registerMemory(ma);
-  b.registerMemory(mb);
-  a.addRemoteAgent(b.getAgentMetadata());
-  const blocks = (m: Buffer) =>
-    DescList.from(Array.from({ length: N }, (_, i) => m.subarray(i * BLOCK, (i + 1) * BLOCK)));
-  const local = a.prepXferDlist('NIXL_INIT_AGENT', blocks(ma));
-  const remote = a.prepXferDlist('atk-b', blocks(mb));
-  return { a, b, ma, mb, local, remote };
+  return { a, b, ...preparedBlocks(a, b, N, BLOCK) };
 }
 
 /** Blocks this thread (the engine's thread keeps running): no event is delivered meanwhile. */

@@ -31,13 +31,7 @@ async function setup() {
   mem.fill(9);
   agent.registerMemory(mem);
   peer = new Peer('peer.js');
-  const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
-    cmd: 'init',
-    name: 'lnp-peer',
-    size: SIZE,
-    shared: true,
-    seed: 2,
-  });
+  const init = await peer.initAgent({ name: 'lnp-peer', size: SIZE, shared: true, seed: 2 });
   agent.addRemoteAgent(Buffer.from(init.md));
   const blocks = (base: bigint) =>
     DescList.from(Array.from({ length: 4 }, (_, i) => ({ addr: base + BigInt(i * LAYER), len: LAYER })));

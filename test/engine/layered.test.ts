@@ -4,7 +4,7 @@
 // NIXL_NODE_ENGINE=nixl|loopback runs just that one.
 import { afterEach, describe, expect, it } from 'vitest';
 import { DescList, type LayeredXferHandle, NixlAgent, NixlError, allocate, engines } from '../../lib';
-import { Peer } from '../helpers';
+import { Peer, preparedBlocks } from '../helpers';
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 const { setupAgent } = require('../fixtures/conformance-setup');
 
@@ -62,15 +62,7 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
         : new NixlAgent('lay-a', { engine: 'loopback', testDelayUs: opts.testDelayUs });
     const b: NixlAgent = setupAgent(NixlAgent, 'lay-b', engine);
     open.push(a, b);
-    const ma = allocate(N * BLOCK);
-    const mb = allocate(N * BLOCK);
-    a.registerMemory(ma);
-    b.registerMemory(mb);
-    a.addRemoteAgent(b.getAgentMetadata());
-    const triples = (mem: Buffer) =>
-      DescList.from(Array.from({ length: N }, (_, i) => mem.subarray(i * BLOCK, (i + 1) * BLOCK)));
-    const local = a.prepXferDlist('NIXL_INIT_AGENT', triples(ma));
-    const remote = a.prepXferDlist('lay-b', triples(mb));
+    const { ma, mb, local, remote } = preparedBlocks(a, b, N, BLOCK);
     const layered = (op: 'READ' | 'WRITE', notif?: string): LayeredXferHandle =>
       a.makeLayeredXfer(op, local, localLayers, remote, remoteLayers, notif);
     return { a, b, ma, mb, local, remote, layered };
@@ -218,13 +210,7 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
       open.push(a);
       const ma = allocate(N * BLOCK);
       a.registerMemory(ma);
-      const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
-        cmd: 'init',
-        name: 'lay-child',
-        size: N * BLOCK,
-        shared: true,
-        seed: 2,
-      });
+      const init = await peer.initAgent({ name: 'lay-child', size: N * BLOCK, shared: true, seed: 2 });
       a.addRemoteAgent(Buffer.from(init.md));
       const blocks = (base: bigint) =>
         DescList.from(Array.from({ length: N }, (_, i) => ({ addr: base + BigInt(i * BLOCK), len: BLOCK })));

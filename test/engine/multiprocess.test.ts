@@ -23,13 +23,7 @@ async function setup(shared: boolean, testDelayUs?: number) {
   pattern(mem, 1);
   agent.registerMemory(mem);
   peer = new Peer('peer.js');
-  const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
-    cmd: 'init',
-    name: 'child',
-    size: SIZE,
-    shared,
-    seed: 2,
-  });
+  const init = await peer.initAgent({ name: 'child', size: SIZE, shared, seed: 2 });
   expect(agent.addRemoteAgent(Buffer.from(init.md))).toBe('child');
   await peer.request({ cmd: 'load', md: agent.getAgentMetadata() });
   return { mem, childAddr: init.addr, myAddr: DescList.from(mem).addr(0) };
@@ -173,20 +167,8 @@ it('a stopped peer does not hold up transfers from healthy peers; its notificati
   const healthy = new Peer('peer.js');
   const stalled = new Peer('peer.js');
   try {
-    const h = await healthy.request<{ md: Uint8Array; addr: bigint }>({
-      cmd: 'init',
-      name: 'healthy',
-      size: SIZE,
-      shared: true,
-      seed: 3,
-    });
-    const s = await stalled.request<{ md: Uint8Array; addr: bigint }>({
-      cmd: 'init',
-      name: 'stalled',
-      size: SIZE,
-      shared: true,
-      seed: 4,
-    });
+    const h = await healthy.initAgent({ name: 'healthy', size: SIZE, shared: true, seed: 3 });
+    const s = await stalled.initAgent({ name: 'stalled', size: SIZE, shared: true, seed: 4 });
     agent.addRemoteAgent(Buffer.from(h.md));
     agent.addRemoteAgent(Buffer.from(s.md));
     process.kill(stalled.proc.pid!, 'SIGSTOP');
