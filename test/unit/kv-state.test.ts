@@ -4,7 +4,7 @@
 // and never other bytes.
 import { createHash, randomBytes } from 'node:crypto';
 import fc from 'fast-check';
-import { describe, expect, it } from 'vitest';
+import { beforeAll, describe, expect, it } from 'vitest';
 import {
   ENVELOPE_FIELDS,
   HEADER_BYTES,
@@ -15,6 +15,7 @@ import {
   tamperEnvelope,
   writeEnvelope,
 } from '../../lib/serving/models/kv-state';
+import { stateChecksumReady } from '../../lib/serving/models/state-checksum';
 import { KvRejected } from '../../lib/serving/models/types';
 
 const FP = createHash('sha256').update('model a').digest();
@@ -66,6 +67,12 @@ function reason(f: () => unknown): string {
   }
   return 'accepted';
 }
+
+beforeAll(() => stateChecksumReady());
+
+/** The blocks as one buffer, and back. */
+const joined = (blocks: Buffer[]) => Buffer.concat(blocks);
+const split = (b: Buffer) => Array.from({ length: b.length / BLOCK }, (_, i) => b.subarray(i * BLOCK, (i + 1) * BLOCK));
 
 describe('KV state envelope', () => {
   it('round-trips the state and its continuation (tokens held, next token, seed, sampling key), across blocks', () => {
@@ -136,6 +143,45 @@ describe('KV state envelope', () => {
     forged.writeUInt32LE(1, 8);
     const fb = Array.from({ length: signed.blocks.length }, (_, i) => forged.subarray(i * BLOCK, (i + 1) * BLOCK));
     expect(reason(() => openEnvelope((i) => fb[i], opts(signed.n, 's3cret')))).toBe('unauthenticated');
+  });
+
+  it('without a secret the MAC is an XXH64 checksum (flag 2, 8 bytes, then 0s); any change to it or its tail is refused', () => {
+    const state = seqState(40, 3000);
+    const { blocks, n } = wrap(state, 40);
+    expect(blocks[0].readUInt32LE(8)).toBe(2);
+    expect(blocks[0].subarray(232, 256).every((x) => x === 0)).toBe(true);
+    expect(blocks[0].subarray(224, 232).some((x) => x !== 0)).toBe(true);
+    for (const at of [224, 231, 232, 255]) {
+      const b = split(joined(blocks));
+      b[0][at] ^= 1;
+      expect(reason(() => openEnvelope((i) => b[i], opts(n)))).toBe('corrupted');
+    }
+  });
+
+  it("an earlier prefill's SHA-256 checksum (flags 0) still opens, and still catches damage", () => {
+    const state = seqState(40, 3000);
+    const env = joined(wrap(state, 40, 9).blocks);
+    env.writeUInt32LE(0, 8);
+    resealEnvelope(env);
+    expect(env.subarray(232, 256).some((x) => x !== 0)).toBe(true); // a whole SHA-256, not XXH64's 8 bytes
+    const n = Math.ceil(envelopeBytes(state.length) / BLOCK);
+    const got = openEnvelope((i) => split(env)[i], opts(n));
+    expect(got.state.equals(state)).toBe(true);
+    expect(got.nextToken).toBe(9);
+    env[HEADER_BYTES + 1500] ^= 4;
+    expect(reason(() => openEnvelope((i) => split(env)[i], opts(n)))).toBe('corrupted');
+  });
+
+  it('flags naming both an HMAC and a checksum, or an unknown bit, are malformed', () => {
+    const state = seqState(4, 10);
+    for (const flags of [3, 4, 0x80000002]) {
+      const env = joined(wrap(state, 4).blocks);
+      env.writeUInt32LE(flags, 8);
+      resealEnvelope(env);
+      const n = Math.ceil(envelopeBytes(state.length) / BLOCK);
+      expect(reason(() => openEnvelope((i) => split(env)[i], opts(n)))).toBe('malformed');
+      expect(reason(() => openEnvelope((i) => split(env)[i], opts(n, 'k')))).not.toBe('accepted');
+    }
   });
 
   it('another envelope version is refused as version (NIXL_ERR_NOT_SUPPORTED)', () => {

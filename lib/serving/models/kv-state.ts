@@ -8,14 +8,17 @@
 //   0       4    magic 'NNKV'
 //   4       2    version (3)
 //   6       2    header bytes (256)
-//   8       4    flags: bit 0 set: the MAC is an HMAC-SHA256 keyed by the
-//                deployment's KV secret; clear: a plain SHA-256 (a checksum)
+//   8       4    flags, what the MAC field holds: bit 0, an HMAC-SHA256 keyed
+//                by the deployment's KV secret; bit 1, an XXH64 checksum
+//                (state-checksum.ts) in its first 8 bytes, the rest 0;
+//                neither, a plain SHA-256 checksum (what earlier prefills
+//                wrote: still read); both, malformed
 //   12      4    reserved (0)
 //   16      8    state bytes
 //   24      32   model fingerprint (modelFingerprint in llama.ts)
 //   56      32   binding: the request the state was made for (bindingDigest)
 //   88      136  fields (ENVELOPE_FIELDS below; bytes no field names are 0)
-//   224     32   MAC of bytes 0..224 and the state
+//   224     32   MAC of bytes 0..224 and the state (flags say which)
 //   256     ...  the state: llama.cpp's sequence state file
 //
 // Fields that say what the state holds go in ENVELOPE_FIELDS (offsets inside 88..224)
@@ -34,12 +37,15 @@
 //            only when it evaluates in batches of the same B
 import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
 import { NixlError } from '../../errors';
+import { stateChecksum } from './state-checksum';
 import { KvRejected, type KvBinding } from './types';
 
 export const HEADER_BYTES = 256;
 const MAGIC = 0x564b4e4e; // 'NNKV' little-endian
 export const ENVELOPE_VERSION = 3;
 const FLAG_HMAC = 1;
+const FLAG_XXH64 = 2;
+const MAC_PREFIX = 'nixl-node kv state v2\n';
 const AT = { flags: 8, reserved: 12, stateBytes: 16, fingerprint: 24, binding: 56, fields: 88, mac: 224 } as const;
 /** The fields, offsets from the start of the header. */
 export const ENVELOPE_FIELDS = {
@@ -104,10 +110,20 @@ function readFields(h: Buffer): Continuation {
   };
 }
 
-/** The MAC of a header (its first 224 bytes) and state: HMAC-SHA256 with a secret, else SHA-256. */
+/**
+ * The MAC field of a header (over its first 224 bytes) and state, 32 bytes, as
+ * the header's flags say: an HMAC-SHA256 with the secret, an XXH64 checksum
+ * (then 0s), or a SHA-256 checksum.
+ */
 function mac(header: Buffer, state: Buffer, secret: string | undefined): Buffer {
+  const flags = header.readUInt32LE(AT.flags);
+  if ((flags & FLAG_XXH64) !== 0) {
+    const out = Buffer.alloc(32);
+    stateChecksum([Buffer.from(MAC_PREFIX), header.subarray(0, AT.mac), state]).copy(out);
+    return out;
+  }
   const h = secret === undefined ? createHash('sha256') : createHmac('sha256', secret);
-  return h.update('nixl-node kv state v2\n').update(header.subarray(0, AT.mac)).update(state).digest();
+  return h.update(MAC_PREFIX).update(header.subarray(0, AT.mac)).update(state).digest();
 }
 
 /** The header of a state, sealed (an HMAC with `secret`, else a checksum). */
@@ -117,7 +133,7 @@ export function stateHeader(state: Buffer, info: StateInfo, secret?: string): Bu
   h.writeUInt32LE(MAGIC, 0);
   h.writeUInt16LE(ENVELOPE_VERSION, 4);
   h.writeUInt16LE(HEADER_BYTES, 6);
-  h.writeUInt32LE(secret === undefined ? 0 : FLAG_HMAC, AT.flags);
+  h.writeUInt32LE(secret === undefined ? FLAG_XXH64 : FLAG_HMAC, AT.flags);
   h.writeBigUInt64LE(BigInt(state.length), AT.stateBytes);
   info.fingerprint.copy(h, AT.fingerprint);
   bindingDigest(info.binding).copy(h, AT.binding);
@@ -186,7 +202,8 @@ export function openEnvelope(view: (i: number) => Buffer, o: OpenOptions): Conti
       'version',
     );
   const flags = h.readUInt32LE(AT.flags);
-  if ((flags & ~FLAG_HMAC) !== 0) throw new KvRejected(`unknown KV state flags 0x${flags.toString(16)}`, 'malformed');
+  if ((flags & ~(FLAG_HMAC | FLAG_XXH64)) !== 0 || flags === (FLAG_HMAC | FLAG_XXH64))
+    throw new KvRejected(`unknown KV state flags 0x${flags.toString(16)}`, 'malformed');
   if ((flags & FLAG_HMAC) === 0 && o.secret !== undefined)
     throw new KvRejected('the KV state is not authenticated and this decode requires a KV secret', 'unauthenticated');
   if ((flags & FLAG_HMAC) !== 0 && o.secret === undefined)

@@ -11,6 +11,7 @@ import { NixlError } from '../../../errors';
 import { loadNodeLlamaCpp } from '../node-llama-cpp';
 import { makeStateDir } from '../state-dir';
 import { ModelRequestError, NODE_LLAMA_CPP } from '../types';
+import { stateChecksumReady } from '../state-checksum';
 import { ContextPool, sequenceOf } from './contexts';
 import { type LlamaModelOptions, checkOptions } from './options';
 import { type LlamaStateLayout, kvGeometry, learnLayout } from './seq-state';
@@ -110,6 +111,7 @@ export class LoadedLlama {
     const stateDir = makeStateDir(o.stateDir);
     try {
       const nlc = await loadNodeLlamaCpp();
+      await stateChecksumReady();
       const llama = await sharedLlama(nlc, o.gpu ?? false);
       let model: Nlc.LlamaModel;
       try {
