@@ -126,6 +126,9 @@ export class ServingProxy {
   readonly #server: http.Server;
   readonly #health: HealthRounds;
   readonly #front: ProxyFront;
+  /** start() runs once: a second, or one after close(), would listen with nothing to close it. */
+  #started = false;
+  #closing?: Promise<void>;
 
   constructor(o: ProxyOptions) {
     this.#o = o;
@@ -167,6 +170,9 @@ export class ServingProxy {
 
   /** Listens; resolves once the proxy takes requests. */
   async start(): Promise<this> {
+    if (this.#started || this.#closing)
+      throw new NixlError(`this proxy was ${this.#closing ? 'closed' : 'started'} already`, 'NIXL_ERR_NOT_ALLOWED');
+    this.#started = true;
     await this.kvRouting?.ready(); // a GGUF vocabulary that cannot load fails the start, before anything listens
     if (this.#transport instanceof ZmqTransport) await this.#transport.bind(this.#o.zmqReplyAddr);
     const host = this.#o.host ?? '127.0.0.1';
@@ -196,7 +202,12 @@ export class ServingProxy {
   }
 
   /** Stops: requests in flight are aborted, sockets closed. */
-  async close(): Promise<void> {
+  close(): Promise<void> {
+    this.#closing ??= this.#close();
+    return this.#closing;
+  }
+
+  async #close(): Promise<void> {
     this.#health.stop();
     await this.fleet?.close();
     await this.kvRouting?.close();
