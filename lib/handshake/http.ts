@@ -308,13 +308,35 @@ export class HttpHandshake implements HandshakeStrategy {
     const max = opts.maxResponseBytes ?? DEFAULT_MAX_RESPONSE;
     const mod = opts.tls ? https : http;
     return new Promise((resolve, reject) => {
-      const signals = [AbortSignal.timeout(timeoutMs), ...(opts.signal ? [opts.signal] : [])];
+      // A plain timer and listener, not AbortSignal.timeout() under AbortSignal.any():
+      // Node 20 garbage-collects a timeout signal that only a composite signal refers
+      // to, timer and all, and a peer that never answers then holds the fetch for good.
+      // The first failure settles; destroy() then gets no error of its own: a kept-alive
+      // socket whose answer has fully arrived is already detached from the request, and
+      // an error given to destroy() (a signal's too) is emitted there with no listener.
+      const stop = (e: HandshakeError) => {
+        fail(e);
+        req.destroy();
+      };
+      const timer = setTimeout(
+        () => stop(new HandshakeError(`${url}: no answer within ${timeoutMs} ms`, 'NIXL_ERR_TIMEOUT')),
+        timeoutMs,
+      );
+      const onAbort = () =>
+        stop(new HandshakeError(`handshake with ${url} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal?.reason }));
+      const done = () => {
+        clearTimeout(timer);
+        opts.signal?.removeEventListener('abort', onAbort);
+      };
+      const fail = (e: unknown) => {
+        done();
+        reject(e);
+      };
       const req = mod.request(
         url,
         {
           method: 'GET',
           agent: this.#agentFor(opts),
-          signal: AbortSignal.any(signals),
           headers: opts.bearerToken ? { authorization: `Bearer ${opts.bearerToken}` } : {},
           ...(opts.tls && !this.keepAlive
             ? { ca: opts.tls.ca, cert: opts.tls.cert, key: opts.tls.key, servername: opts.tls.servername }
@@ -326,13 +348,16 @@ export class HttpHandshake implements HandshakeStrategy {
           res.on('data', (c: Buffer) => {
             size += c.length;
             if (size > max) {
-              req.destroy(new HandshakeError(`${url}: answer larger than ${max} bytes`));
+              stop(new HandshakeError(`${url}: answer larger than ${max} bytes`));
               return;
             }
             chunks.push(c);
           });
-          res.on('error', (e) => reject(e));
+          res.on('error', (e) =>
+            fail(new HandshakeError(`${url}: ${e.message}`, 'NIXL_ERR_REMOTE_DISCONNECT', { cause: e })),
+          );
           res.on('end', () => {
+            done();
             const text = Buffer.concat(chunks).toString('utf8');
             let body: unknown;
             try {
@@ -353,17 +378,11 @@ export class HttpHandshake implements HandshakeStrategy {
           });
         },
       );
-      req.on('error', (e) => {
-        if (e instanceof HandshakeError) return reject(e);
-        const timedOut = e.name === 'AbortError' || e.name === 'TimeoutError';
-        reject(
-          new HandshakeError(
-            `${url}: ${timedOut ? `no answer within ${timeoutMs} ms` : e.message}`,
-            timedOut ? 'NIXL_ERR_TIMEOUT' : 'NIXL_ERR_REMOTE_DISCONNECT',
-            { cause: e },
-          ),
-        );
-      });
+      req.on('error', (e) =>
+        fail(new HandshakeError(`${url}: ${e.message}`, 'NIXL_ERR_REMOTE_DISCONNECT', { cause: e })),
+      );
+      if (opts.signal?.aborted) onAbort();
+      else opts.signal?.addEventListener('abort', onAbort, { once: true });
       req.end();
     });
   }

@@ -288,6 +288,23 @@ describe('HTTP/S side channel', () => {
     }
   });
 
+  it('an answer over maxResponseBytes is refused, naming the limit, and not retried', async () => {
+    const h = new HttpHandshake();
+    const s = await h.serve({ port: 0, payloads: payloads(1, 'v12'), logger: quietLogger() });
+    try {
+      await expect(
+        h.fetch({ host: '127.0.0.1', port: s.port, tpRank: 0, maxResponseBytes: 64, timeoutMs: 5000 }),
+      ).rejects.toMatchObject({
+        code: 'NIXL_ERR_INVALID_PARAM',
+        message: expect.stringMatching(/larger than 64 bytes/),
+      });
+      expect(s.stats.served).toBe(1);
+    } finally {
+      h.close();
+      await s.close();
+    }
+  });
+
   it('garbage on the socket gets a 400, the server lives on; dead and silent peers time out', async () => {
     const h = new HttpHandshake();
     const log = quietLogger();
