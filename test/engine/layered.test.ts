@@ -186,9 +186,12 @@ describe.each(wanted)('layered transfers: %s engine', (engine) => {
     expect(codeOf(() => a.checkXferState(old))).toBe('NIXL_ERR_NOT_FOUND');
     expect(codeOf(() => a.releaseXferHandle(old))).toBe('NIXL_ERR_NOT_FOUND');
     // Ids next to a live one (another generation of its place, another place) are no handles either.
-    for (const id of [h.id + 0x10000, h.id - 0x10000, h.id + 1, h.id | 0x7fff0000]) {
+    for (const id of [h.id + 0x10000, h.id - 0x10000, h.id + 1, (h.id | 0x7fff0000) >>> 0]) {
       const forged = { ...h, id } as LayeredXferHandle;
-      expect(codeOf(() => a.postLayer(forged, 0)), `id 0x${id.toString(16)}`).toBe('NIXL_ERR_NOT_FOUND');
+      expect(
+        codeOf(() => a.postLayer(forged, 0)),
+        `id 0x${id.toString(16)}`,
+      ).toBe('NIXL_ERR_NOT_FOUND');
     }
     expect(codeOf(() => a.checkXferState(h))).toBe('NIXL_ERR_NOT_POSTED');
     for (let l = 0; l < LAYERS; l++) a.postLayer(h, l);
