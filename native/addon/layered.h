@@ -94,7 +94,7 @@ class LayeredRequests {
   void finishIfDone(Engine& e, Request& r);
 
   std::vector<Slot> slots_;
-  std::vector<uint32_t> free_;                                        // slots to reuse, with a generation left
+  std::vector<uint32_t> free_;                                       // slots to reuse, with a generation left
   std::unordered_map<Handle, std::pair<uint32_t, uint32_t>> owner_;  // engine request -> (slot, layer)
 };
 
