@@ -269,3 +269,36 @@ it('the codec, the TP mapping and the errors load without the addon', async () =
   ).toString();
   expect(out.trim()).toBe('function function -4');
 });
+
+// postLayer is a function of its own (layerPoster), not a method: the same
+// refusals, and a poster kept past its agent's close refuses too.
+describe('the layer poster refuses bad arguments and a closed agent', () => {
+  const post = agent.layerPoster();
+  const layered = agent.makeLayeredXferReq(
+    'READ',
+    dl,
+    new Uint32Array([0]),
+    agent.prepXferDlist('args-b', peerTriple, 0, undefined),
+    new Uint32Array([0]),
+    new Uint32Array([0, 1]),
+    undefined,
+    'args-b',
+  )[0];
+
+  it.each(wrong.handle)('handle %o', (bad) => {
+    expect(errorOf(() => post(bad as number, 0, true))?.code).toBe('NIXL_ERR_INVALID_PARAM');
+  });
+  it.each(['0', null, undefined, {}, -1, 1.5, 2 ** 32, Number.NaN])('layer %o', (bad) => {
+    expect(errorOf(() => post(layered, bad as number, true))?.code).toBe('NIXL_ERR_INVALID_PARAM');
+  });
+  it('an engine handle, an unknown layered handle', () => {
+    expect(errorOf(() => post(xfer, 0, true))?.code).toBe('NIXL_ERR_NOT_FOUND');
+    expect(errorOf(() => post(layered + 1, 0, true))?.code).toBe('NIXL_ERR_NOT_FOUND');
+  });
+  it('a closed agent', () => {
+    const c = new binding.NativeAgent('args-closed', { engine: 'loopback', backends: ['LOOPBACK'] }, () => {});
+    const cpost = c.layerPoster();
+    c.close();
+    expect(errorOf(() => cpost(0x80000000, 0, true))?.code).toBe('NIXL_ERR_NOT_ALLOWED');
+  });
+});
