@@ -793,7 +793,7 @@ class LoopbackEngine final : public Engine {
     if (!req.pinned) return;
     req.pinned = false;
     if (req.pinnedLocal) unpinSide(req.local);
-    unpinSide(req.remote_);
+    if (req.remote->sameProcess) unpinSide(req.remote_);  // another process's regions are never pinned here
   }
 
   // No lock: only this thread queues work, so an idle worker stays idle
