@@ -1,5 +1,7 @@
 // Every native method, handed each wrong argument type, answers
 // NIXL_ERR_INVALID_PARAM naming the argument: nothing is coerced (issue 14).
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 import { afterAll, describe, expect, it } from 'vitest';
 import { NixlError } from '../../lib';
 import { binding, type NativeAgent } from '../../lib/native';
@@ -300,5 +302,22 @@ describe('the layer poster refuses bad arguments and a closed agent', () => {
     const cpost = c.layerPoster();
     c.close();
     expect(errorOf(() => cpost(0x80000000, 0, true))?.code).toBe('NIXL_ERR_NOT_ALLOWED');
+  });
+  it('a poster kept after its agent was collected refuses, touching nothing of it', async () => {
+    setFlagsFromString('--expose-gc');
+    const gc = runInNewContext('gc') as () => void;
+    const kept = (() => {
+      const c = new binding.NativeAgent('args-gone', { engine: 'loopback', backends: ['LOOPBACK'] }, () => {});
+      return c.layerPoster();
+    })();
+    // The agent's destructor runs when the collector finalizes it: a few rounds, each with a turn of the loop.
+    let e: NixlError | undefined;
+    for (let i = 0; i < 20 && e?.message !== 'postLayer: the agent is gone'; i++) {
+      gc();
+      await new Promise((r) => setImmediate(r));
+      e = errorOf(() => kept(0x80000000, 0, true));
+    }
+    expect(e?.message).toBe('postLayer: the agent is gone');
+    expect(e?.code).toBe('NIXL_ERR_NOT_ALLOWED');
   });
 });
