@@ -30,7 +30,7 @@ namespace nixlnode {
 // Layered request ids live above every engine handle (engines count from 1).
 // Below that bit: the request's slot in LayeredRequests' table, and the
 // slot's generation, so a lookup is an index and a compare, not a hash; a
-// released handle never matches its slot again (see make).
+// released handle never matches its slot again (see release).
 constexpr Handle kLayeredBit = 0x80000000u;
 inline bool isLayered(Handle h) { return (h & kLayeredBit) != 0; }
 constexpr uint32_t kNoLayer = UINT32_MAX;
