@@ -137,6 +137,7 @@ function stateOf(status: number | [number, string]): XferState {
 export class NixlAgent {
   readonly name: string;
   readonly #native: NativeAgent;
+  readonly #postLayer: ReturnType<NativeAgent['layerPoster']>;
   readonly #waiters = new Map<number, Waiter[]>();
   readonly #notifs: Notif[] = [];
   readonly #notifWatchers = new Set<{ take(n: Notif): boolean; reject(e: Error): void }>();
@@ -162,6 +163,7 @@ export class NixlAgent {
       },
       (done, notif) => this.#onEvents(done, notif),
     );
+    this.#postLayer = this.#native.layerPoster();
     try {
       for (const b of backends) this.#native.createBackend(b, backendParams(engine, b, options.backendParams?.[b]));
     } catch (e) {
@@ -424,7 +426,7 @@ export class NixlAgent {
   postLayer(handle: LayeredXferHandle, layer: number): XferState {
     return this.#endedByPost(
       handle,
-      stateOf(this.#native.postLayer(handle.id, layer, inlineBudgetLeftFor(handle.layerBytes))),
+      stateOf(this.#postLayer(handle.id, layer, inlineBudgetLeftFor(handle.layerBytes))),
     );
   }
 

@@ -85,8 +85,11 @@ export declare class NativeAgent {
     notif: Uint8Array | string | undefined,
     remoteAgent: string,
   ): [handle: number, maxLayerBytes: number];
-  /** The layered request's status after posting the layer (1 = in progress). */
-  postLayer(h: number, layer: number, mayInline: boolean): number;
+  /**
+   * The agent's layer poster: postLayer(h, layer, mayInline) -> the layered request's status after posting the
+   * layer (1 = in progress). A function, not a method: the addon finds its agent without unwrapping `this`.
+   */
+  layerPoster(): (h: number, layer: number, mayInline: boolean) => number;
   /** 1 = in progress (a completion event follows), 0 = already done */
   /** mayInline false: through the engine's thread whatever the size. */
   postXferReq(h: number, notif?: Uint8Array | string, mayInline?: boolean): number;

@@ -81,7 +81,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
                            Method<&NativeAgent::MakeXferReq>("makeXferReq"),
                            Method<&NativeAgent::CreateXferReq>("createXferReq"),
                            Method<&NativeAgent::MakeLayeredXferReq>("makeLayeredXferReq"),
-                           Method<&NativeAgent::PostLayer>("postLayer"),
+                           Method<&NativeAgent::LayerPoster>("layerPoster"),
                            Method<&NativeAgent::PostXferReq>("postXferReq"),
                            Method<&NativeAgent::GetXferStatus>("getXferStatus"),
                            Method<&NativeAgent::ReleaseXferReq>("releaseXferReq"),
@@ -136,6 +136,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   }
 
   ~NativeAgent() override {
+    gate_->self = nullptr;  // a poster that outlives its agent refuses to post
     if (engine_) {
       napi_remove_env_cleanup_hook(Env(), &NativeAgent::EnvCleanup, this);
       Shutdown();
@@ -476,26 +477,61 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     return out;
   }
 
-  // postLayer(handle, layer, mayInline) -> the request's status after it. The
-  // per-layer call of a layer-wise transfer: no allocation, no event unless the
-  // engine's thread runs the layer.
-  Napi::Value PostLayer(const Napi::CallbackInfo& info) {
-    Napi::Env env = info.Env();
-    Handle h = args::handle(env, info[0], "layered transfer handle");
+  // layerPoster() -> postLayer(handle, layer, mayInline), the request's
+  // status after it: the per-layer call of a layer-wise transfer, with no
+  // allocation and no event unless the engine's thread runs the layer. A
+  // function of its own, not a method: a method finds its agent with
+  // napi_unwrap (a private-symbol property lookup), which cost as much as
+  // the layer's bookkeeping; this one gets it as its callback data.
+  Napi::Value LayerPoster(const Napi::CallbackInfo& info) {
+    napi_env env = info.Env();
+    auto* data = new std::shared_ptr<PosterGate>(gate_);
+    napi_value fn;
+    if (napi_create_function(env, "postLayer", NAPI_AUTO_LENGTH, PostLayerCallback, data, &fn) != napi_ok) {
+      delete data;
+      fail(env, ERR_UNKNOWN, "layerPoster: napi_create_function failed");
+    }
+    auto drop = [](napi_env, void* d, void*) { delete static_cast<std::shared_ptr<PosterGate>*>(d); };
+    if (napi_add_finalizer(env, fn, data, drop, nullptr, nullptr) != napi_ok) {
+      delete data;  // fn is never handed out: nothing calls it with data
+      fail(env, ERR_UNKNOWN, "layerPoster: napi_add_finalizer failed");
+    }
+    return Napi::Value(env, fn);
+  }
+
+  static napi_value PostLayerCallback(napi_env env, napi_callback_info cbinfo) {
+    size_t argc = 3;
+    napi_value argv[3];  // missing arguments read as undefined
+    void* data = nullptr;
+    if (napi_get_cb_info(env, cbinfo, &argc, argv, nullptr, &data) != napi_ok) return nullptr;
+    NativeAgent* self = (*static_cast<std::shared_ptr<PosterGate>*>(data))->self;
+    try {
+      return guard(Napi::Env(env), [&] {
+        if (!self) fail(env, ERR_NOT_ALLOWED, "postLayer: the agent is gone");
+        return self->PostLayer(env, argv);
+      });
+    } catch (const Napi::Error& e) {
+      e.ThrowAsJavaScriptException();
+      return nullptr;
+    }
+  }
+
+  napi_value PostLayer(napi_env env, const napi_value* argv) {
+    Handle h = args::handle(env, Napi::Value(env, argv[0]), "layered transfer handle");
     // One N-API call per argument: on 4 KiB blocks a layer's copy takes about
     // a microsecond, and each call into N-API is a few percent of it.
     double d;
-    if (napi_get_value_double(env, info[1], &d) != napi_ok) invalidArg(env, "postLayer: layer must be a number");
+    if (napi_get_value_double(env, argv[1], &d) != napi_ok) invalidArg(env, "postLayer: layer must be a number");
     if (!(d >= 0 && d < 4294967296.0) || d != static_cast<double>(static_cast<uint32_t>(d)))
       invalidArg(env, "postLayer: layer must be a non-negative integer");
     bool mayInline = true;
-    if (bool b; napi_get_value_bool(env, info[2], &b) == napi_ok) mayInline = b;
+    if (bool b; napi_get_value_bool(env, argv[2], &b) == napi_ok) mayInline = b;
     uint32_t inProg = 0;
     int s = layered_.postLayer(E(env), h, static_cast<uint32_t>(d), mayInline, &inProg);
     AddInflight(env, inProg);
     napi_value out;
-    NAPI_THROW_IF_FAILED(env, napi_create_int32(env, s, &out), Napi::Value());
-    return Napi::Value(env, out);
+    if (napi_create_int32(env, s, &out) != napi_ok) fail(env, ERR_UNKNOWN, "postLayer: napi_create_int32 failed");
+    return out;
   }
 
   void AddInflight(Napi::Env env, uint32_t n) {
@@ -629,6 +665,12 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
 
   std::unique_ptr<nixlnode::Engine> engine_;
   LayeredRequests layered_;
+  // What a layer poster (LayerPoster) holds of its agent: cleared when the
+  // agent goes, so a poster kept longer fails instead of touching it.
+  struct PosterGate {
+    NativeAgent* self;
+  };
+  std::shared_ptr<PosterGate> gate_ = std::make_shared<PosterGate>(PosterGate{this});
   Tsfn tsfn_;
   TsfnCtx tsfnCtx_;
   bool haveTsfn_ = false;

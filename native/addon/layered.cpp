@@ -18,7 +18,10 @@ Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t*
                       "makeLayeredXfer: " + num(nl) + " local vs " + num(nr) + " remote indices in all");
   if (bounds[0] != 0 || bounds[nb - 1] != nl)
     throw EngineError(ERR_INVALID_PARAM, "makeLayeredXfer: layer bounds must run from 0 to the number of indices");
-  if (next_ == 0) throw EngineError(ERR_NOT_ALLOWED, "makeLayeredXfer: out of layered request ids");
+  if (free_.empty() && slots_.size() == kLayeredSlots)
+    throw EngineError(ERR_NOT_ALLOWED, "makeLayeredXfer: " + num(kLayeredSlots) +
+                                           " layered transfers alive at once, or the handles ran out; release some "
+                                           "first");
   Request r;
   r.remoteAgent = remoteAgent;
   r.notif = std::move(notif);
@@ -41,18 +44,26 @@ Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t*
     throw;
   }
   for (Handle s : r.subs) r.maxLayerBytes = std::max(r.maxLayerBytes, e.xferBytes(s));
-  Handle h = next_++;
-  if (next_ == 0 || !isLayered(next_)) next_ = 0;  // wrapped: no more ids rather than a reused one
-  for (uint32_t l = 0; l < r.subs.size(); ++l) owner_[r.subs[l]] = {h, l};
-  reqs_.emplace(h, std::move(r));
-  return h;
+  uint32_t i;
+  if (!free_.empty()) {
+    i = free_.back();
+    free_.pop_back();
+  } else {
+    i = static_cast<uint32_t>(slots_.size());
+    slots_.emplace_back();
+  }
+  Slot& slot = slots_[i];
+  slot.live = true;
+  slot.r = std::move(r);
+  for (uint32_t l = 0; l < slot.r.subs.size(); ++l) owner_[slot.r.subs[l]] = {i, l};
+  return kLayeredBit | slot.gen << kLayeredSlotBits | i;
 }
 
 LayeredRequests::Request& LayeredRequests::find(Handle h, const char* what) {
-  auto it = reqs_.find(h);
-  if (it == reqs_.end())
+  uint32_t i = h & (kLayeredSlots - 1);
+  if (!isLayered(h) || i >= slots_.size() || !slots_[i].live || slots_[i].gen != (h & ~kLayeredBit) >> kLayeredSlotBits)
     throw EngineError(ERR_NOT_FOUND, std::string(what) + ": unknown or already released layered transfer handle");
-  return it->second;
+  return slots_[i].r;
 }
 
 // Starts a new posting when the last one had every layer posted (or none was
@@ -195,8 +206,9 @@ bool LayeredRequests::onEngineDone(Engine& e, Handle sub, Handle* ended) {
   *ended = 0;
   auto it = owner_.find(sub);
   if (it == owner_.end()) return false;
-  auto [h, l] = it->second;
-  Request& r = reqs_.at(h);
+  auto [i, l] = it->second;
+  Request& r = slots_[i].r;
+  Handle h = kLayeredBit | slots_[i].gen << kLayeredSlotBits | i;
   // Already seen finished (status() asked first), or the event of an earlier
   // posting delivered after the layer was posted again: nothing new.
   if (r.state[l] != kInFlight) return true;
@@ -212,6 +224,7 @@ bool LayeredRequests::onEngineDone(Engine& e, Handle sub, Handle* ended) {
 
 void LayeredRequests::release(Engine& e, Handle h) {
   Request& r = find(h, "releaseXferHandle");
+  uint32_t i = h & (kLayeredSlots - 1);
   // Every layer's request goes, even if one release throws: the first error
   // is reported once the rest are released.
   std::optional<EngineError> first;
@@ -223,12 +236,23 @@ void LayeredRequests::release(Engine& e, Handle h) {
       if (!first) first = x;
     }
   }
-  reqs_.erase(h);
+  Slot& slot = slots_[i];
+  slot.live = false;
+  slot.r = Request{};
+  // The next generation, if the slot has one: a handle is never handed out
+  // twice, so a stale one is refused even once its slot serves another.
+  if (++slot.gen < kLayeredGens) free_.push_back(i);
   if (first) throw *first;
 }
 
 void LayeredRequests::clear() {
-  reqs_.clear();
+  // Generations carry on: handles of a closed agent stay refused.
+  for (uint32_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i].live) {
+      slots_[i].live = false;
+      slots_[i].r = Request{};
+      if (++slots_[i].gen < kLayeredGens) free_.push_back(i);
+    }
   owner_.clear();
 }
 

@@ -28,9 +28,15 @@
 namespace nixlnode {
 
 // Layered request ids live above every engine handle (engines count from 1).
+// Below that bit: the request's slot in LayeredRequests' table, and the
+// slot's generation, so a lookup is an index and a compare, not a hash; a
+// released handle never matches its slot again (see release).
 constexpr Handle kLayeredBit = 0x80000000u;
 inline bool isLayered(Handle h) { return (h & kLayeredBit) != 0; }
 constexpr uint32_t kNoLayer = UINT32_MAX;
+constexpr unsigned kLayeredSlotBits = 16;  // layered requests alive at once: 65,536
+constexpr uint32_t kLayeredSlots = 1u << kLayeredSlotBits;
+constexpr uint32_t kLayeredGens = kLayeredBit >> kLayeredSlotBits;  // handles per slot: 32,768
 
 class LayeredRequests {
  public:
@@ -73,15 +79,23 @@ class LayeredRequests {
     std::string err;
   };
 
+  // A slot: its generation (the handle's upper bits) and, while live, its
+  // request. A slot whose generations are spent is retired, never reused.
+  struct Slot {
+    uint32_t gen = 0;
+    bool live = false;
+    Request r;
+  };
+
   Request& find(Handle h, const char* what);
   void begin(Engine& e, Request& r, uint32_t layer);
   void postOne(Engine& e, Request& r, uint32_t l, bool mayInline, uint32_t* inProg);
   void settle(Engine& e, Request& r, uint32_t l, int s, const std::string& msg);
   void finishIfDone(Engine& e, Request& r);
 
-  std::unordered_map<Handle, Request> reqs_;
-  std::unordered_map<Handle, std::pair<Handle, uint32_t>> owner_;  // engine request -> (layered id, layer)
-  Handle next_ = kLayeredBit | 1;
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_;                                       // slots to reuse, with a generation left
+  std::unordered_map<Handle, std::pair<uint32_t, uint32_t>> owner_;  // engine request -> (slot, layer)
 };
 
 }  // namespace nixlnode

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -383,7 +384,7 @@ class LoopbackEngine final : public Engine {
   int postXferReq(Handle h, const std::string* notif, bool mayInline, bool checkPeer, bool moreFollow) override {
     checkOpen();
     // A reference: nothing in this call changes requests_, and a copy would cost two atomics per post.
-    const RequestP& req = lookup(requests_, h, "postXferReq", "transfer handle");
+    const RequestP& req = request(h, "postXferReq");
     if (req->status.load(std::memory_order_acquire) == IN_PROG)
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
     if (req->remote->removed)
@@ -448,7 +449,7 @@ class LoopbackEngine final : public Engine {
 
   int getXferStatus(Handle h, std::string* errMsg) override {
     checkOpen();
-    const Request& req = *lookup(requests_, h, "checkXferState", "transfer handle");
+    const Request& req = *request(h, "checkXferState");
     int s = req.status.load(std::memory_order_acquire);
     if (s < 0 && errMsg) *errMsg = req.err;
     return s;
@@ -458,7 +459,8 @@ class LoopbackEngine final : public Engine {
     checkOpen();
     // An in-flight request finishes (or is skipped, if still queued) on the
     // worker, which holds its own reference; the handle is gone at once.
-    lookup(requests_, h, "releaseXferHandle", "transfer handle")->released = true;
+    request(h, "releaseXferHandle")->released = true;
+    if (RecentRequest& c = recent_[h % kRecent]; c.h == h) c = {};
     requests_.erase(h);
   }
 
@@ -547,6 +549,7 @@ class LoopbackEngine final : public Engine {
     }
     for (auto& req : queue_) unpin(*req);  // posted, never run (released ones too)
     queue_.clear();
+    recent_.fill({});
     requests_.clear();
     dlists_.clear();
     for (auto& [n, r] : remotes_) r->removed = true;
@@ -561,6 +564,16 @@ class LoopbackEngine final : public Engine {
   }
 
  private:
+  // requests_'s entry for h through recent_ (a hit: an index and a compare,
+  // no hash): a layer-wise sender posts the same few requests over and over.
+  RequestP& request(Handle h, const char* call) {
+    RecentRequest& c = recent_[h % kRecent];
+    if (c.h == h) return *c.req;
+    RequestP& r = lookup(requests_, h, call, "transfer handle");
+    c = {h, &r};
+    return r;
+  }
+
   void checkOpen() const {
     if (closed_) throw EngineError(ERR_NOT_ALLOWED, "agent '" + name_ + "' is closed");
   }
@@ -692,6 +705,8 @@ class LoopbackEngine final : public Engine {
     }
     req->op = op;
     req->remote = std::move(remote);
+    req->localOneRegion =
+        std::all_of(le.begin(), le.end(), [&](const Entry& e) { return e.region == le.front().region; });
     req->local = std::move(le);
     req->remote_ = std::move(re);
     if (!req->remote->sameProcess) {
@@ -734,6 +749,8 @@ class LoopbackEngine final : public Engine {
     };
     if (pinLocal)
       pinSide(req.local, *registry_, name_);
+    else if (req.localOneRegion)
+      checkLive(req.local.front(), name_);  // a layer's blocks mostly lie in one registration
     else
       checkLive(req.local, name_);
     if (req.remote->sameProcess) {
@@ -753,9 +770,11 @@ class LoopbackEngine final : public Engine {
     req.pinnedLocal = pinLocal;
   }
   static void checkLive(const std::vector<Entry>& es, const std::string& who) {
-    for (const auto& e : es)
-      if (!e.region->live)
-        throw EngineError(ERR_NOT_FOUND, "memory " + descStr(e.d) + " of agent '" + who + "' was deregistered");
+    for (const auto& e : es) checkLive(e, who);
+  }
+  static void checkLive(const Entry& e, const std::string& who) {
+    if (!e.region->live)
+      throw EngineError(ERR_NOT_FOUND, "memory " + descStr(e.d) + " of agent '" + who + "' was deregistered");
   }
   static void unpinSide(std::vector<Entry>& es) { addInUse(es, -1); }
   // One atomic per run of entries in the same region, not one per entry: the
@@ -774,7 +793,7 @@ class LoopbackEngine final : public Engine {
     if (!req.pinned) return;
     req.pinned = false;
     if (req.pinnedLocal) unpinSide(req.local);
-    unpinSide(req.remote_);
+    if (req.remote->sameProcess) unpinSide(req.remote_);  // another process's regions are never pinned here
   }
 
   // No lock: only this thread queues work, so an idle worker stays idle
@@ -897,6 +916,15 @@ class LoopbackEngine final : public Engine {
   std::unordered_map<Handle, Registration> registrations_;
   std::unordered_map<Handle, std::shared_ptr<Dlist>> dlists_;
   std::unordered_map<Handle, RequestP> requests_;
+  // The entries of requests_ looked up last, by handle modulo kRecent: an
+  // unordered_map's entries stay put until erased (a rehash moves none), and
+  // releaseXferReq and close drop what they erase. Handles are never reused.
+  static constexpr Handle kRecent = 128;
+  struct RecentRequest {
+    Handle h = 0;  // 0: empty (handles count from 1)
+    RequestP* req = nullptr;
+  };
+  std::array<RecentRequest, kRecent> recent_{};
   std::unordered_map<std::string, RemoteP> remotes_;
 
   std::mutex qMu_;

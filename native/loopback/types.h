@@ -139,10 +139,11 @@ struct Request {
   std::atomic<int> status{ERR_NOT_POSTED};
   std::string err;  // written before status is stored
   std::atomic<bool> released{false};
-  bool pinned = false;       // posted and not yet run: holds inUse on its regions
-  bool pinnedLocal = false;  // ... this agent's too (not when run inline: see pin)
-  bool deferFence = false;   // this posting's streamed stores are fenced by a later post (copy.h)
-  bool checkPeer = true;     // this posting checks that the peer's process lives (see Engine::postXferReq)
+  bool pinned = false;          // posted and not yet run: holds inUse on its regions
+  bool pinnedLocal = false;     // ... this agent's too (not when run inline: see pin)
+  bool deferFence = false;      // this posting's streamed stores are fenced by a later post (copy.h)
+  bool checkPeer = true;        // this posting checks that the peer's process lives (see Engine::postXferReq)
+  bool localOneRegion = false;  // every local entry lies in the same region: one liveness check
   // Other processes: each distinct registration the remote entries use, once
   // (index of its first entry), so the liveness check costs per registration,
   // not per descriptor. Filled when the request is made.

@@ -1,5 +1,7 @@
 // Every native method, handed each wrong argument type, answers
 // NIXL_ERR_INVALID_PARAM naming the argument: nothing is coerced (issue 14).
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 import { afterAll, describe, expect, it } from 'vitest';
 import { NixlError } from '../../lib';
 import { binding, type NativeAgent } from '../../lib/native';
@@ -268,4 +270,54 @@ it('the codec, the TP mapping and the errors load without the addon', async () =
     { cwd: root, env: { ...process.env, NIXL_NODE_ADDON: '/nonexistent/addon.node' } },
   ).toString();
   expect(out.trim()).toBe('function function -4');
+});
+
+// postLayer is a function of its own (layerPoster), not a method: the same
+// refusals, and a poster kept past its agent's close refuses too.
+describe('the layer poster refuses bad arguments and a closed agent', () => {
+  const post = agent.layerPoster();
+  const layered = agent.makeLayeredXferReq(
+    'READ',
+    dl,
+    new Uint32Array([0]),
+    agent.prepXferDlist('args-b', peerTriple, 0, undefined),
+    new Uint32Array([0]),
+    new Uint32Array([0, 1]),
+    undefined,
+    'args-b',
+  )[0];
+
+  it.each(wrong.handle)('handle %o', (bad) => {
+    expect(errorOf(() => post(bad as number, 0, true))?.code).toBe('NIXL_ERR_INVALID_PARAM');
+  });
+  it.each(['0', null, undefined, {}, -1, 1.5, 2 ** 32, Number.NaN])('layer %o', (bad) => {
+    expect(errorOf(() => post(layered, bad as number, true))?.code).toBe('NIXL_ERR_INVALID_PARAM');
+  });
+  it('an engine handle, an unknown layered handle', () => {
+    expect(errorOf(() => post(xfer, 0, true))?.code).toBe('NIXL_ERR_NOT_FOUND');
+    expect(errorOf(() => post(layered + 1, 0, true))?.code).toBe('NIXL_ERR_NOT_FOUND');
+  });
+  it('a closed agent', () => {
+    const c = new binding.NativeAgent('args-closed', { engine: 'loopback', backends: ['LOOPBACK'] }, () => {});
+    const cpost = c.layerPoster();
+    c.close();
+    expect(errorOf(() => cpost(0x80000000, 0, true))?.code).toBe('NIXL_ERR_NOT_ALLOWED');
+  });
+  it('a poster kept after its agent was collected refuses, touching nothing of it', async () => {
+    setFlagsFromString('--expose-gc');
+    const gc = runInNewContext('gc') as () => void;
+    const kept = (() => {
+      const c = new binding.NativeAgent('args-gone', { engine: 'loopback', backends: ['LOOPBACK'] }, () => {});
+      return c.layerPoster();
+    })();
+    // The agent's destructor runs when the collector finalizes it: a few rounds, each with a turn of the loop.
+    let e: NixlError | undefined;
+    for (let i = 0; i < 20 && e?.message !== 'postLayer: the agent is gone'; i++) {
+      gc();
+      await new Promise((r) => setImmediate(r));
+      e = errorOf(() => kept(0x80000000, 0, true));
+    }
+    expect(e?.message).toBe('postLayer: the agent is gone');
+    expect(e?.code).toBe('NIXL_ERR_NOT_ALLOWED');
+  });
 });
