@@ -1,0 +1,111 @@
+// A proxy keying prompts by 16-token blocks follows workers whose block size
+// is a multiple of 16: a 64-token block is four of the proxy's keys, its
+// removal removes those four, and a worker's match is floored to its own
+// block size (what it can reuse: a GGUF worker reuses whole batches only),
+// so the prompt goes to the prefill holding the longest REUSABLE prefix. A
+// block size that is not a multiple is refused and counted. Publishers are
+// EventPeers (vLLM's wire format, events of the test's making).
+import { afterEach, describe, expect, it } from 'vitest';
+import { startProxy, startWorker } from '../../lib/serving';
+import { promptKeys } from '../../lib/serving/kv-index/index';
+import { EventPeer, complete, storedText, until } from './kv-routing-helpers';
+
+const closers: Array<() => unknown> = [];
+afterEach(async () => {
+  for (const c of closers.splice(0).reverse()) await c();
+});
+
+/** `n` characters of text no other text here shares a first block with. */
+const text = (seed: string, n: number) => `${seed}: ${'abcdefghijklmnopqrstuvwxyz0123456789'.repeat(8)}`.slice(0, n);
+/** Past the decisions' speculative entries (a 1 ms TTL counts to the next 100 ms tick). */
+const expired = () => new Promise((r) => setTimeout(r, 250));
+const slots = (...texts: string[]) => new Set(texts.flatMap((t) => promptKeys(Buffer.from(t), 16).map((k) => k | 0)));
+
+describe('per-worker block size: a B=16 proxy, one publisher at 64 and one at 16', () => {
+  it('routes to the longest reusable prefix, removes 64-blocks as 4 keys, refuses 24, rebuilds after a gap', async () => {
+    const [p64, p16, p24] = await Promise.all([EventPeer.open(), EventPeer.open(), EventPeer.open()]);
+    const a = await startWorker({ transport: 'http' });
+    const b = await startWorker({ transport: 'http' });
+    const d = await startWorker({ transport: 'http' });
+    closers.push(
+      () => p64.close(),
+      () => p16.close(),
+      () => p24.close(),
+      () => a.close(),
+      () => b.close(),
+      () => d.close(),
+    );
+    const PA = text('PA', 140);
+    const PB = text('PB', 80);
+    // The 64-worker (a) holds PA's first 128 tokens and PB's first 64; the 16-worker (b) PA's 96 and PB's 48.
+    await p64.send(storedText(PA.slice(0, 128), 64, [0xa1n, 0xa2n]), storedText(PB.slice(0, 64), 64, [0xb1n]));
+    await p16.send(
+      storedText(PA.slice(0, 96), 16, [1n, 2n, 3n, 4n, 5n, 6n]),
+      storedText(PB.slice(0, 48), 16, [11n, 12n, 13n]),
+    );
+    await p24.send(storedText(PA.slice(0, 48), 24, [21n, 22n]));
+    const stray = 'http://127.0.0.1:9'; // followed by name only: never a candidate
+    const proxy = await startProxy({
+      transport: 'http',
+      prefill: [a.address, b.address],
+      decode: [d.address],
+      healthIntervalMs: 0,
+      policy: 'precise',
+      kvEvents: {
+        endpoints: { [a.address]: p64.endpoint, [b.address]: p16.endpoint, [stray]: p24.endpoint },
+        blockSize: 16,
+        // No speculative entries: only the events say who holds what.
+        index: { speculativeTtlMs: 1 },
+      },
+    });
+    closers.push(() => proxy.close());
+    const routing = proxy.kvRouting!;
+    await until(() => routing.index.size === 12 + 9 && (routing.stats['dropped:block_size'] ?? 0) > 0);
+    const held = (w: string) =>
+      new Set(
+        routing.index
+          .views()
+          .workers.get(w)
+          ?.keys.map(([s]) => s),
+      );
+    expect(held(a.address)).toEqual(slots(PA.slice(0, 128), PB.slice(0, 64)));
+    expect(routing.index.knows(stray)).toBe(false);
+
+    // 70 tokens of PB: the 64-worker can reuse 64, the 16-worker 48.
+    expect((await complete(proxy, PB.slice(0, 70))).nixl_node).toMatchObject({
+      prefill: a.address,
+      prefix_match_tokens: 64,
+    });
+    expect((await complete(proxy, PA)).nixl_node).toMatchObject({ prefill: a.address, prefix_match_tokens: 128 });
+    // 112 tokens of PA, then other text: the 64-worker holds 112 of them in 16-token keys but can
+    // reuse only its first whole 64-block; the 16-worker reuses 96.
+    const q = `${PA.slice(0, 112)}${'y'.repeat(30)}`;
+    expect((await complete(proxy, q)).nixl_node).toMatchObject({ prefill: b.address, prefix_match_tokens: 96 });
+    await expired();
+
+    // The 64-worker drops its second PA block: its four keys go, nothing else.
+    await p64.send({ type: 'BlockRemoved', blockHashes: [0xa2n] });
+    await until(() => routing.index.size === 8 + 9);
+    expect(held(a.address)).toEqual(slots(PA.slice(0, 64), PB.slice(0, 64)));
+    expect((await complete(proxy, PA)).nixl_node).toMatchObject({ prefill: b.address, prefix_match_tokens: 96 });
+    await expired();
+
+    // A gap on the 64-worker: the batch it never sent live comes by replay, chained on its parent.
+    const before = routing.stats.gaps ?? 0;
+    p64.skip = 1;
+    await p64.send(storedText(PA.slice(64, 128), 64, [0xa2n], 0xa1n));
+    await p64.send(storedText(text('PC', 64), 64, [0xc1n]));
+    await until(() => routing.index.size === 16 + 9);
+    expect(routing.stats.gaps).toBeGreaterThan(before);
+    const want = slots(PA.slice(0, 128), PB.slice(0, 64), text('PC', 64));
+    expect(held(a.address)).toEqual(want);
+    expect((await complete(proxy, PA)).nixl_node).toMatchObject({ prefill: a.address, prefix_match_tokens: 128 });
+    // Followed again from scratch (index dropped, replay from 0): the same keys.
+    routing.subscribe(a.address, p64.endpoint);
+    await until(() => routing.index.size === 16 + 9);
+    expect(held(a.address)).toEqual(want);
+
+    const metrics = await (await fetch(`${proxy.url}/metrics`)).text();
+    expect(metrics).toMatch(/nixl_node_proxy_kv_events_dropped_total\{reason="block_size"\} [1-9]/);
+  }, 60_000);
+});
