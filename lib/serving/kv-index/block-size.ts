@@ -51,7 +51,10 @@ export class KeySize {
       this.#b = g;
       return { follow: true, rekey: g };
     }
-    const by = this.given !== undefined ? '--kv-block-size' : 'not given --kv-block-size: the block size it saw first';
+    const by =
+      this.given !== undefined
+        ? '--kv-block-size'
+        : `without --kv-block-size: the divisor of the sizes it follows, never below ${MIN_AUTO_BLOCK} by itself`;
     return {
       follow: false,
       why:
