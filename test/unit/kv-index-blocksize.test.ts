@@ -4,6 +4,7 @@
 // engine map's parts, its match is floored to whole blocks of its own, and
 // bounds and hostile sizes hold. The proxy's block size when not given: the
 // greatest common divisor of what it sees, down to 16.
+import fc from 'fast-check';
 import { describe, expect, it } from 'vitest';
 import { KeySize } from '../../lib/serving/kv-index/block-size';
 import type { KvEvent } from '../../lib/serving/kv-index/decode';
@@ -77,6 +78,47 @@ describe('KvBlockIndex with blocks of several keys', () => {
     );
     expect(ix.apply('w', [big])).toEqual({ too_large: 1 });
     expect(ix.size).toBe(0);
+  });
+});
+
+describe('a worker at W = 4 x B keeps the keys a worker at B storing the same tokens keeps', () => {
+  const PER = 4;
+  const B = 2;
+  // Each W-block hash h stands for the B-worker's hashes h * 8 + j.
+  const sub = (h: number, j: number) => BigInt(h * 8 + j);
+  const op = fc.oneof(
+    fc.record({
+      parent: fc.option(fc.nat(30), { nil: null }),
+      hashes: fc.uniqueArray(fc.nat(30), { minLength: 1, maxLength: 3 }),
+      tokens: fc.array(fc.nat(2), { minLength: 24, maxLength: 24 }),
+    }),
+    fc.record({ remove: fc.uniqueArray(fc.nat(30), { minLength: 1, maxLength: 3 }) }),
+  );
+  it('after every step of random stores and removals: the same keys, and a match floored to whole W-blocks', () => {
+    fc.assert(
+      fc.property(fc.array(op, { maxLength: 30 }), fc.array(fc.nat(2), { minLength: 40, maxLength: 40 }), (ops, q) => {
+        const ix = new KvBlockIndex({}, B);
+        for (const o of ops) {
+          if ('remove' in o) {
+            ix.apply('w', [removed(o.remove.map(BigInt))]);
+            ix.apply('r', [removed(o.remove.flatMap((h) => [0, 1, 2, 3].map((j) => sub(h, j))))]);
+          } else {
+            const tokens = o.tokens.slice(0, o.hashes.length * PER * B);
+            const p = o.parent === null ? null : BigInt(o.parent);
+            ix.apply('w', [stored(o.hashes.map(BigInt), p, tokens, PER * B)]);
+            const subs = o.hashes.flatMap((h) => [0, 1, 2, 3].map((j) => sub(h, j)));
+            ix.apply('r', [stored(subs, o.parent === null ? null : sub(o.parent, PER - 1), tokens, B)]);
+          }
+          const v = ix.views().workers;
+          const slots = (n: string) => new Set(v.get(n)?.keys.map(([slot]) => slot));
+          expect(slots('w')).toEqual(slots('r'));
+          const m = ix.match(promptKeys(q, B), ['w', 'r']);
+          const r = m.get('r')?.blocks ?? 0;
+          expect(m.get('w')?.blocks).toBe(r - (r % PER));
+        }
+      }),
+      { seed: 46, numRuns: 300 },
+    );
   });
 });
 

@@ -59,8 +59,8 @@ interface WorkerBlocks {
   specFirst: OrderedIntMap;
   /** Keys per block of its latest store (its block size over keySize): its match is floored to a multiple. */
   per: number;
-  /** Whether a store of its had blocks of several keys (the engine map has parts to follow). */
-  parts: boolean;
+  /** The most keys a block of its had (its blocks' parts in the engine map are numbered below it). */
+  maxPer: number;
 }
 
 /** Bounds of the proxy's block index. */
@@ -172,7 +172,7 @@ export class KvBlockIndex {
         spec: new OrderedIntMap(),
         specFirst: new OrderedIntMap(),
         per: 1,
-        parts: false,
+        maxPer: 1,
       };
       this.#byId[id] = w;
       this.#workers.set(name, w);
@@ -252,11 +252,13 @@ export class KvBlockIndex {
       }
       w.engine.delete(h);
       this.#release(w, key);
-      if (w.parts)
-        for (let p = 0, k = w.engine.get(h, 0); k >= 0; k = w.engine.get(h, ++p)) {
-          w.engine.delete(h, p);
-          this.#release(w, k);
-        }
+      // Every part that may be there: the bound's trim may have taken some (the oldest: the highest first).
+      for (let p = 0; p < w.maxPer - 1; p++) {
+        const k = w.engine.get(h, p);
+        if (k < 0) continue;
+        w.engine.delete(h, p);
+        this.#release(w, k);
+      }
     }
     bump('applied');
   }
@@ -274,7 +276,10 @@ export class KvBlockIndex {
         continue;
       }
       this.#hold(w, key, code, 0);
-      if (w.parts) for (let p = 0, k = w.engine.get(h, 0); k >= 0; k = w.engine.get(h, ++p)) this.#hold(w, k, code, 0);
+      for (let p = 0; p < w.maxPer - 1; p++) {
+        const k = w.engine.get(h, p);
+        if (k >= 0) this.#hold(w, k, code, 0);
+      }
     }
     bump('applied');
   }
@@ -289,9 +294,7 @@ export class KvBlockIndex {
   /**
    * A BlockStored with tokens: each block is `per` keys of the chain, the
    * last one under its engine hash (the next store's parent), the others
-   * under its parts, numbered back from it (so the bound's trim, oldest
-   * first, takes the highest parts first and a removal walks 0, 1, ... to
-   * the first missing one).
+   * under its parts, numbered back from it.
    */
   #store(w: WorkerBlocks, e: Stored, bump: (k: string, n?: number) => void): void {
     const per = this.#perBlock(e.blockSize);
@@ -322,7 +325,7 @@ export class KvBlockIndex {
       w.engine.set(h, parent);
     }
     w.per = per;
-    if (per > 1) w.parts = true;
+    w.maxPer = Math.max(w.maxPer, per);
     trimOrdered(w.keys, this.o.maxBlocksPerWorker, this.#holders, w.id, FIRST);
     w.engine.dropOldest(excess(w.engine.size, this.o.maxBlocksPerWorker));
     bump('applied');
