@@ -5,10 +5,17 @@
 // so the prompt goes to the prefill holding the longest REUSABLE prefix. A
 // block size that is not a multiple is refused and counted. Publishers are
 // EventPeers (vLLM's wire format, events of the test's making).
-import { afterEach, describe, expect, it } from 'vitest';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { startProxy, startWorker } from '../../lib/serving';
 import { promptKeys } from '../../lib/serving/kv-index/index';
+import { ETCD_MISSING, EtcdServer } from '../etcd-server';
 import { EventPeer, complete, storedText, until } from './kv-routing-helpers';
+
+const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-kv-blocksize-'));
+afterAll(() => fs.rmSync(dir, { recursive: true, force: true }));
 
 const closers: Array<() => unknown> = [];
 afterEach(async () => {
@@ -107,5 +114,50 @@ describe('per-worker block size: a B=16 proxy, one publisher at 64 and one at 16
 
     const metrics = await (await fetch(`${proxy.url}/metrics`)).text();
     expect(metrics).toMatch(/nixl_node_proxy_kv_events_dropped_total\{reason="block_size"\} [1-9]/);
+  }, 60_000);
+});
+
+describe.skipIf(ETCD_MISSING !== '')(`without --kv-block-size, over a fleet in etcd${ETCD_MISSING}`, () => {
+  it('a worker at 64 first, one at 16 later: keyed by 16 from then on, the first followed again', async () => {
+    const etcd = await new EtcdServer().start();
+    closers.push(() => etcd.destroy());
+    const prefix = '/kv-blocksize/';
+    const fleet = (role: 'prefill' | 'decode') => ({ endpoints: [etcd.url], prefix, role, ttlSec: 5, drainMs: 500 });
+    const kvEvents = (name: string) => ({
+      enable_kv_cache_events: true,
+      endpoint: `ipc://${dir}/${name}-pub`,
+      replay_endpoint: `ipc://${dir}/${name}-replay`,
+    });
+    const model = (blockSize: number) => ({ blockSize, layers: 2, blockBytes: 1024 });
+    const a = await startWorker({ name: 'p64', model: model(64), kvEvents: kvEvents('p64'), etcd: fleet('prefill') });
+    const d = await startWorker({ name: 'dd', model: model(64), etcd: fleet('decode') });
+    closers.push(
+      () => a.close(),
+      () => d.close(),
+    );
+    const proxy = await startProxy({
+      etcd: { endpoints: [etcd.url], prefix, resyncMs: 500 },
+      healthIntervalMs: 0,
+      policy: 'precise',
+      kvEvents: { index: { speculativeTtlMs: 1 } },
+    });
+    closers.push(() => proxy.close());
+    const routing = proxy.kvRouting!;
+    await until(() => routing.follower.names.length === 1);
+    expect(routing.blockSize).toBe(64);
+    const P = text('fleet', 200);
+    expect((await complete(proxy, P)).nixl_node.prefill).toBe('p64');
+    await until(() => routing.index.size === 3); // 192 tokens: three 64-token keys
+
+    const b = await startWorker({ name: 'p16', model: model(16), kvEvents: kvEvents('p16'), etcd: fleet('prefill') });
+    closers.push(() => b.close());
+    await until(() => routing.follower.names.length === 2 && routing.blockSize === 16);
+    // p64's blocks came back by replay, each as four 16-token keys.
+    await until(() => routing.index.size === 12);
+    expect(routing.stats['refused:block_size']).toBeUndefined();
+    await expired();
+    // 150 tokens of P: p64 holds 144 of them in 16-token keys and reuses two whole blocks, 128.
+    const ans = await complete(proxy, `${P.slice(0, 150)}${'z'.repeat(20)}`);
+    expect(ans.nixl_node).toMatchObject({ prefill: 'p64', prefix_match_tokens: 128 });
   }, 60_000);
 });
