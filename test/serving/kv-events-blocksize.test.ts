@@ -11,6 +11,7 @@ import * as path from 'node:path';
 import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { startProxy, startWorker } from '../../lib/serving';
 import { promptKeys } from '../../lib/serving/kv-index/index';
+import { modelPath } from '../../lib/serving/models/test-models';
 import { ETCD_MISSING, EtcdServer } from '../etcd-server';
 import { EventPeer, complete, storedText, until } from './kv-routing-helpers';
 
@@ -160,4 +161,60 @@ describe.skipIf(ETCD_MISSING !== '')(`without --kv-block-size, over a fleet in e
     const ans = await complete(proxy, `${P.slice(0, 150)}${'z'.repeat(20)}`);
     expect(ans.nixl_node).toMatchObject({ prefill: 'p64', prefix_match_tokens: 128 });
   }, 60_000);
+});
+
+describe('GGUF prefills announcing whole batches of 32 behind a proxy keying by 16', () => {
+  it("the proxy's prefix_match_tokens is what the chosen prefill then reuses: whole batches", async () => {
+    const BATCH = 32;
+    const common = { model: modelPath('tiny'), contextSize: 1024, threads: 1, parallel: 1, batchSize: BATCH };
+    const prefills = await Promise.all(
+      [0, 1].map((i) =>
+        startWorker({
+          ...common,
+          role: 'prefill',
+          kvEvents: { enable_kv_cache_events: true, endpoint: `ipc://${dir}/g${i}` },
+        }),
+      ),
+    );
+    const decode = await startWorker({ ...common, role: 'decode' });
+    closers.push(...[...prefills, decode].map((w) => () => w.close()));
+    const proxy = await startProxy({
+      prefill: prefills.map((w) => w.address),
+      decode: [decode.address],
+      policy: 'precise',
+      // Followed from what they advertise (block_size 32) in their /health answers.
+      kvEvents: { blockSize: 16, tokenizer: { gguf: modelPath('tiny') }, index: { speculativeTtlMs: 1 } },
+    });
+    closers.push(() => proxy.close());
+    const routing = proxy.kvRouting!;
+    await until(() => routing.follower.names.length === 2);
+    const system = 'A shared beginning for every question here, long enough for several batches. '.repeat(3);
+    const ask = async (question: string) => {
+      const r = await fetch(`${proxy.url}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({
+          model: 'nixl-node-tiny',
+          messages: [
+            { role: 'system', content: system },
+            { role: 'user', content: question },
+          ],
+          max_tokens: 2,
+        }),
+      });
+      expect(r.status).toBe(200);
+      return ((await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } }).nixl_node;
+    };
+    const first = await ask('One?');
+    await until(() => routing.index.size > 0);
+    await expired();
+    const holder = prefills.find((w) => w.address === first.prefill)!;
+    const before = holder.stats.prefixReusedTokens;
+    const second = await ask('Two?');
+    expect(second.prefill).toBe(first.prefill);
+    expect(second.prefix_match_tokens).toBeGreaterThanOrEqual(2 * BATCH);
+    expect(second.prefix_match_tokens % BATCH).toBe(0);
+    expect(holder.stats.prefixReusedTokens - before).toBe(second.prefix_match_tokens);
+    expect(routing.stats['refused:block_size']).toBeUndefined();
+  }, 120_000);
 });
