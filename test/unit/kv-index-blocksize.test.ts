@@ -59,16 +59,29 @@ describe('KvBlockIndex with blocks of several keys', () => {
 
   it('stays within its bounds: keys and engine entries a worker, keys an event', () => {
     const ix = new KvBlockIndex({ maxBlocksPerWorker: 100, maxKeysPerEvent: 64 }, 2);
-    let parent: bigint | null = null;
-    for (let i = 0; i < 40; i++) {
-      const h = BigInt(1000 + i);
-      ix.apply('w', [stored([h], parent, toks(16, i), 16)]);
-      parent = h;
-    }
+    // 40 blocks of 8 keys at a bound of 100 keys, then stored again in another order (as a publisher
+    // announces a block again), some with parts the bound took: the index stays within it throughout.
+    const block = (i: number) => stored([BigInt(1000 + i)], null, toks(16, i * 5), 16);
+    for (let i = 0; i < 40; i++) ix.apply('w', [block(i)]);
     expect(ix.size).toBeLessThanOrEqual(100);
-    // Its oldest blocks were trimmed: removing them all is safe, and leaves the newest intact.
+    for (let round = 0; round < 3; round++)
+      for (let i = 0; i < 40; i++) {
+        ix.apply('w', [block((i * 7 + round * 13) % 40)]);
+        expect(ix.size).toBeLessThanOrEqual(100);
+      }
+    // Removing them all leaves nothing behind: no key of a block outlives its removal.
     for (let i = 0; i < 40; i++) ix.apply('w', [removed([BigInt(1000 + i)])]);
     expect(ix.size).toBe(0);
+    // A block stored again is young again in both maps: the bound then takes the same blocks' keys and entries.
+    const small = new KvBlockIndex({ maxBlocksPerWorker: 16 }, 2);
+    for (const i of [0, 1, 0, 2]) small.apply('w', [block(i)]);
+    small.apply('w', [removed([1000n])]);
+    expect(
+      small
+        .views()
+        .workers.get('w')
+        ?.keys.map(([slot]) => slot),
+    ).toEqual(promptKeys(toks(16, 10), 2).map((k) => k | 0));
     // 9 hashes x 8 keys = 72 keys > 64: dropped whole.
     const big = stored(
       Array.from({ length: 9 }, (_, i) => BigInt(i + 1)),

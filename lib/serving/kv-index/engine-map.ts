@@ -78,10 +78,25 @@ export class EngineMap {
     return at === NONE ? -1 : this.#r[at + VHI] * 0x100000000 + (this.#r[at + VLO] >>> 0);
   }
 
-  /** Sets `h` (its part `part`) to `key` (a 53-bit non-negative integer): in place when present, else as the youngest. */
-  set(h: bigint, key: number, part = -1): void {
+  /**
+   * Sets `h` (its part `part`) to `key` (a 53-bit non-negative integer): in
+   * place when present (`young`: moved to the young end), else as the youngest.
+   */
+  set(h: bigint, key: number, part = -1, young = false): void {
     let b = this.#split(h, part);
     let at = this.#find(b);
+    if (at !== NONE && young && at !== this.#tail) {
+      const r = this.#r;
+      const p = r[at + PREV];
+      const n = r[at + NEXT];
+      if (p !== NONE) r[p + NEXT] = n;
+      else this.#head = n;
+      r[n + PREV] = p;
+      r[at + PREV] = this.#tail;
+      r[at + NEXT] = NONE;
+      r[this.#tail + NEXT] = at;
+      this.#tail = at;
+    }
     if (at === NONE) {
       if (this.#free === NONE && this.#used === this.#cap) {
         this.#grow();

@@ -59,7 +59,7 @@ interface WorkerBlocks {
   specFirst: OrderedIntMap;
   /** Keys per block of its latest store (its block size over keySize): its match is floored to a multiple. */
   per: number;
-  /** The most keys a block of its had (its blocks' parts in the engine map are numbered below it). */
+  /** The most keys a block of its had: above 1, its blocks may have parts in the engine map. */
   maxPer: number;
 }
 
@@ -252,13 +252,11 @@ export class KvBlockIndex {
       }
       w.engine.delete(h);
       this.#release(w, key);
-      // Every part that may be there: the bound's trim may have taken some (the oldest: the highest first).
-      for (let p = 0; p < w.maxPer - 1; p++) {
-        const k = w.engine.get(h, p);
-        if (k < 0) continue;
-        w.engine.delete(h, p);
-        this.#release(w, k);
-      }
+      if (w.maxPer > 1)
+        for (let p = 0, k = w.engine.get(h, 0); k >= 0; k = w.engine.get(h, ++p)) {
+          w.engine.delete(h, p);
+          this.#release(w, k);
+        }
     }
     bump('applied');
   }
@@ -276,10 +274,8 @@ export class KvBlockIndex {
         continue;
       }
       this.#hold(w, key, code, 0);
-      for (let p = 0; p < w.maxPer - 1; p++) {
-        const k = w.engine.get(h, p);
-        if (k >= 0) this.#hold(w, k, code, 0);
-      }
+      if (w.maxPer > 1)
+        for (let p = 0, k = w.engine.get(h, 0); k >= 0; k = w.engine.get(h, ++p)) this.#hold(w, k, code, 0);
     }
     bump('applied');
   }
@@ -294,7 +290,12 @@ export class KvBlockIndex {
   /**
    * A BlockStored with tokens: each block is `per` keys of the chain, the
    * last one under its engine hash (the next store's parent), the others
-   * under its parts, numbered back from it.
+   * under its parts, numbered back from it: set highest first, so that the
+   * bound's trim (oldest first) leaves a block's parts 0..k, and a removal
+   * walks them to the first missing one, at most as many lookups as keys it
+   * removes. A hash stored again is the youngest again, as its keys are: an
+   * entry older than the keys it names would be trimmed while they stay, and
+   * a removal could no longer find them.
    */
   #store(w: WorkerBlocks, e: Stored, bump: (k: string, n?: number) => void): void {
     const per = this.#perBlock(e.blockSize);
@@ -317,12 +318,12 @@ export class KvBlockIndex {
       const h = e.blockHashes[i];
       for (let j = 0; j < per; j++, from += size) {
         parent = blockKey(parent, e.tokenIds, from, from + size);
-        if (j < per - 1) w.engine.set(h, parent, per - 2 - j);
+        if (j < per - 1) w.engine.set(h, parent, per - 2 - j, true);
         const first = i === 0 && j === 0 && e.parent === null;
         this.#hold(w, parent, code, first ? FIRST : 0);
         if (this.#unspec(w, slotOf(parent), first)) this.#confirmed++;
       }
-      w.engine.set(h, parent);
+      w.engine.set(h, parent, -1, true);
     }
     w.per = per;
     w.maxPer = Math.max(w.maxPer, per);
