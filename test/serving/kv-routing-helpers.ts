@@ -1,5 +1,6 @@
 // Shared by the precise-routing tests: a completion through the proxy that
-// answers 200 and says which prefill served it and how much prefix it matched.
+// answers 200 and says which prefill served it and how much prefix it matched,
+// and a publisher of vLLM-format events of the test's own making.
 import { expect } from 'vitest';
 import * as zmq from 'zeromq';
 import { type KvEvent as PeerEvent, encodeBatch } from '../../lib/serving/worker/kv-events/encode';
