@@ -9,7 +9,7 @@ import { type RoutingOptions, affinityKey, loadOf, pickByLoad } from '../fleet/r
 import type { Policy, WorkerPool } from '../proxy/pool';
 import type { Logger } from '../log';
 import type { WorkerRef } from '../proxy/worker-ref';
-import { BatchRefused, type DecodeLimits, decodeBatch } from './decode';
+import { BatchRefused, type DecodeLimits, type KvEvent, decodeBatch } from './decode';
 import { KeySize } from './block-size';
 import { AdvertisedFollower } from './discover';
 import { type IndexOptions, KvBlockIndex, promptKeys } from './index';
@@ -237,20 +237,31 @@ export class PreciseRouting {
       return;
     }
     for (const [why, n] of Object.entries(batch.dropped)) this.#count('dropped', n, why);
-    for (const e of batch.events) {
+    if (this.index.keySize === undefined && this.#sizes(name, batch.events)) return;
+    const counts = this.index.apply(name, batch.events);
+    // Stores the index could not key: B may go down for them (this batch comes again by replay), else refused.
+    if (counts.block_size && this.#sizes(name, batch.events)) return;
+    if (counts.applied) this.#count('applied', counts.applied);
+    for (const why of ['unknown_parent', 'unknown_block', 'too_many_workers', 'block_size', 'too_large'])
+      if (counts[why]) this.#count('dropped', counts[why], why);
+  }
+
+  /**
+   * Considers the block sizes of a batch's stores the index cannot key (B
+   * adopted or lowered, else a warning once per subscription); whether B
+   * went down, every worker to be followed again.
+   */
+  #sizes(name: string, events: readonly KvEvent[]): boolean {
+    for (const e of events) {
       if (e.type !== 'BlockStored' || e.tokenIds.length === 0 || e.blockSize === this.index.keySize) continue;
       const why = this.#consider(e.blockSize);
-      // B just went down: every worker is followed again from a replay, this batch with them.
-      if (this.#rekeying) return;
+      if (this.#rekeying) return true;
       if (why !== undefined && !this.#refusedSizes.has(name)) {
         this.#refusedSizes.add(name);
         this.log?.warn({ worker: name, code: 'NIXL_ERR_INVALID_PARAM' }, `${name}: its events' ${why}`);
       }
     }
-    const counts = this.index.apply(name, batch.events);
-    if (counts.applied) this.#count('applied', counts.applied);
-    for (const why of ['unknown_parent', 'unknown_block', 'too_many_workers', 'block_size', 'too_large'])
-      if (counts[why]) this.#count('dropped', counts[why], why);
+    return false;
   }
 
   /** The routing hint of a request: its prompt's block keys (undefined when its tokens are not known). */
