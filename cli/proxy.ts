@@ -58,7 +58,9 @@ Usage: nixl-node proxy --prefill A[,B...] --decode A[,B...] [options]
                        --prefill) publishes vLLM KV events (ZMQ PUB, its replay ROUTER, and the topic
                        its messages carry when a PUB carries several), over what it advertises;
                        docs/kv-events.md
-  --kv-block-size N    precise: tokens per block, the workers' --block-size (default: from the events)
+  --kv-block-size N    precise: tokens per key of the index; a prefill whose block size is a multiple of N
+                       is followed (default: the greatest common divisor of the prefills' block sizes,
+                       down to 16)
   --kv-tokenizer T     precise: local (the synthetic model's, default) | worker (a prefill's /tokenize) |
                        gguf:PATH (the prefills' GGUF: its vocabulary and chat template loaded here)
   --affinity-chars N   load: prompt characters whose hash picks the prefill (default 512; 0: none)

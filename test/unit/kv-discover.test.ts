@@ -1,7 +1,8 @@
 // Which advertised publishers the proxy follows: each one once, again when it
 // moves, not when it stops advertising, never over an explicit endpoint, and
-// not when its block size differs from the proxy's (refused once, counted).
+// not when the proxy's index cannot key its block size (refused once, counted).
 import { describe, expect, it } from 'vitest';
+import { KeySize } from '../../lib/serving/kv-index/block-size';
 import { AdvertisedFollower, type FollowSink } from '../../lib/serving/kv-index/discover';
 import type { WorkerRef } from '../../lib/serving/proxy/worker-ref';
 
@@ -12,14 +13,17 @@ function ref(address: string, kv?: Partial<NonNullable<WorkerRef['kvEvents']>>, 
 
 function sink(blockSize?: number) {
   const log: string[] = [];
-  const s: FollowSink & { log: string[]; size?: number } = {
+  const key = new KeySize(blockSize);
+  const s: FollowSink & { log: string[]; readonly size?: number } = {
     log,
-    size: blockSize,
+    get size() {
+      return key.value;
+    },
     subscribe: (n, ep) => log.push(`sub ${n} ${ep.pub} ${ep.replay ?? '-'}`),
     unsubscribe: (n) => log.push(`unsub ${n}`),
-    blockSize: () => s.size,
-    adoptBlockSize: (n) => {
-      s.size = n;
+    refuses: (size) => {
+      const v = key.consider(size);
+      return v.follow ? undefined : v.why;
     },
     refuse: (n, why) => log.push(`refuse ${n} ${why.slice(0, 24)}`),
     info: () => {},
@@ -60,16 +64,18 @@ describe('following advertised KV-event publishers', () => {
     expect(s.log).toEqual([]);
   });
 
-  it("refuses, once, an advertisement whose block size is not the proxy's; follows it once it matches", () => {
+  it("follows a block size that is a multiple of the proxy's; refuses, once, one that is not, until it is", () => {
     const s = sink(16);
     const f = new AdvertisedFollower(s);
-    const a = ref('http://h:1', { block_size: 32 });
-    f.sync([a], new Set());
-    f.sync([a], new Set());
-    expect(s.log).toEqual(['refuse http://h:1 advertises block_size 32']);
-    a.kvEvents = { ...a.kvEvents!, block_size: 16 };
-    f.sync([a], new Set());
+    const m = ref('http://h:2', { block_size: 512, endpoint: 'tcp://127.0.0.1:6556' });
+    const a = ref('http://h:1', { block_size: 24 });
+    f.sync([a, m], new Set());
+    f.sync([a, m], new Set());
+    expect(s.log).toEqual(['refuse http://h:1 advertises block_size 24', 'sub http://h:2 tcp://127.0.0.1:6556 -']);
+    a.kvEvents = { ...a.kvEvents!, block_size: 32 };
+    f.sync([a, m], new Set());
     expect(s.log.at(-1)).toBe('sub http://h:1 tcp://127.0.0.1:5556 -');
+    expect(s.size).toBe(16);
     // No block size advertised: followed (its events say).
     const g = new AdvertisedFollower(sink(16));
     g.sync([ref('http://h:9', {})], new Set());

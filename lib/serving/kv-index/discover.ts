@@ -3,8 +3,8 @@
 // /health answer or its etcd record). An endpoint given for a worker with
 // --kv-events-endpoint wins over what it advertises. A worker that leaves,
 // stops advertising or moves its publisher is unsubscribed (its index goes);
-// one whose block size differs from the proxy's is refused, since the index
-// keys every prompt by one block size.
+// one whose block size the proxy's index cannot key (not a whole multiple of
+// the proxy's, block-size.ts) is refused.
 import type { WorkerRef } from '../proxy/worker-ref';
 import type { EventEndpoint } from './subscriber';
 
@@ -40,9 +40,8 @@ export function advertised(workers: readonly WorkerRef[], explicit: ReadonlySet<
 export interface FollowSink {
   subscribe(name: string, ep: EventEndpoint): void;
   unsubscribe(name: string): void;
-  /** The proxy's block size, when known (--kv-block-size, or the first seen). */
-  blockSize(): number | undefined;
-  adoptBlockSize(n: number): void;
+  /** Why a worker with blocks of `size` tokens cannot be followed, or undefined when it can (B may change for it). */
+  refuses(size: number): string | undefined;
   /** An advertisement refused: counted and logged once per endpoint. */
   refuse(name: string, why: string): void;
   info(name: string, msg: string): void;
@@ -79,18 +78,14 @@ export class AdvertisedFollower {
     for (const name of this.#refused.keys()) if (!want.has(name)) this.#refused.delete(name);
     for (const [name, a] of want) {
       if (this.#subscribed.has(name)) continue;
-      const own = this.sink.blockSize();
-      if (a.blockSize !== undefined && own !== undefined && a.blockSize !== own) {
+      const why = a.blockSize === undefined ? undefined : this.sink.refuses(a.blockSize);
+      if (why !== undefined) {
         if (this.#refused.get(name) === a.sig) continue;
         this.#refused.set(name, a.sig);
-        this.sink.refuse(
-          name,
-          `advertises block_size ${a.blockSize}, the proxy keys prompts by ${own} (--kv-block-size): not followed`,
-        );
+        this.sink.refuse(name, `advertises ${why}`);
         continue;
       }
       this.#refused.delete(name);
-      if (a.blockSize !== undefined && own === undefined) this.sink.adoptBlockSize(a.blockSize);
       this.#subscribed.set(name, a.sig);
       this.sink.subscribe(name, a.ep);
       this.sink.info(name, `following the KV events it advertises at ${a.ep.pub}`);

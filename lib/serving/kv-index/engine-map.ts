@@ -5,6 +5,11 @@
 // promotes), a quarter of the update rate's CPU time in the collector.
 // Here keys and values are int32 halves in one typed array; a record's
 // fields sit side by side, as in OrderedIntMap.
+//
+// A hash may have parts (0, 1, ...): entries of their own under the hash
+// with a mask on its halves, for a block that stands for several of the
+// index's keys (a worker whose block size is a multiple of the proxy's).
+// A part's entry is another key in the same table, under the same bound.
 
 const NONE = -1;
 const MIX = (Math.floor(Math.random() * 0x7fffffff) * 2 + 1) | 0;
@@ -46,10 +51,16 @@ export class EngineMap {
     return this.#size;
   }
 
-  #split(h: bigint): number {
+  /** Splits `h` (its part's entry when `part` >= 0) into #lo, #hi; returns its bucket. */
+  #split(h: bigint, part: number): number {
     H64[0] = h;
     this.#lo = H32[LO];
     this.#hi = H32[HI];
+    if (part >= 0) {
+      // Never zero for a part below 2^32: a part's entry is never its hash's own.
+      this.#lo ^= Math.imul(part + 1, 0x9e3779b9);
+      this.#hi ^= Math.imul(part + 1, 0x7f4a7c15);
+    }
     return Math.imul(this.#lo ^ Math.imul(this.#hi, 0x85ebca6b), MIX) >>> this.#shift;
   }
 
@@ -61,20 +72,35 @@ export class EngineMap {
     return at;
   }
 
-  /** The key stored for `h`, or -1 when none (keys are non-negative). */
-  get(h: bigint): number {
-    const at = this.#find(this.#split(h));
+  /** The key stored for `h` (for its part `part`), or -1 when none (keys are non-negative). */
+  get(h: bigint, part = -1): number {
+    const at = this.#find(this.#split(h, part));
     return at === NONE ? -1 : this.#r[at + VHI] * 0x100000000 + (this.#r[at + VLO] >>> 0);
   }
 
-  /** Sets `h` to `key` (a 53-bit non-negative integer): in place when present, else as the youngest. */
-  set(h: bigint, key: number): void {
-    let b = this.#split(h);
+  /**
+   * Sets `h` (its part `part`) to `key` (a 53-bit non-negative integer): in
+   * place when present (`young`: moved to the young end), else as the youngest.
+   */
+  set(h: bigint, key: number, part = -1, young = false): void {
+    let b = this.#split(h, part);
     let at = this.#find(b);
+    if (at !== NONE && young && at !== this.#tail) {
+      const r = this.#r;
+      const p = r[at + PREV];
+      const n = r[at + NEXT];
+      if (p !== NONE) r[p + NEXT] = n;
+      else this.#head = n;
+      r[n + PREV] = p;
+      r[at + PREV] = this.#tail;
+      r[at + NEXT] = NONE;
+      r[this.#tail + NEXT] = at;
+      this.#tail = at;
+    }
     if (at === NONE) {
       if (this.#free === NONE && this.#used === this.#cap) {
         this.#grow();
-        b = this.#split(h);
+        b = this.#split(h, part);
       }
       at = this.#alloc();
       const r = this.#r;
@@ -93,9 +119,9 @@ export class EngineMap {
     this.#r[at + VHI] = Math.floor(key / 0x100000000);
   }
 
-  /** Forgets `h`; whether it was there. */
-  delete(h: bigint): boolean {
-    return this.#remove(this.#split(h));
+  /** Forgets `h` (its part `part`); whether it was there. */
+  delete(h: bigint, part = -1): boolean {
+    return this.#remove(this.#split(h, part));
   }
 
   /** Forgets the `n` oldest entries. */

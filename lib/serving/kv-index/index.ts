@@ -11,6 +11,13 @@
 // workers, and walks on only in the maps of the workers that hold it. Only
 // first blocks: inverting every block made each update two more lookups in
 // one map of all workers' blocks (cache misses), halving the update rate.
+//
+// Keys are over blocks of `keySize` tokens (the proxy's block size). A
+// worker whose blocks are a whole multiple of it (a GGUF worker announces
+// its batch size) has each block keyed as that many keys of the same chain,
+// so a prompt is keyed once whatever the pool mixes; its engine hash finds
+// them all (its parts in the engine map), and its match is floored to a
+// whole number of its blocks: what it can reuse.
 import type { KvEvent } from './decode';
 import { Holders } from './holders';
 import { blockKey, rootKey } from './keys';
@@ -50,6 +57,10 @@ interface WorkerBlocks {
    * block's).
    */
   specFirst: OrderedIntMap;
+  /** Keys per block of its latest store (its block size over keySize): its match is floored to a multiple. */
+  per: number;
+  /** The most keys a block of its had: above 1, its blocks may have parts in the engine map. */
+  maxPer: number;
 }
 
 /** Bounds of the proxy's block index. */
@@ -62,6 +73,8 @@ export interface IndexOptions {
   speculativeTtlMs?: number;
   /** Speculative entries per worker at most (default 10,000), for prompts' first blocks and for later blocks each. */
   maxSpeculative?: number;
+  /** Keys one store may make at most, its blocks times keys per block (default 65,536, the hashes an event may carry). */
+  maxKeysPerEvent?: number;
 }
 
 /** A worker's run of the prompt's leading blocks: how many, and their tier-weighted sum. */
@@ -78,6 +91,7 @@ export interface WorkerView {
   specFirst: [number, number][];
 }
 type Tuple3 = [number, number, number];
+type Stored = Extract<KvEvent, { type: 'BlockStored' }>;
 
 /** What one apply() did, by outcome, for the metrics. */
 export type ApplyCounts = Record<string, number>;
@@ -102,9 +116,23 @@ export class KvBlockIndex {
   /** The candidates holding the prompt's first block. */
   #run = new Int32Array(64);
   #confirmed = 0;
+  /**
+   * Tokens per key (the proxy's block size): a store whose block size is a
+   * whole multiple is keyed that many keys a block, another is dropped
+   * (counted `block_size`). Unset: each store by its own block size.
+   */
+  keySize: number | undefined;
 
-  constructor(o: IndexOptions = {}) {
-    this.o = { maxBlocksPerWorker: 1_000_000, maxWorkers: 1024, speculativeTtlMs: 2000, maxSpeculative: 10_000, ...o };
+  constructor(o: IndexOptions = {}, keySize?: number) {
+    this.o = {
+      maxBlocksPerWorker: 1_000_000,
+      maxWorkers: 1024,
+      speculativeTtlMs: 2000,
+      maxSpeculative: 10_000,
+      maxKeysPerEvent: 65_536,
+      ...o,
+    };
+    this.keySize = keySize;
   }
 
   /**
@@ -143,6 +171,8 @@ export class KvBlockIndex {
         engine: new EngineMap(),
         spec: new OrderedIntMap(),
         specFirst: new OrderedIntMap(),
+        per: 1,
+        maxPer: 1,
       };
       this.#byId[id] = w;
       this.#workers.set(name, w);
@@ -205,47 +235,107 @@ export class KvBlockIndex {
         bump('too_many_workers');
         continue;
       }
-      if (e.type === 'BlockRemoved') {
-        for (const h of e.blockHashes) {
-          const key = w.engine.get(h);
-          if (key < 0) bump('unknown_block');
-          else {
-            w.engine.delete(h);
-            if (this.#held(w, key) !== undefined) this.#unhold(w, slotOf(key));
-          }
+      if (e.type === 'BlockRemoved') this.#remove(w, e.blockHashes, bump);
+      else if (e.tokenIds.length === 0) this.#retier(w, e.blockHashes, tierCode(e.medium), bump);
+      else this.#store(w, e, bump);
+    }
+    return counts;
+  }
+
+  /** A BlockRemoved: each block's keys go (its parts' too). */
+  #remove(w: WorkerBlocks, hashes: readonly bigint[], bump: (k: string, n?: number) => void): void {
+    for (const h of hashes) {
+      const key = w.engine.get(h);
+      if (key < 0) {
+        bump('unknown_block');
+        continue;
+      }
+      w.engine.delete(h);
+      this.#release(w, key);
+      if (w.maxPer > 1)
+        for (let p = 0, k = w.engine.get(h, 0); k >= 0; k = w.engine.get(h, ++p)) {
+          w.engine.delete(h, p);
+          this.#release(w, k);
         }
-        bump('applied');
+    }
+    bump('applied');
+  }
+
+  #release(w: WorkerBlocks, key: number): void {
+    if (this.#held(w, key) !== undefined) this.#unhold(w, slotOf(key));
+  }
+
+  /** A tokenless store (an offload tier): only blocks whose tokens an earlier store gave, all their keys. */
+  #retier(w: WorkerBlocks, hashes: readonly bigint[], code: number, bump: (k: string, n?: number) => void): void {
+    for (const h of hashes) {
+      const key = w.engine.get(h);
+      if (key < 0) {
+        bump('unknown_block');
         continue;
       }
-      const code = tierCode(e.medium);
-      if (e.tokenIds.length === 0) {
-        // Tokenless (an offload tier): only blocks whose tokens an earlier store gave.
-        for (const h of e.blockHashes) {
-          const key = w.engine.get(h);
-          if (key < 0) bump('unknown_block');
-          else this.#hold(w, key, code, 0);
-        }
-        bump('applied');
-        continue;
-      }
-      let parent = e.parent === null ? rootKey(e.loraName) : w.engine.get(e.parent);
-      if (parent < 0) {
-        bump('unknown_parent');
-        continue;
-      }
-      for (let i = 0; i < e.blockHashes.length; i++) {
-        parent = blockKey(parent, e.tokenIds, i * e.blockSize, (i + 1) * e.blockSize);
-        w.engine.set(e.blockHashes[i], parent);
-        const first = i === 0 && e.parent === null;
+      this.#hold(w, key, code, 0);
+      if (w.maxPer > 1)
+        for (let p = 0, k = w.engine.get(h, 0); k >= 0; k = w.engine.get(h, ++p)) this.#hold(w, k, code, 0);
+    }
+    bump('applied');
+  }
+
+  /** Keys per block of a store's block size: 1 at keySize (or with none set), 0 when not a whole multiple. */
+  #perBlock(size: number): number {
+    const b = this.keySize;
+    if (b === undefined || size === b) return 1;
+    return size > b && size % b === 0 ? size / b : 0;
+  }
+
+  /**
+   * A BlockStored with tokens: each block is `per` keys of the chain, the
+   * last one under its engine hash (the next store's parent), the others
+   * under its parts, numbered back from it: set highest first, so that the
+   * bound's trim (oldest first) leaves a block's parts 0..k, and a removal
+   * walks them to the first missing one, at most as many lookups as keys it
+   * removes. A hash stored again is the youngest again, as its keys are: an
+   * entry older than the keys it names would be trimmed while they stay, and
+   * a removal could no longer find them.
+   */
+  #store(w: WorkerBlocks, e: Stored, bump: (k: string, n?: number) => void): void {
+    const per = this.#perBlock(e.blockSize);
+    let parent = e.parent === null ? rootKey(e.loraName) : w.engine.get(e.parent);
+    const bad =
+      per === 0
+        ? 'block_size'
+        : e.blockHashes.length * per > this.o.maxKeysPerEvent
+          ? 'too_large'
+          : parent < 0
+            ? 'unknown_parent'
+            : undefined;
+    if (bad !== undefined) {
+      bump(bad);
+      return;
+    }
+    const code = tierCode(e.medium);
+    const size = e.blockSize / per;
+    for (let i = 0, from = 0; i < e.blockHashes.length; i++) {
+      const h = e.blockHashes[i];
+      for (let j = 0; j < per; j++, from += size) {
+        parent = blockKey(parent, e.tokenIds, from, from + size);
+        if (j < per - 1) w.engine.set(h, parent, per - 2 - j, true);
+        const first = i === 0 && j === 0 && e.parent === null;
         this.#hold(w, parent, code, first ? FIRST : 0);
         if (this.#unspec(w, slotOf(parent), first)) this.#confirmed++;
       }
-      trimOrdered(w.keys, this.o.maxBlocksPerWorker, this.#holders, w.id, FIRST);
-      w.engine.dropOldest(excess(w.engine.size, this.o.maxBlocksPerWorker));
-      bump('applied');
-      bump('blocks', e.blockHashes.length);
+      w.engine.set(h, parent, -1, true);
     }
-    return counts;
+    w.per = per;
+    w.maxPer = Math.max(w.maxPer, per);
+    trimOrdered(w.keys, this.o.maxBlocksPerWorker, this.#holders, w.id, FIRST);
+    w.engine.dropOldest(excess(w.engine.size, this.o.maxBlocksPerWorker));
+    bump('applied');
+    bump('blocks', e.blockHashes.length);
+  }
+
+  /** Forgets every worker (the proxy's block size changed: every key does). */
+  clear(): void {
+    for (const name of [...this.#workers.keys()]) this.drop(name);
   }
 
   /** Forgets a worker's blocks (it left, restarted, or cleared its cache). */
@@ -328,6 +418,11 @@ export class KvBlockIndex {
           sum += 1;
         } else break;
       }
+      // A worker with blocks of several keys reuses whole blocks only.
+      if (w.per > 1 && m % w.per !== 0) {
+        m -= m % w.per;
+        sum = m === 0 ? 0 : this.#runWeight(w, keys, m, weight[c], tick);
+      }
       blocks[c] = m;
       weight[c] = sum;
     }
@@ -342,6 +437,16 @@ export class KvBlockIndex {
       }
     }
     for (let c = 0; c < n; c++) if (ids[c] >= 0) at[ids[c]] = 0;
+  }
+
+  /** The tier-weighted sum of a worker's first `m` matched keys (the first one's weight given). */
+  #runWeight(w: WorkerBlocks, keys: readonly number[], m: number, first: number, tick: number): number {
+    let sum = first;
+    for (let j = 1; j < m; j++) {
+      const v = w.keys.get(slotOf(keys[j]));
+      sum += v >= 0 && v >>> 3 === highOf(keys[j]) ? CODE_WEIGHT[v & 3] : w.spec.get(slotOf(keys[j])) > tick ? 1 : 0;
+    }
+    return sum;
   }
 
   /** Zeroes the decision's arrays and maps the candidates' worker ids to their index (`at`, `#candIds`). */

@@ -20,7 +20,7 @@ const COUNTERS: Record<string, [string, string, string?]> = {
   dropped: ['nixl_node_proxy_kv_events_dropped_total', 'Events or messages dropped, by reason', 'reason'],
   refused: [
     'nixl_node_proxy_kv_events_refused_total',
-    'Advertised KV-event publishers not followed (block size differs from the proxy), by reason',
+    'Advertised KV-event publishers not followed (block size not a multiple of the proxy one), by reason',
     'reason',
   ],
   decisions: ['nixl_node_proxy_kv_routing_decisions_total', 'Precise routing decisions, by reason', 'reason'],

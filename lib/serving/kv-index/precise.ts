@@ -9,7 +9,8 @@ import { type RoutingOptions, affinityKey, loadOf, pickByLoad } from '../fleet/r
 import type { Policy, WorkerPool } from '../proxy/pool';
 import type { Logger } from '../log';
 import type { WorkerRef } from '../proxy/worker-ref';
-import { BatchRefused, type DecodeLimits, decodeBatch } from './decode';
+import { BatchRefused, type DecodeLimits, type KvEvent, decodeBatch } from './decode';
+import { KeySize } from './block-size';
 import { AdvertisedFollower } from './discover';
 import { type IndexOptions, KvBlockIndex, promptKeys } from './index';
 import { type KvIndexMetrics, kvIndexMetrics } from './metrics';
@@ -22,7 +23,10 @@ import { type PromptTokenizer, syntheticTokenizer, workerTokenizer } from './tok
 export interface KvEventsOptions {
   /** Worker (its address as given, or its fleet name) -> where it publishes (--kv-events-endpoint); wins over what it advertises. */
   endpoints?: Record<string, EventEndpoint>;
-  /** Tokens per block, as the workers' --block-size (default: the first advertised or BlockStored's, else 16). */
+  /**
+   * Tokens per key of the index (--kv-block-size): workers whose block size is a multiple are followed.
+   * Default: the greatest common divisor of the block sizes advertised or stored (down to 16), else 16.
+   */
   blockSize?: number;
   /**
    * How the proxy gets a prompt's token ids: 'local' (the synthetic model's; default), 'worker' (a prefill's
@@ -86,7 +90,10 @@ export class PreciseRouting {
   readonly #tokenizer: PromptTokenizer;
   /** The GGUF vocabulary this router loads (tokenizer { gguf }), which it closes. */
   readonly #vocab?: Promise<PromptTokenizer & { close(): Promise<void> }>;
-  #blockSize?: number;
+  readonly #keySize: KeySize;
+  /** Workers whose events' block size was refused (logged once per subscription). */
+  readonly #refusedSizes = new Set<string>();
+  #rekeying = false;
   readonly #w: { prefix: number; kvUtilization: number; queue: number };
   readonly #pool?: { workers: readonly WorkerRef[]; routing?: RoutingOptions };
   /** The names given --kv-events-endpoint (as the pool names them). */
@@ -105,7 +112,8 @@ export class PreciseRouting {
     /** The prefill workers ('worker' tokenizer: whom to ask). */
     pool?: { workers: readonly WorkerRef[]; routing?: RoutingOptions },
   ) {
-    this.index = new KvBlockIndex(o.index);
+    this.#keySize = new KeySize(o.blockSize);
+    this.index = new KvBlockIndex(o.index, o.blockSize);
     this.#metrics = registry ? kvIndexMetrics(registry, () => this.index.size) : undefined;
     const t = o.tokenizer ?? 'local';
     if (typeof t === 'object' && 'gguf' in t) {
@@ -122,17 +130,13 @@ export class PreciseRouting {
           : vocab
             ? { tokens: (body) => vocab.then((v) => v.tokens(body)) }
             : (t as PromptTokenizer);
-    this.#blockSize = o.blockSize;
     this.#w = { prefix: 2, kvUtilization: 1, queue: 1, ...o.weights };
     this.#pool = pool;
     this.#explicit = new Set(Object.keys(o.endpoints ?? {}).map(poolName));
     this.follower = new AdvertisedFollower({
       subscribe: (name, ep) => this.subscribe(name, ep),
       unsubscribe: (name) => this.unsubscribe(name),
-      blockSize: () => this.#blockSize,
-      adoptBlockSize: (n) => {
-        this.#blockSize ??= n;
-      },
+      refuses: (size) => this.#consider(size),
       refuse: (name, why) => {
         this.#count('refused', 1, 'block_size');
         this.log?.warn({ worker: name, code: 'NIXL_ERR_INVALID_PARAM' }, `${name}: ${why}`);
@@ -142,7 +146,34 @@ export class PreciseRouting {
   }
 
   get blockSize(): number {
-    return this.#blockSize ?? 16;
+    return this.#keySize.value ?? 16;
+  }
+
+  /**
+   * Whether a worker with blocks of `size` tokens can be keyed: undefined
+   * when it can (B adopted, or lowered and every worker followed again from
+   * a replay, later: this may run inside a subscriber's callback), else why not.
+   */
+  #consider(size: number): string | undefined {
+    const v = this.#keySize.consider(size);
+    if (!v.follow) return v.why;
+    if (v.adopt !== undefined) this.index.keySize = v.adopt;
+    if (v.rekey !== undefined) {
+      this.index.keySize = v.rekey;
+      this.index.clear();
+      this.log?.info(
+        { blockSize: v.rekey },
+        `KV index: keying prompts by ${v.rekey}-token blocks now (block_size ${size} seen); following every worker again`,
+      );
+      if (!this.#rekeying) {
+        this.#rekeying = true;
+        setImmediate(() => {
+          this.#rekeying = false;
+          for (const [name, sub] of [...this.#subs]) this.subscribe(name, sub.endpoint);
+        });
+      }
+    }
+    return undefined;
   }
 
   #count(what: string, n = 1, label?: string, key = label ? `${what}:${label}` : what): void {
@@ -191,6 +222,7 @@ export class PreciseRouting {
   unsubscribe(name: string): void {
     this.#subs.get(name)?.close();
     this.#subs.delete(name);
+    this.#refusedSizes.delete(name);
     this.index.drop(name);
   }
 
@@ -205,12 +237,31 @@ export class PreciseRouting {
       return;
     }
     for (const [why, n] of Object.entries(batch.dropped)) this.#count('dropped', n, why);
-    if (this.#blockSize === undefined)
-      for (const e of batch.events) if (e.type === 'BlockStored' && e.blockSize > 0) this.#blockSize ??= e.blockSize;
+    if (this.index.keySize === undefined && this.#sizes(name, batch.events)) return;
     const counts = this.index.apply(name, batch.events);
+    // Stores the index could not key: B may go down for them (this batch comes again by replay), else refused.
+    if (counts.block_size && this.#sizes(name, batch.events)) return;
     if (counts.applied) this.#count('applied', counts.applied);
-    for (const why of ['unknown_parent', 'unknown_block', 'too_many_workers'])
+    for (const why of ['unknown_parent', 'unknown_block', 'too_many_workers', 'block_size', 'too_large'])
       if (counts[why]) this.#count('dropped', counts[why], why);
+  }
+
+  /**
+   * Considers the block sizes of a batch's stores the index cannot key (B
+   * adopted or lowered, else a warning once per subscription); whether B
+   * went down, every worker to be followed again.
+   */
+  #sizes(name: string, events: readonly KvEvent[]): boolean {
+    for (const e of events) {
+      if (e.type !== 'BlockStored' || e.tokenIds.length === 0 || e.blockSize === this.index.keySize) continue;
+      const why = this.#consider(e.blockSize);
+      if (this.#rekeying) return true;
+      if (why !== undefined && !this.#refusedSizes.has(name)) {
+        this.#refusedSizes.add(name);
+        this.log?.warn({ worker: name, code: 'NIXL_ERR_INVALID_PARAM' }, `${name}: its events' ${why}`);
+      }
+    }
+    return false;
   }
 
   /** The routing hint of a request: its prompt's block keys (undefined when its tokens are not known). */
