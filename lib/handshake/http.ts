@@ -27,7 +27,7 @@ import {
   type ServeOptions,
   checkRank,
   defaultLogger,
-  defaultTimeoutMs,
+  fetchTimeoutMs,
   monotonicSeconds,
   payloadList,
   rankKey,
@@ -231,7 +231,7 @@ export class HttpHandshake implements HandshakeStrategy {
 
   /** Fetches one rank's payload from a remote side channel, with retries. */
   async fetch(opts: FetchOptions): Promise<FetchResult> {
-    const timeoutMs = opts.timeoutMs ?? defaultTimeoutMs();
+    const timeoutMs = fetchTimeoutMs(opts.timeoutMs);
     const attempts = 1 + (opts.retries ?? 2);
     const wire = wireProfile(opts.wire);
     const pp = checkRank('ppRank', opts.ppRank);
