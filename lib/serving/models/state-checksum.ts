@@ -12,6 +12,8 @@ import xxhash from 'xxhash-wasm';
 import { NixlError } from '../../errors';
 
 type Api = Awaited<ReturnType<typeof xxhash>>;
+/** The most of a state the hash reads at once (see stateChecksum). */
+const SLICE_BYTES = 1 << 20;
 let api: Api | undefined;
 let loading: Promise<void> | undefined;
 
@@ -31,7 +33,9 @@ export function stateChecksum(parts: readonly Uint8Array[]): Buffer {
       'NIXL_ERR_NOT_SUPPORTED',
     );
   const h = api.create64();
-  for (const p of parts) h.update(p);
+  // In slices: xxhash-wasm copies each input into its own memory, which grows
+  // to fit and never shrinks, so one whole state would stay resident for good.
+  for (const p of parts) for (let at = 0; at < p.length; at += SLICE_BYTES) h.update(p.subarray(at, at + SLICE_BYTES));
   const out = Buffer.allocUnsafe(8);
   out.writeBigUInt64LE(h.digest());
   return out;
