@@ -146,4 +146,26 @@ describe('the XXH64 state checksum', () => {
     mac.env.writeUInt32LE(2, 8);
     expect(reason(() => open(mac))).toBe('corrupted');
   });
+
+  // The worker side (the proxy's module graph touches Node's own fetch, whose
+  // undici needs WebAssembly too: not this module's to fix).
+  it('without WebAssembly (node --jitless) a worker still loads; the checksum says why it cannot', async () => {
+    const { spawnSync } = await import('node:child_process');
+    const path = await import('node:path');
+    const script = `
+      require('./dist/lib/serving/worker/worker');
+      const c = require('./dist/lib/serving/models/state-checksum');
+      c.stateChecksumReady().then(
+        () => console.log('loaded'),
+        (e) => setTimeout(() => console.log('refused', e.code, e.message), 100),
+      );`;
+    const r = spawnSync(process.execPath, ['--jitless', '-e', script], {
+      cwd: path.join(__dirname, '..', '..'),
+      encoding: 'utf8',
+      timeout: 60_000,
+    });
+    expect(r.stderr).not.toMatch(/ReferenceError|Unhandled/);
+    expect(r.status).toBe(0);
+    expect(r.stdout).toMatch(/refused NIXL_ERR_NOT_SUPPORTED .*WebAssembly/);
+  });
 });

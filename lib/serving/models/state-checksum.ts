@@ -19,9 +19,20 @@ let loading: Promise<void> | undefined;
 
 /** Loads the checksum's module once; later calls return the same promise. */
 export function stateChecksumReady(): Promise<void> {
-  loading ??= xxhash().then((a) => {
-    api = a;
-  });
+  loading ??= xxhash().then(
+    (a) => {
+      api = a;
+    },
+    (e: unknown) => {
+      // No WebAssembly (node --jitless): a GGUF model cannot seal or check states.
+      throw new NixlError(
+        `the KV state checksum (xxhash-wasm) cannot load: ${(e as Error)?.message ?? e}`,
+        'NIXL_ERR_NOT_SUPPORTED',
+        undefined,
+        { cause: e },
+      );
+    },
+  );
   return loading;
 }
 
@@ -41,4 +52,7 @@ export function stateChecksum(parts: readonly Uint8Array[]): Buffer {
   return out;
 }
 
-void stateChecksumReady();
+// Started on import, so that it is ready by the first state; a failure is
+// reported to whoever awaits it (a model's load), never as an unhandled
+// rejection that would end a process that needs no GGUF model.
+stateChecksumReady().catch(() => {});
