@@ -206,6 +206,22 @@ describe('HTTP side channel against a hostile peer', () => {
     await nextAnswers('an end mid-body');
   });
 
+  it('an unasked-for second answer on a kept-alive connection is never taken as the next answer', async () => {
+    await nextAnswers('warming the pool');
+    const stale = '{"detail":"stale"}';
+    for (const gap of [0, 50]) {
+      behave = (s) => {
+        ok(s);
+        const extra = `HTTP/1.1 404 Not Found\r\nContent-Length: ${stale.length}\r\nConnection: keep-alive\r\n\r\n${stale}`;
+        if (gap === 0) s.write(extra);
+        else setTimeout(() => s.write(extra), gap);
+      };
+      await within(get({ timeoutMs: 5000 }), 8000, 'an answer and an extra one');
+      await sleep(100);
+      await nextAnswers(`an extra answer ${gap} ms after the first`);
+    }
+  });
+
   it('aborts before the send, during the headers, during the body and after the end', async () => {
     const before = requests;
     await expect(within(get({ signal: AbortSignal.abort() }), 8000, 'aborted before')).rejects.toMatchObject({
