@@ -20,6 +20,7 @@ import {
 import {
   DEFAULT_MAX_REQUEST,
   DEFAULT_MAX_RESPONSE,
+  fetchMaxResponseBytes,
   type FetchOptions,
   type FetchResult,
   type HandshakeServer,
@@ -232,6 +233,7 @@ export class HttpHandshake implements HandshakeStrategy {
   /** Fetches one rank's payload from a remote side channel, with retries. */
   async fetch(opts: FetchOptions): Promise<FetchResult> {
     const timeoutMs = fetchTimeoutMs(opts.timeoutMs);
+    fetchMaxResponseBytes(opts.maxResponseBytes);
     const attempts = 1 + (opts.retries ?? 2);
     const wire = wireProfile(opts.wire);
     const pp = checkRank('ppRank', opts.ppRank);

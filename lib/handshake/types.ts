@@ -182,6 +182,14 @@ export function fetchTimeoutMs(timeoutMs: number | undefined): number {
   return Math.min(timeoutMs, TIMER_MAX_MS);
 }
 
+/** A fetch's largest answer (`maxResponseBytes`, else 64 MiB): a positive integer, else NIXL_ERR_INVALID_PARAM (NaN compared as no limit at all). */
+export function fetchMaxResponseBytes(bytes: number | undefined): number {
+  if (bytes === undefined) return DEFAULT_MAX_RESPONSE;
+  if (!Number.isSafeInteger(bytes) || bytes <= 0)
+    throw new NixlError(`maxResponseBytes must be a positive integer, got ${bytes}`, 'NIXL_ERR_INVALID_PARAM');
+  return bytes;
+}
+
 /** A rank number: an integer in 0..65535, or NIXL_ERR_INVALID_PARAM naming it. */
 export function checkRank(name: string, v: number | undefined): number {
   const r = v ?? 0;

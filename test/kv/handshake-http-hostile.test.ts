@@ -294,6 +294,14 @@ describe('HTTP side channel against a hostile peer', () => {
     },
   );
 
+  it.each([Number.NaN, -1, 0, 1.5])('maxResponseBytes %s is refused (NaN was no limit at all)', async (n) => {
+    behave = ok;
+    await expect(within(get({ maxResponseBytes: n }), 8000, `maxResponseBytes ${n}`)).rejects.toMatchObject({
+      code: 'NIXL_ERR_INVALID_PARAM',
+      message: expect.stringMatching(/maxResponseBytes must be/),
+    });
+  });
+
   it('ZeroMQ refuses the same timeouts (-1 there waited for ever on a silent peer)', async () => {
     behave = () => {};
     const z = createHandshake('zmq');
@@ -302,6 +310,9 @@ describe('HTTP side channel against a hostile peer', () => {
         await expect(
           within(z.fetch({ host: '127.0.0.1', port, tpRank: 0, retries: 0, timeoutMs: t }), 8000, `zmq timeoutMs ${t}`),
         ).rejects.toMatchObject({ code: 'NIXL_ERR_INVALID_PARAM' });
+      await expect(
+        within(z.fetch({ host: '127.0.0.1', port, tpRank: 0, retries: 0, maxResponseBytes: Number.NaN }), 8000, 'zmq'),
+      ).rejects.toMatchObject({ code: 'NIXL_ERR_INVALID_PARAM' });
     } finally {
       z.close();
     }
