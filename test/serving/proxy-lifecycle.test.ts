@@ -4,6 +4,7 @@ import net from 'node:net';
 import type { AddressInfo } from 'node:net';
 import { describe, expect, it } from 'vitest';
 import { ServingProxy, startProxy } from '../../lib';
+import { modelPath } from '../../lib/serving/models/test-models';
 
 const options = { prefill: ['http://127.0.0.1:9'], decode: ['http://127.0.0.1:9'], healthIntervalMs: 0 };
 
@@ -73,6 +74,15 @@ describe('ServingProxy closed while it starts', () => {
       await peer.close();
     }
   });
+
+  it('close() while the GGUF vocabulary loads: start() rejects and nothing listens', async () => {
+    const p = new ServingProxy({ ...options, policy: 'precise', kvEvents: { tokenizer: { gguf: modelPath('tiny') } } });
+    const started = p.start();
+    await new Promise((r) => setTimeout(r, 20));
+    await p.close();
+    await expect(started).rejects.toMatchObject({ code: 'NIXL_ERR_CANCELED' });
+    expect(p.url).toBe('');
+  }, 60_000);
 
   it('startProxy: a port in use fails the start with its error and leaves nothing behind', async () => {
     const a = await startProxy(options);
