@@ -302,6 +302,19 @@ describe('HTTP side channel against a hostile peer', () => {
     });
   });
 
+  it('a request Node refuses to make (a header with a newline) fails at once, not retried, and nothing fires later', async () => {
+    behave = ok;
+    const before = requests;
+    const got = h.fetch({ host: '127.0.0.1', port, tpRank: 0, retries: 2, timeoutMs: 100, bearerToken: 'a\nb' });
+    await expect(within(got, 8000, 'a bad header')).rejects.toMatchObject({
+      code: 'NIXL_ERR_INVALID_PARAM',
+      message: expect.stringMatching(/header/i),
+    });
+    await sleep(400); // past each attempt's timer: one left behind would throw here
+    expect(requests).toBe(before);
+    await nextAnswers('a bad header');
+  });
+
   it('ZeroMQ refuses the same timeouts (-1 there waited for ever on a silent peer)', async () => {
     behave = () => {};
     const z = createHandshake('zmq');
