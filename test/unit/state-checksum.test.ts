@@ -95,6 +95,8 @@ describe('the XXH64 state checksum', () => {
     for (const [bytes, block] of [
       [0, 256],
       [1, 256],
+      [3000, 100], // the header across three blocks
+      [777, 7],
       [5 << 20, 4096],
     ] as const) {
       const state = randomBytes(bytes);
