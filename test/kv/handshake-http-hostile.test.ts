@@ -277,6 +277,21 @@ describe('HTTP side channel against a hostile peer', () => {
     await nextAnswers('40 silent fetches');
   });
 
+  it('many concurrent fetches to a silent peer, one signal aborted: all cancelled, no timer or listener left', async () => {
+    behave = () => {};
+    const timersNow = () => process.getActiveResourcesInfo().filter((r) => r === 'Timeout').length;
+    const t0 = timersNow();
+    const ac = new AbortController();
+    const all = Array.from({ length: 40 }, () => get({ timeoutMs: 60_000, signal: ac.signal }));
+    await sleep(100);
+    ac.abort(new Error('caller gave up'));
+    const settled = await within(Promise.allSettled(all), 8000, '40 aborted fetches');
+    for (const r of settled) expect(r).toMatchObject({ status: 'rejected', reason: { code: 'NIXL_ERR_CANCELED' } });
+    expect(getEventListeners(ac.signal, 'abort')).toHaveLength(0);
+    expect(timersNow()).toBeLessThanOrEqual(t0 + 2); // forty 60 s timers would still be here
+    await nextAnswers('40 aborted fetches');
+  });
+
   it('a timeoutMs past what a timer holds (2^31 ms) still waits for the answer', async () => {
     behave = (s) => setTimeout(() => ok(s), 150);
     const got = await within(get({ timeoutMs: 2 ** 32 }), 8000, 'a fetch with a 50-day timeout');
