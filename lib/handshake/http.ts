@@ -20,6 +20,7 @@ import {
 import {
   DEFAULT_MAX_REQUEST,
   DEFAULT_MAX_RESPONSE,
+  fetchMaxResponseBytes,
   type FetchOptions,
   type FetchResult,
   type HandshakeServer,
@@ -27,7 +28,7 @@ import {
   type ServeOptions,
   checkRank,
   defaultLogger,
-  defaultTimeoutMs,
+  fetchTimeoutMs,
   monotonicSeconds,
   payloadList,
   rankKey,
@@ -231,7 +232,8 @@ export class HttpHandshake implements HandshakeStrategy {
 
   /** Fetches one rank's payload from a remote side channel, with retries. */
   async fetch(opts: FetchOptions): Promise<FetchResult> {
-    const timeoutMs = opts.timeoutMs ?? defaultTimeoutMs();
+    const timeoutMs = fetchTimeoutMs(opts.timeoutMs);
+    fetchMaxResponseBytes(opts.maxResponseBytes);
     const attempts = 1 + (opts.retries ?? 2);
     const wire = wireProfile(opts.wire);
     const pp = checkRank('ppRank', opts.ppRank);
@@ -314,14 +316,15 @@ export class HttpHandshake implements HandshakeStrategy {
       // The first failure settles; destroy() then gets no error of its own: a kept-alive
       // socket whose answer has fully arrived is already detached from the request, and
       // an error given to destroy() (a signal's too) is emitted there with no listener.
+      // The timer starts once the request exists: request() throws for options Node
+      // refuses (a header with a newline), and a timer already running would then
+      // reach a request that was never made.
+      let req: http.ClientRequest;
+      let timer: NodeJS.Timeout | undefined;
       const stop = (e: HandshakeError) => {
         fail(e);
         req.destroy();
       };
-      const timer = setTimeout(
-        () => stop(new HandshakeError(`${url}: no answer within ${timeoutMs} ms`, 'NIXL_ERR_TIMEOUT')),
-        timeoutMs,
-      );
       const onAbort = () =>
         stop(new HandshakeError(`handshake with ${url} aborted`, 'NIXL_ERR_CANCELED', { cause: opts.signal?.reason }));
       const done = () => {
@@ -332,51 +335,60 @@ export class HttpHandshake implements HandshakeStrategy {
         done();
         reject(e);
       };
-      const req = mod.request(
-        url,
-        {
-          method: 'GET',
-          agent: this.#agentFor(opts),
-          headers: opts.bearerToken ? { authorization: `Bearer ${opts.bearerToken}` } : {},
-          ...(opts.tls && !this.keepAlive
-            ? { ca: opts.tls.ca, cert: opts.tls.cert, key: opts.tls.key, servername: opts.tls.servername }
-            : {}),
-        },
-        (res) => {
-          const chunks: Buffer[] = [];
-          let size = 0;
-          res.on('data', (c: Buffer) => {
-            size += c.length;
-            if (size > max) {
-              stop(new HandshakeError(`${url}: answer larger than ${max} bytes`));
-              return;
-            }
-            chunks.push(c);
-          });
-          res.on('error', (e) =>
-            fail(new HandshakeError(`${url}: ${e.message}`, 'NIXL_ERR_REMOTE_DISCONNECT', { cause: e })),
-          );
-          res.on('end', () => {
-            done();
-            const text = Buffer.concat(chunks).toString('utf8');
-            let body: unknown;
-            try {
-              body = JSON.parse(text);
-            } catch {
-              return reject(new HandshakeError(`${url}: HTTP ${res.statusCode}, not JSON`));
-            }
-            if (res.statusCode !== 200) {
-              const detail = (body as { detail?: unknown })?.detail;
-              return reject(
-                new HandshakeError(
-                  `${url}: HTTP ${res.statusCode}: ${typeof detail === 'string' ? detail : text.slice(0, 200)}`,
-                  'NIXL_ERR_NOT_FOUND',
-                ),
-              );
-            }
-            resolve(body);
-          });
-        },
+      try {
+        req = mod.request(
+          url,
+          {
+            method: 'GET',
+            agent: this.#agentFor(opts),
+            headers: opts.bearerToken ? { authorization: `Bearer ${opts.bearerToken}` } : {},
+            ...(opts.tls && !this.keepAlive
+              ? { ca: opts.tls.ca, cert: opts.tls.cert, key: opts.tls.key, servername: opts.tls.servername }
+              : {}),
+          },
+          (res) => {
+            const chunks: Buffer[] = [];
+            let size = 0;
+            res.on('data', (c: Buffer) => {
+              size += c.length;
+              if (size > max) {
+                stop(new HandshakeError(`${url}: answer larger than ${max} bytes`));
+                return;
+              }
+              chunks.push(c);
+            });
+            res.on('error', (e) =>
+              fail(new HandshakeError(`${url}: ${e.message}`, 'NIXL_ERR_REMOTE_DISCONNECT', { cause: e })),
+            );
+            res.on('end', () => {
+              done();
+              const text = Buffer.concat(chunks).toString('utf8');
+              let body: unknown;
+              try {
+                body = JSON.parse(text);
+              } catch {
+                return reject(new HandshakeError(`${url}: HTTP ${res.statusCode}, not JSON`));
+              }
+              if (res.statusCode !== 200) {
+                const detail = (body as { detail?: unknown })?.detail;
+                return reject(
+                  new HandshakeError(
+                    `${url}: HTTP ${res.statusCode}: ${typeof detail === 'string' ? detail : text.slice(0, 200)}`,
+                    'NIXL_ERR_NOT_FOUND',
+                  ),
+                );
+              }
+              resolve(body);
+            });
+          },
+        );
+      } catch (e) {
+        // Not the peer's doing, and the same on every attempt: final, never retried.
+        return reject(new HandshakeError(`${url}: ${(e as Error).message}`, 'NIXL_ERR_INVALID_PARAM', { cause: e }));
+      }
+      timer = setTimeout(
+        () => stop(new HandshakeError(`${url}: no answer within ${timeoutMs} ms`, 'NIXL_ERR_TIMEOUT')),
+        timeoutMs,
       );
       req.on('error', (e) =>
         fail(new HandshakeError(`${url}: ${e.message}`, 'NIXL_ERR_REMOTE_DISCONNECT', { cause: e })),

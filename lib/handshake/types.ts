@@ -154,14 +154,40 @@ export const DEFAULT_MAX_REQUEST = 4096;
 /** Largest side-channel answer read, bytes. */
 export const DEFAULT_MAX_RESPONSE = 64 << 20;
 
+/** The longest a timer waits (2^31 - 1 ms, ~24.8 days); Node fires a longer one after 1 ms. */
+const TIMER_MAX_MS = 2 ** 31 - 1;
+
 /** The handshake timeout: NIXL_HANDSHAKE_TIMEOUT (seconds), else 5 s. */
 export function defaultTimeoutMs(): number {
   const s = process.env.NIXL_HANDSHAKE_TIMEOUT;
   if (s !== undefined && s !== '') {
     const v = Number(s);
-    if (Number.isFinite(v) && v > 0) return v * 1000;
+    if (Number.isFinite(v) && v > 0) return Math.min(v * 1000, TIMER_MAX_MS);
   }
   return 5000;
+}
+
+/**
+ * A fetch's timeout per attempt (`timeoutMs`, else the default): a positive
+ * number of ms, at most what a timer holds; else NIXL_ERR_INVALID_PARAM (0,
+ * a negative or NaN would fire at once or, for ZeroMQ, wait for ever).
+ */
+export function fetchTimeoutMs(timeoutMs: number | undefined): number {
+  if (timeoutMs === undefined) return defaultTimeoutMs();
+  if (typeof timeoutMs !== 'number' || !Number.isFinite(timeoutMs) || timeoutMs <= 0)
+    throw new NixlError(
+      `timeoutMs must be a positive finite number of milliseconds, got ${timeoutMs}`,
+      'NIXL_ERR_INVALID_PARAM',
+    );
+  return Math.min(timeoutMs, TIMER_MAX_MS);
+}
+
+/** A fetch's largest answer (`maxResponseBytes`, else 64 MiB): a positive integer, else NIXL_ERR_INVALID_PARAM (NaN compared as no limit at all). */
+export function fetchMaxResponseBytes(bytes: number | undefined): number {
+  if (bytes === undefined) return DEFAULT_MAX_RESPONSE;
+  if (!Number.isSafeInteger(bytes) || bytes <= 0)
+    throw new NixlError(`maxResponseBytes must be a positive integer, got ${bytes}`, 'NIXL_ERR_INVALID_PARAM');
+  return bytes;
 }
 
 /** A rank number: an integer in 0..65535, or NIXL_ERR_INVALID_PARAM naming it. */

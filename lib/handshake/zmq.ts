@@ -18,6 +18,7 @@ import {
 import {
   DEFAULT_MAX_REQUEST,
   DEFAULT_MAX_RESPONSE,
+  fetchMaxResponseBytes,
   type FetchOptions,
   type FetchResult,
   type HandshakeServer,
@@ -25,7 +26,7 @@ import {
   type ServeOptions,
   checkRank,
   defaultLogger,
-  defaultTimeoutMs,
+  fetchTimeoutMs,
   monotonicSeconds,
   payloadList,
   rankKey,
@@ -189,7 +190,8 @@ export const zmqHandshake: HandshakeStrategy = {
   method: 'zmq',
   serve: (opts) => ZmqServer.start(opts),
   async fetch(opts: FetchOptions): Promise<FetchResult> {
-    const timeoutMs = opts.timeoutMs ?? defaultTimeoutMs();
+    const timeoutMs = fetchTimeoutMs(opts.timeoutMs);
+    fetchMaxResponseBytes(opts.maxResponseBytes);
     const attempts = 1 + (opts.retries ?? 2);
     const wire = wireProfile(opts.wire);
     const where = tcp(opts.host, opts.port + (opts.dpRank ?? 0));

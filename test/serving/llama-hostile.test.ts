@@ -132,6 +132,64 @@ describe('a GGUF decode refuses KV states it cannot vouch for (no KV secret)', (
     expect(v.text).toBe(honest.chat);
   }, 30_000);
 
+  /** A state changed by `f` and not sealed again (damage on the way) is refused as corrupted (the XXH64 checksum). */
+  async function damaged(kind: keyof typeof asks, f: (env: Buffer) => void) {
+    mutate = (env) => {
+      expect(env.readUInt32LE(8)).toBe(2); // sealed with XXH64
+      f(env);
+      return env;
+    };
+    let g: Reply;
+    try {
+      g = await disaggregated(prefill, decode, asks[kind]);
+    } finally {
+      mutate = undefined;
+    }
+    expect(g.status, JSON.stringify(g)).toBe(502);
+    expect(g.error?.reason).toBe('corrupted');
+    expect(g.error?.nixl_code).toBe('NIXL_ERR_MISMATCH');
+    const ok = await disaggregated(prefill, decode, asks[kind]);
+    expect(ok.status, JSON.stringify(ok.error)).toBe(200);
+    expect(ok.text).toBe(honest[kind]);
+  }
+
+  it('damage the checksum catches: one bit of the state, the last byte, a header field, the checksum and its 0 tail, flags relabelled SHA-256', async () => {
+    await damaged('completion', (env) => {
+      env[at.token(0) + 2] ^= 0x01;
+    });
+    await damaged('chat', (env) => {
+      env[env.length - 1] ^= 0x80;
+    });
+    await damaged('completion', (env) => {
+      env[ENVELOPE_FIELDS.nextToken] ^= 0x04;
+    });
+    await damaged('chat', (env) => {
+      env[224] ^= 0x01;
+    });
+    await damaged('completion', (env) => {
+      env[255] = 1;
+    });
+    await damaged('chat', (env) => env.writeUInt32LE(0, 8));
+  }, 60_000);
+
+  it("an earlier prefill's SHA-256 envelope (flags 0) is still served, with the honest answer", async () => {
+    for (const kind of ['completion', 'chat'] as const) {
+      mutate = (env) => {
+        env.writeUInt32LE(0, 8);
+        resealEnvelope(env);
+        return env;
+      };
+      let g: Reply;
+      try {
+        g = await disaggregated(prefill, decode, asks[kind]);
+      } finally {
+        mutate = undefined;
+      }
+      expect(g.status, JSON.stringify(g.error)).toBe(200);
+      expect(g.text).toBe(honest[kind]);
+    }
+  }, 60_000);
+
   it('an envelope of another version', async () => {
     await refused('completion', (env) => env.writeUInt16LE(1, 4), 'version', 'NIXL_ERR_NOT_SUPPORTED');
   }, 30_000);

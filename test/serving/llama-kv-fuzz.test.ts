@@ -2,7 +2,8 @@
 // envelopes (header and llama.cpp state) are mutated, most sealed again as
 // anyone can without a KV secret, a decode that pulls and must answer each
 // with 200 (only K / V values changed) or a typed 502 kv_rejected (a reason
-// and a NixlError code), never anything else, never a crash; and after each
+// and a NixlError code; always when the change was not sealed again: the
+// checksum's job), never anything else, never a crash; and after each
 // case the next honest request gets the answer it got before.
 // FUZZ_RUNS cases (default 500: 12-22 s on 2 shared cores), FUZZ_SEED to replay one run.
 import * as fs from 'node:fs';
@@ -94,7 +95,11 @@ const mutation = fc.record({
 
 type Mutation = typeof mutation extends fc.Arbitrary<infer T> ? T : never;
 
+/** Whether the last mutation changed the envelope and left it unsealed: damage only the checksum can catch. */
+let unsealedChange = false;
+
 function apply(m: Mutation, env: Buffer): Buffer {
+  const before = Buffer.from(env);
   const e = m.edit;
   if (e.k === 'field') {
     const offs = fieldOffsets(env);
@@ -108,6 +113,7 @@ function apply(m: Mutation, env: Buffer): Buffer {
     env.writeBigUInt64LE(BigInt(Math.max(0, at.stateBytes(env) + e.d)), 16);
   }
   if (m.reseal) resealEnvelope(env);
+  unsealedChange = !m.reseal && !env.equals(before);
   return env;
 }
 
@@ -116,6 +122,7 @@ it(`mutated states through a real pull (${runs}, seed ${seed}): 200 or a typed 5
   let i = 0;
   await fc.assert(
     fc.asyncProperty(mutation, async (m) => {
+      unsealedChange = false;
       mutate = (env) => apply(m, env);
       let g: Awaited<ReturnType<typeof disaggregated>>;
       try {
@@ -123,6 +130,8 @@ it(`mutated states through a real pull (${runs}, seed ${seed}): 200 or a typed 5
       } finally {
         mutate = undefined;
       }
+      // A change sealed again may be served; one left unsealed never is.
+      if (unsealedChange) expect(g.status, `an unsealed change served: ${JSON.stringify(m)}`).toBe(502);
       if (g.status === 200) outcomes.served = (outcomes.served ?? 0) + 1;
       else {
         expect(g.status, JSON.stringify(g)).toBe(502);

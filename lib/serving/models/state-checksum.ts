@@ -12,14 +12,27 @@ import xxhash from 'xxhash-wasm';
 import { NixlError } from '../../errors';
 
 type Api = Awaited<ReturnType<typeof xxhash>>;
+/** The most of a state the hash reads at once (see stateChecksum). */
+const SLICE_BYTES = 1 << 20;
 let api: Api | undefined;
 let loading: Promise<void> | undefined;
 
 /** Loads the checksum's module once; later calls return the same promise. */
 export function stateChecksumReady(): Promise<void> {
-  loading ??= xxhash().then((a) => {
-    api = a;
-  });
+  loading ??= xxhash().then(
+    (a) => {
+      api = a;
+    },
+    (e: unknown) => {
+      // No WebAssembly (node --jitless): a GGUF model cannot seal or check states.
+      throw new NixlError(
+        `the KV state checksum (xxhash-wasm) cannot load: ${(e as Error)?.message ?? e}`,
+        'NIXL_ERR_NOT_SUPPORTED',
+        undefined,
+        { cause: e },
+      );
+    },
+  );
   return loading;
 }
 
@@ -31,10 +44,15 @@ export function stateChecksum(parts: readonly Uint8Array[]): Buffer {
       'NIXL_ERR_NOT_SUPPORTED',
     );
   const h = api.create64();
-  for (const p of parts) h.update(p);
+  // In slices: xxhash-wasm copies each input into its own memory, which grows
+  // to fit and never shrinks, so one whole state would stay resident for good.
+  for (const p of parts) for (let at = 0; at < p.length; at += SLICE_BYTES) h.update(p.subarray(at, at + SLICE_BYTES));
   const out = Buffer.allocUnsafe(8);
   out.writeBigUInt64LE(h.digest());
   return out;
 }
 
-void stateChecksumReady();
+// Started on import, so that it is ready by the first state; a failure is
+// reported to whoever awaits it (a model's load), never as an unhandled
+// rejection that would end a process that needs no GGUF model.
+stateChecksumReady().catch(() => {});

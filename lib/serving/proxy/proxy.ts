@@ -128,6 +128,7 @@ export class ServingProxy {
   readonly #front: ProxyFront;
   /** start() runs once: a second, or one after close(), would listen with nothing to close it. */
   #started = false;
+  #starting?: Promise<this>;
   #closing?: Promise<void>;
 
   constructor(o: ProxyOptions) {
@@ -169,24 +170,44 @@ export class ServingProxy {
   }
 
   /** Listens; resolves once the proxy takes requests. */
-  async start(): Promise<this> {
+  start(): Promise<this> {
     if (this.#started || this.#closing)
-      throw new NixlError(`this proxy was ${this.#closing ? 'closed' : 'started'} already`, 'NIXL_ERR_NOT_ALLOWED');
+      return Promise.reject(
+        new NixlError(`this proxy was ${this.#closing ? 'closed' : 'started'} already`, 'NIXL_ERR_NOT_ALLOWED'),
+      );
     this.#started = true;
+    this.#starting = this.#start();
+    return this.#starting;
+  }
+
+  /**
+   * A close() meanwhile stops the start at its next step (NIXL_ERR_CANCELED)
+   * and waits for it: a step taken after the close (a listen, a timer, a
+   * subscription) would have nothing left to undo it.
+   */
+  async #start(): Promise<this> {
+    const go = () => {
+      if (this.#closing) throw new NixlError('the proxy was closed while it started', 'NIXL_ERR_CANCELED');
+    };
     await this.kvRouting?.ready(); // a GGUF vocabulary that cannot load fails the start, before anything listens
+    go();
     if (this.#transport instanceof ZmqTransport) await this.#transport.bind(this.#o.zmqReplyAddr);
+    go();
     const host = this.#o.host ?? '127.0.0.1';
     await new Promise<void>((resolve, reject) => {
       this.#server.once('error', reject);
       this.#server.listen(this.#o.port ?? 0, host, () => resolve());
     });
     this.url = `http://${host.includes(':') ? `[${host}]` : host}:${(this.#server.address() as AddressInfo).port}`;
+    go();
     await this.fleet?.start();
+    go();
     this.kvRouting?.start();
     const every = this.#o.healthIntervalMs ?? 2000;
     if (every > 0) {
       // One round first: once start() resolves, /v1/models and /health say what the workers serve.
       await this.checkHealth({ learnOnly: true });
+      go();
       this.#health.every(every);
     }
     return this;
@@ -208,6 +229,7 @@ export class ServingProxy {
   }
 
   async #close(): Promise<void> {
+    await this.#starting?.catch(() => {});
     this.#health.stop();
     await this.fleet?.close();
     await this.kvRouting?.close();
