@@ -13,6 +13,7 @@ export interface NativeAgentOptions {
   captureTelemetry?: boolean;
   listenPort?: number;
   testDelayUs?: number;
+  testFirstHandle?: number;
   inlinePostMaxBytes?: number;
 }
 

@@ -60,6 +60,9 @@ struct EngineConfig {
   // "while in flight" cases are deterministic instead of racing a fast copy.
   // Non-zero also turns inline posting off.
   uint32_t testDelayUs = 0;
+  // Tests only: the first handle the engine hands out (0: 1), so a test can
+  // reach the handle counter's limits without making billions of handles.
+  Handle testFirstHandle = 0;
   // A transfer of at most this many bytes is posted on the calling (JS)
   // thread when nothing posted before it still waits for the engine's thread:
   // below this size the copy costs less than the hop to that thread and the

@@ -114,6 +114,8 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
       cfg.listenPort = args::optPort(env, o.Get("listenPort"), "options.listenPort");
       cfg.testDelayUs = args::optUint32(env, o.Get("testDelayUs"), "options.testDelayUs").value_or(0);
       cfg.inlineMaxBytes = args::optUint32(env, o.Get("inlinePostMaxBytes"), "options.inlinePostMaxBytes").value_or(0);
+      if (Napi::Value first = o.Get("testFirstHandle"); !first.IsUndefined())
+        cfg.testFirstHandle = args::handle(env, first, "options.testFirstHandle");
       if (kind == "loopback") {
         engine_ = makeLoopbackEngine(name, cfg, this);
 #ifdef NIXL_NODE_WITH_NIXL

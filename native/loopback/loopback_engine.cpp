@@ -83,6 +83,7 @@ class LoopbackEngine final : public Engine {
     token_ = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ reinterpret_cast<uint64_t>(this);
     bootId_ = loopback::bootId();
     startTime_ = loopback::processStartTime(static_cast<uint32_t>(getpid()));
+    if (cfg.testFirstHandle) nextHandle_ = cfg.testFirstHandle;
     for (const auto& b : cfg.backends) createBackend(b, {});
     agentSlot_ = live_.acquire();  // slot 0: the agent itself, dead once closed
     wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);

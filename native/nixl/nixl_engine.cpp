@@ -99,6 +99,7 @@ class NixlEngine final : public Engine {
                                      nixl_thread_sync_t::NIXL_THREAD_SYNC_RW, 1,
                                      cfg.progressThread ? std::max<uint64_t>(cfg.progressDelayUs, 1000) : 0,
                                      nixlAgentConfig::kDefaultLthrDelayUs, cfg.captureTelemetry)) {
+    if (cfg.testFirstHandle) nextHandle_ = cfg.testFirstHandle;
     for (const auto& b : cfg.backends) createBackend(b, {});
   }
 
