@@ -677,7 +677,7 @@ export class NixlAgent {
 
   // ---- internals ------------------------------------------------------------
 
-  #onEvents(done: Uint32Array, notif: boolean): void {
+  #onEvents(done: Float64Array, notif: boolean): void {
     if (this.#closed) return;
     for (const id of done) {
       if (!this.#waiters.has(id)) continue;
