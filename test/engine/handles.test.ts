@@ -144,4 +144,3 @@ describe.each(wanted)('handles past 2^31 and 2^32: %s engine', (engine) => {
     expect(codeOf(() => a.makePreppedXfer('READ', local, ALL, remote, perm))).toMatch(out);
   });
 });
-
