@@ -88,8 +88,9 @@ class HandleCounter {
   }
   void check(const char* call) const {
     if (next_ >= kEngineHandleLimit)
-      throw EngineError(ERR_NOT_ALLOWED, std::string(call) + ": out of handles: this agent has handed out its 2^52 " +
-                                             "(registrations, lists and requests); make a new agent");
+      throw EngineError(ERR_NOT_ALLOWED, std::string(call) +
+                                             ": out of handles: this agent has made 2^52 - 1 registrations, lists "
+                                             "and requests; make a new agent");
   }
   Handle take(const char* call) {
     check(call);
