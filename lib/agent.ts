@@ -36,6 +36,8 @@ export interface AgentOptions {
   listenPort?: number;
   /** @internal Tests: the loopback worker waits this long before each transfer. */
   testDelayUs?: number;
+  /** @internal Tests: the first handle the engine hands out, to reach the counter's limits. */
+  testFirstHandle?: number;
   /**
    * Transfers of at most this many bytes are posted on the calling thread,
    * as NIXL's Python API posts: a copy this small costs less than the hop to
@@ -159,6 +161,7 @@ export class NixlAgent {
         captureTelemetry: options.captureTelemetry,
         listenPort: options.listenPort,
         testDelayUs: options.testDelayUs,
+        testFirstHandle: options.testFirstHandle,
         inlinePostMaxBytes: options.inlinePostMaxBytes ?? DEFAULT_INLINE_POST_MAX_BYTES,
       },
       (done, notif) => this.#onEvents(done, notif),
@@ -674,7 +677,7 @@ export class NixlAgent {
 
   // ---- internals ------------------------------------------------------------
 
-  #onEvents(done: Uint32Array, notif: boolean): void {
+  #onEvents(done: Float64Array, notif: boolean): void {
     if (this.#closed) return;
     for (const id of done) {
       if (!this.#waiters.has(id)) continue;

@@ -13,6 +13,7 @@ export interface NativeAgentOptions {
   captureTelemetry?: boolean;
   listenPort?: number;
   testDelayUs?: number;
+  testFirstHandle?: number;
   inlinePostMaxBytes?: number;
 }
 
@@ -26,7 +27,7 @@ export interface NativeTelemetry {
 }
 
 export declare class NativeAgent {
-  constructor(name: string, options: NativeAgentOptions, onEvents: (done: Uint32Array, notif: boolean) => void);
+  constructor(name: string, options: NativeAgentOptions, onEvents: (done: Float64Array, notif: boolean) => void);
   readonly engine: string;
   getPluginList(): string[];
   getPluginParams(plugin: string): { params: Record<string, string>; memTypes: string[] };

@@ -39,7 +39,15 @@ inline bool descWithin(uint64_t addr, uint64_t len, uint64_t base, uint64_t size
   return addr >= base && len <= size && addr - base <= size - len;
 }
 
-using Handle = uint32_t;
+// Registrations, descriptor lists and transfer requests share one counter
+// per agent, from 1. JS holds handles as numbers (doubles), so every id stays
+// below 2^53: engine handles below kEngineHandleLimit, the addon's layered
+// ids in [kEngineHandleLimit, 2^53). At a million handles a second an agent
+// takes 142 years to reach the limit; one that does is refused new handles
+// (HandleCounter), never handed one that wraps or collides.
+using Handle = uint64_t;
+constexpr Handle kEngineHandleLimit = Handle{1} << 52;
+constexpr Handle kMaxHandle = (Handle{1} << 53) - 1;
 using Params = std::map<std::string, std::string>;
 
 struct Telemetry {
@@ -60,12 +68,37 @@ struct EngineConfig {
   // "while in flight" cases are deterministic instead of racing a fast copy.
   // Non-zero also turns inline posting off.
   uint32_t testDelayUs = 0;
+  // Tests only: the first handle the engine hands out (0: 1), so a test can
+  // reach the handle counter's limits without making billions of handles.
+  Handle testFirstHandle = 0;
   // A transfer of at most this many bytes is posted on the calling (JS)
   // thread when nothing posted before it still waits for the engine's thread:
   // below this size the copy costs less than the hop to that thread and the
   // completion's hop back (futex wake, context switch, the loop's wake-up).
   // 0: every transfer goes through the engine's thread.
   uint32_t inlineMaxBytes = 0;
+};
+
+// An engine's handle counter. check() before making anything, take() once
+// made: a refused call leaves nothing behind.
+class HandleCounter {
+ public:
+  void start(Handle first) {
+    if (first) next_ = first;
+  }
+  void check(const char* call) const {
+    if (next_ >= kEngineHandleLimit)
+      throw EngineError(ERR_NOT_ALLOWED, std::string(call) +
+                                             ": out of handles: this agent has made 2^52 - 1 registrations, lists "
+                                             "and requests; make a new agent");
+  }
+  Handle take(const char* call) {
+    check(call);
+    return next_++;
+  }
+
+ private:
+  Handle next_ = 1;
 };
 
 struct PluginInfo {

@@ -3,7 +3,7 @@
 //
 // Completions: engine threads call onComplete/onNotif; the first event into an
 // empty batch signals the ThreadSafeFunction once, and the JS callback gets
-// the whole batch as a Uint32Array. The TSFN is Ref'd only while transfers are
+// the whole batch as a Float64Array (handles run to 2^53, JS numbers). The TSFN is Ref'd only while transfers are
 // in flight (or someone waits for notifications), so an idle agent never keeps
 // the process alive.
 #include "agent.h"
@@ -114,6 +114,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
       cfg.listenPort = args::optPort(env, o.Get("listenPort"), "options.listenPort");
       cfg.testDelayUs = args::optUint32(env, o.Get("testDelayUs"), "options.testDelayUs").value_or(0);
       cfg.inlineMaxBytes = args::optUint32(env, o.Get("inlinePostMaxBytes"), "options.inlinePostMaxBytes").value_or(0);
+      cfg.testFirstHandle = args::optHandle(env, o.Get("testFirstHandle"), "options.testFirstHandle").value_or(0);
       if (kind == "loopback") {
         engine_ = makeLoopbackEngine(name, cfg, this);
 #ifdef NIXL_NODE_WITH_NIXL
@@ -171,7 +172,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   // Main thread: hand the batch to JS in one call.
   static void Deliver(Napi::Env env, Napi::Function fn, TsfnCtx*, NativeAgent* self) {
     if (env == nullptr || self == nullptr) return;
-    std::vector<uint32_t> batch;
+    std::vector<Handle> batch;
     bool notif;
     {
       std::lock_guard<std::mutex> lk(self->mu_);
@@ -202,8 +203,9 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
         batch[kept++] = ended;
     }
     batch.resize(kept);
-    auto arr = Napi::Uint32Array::New(env, batch.size());
-    if (!batch.empty()) memcpy(arr.Data(), batch.data(), batch.size() * 4);
+    auto arr = Napi::Float64Array::New(env, batch.size());
+    double* out = arr.Data();
+    for (size_t i = 0; i < batch.size(); ++i) out[i] = static_cast<double>(batch[i]);
     fn.Call({arr, Napi::Boolean::New(env, notif)});
   }
 
@@ -286,7 +288,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     auto& keep = keep_[h];
     auto a = info[3].As<Napi::Array>();
     for (uint32_t i = 0; i < a.Length(); ++i) keep.push_back(Napi::Persistent(a.Get(i)));
-    return Napi::Number::New(env, h);
+    return Napi::Number::New(env, static_cast<double>(h));
   }
 
   Napi::Value DeregisterMem(const Napi::CallbackInfo& info) {
@@ -400,7 +402,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     Handle h =
         E(env).prepXferDlist(args::string(env, info[0], "agent name"), args::descs(env, info[1], "prepXferDlist"),
                              args::memType(env, info[2]), args::optStrings(env, info[3], "backends"));
-    return Napi::Number::New(env, h);
+    return Napi::Number::New(env, static_cast<double>(h));
   }
 
   Napi::Value ReleaseDlist(const Napi::CallbackInfo& info) {
@@ -420,7 +422,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     auto notif = args::optBlob(env, info[5], "notification message");
     Handle h = E(env).makeXferReq(op, l, li.Data(), li.ElementLength(), r, ri.Data(), ri.ElementLength(),
                                   notif ? &*notif : nullptr);
-    return Napi::Number::New(env, h);
+    return Napi::Number::New(env, static_cast<double>(h));
   }
 
   // createXferReq(op, localDescs, localType, remoteDescs, remoteType, agent, notif?) -> handle
@@ -434,7 +436,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     std::string agent = args::string(env, info[5], "remote agent");
     auto notif = args::optBlob(env, info[6], "notification message");
     Handle h = E(env).createXferReq(op, local, lt, remote, rt, agent, notif ? &*notif : nullptr);
-    return Napi::Number::New(env, h);
+    return Napi::Number::New(env, static_cast<double>(h));
   }
 
   // postXferReq(handle, notif?, mayInline?) -> IN_PROG (a completion event
@@ -472,7 +474,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
                              bounds.Data(), bounds.ElementLength(), std::move(notif), agent);
     uint64_t bytes = layered_.maxLayerBytes(h);
     auto out = Napi::Array::New(env, 2);
-    out.Set(0u, Napi::Number::New(env, h));
+    out.Set(0u, Napi::Number::New(env, static_cast<double>(h)));
     out.Set(1u, Napi::Number::New(env, bytes == UINT64_MAX ? -1.0 : static_cast<double>(bytes)));
     return out;
   }
@@ -678,7 +680,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
   uint32_t inflight_ = 0;
   std::atomic<bool> notifWatch_{false};
   std::mutex mu_;
-  std::vector<uint32_t> finished_;
+  std::vector<Handle> finished_;
   bool notifPending_ = false;
   bool signalled_ = false;
   std::unordered_map<Handle, std::vector<Napi::Reference<Napi::Value>>> keep_;

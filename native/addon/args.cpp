@@ -59,7 +59,7 @@ bool boolean(Napi::Env env, const Napi::Value& v, const char* what) {
 Handle handle(Napi::Env env, const Napi::Value& v, const char* what) {
   double d;
   if (napi_get_value_double(env, v, &d) != napi_ok) wrongType(env, what, "a handle number");
-  if (!(std::isfinite(d) && d == std::floor(d) && d >= 1 && d <= 4294967295.0))
+  if (!(std::isfinite(d) && d == std::floor(d) && d >= 1 && d <= static_cast<double>(kMaxHandle)))
     fail(env, ERR_NOT_FOUND, std::string(what) + ": no such handle");
   return static_cast<Handle>(d);
 }
@@ -105,6 +105,12 @@ std::optional<uint32_t> optUint32(Napi::Env env, const Napi::Value& v, const cha
   if (absent(v)) return std::nullopt;
   if (!isInteger(v, 0, 4294967295.0)) wrongType(env, what, "an integer 0..2^32-1");
   return static_cast<uint32_t>(v.As<Napi::Number>().DoubleValue());
+}
+
+std::optional<Handle> optHandle(Napi::Env env, const Napi::Value& v, const char* what) {
+  if (absent(v)) return std::nullopt;
+  if (!isInteger(v, 1, static_cast<double>(kMaxHandle))) wrongType(env, what, "an integer 1..2^53-1");
+  return static_cast<Handle>(v.As<Napi::Number>().DoubleValue());
 }
 
 std::string optString(Napi::Env env, const Napi::Value& v, const char* what) {

@@ -18,7 +18,7 @@ std::vector<Desc> descs(Napi::Env env, const Napi::Value& v, const char* what);
 MemType memType(Napi::Env env, const Napi::Value& v);
 std::string string(Napi::Env env, const Napi::Value& v, const char* what);
 bool boolean(Napi::Env env, const Napi::Value& v, const char* what);
-// A handle from this agent: a positive uint32 (NIXL_ERR_NOT_FOUND past that).
+// A handle from this agent: an integer 1..2^53-1 (NIXL_ERR_NOT_FOUND otherwise).
 Handle handle(Napi::Env env, const Napi::Value& v, const char* what);
 XferOp op(Napi::Env env, const Napi::Value& v);
 Napi::Uint32Array indices(Napi::Env env, const Napi::Value& v, const char* what);
@@ -28,6 +28,8 @@ std::vector<std::string> optStrings(Napi::Env env, const Napi::Value& v, const c
 std::optional<std::string> optBlob(Napi::Env env, const Napi::Value& v, const char* what);
 std::optional<bool> optBoolean(Napi::Env env, const Napi::Value& v, const char* what);
 std::optional<uint32_t> optUint32(Napi::Env env, const Napi::Value& v, const char* what);
+// An integer 1..2^53-1, as a handle; nullopt when absent.
+std::optional<Handle> optHandle(Napi::Env env, const Napi::Value& v, const char* what);
 std::string optString(Napi::Env env, const Napi::Value& v, const char* what);  // "" when absent
 int optPort(Napi::Env env, const Napi::Value& v, const char* what);            // 0 when absent
 // A plain object whose values are all strings; {} when absent.

@@ -60,7 +60,7 @@ Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t*
 }
 
 LayeredRequests::Request& LayeredRequests::find(Handle h, const char* what) {
-  uint32_t i = h & (kLayeredSlots - 1);
+  auto i = static_cast<uint32_t>(h & (kLayeredSlots - 1));
   if (!isLayered(h) || i >= slots_.size() || !slots_[i].live || slots_[i].gen != (h & ~kLayeredBit) >> kLayeredSlotBits)
     throw EngineError(ERR_NOT_FOUND, std::string(what) + ": unknown or already released layered transfer handle");
   return slots_[i].r;
@@ -224,7 +224,7 @@ bool LayeredRequests::onEngineDone(Engine& e, Handle sub, Handle* ended) {
 
 void LayeredRequests::release(Engine& e, Handle h) {
   Request& r = find(h, "releaseXferHandle");
-  uint32_t i = h & (kLayeredSlots - 1);
+  auto i = static_cast<uint32_t>(h & (kLayeredSlots - 1));
   // Every layer's request goes, even if one release throws: the first error
   // is reported once the rest are released.
   std::optional<EngineError> first;

@@ -27,16 +27,20 @@
 
 namespace nixlnode {
 
-// Layered request ids live above every engine handle (engines count from 1).
+// Layered request ids live above every engine handle (engines count from 1
+// and stop below kEngineHandleLimit), under 2^53 so JS numbers hold them.
 // Below that bit: the request's slot in LayeredRequests' table, and the
 // slot's generation, so a lookup is an index and a compare, not a hash; a
 // released handle never matches its slot again (see release).
-constexpr Handle kLayeredBit = 0x80000000u;
+constexpr Handle kLayeredBit = kEngineHandleLimit;
+static_assert((kLayeredBit << 1) - 1 == kMaxHandle, "layered ids fill [kLayeredBit, 2^53)");
 inline bool isLayered(Handle h) { return (h & kLayeredBit) != 0; }
 constexpr uint32_t kNoLayer = UINT32_MAX;
 constexpr unsigned kLayeredSlotBits = 16;  // layered requests alive at once: 65,536
 constexpr uint32_t kLayeredSlots = 1u << kLayeredSlotBits;
-constexpr uint32_t kLayeredGens = kLayeredBit >> kLayeredSlotBits;  // handles per slot: 32,768
+// Handles per slot: 2^36, 2^52 in all (a million layered requests a second
+// for 142 years) before makeLayeredXfer refuses for want of ids.
+constexpr Handle kLayeredGens = kLayeredBit >> kLayeredSlotBits;
 
 class LayeredRequests {
  public:
@@ -82,7 +86,7 @@ class LayeredRequests {
   // A slot: its generation (the handle's upper bits) and, while live, its
   // request. A slot whose generations are spent is retired, never reused.
   struct Slot {
-    uint32_t gen = 0;
+    Handle gen = 0;
     bool live = false;
     Request r;
   };

@@ -83,6 +83,7 @@ class LoopbackEngine final : public Engine {
     token_ = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ reinterpret_cast<uint64_t>(this);
     bootId_ = loopback::bootId();
     startTime_ = loopback::processStartTime(static_cast<uint32_t>(getpid()));
+    handles_.start(cfg.testFirstHandle);
     for (const auto& b : cfg.backends) createBackend(b, {});
     agentSlot_ = live_.acquire();  // slot 0: the agent itself, dead once closed
     wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -137,6 +138,7 @@ class LoopbackEngine final : public Engine {
 
   Handle registerMem(const std::vector<Desc>& descs, MemType type, const std::vector<std::string>& backends) override {
     checkOpen();
+    handles_.check("registerMem");
     checkBackends(backends);
     checkType(type);
     if (descs.empty()) throw EngineError(ERR_INVALID_PARAM, "registerMem: empty descriptor list");
@@ -175,7 +177,7 @@ class LoopbackEngine final : public Engine {
         v.insert(pos, r);
       }
     }
-    Handle h = nextHandle_++;
+    Handle h = handles_.take("registerMem");
     registrations_[h] = Registration{std::move(regs), std::move(slots)};
     return h;
   }
@@ -334,7 +336,7 @@ class LoopbackEngine final : public Engine {
     checkOpen();
     checkBackends(backends);
     auto dl = std::make_shared<Dlist>(buildDlist(agent, descs, type));
-    Handle h = nextHandle_++;
+    Handle h = handles_.take("prepXferDlist");
     dlists_[h] = std::move(dl);
     return h;
   }
@@ -348,6 +350,7 @@ class LoopbackEngine final : public Engine {
   Handle makeXferReq(XferOp op, Handle localH, const uint32_t* li, size_t nl, Handle remoteH, const uint32_t* ri,
                      size_t nr, const std::string* notif) override {
     checkOpen();
+    handles_.check("makeXferReq");
     const Dlist& L = *lookup(dlists_, localH, "makeXferReq", "local descriptor list handle");
     const Dlist& R = *lookup(dlists_, remoteH, "makeXferReq", "remote descriptor list handle");
     if (L.remote)
@@ -372,6 +375,7 @@ class LoopbackEngine final : public Engine {
   Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
                        MemType rt, const std::string& agent, const std::string* notif) override {
     checkOpen();
+    handles_.check("createXferReq");
     if (agent.empty()) throw EngineError(ERR_INVALID_PARAM, "createXferReq: remote agent name is empty");
     if (local.size() != remote.size())
       throw EngineError(ERR_INVALID_PARAM, "createXferReq: " + std::to_string(local.size()) + " local vs " +
@@ -730,7 +734,7 @@ class LoopbackEngine final : public Engine {
         if (fresh) req->liveChecks.push_back(i);
       }
     }
-    req->id = nextHandle_++;
+    req->id = handles_.take("transfer request");
     requests_[req->id] = req;
     return req->id;
   }
@@ -908,7 +912,7 @@ class LoopbackEngine final : public Engine {
   loopback::LiveTable live_;
   loopback::LiveTable::Slot agentSlot_{0, 0};
   std::unique_ptr<loopback::Notifier> notifier_;
-  Handle nextHandle_ = 1;
+  HandleCounter handles_;
   struct Registration {
     std::vector<RegionP> regions;
     std::vector<uint32_t> slots;  // in live_, one per region
@@ -918,7 +922,8 @@ class LoopbackEngine final : public Engine {
   std::unordered_map<Handle, RequestP> requests_;
   // The entries of requests_ looked up last, by handle modulo kRecent: an
   // unordered_map's entries stay put until erased (a rehash moves none), and
-  // releaseXferReq and close drop what they erase. Handles are never reused.
+  // releaseXferReq and close drop what they erase. Handles are never reused
+  // (HandleCounter refuses rather than wraps).
   static constexpr Handle kRecent = 128;
   struct RecentRequest {
     Handle h = 0;  // 0: empty (handles count from 1)

@@ -99,6 +99,7 @@ class NixlEngine final : public Engine {
                                      nixl_thread_sync_t::NIXL_THREAD_SYNC_RW, 1,
                                      cfg.progressThread ? std::max<uint64_t>(cfg.progressDelayUs, 1000) : 0,
                                      nixlAgentConfig::kDefaultLthrDelayUs, cfg.captureTelemetry)) {
+    handles_.start(cfg.testFirstHandle);
     for (const auto& b : cfg.backends) createBackend(b, {});
   }
 
@@ -153,10 +154,11 @@ class NixlEngine final : public Engine {
   Handle registerMem(const std::vector<Desc>& descs, MemType type, const std::vector<std::string>& backends) override {
     checkOpen();
     if (descs.empty()) throw EngineError(ERR_INVALID_PARAM, "registerMem: empty descriptor list");
+    handles_.check("registerMem");
     nixl_reg_dlist_t dl = regList(descs, type);
     nixl_opt_args_t args = opts(backends);
     check(agent_.registerMem(dl, &args), "registerMem");
-    Handle h = nextHandle_++;
+    Handle h = handles_.take("registerMem");
     regs_.emplace(h, std::make_pair(dl, backends));
     regIndex_.add(h, descs, type);
     return h;
@@ -288,6 +290,7 @@ class NixlEngine final : public Engine {
   Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type,
                        const std::vector<std::string>& backends) override {
     checkOpen();
+    handles_.check("prepXferDlist");
     nixlDlistH* dh = nullptr;
     nixl_opt_args_t args = opts(backends);
     const bool local = agent.empty() || agent == NIXL_INIT_AGENT;
@@ -308,7 +311,7 @@ class NixlEngine final : public Engine {
       }
       d.first.push_back(static_cast<uint32_t>(d.regs.size()));
     }
-    Handle h = nextHandle_++;
+    Handle h = handles_.take("prepXferDlist");
     dlists_.emplace(h, std::move(d));
     return h;
   }
@@ -323,6 +326,7 @@ class NixlEngine final : public Engine {
   Handle makeXferReq(XferOp op, Handle local, const uint32_t* li, size_t nl, Handle remote, const uint32_t* ri,
                      size_t nr, const std::string* notif) override {
     checkOpen();
+    handles_.check("makeXferReq");
     const Dlist& L = lookup(dlists_, local, "makeXferReq", "local descriptor list handle");
     const Dlist& R = lookup(dlists_, remote, "makeXferReq", "remote descriptor list handle");
     std::vector<int> lv(li, li + nl), rv(ri, ri + nr);
@@ -346,6 +350,7 @@ class NixlEngine final : public Engine {
   Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
                        MemType rt, const std::string& agent, const std::string* notif) override {
     checkOpen();
+    handles_.check("createXferReq");
     nixl_opt_args_t args;
     setNotif(args, notif);
     nixlXferReqH* xh = nullptr;
@@ -488,7 +493,7 @@ class NixlEngine final : public Engine {
   Handle addRequest(nixlXferReqH* xh, std::vector<Handle> regs, const std::string& agent, uint64_t agentGen,
                     uint64_t totalBytes) {
     auto req = std::make_shared<Request>();
-    req->id = nextHandle_++;
+    req->id = handles_.take("transfer request");
     req->h = xh;
     req->regs = std::move(regs);
     req->agent = agent;
@@ -517,7 +522,7 @@ class NixlEngine final : public Engine {
   const std::string name_;
   nixlAgent agent_;
   std::atomic<bool> closed_{false};
-  Handle nextHandle_ = 1;
+  HandleCounter handles_;
   std::map<std::string, nixlBackendH*> backends_;
   std::unordered_map<Handle, std::pair<nixl_reg_dlist_t, std::vector<std::string>>> regs_;
   std::unordered_map<Handle, Dlist> dlists_;

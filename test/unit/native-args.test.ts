@@ -227,6 +227,8 @@ describe('native methods refuse arguments of the wrong type', () => {
       ['captureTelemetry', 1],
       ['listenPort', 'x'],
       ['testDelayUs', 1.5],
+      ['testFirstHandle', 0],
+      ['testFirstHandle', 2 ** 53],
     ];
     for (const [k, v] of opts) {
       const e = errorOf(
@@ -240,6 +242,19 @@ describe('native methods refuse arguments of the wrong type', () => {
       errorOf(() => new binding.NativeAgent(42 as never, { engine: 'loopback', backends: [] }, () => {}))?.code,
     ).toBe('NIXL_ERR_INVALID_PARAM');
     expect(errorOf(() => new binding.NativeAgent('x', null as never, () => {}))?.code).toBe('NIXL_ERR_INVALID_PARAM');
+  });
+
+  it('a handle is an integer 1..2^53-1: past that "no such handle", inside it looked up (NIXL_ERR_NOT_FOUND both)', () => {
+    for (const h of [0, -1, 1.5, 2 ** 53, 2 ** 64, Number.POSITIVE_INFINITY, Number.NaN]) {
+      const e = errorOf(() => agent.getXferStatus(h));
+      expect(e?.code, String(h)).toBe('NIXL_ERR_NOT_FOUND');
+      expect(e?.message, String(h)).toContain('no such handle');
+    }
+    for (const h of [2 ** 32 - 1, 2 ** 32, 2 ** 32 + 1, 2 ** 52 - 1, 2 ** 53 - 1]) {
+      const e = errorOf(() => agent.getXferStatus(h));
+      expect(e?.code, String(h)).toBe('NIXL_ERR_NOT_FOUND');
+      expect(e?.message, String(h)).not.toContain('no such handle');
+    }
   });
 
   it('module functions too', () => {
