@@ -3,7 +3,9 @@ import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { once } from 'node:events';
 import * as net from 'node:net';
+import { expect } from 'vitest';
 import { DescList, type KvLayout, allocate } from '../lib';
+import { KvRejected } from '../lib/serving/models/types';
 
 export const FIXTURES = path.join(__dirname, 'fixtures');
 export const ROOT = path.join(__dirname, '..');
@@ -285,4 +287,15 @@ export function preparedBlocks<A extends BlockAgent>(a: A, b: BlockAgent, n: num
   const local = a.prepXferDlist('NIXL_INIT_AGENT', blocks(ma)) as List;
   const remote = a.prepXferDlist(b.name, blocks(mb)) as List;
   return { ma, mb, local, remote };
+}
+
+/** The reason of the KvRejected that `f` throws ('accepted' when it throws nothing); any other exception fails. */
+export function kvRejectedReason(f: () => unknown): string {
+  try {
+    f();
+  } catch (e) {
+    expect(e).toBeInstanceOf(KvRejected);
+    return (e as KvRejected).reason;
+  }
+  return 'accepted';
 }

@@ -23,6 +23,7 @@ import {
 } from '../../lib/serving/models/llama/seq-state';
 import { loadNodeLlamaCpp } from '../../lib/serving/models/node-llama-cpp';
 import { KvRejected } from '../../lib/serving/models/types';
+import { kvRejectedReason as reason } from '../helpers';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-llama-state-'));
 const CTX = 256;
@@ -68,16 +69,6 @@ function honestSize(n: number, spec: typeof TINY): number {
   const kvRow = (spec.embedding / spec.heads) * spec.kvHeads * 2; // F16
   const perLayer = 4 + 8 + n * kvRow; // V: type, row size (or element size and width), data
   return 12 + 4 * n + 8 + (n ? 12 * n + 8 + spec.layers * (4 + 8 + n * kvRow) + spec.layers * perLayer : 0);
-}
-
-function reason(f: () => unknown): string {
-  try {
-    f();
-  } catch (e) {
-    expect(e).toBeInstanceOf(KvRejected);
-    return (e as KvRejected).reason;
-  }
-  return 'accepted';
 }
 
 describe.each([

@@ -2,7 +2,7 @@
 // the decode either gets the exact state the prefill wrapped for the request
 // it was given or a KvRejected naming why, never an exception of another kind
 // and never other bytes.
-import { createHash, randomBytes } from 'node:crypto';
+import { randomBytes } from 'node:crypto';
 import fc from 'fast-check';
 import { beforeAll, describe, expect, it } from 'vitest';
 import {
@@ -16,11 +16,11 @@ import {
   writeEnvelope,
 } from '../../lib/serving/models/kv-state';
 import { stateChecksumReady } from '../../lib/serving/models/state-checksum';
-import { KvRejected } from '../../lib/serving/models/types';
+import type { KvRejected } from '../../lib/serving/models/types';
+import { kvRejectedReason as reason } from '../helpers';
+import { BIND, FP, envelopeOptions } from './kv-state-helpers';
 
-const FP = createHash('sha256').update('model a').digest();
 const BLOCK = 256;
-const BIND = { engineId: 'prefill-1', requestId: 'kv-1-abc', blockIds: [4, 5, 6] };
 
 /** A llama.cpp-shaped sequence state: 'ggsq', version, n tokens, tokens, payload. */
 function seqState(tokens: number, payload: number): Buffer {
@@ -48,25 +48,7 @@ function wrap(state: Buffer, tokens: number, next?: number, secret?: string, see
   return { blocks, n };
 }
 
-const opts = (n: number, secret?: string) => ({
-  blocks: n,
-  blockBytes: BLOCK,
-  fingerprint: FP,
-  binding: BIND,
-  secret,
-  maxTokens: 4096,
-  maxStateBytes: 1 << 20,
-});
-
-function reason(f: () => unknown): string {
-  try {
-    f();
-  } catch (e) {
-    expect(e).toBeInstanceOf(KvRejected);
-    return (e as KvRejected).reason;
-  }
-  return 'accepted';
-}
+const opts = (n: number, secret?: string) => envelopeOptions(n, BLOCK, 1 << 20, secret);
 
 beforeAll(() => stateChecksumReady());
 

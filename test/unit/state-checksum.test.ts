@@ -2,7 +2,7 @@
 // chunked and whole inputs hash alike, a large state leaves no copy of itself
 // behind in the hash's memory, flags relabelled either way are refused, and
 // states of 0 bytes and of many blocks round-trip.
-import { createHash, randomBytes } from 'node:crypto';
+import { randomBytes } from 'node:crypto';
 import xxhash from 'xxhash-wasm';
 import { beforeAll, describe, expect, it } from 'vitest';
 import {
@@ -14,10 +14,9 @@ import {
   writeEnvelope,
 } from '../../lib/serving/models/kv-state';
 import { stateChecksum, stateChecksumReady } from '../../lib/serving/models/state-checksum';
-import { KvRejected } from '../../lib/serving/models/types';
+import { kvRejectedReason as reason } from '../helpers';
+import { BIND, FP, envelopeOptions } from './kv-state-helpers';
 
-const FP = createHash('sha256').update('model a').digest();
-const BIND = { engineId: 'prefill-1', requestId: 'kv-1-abc', blockIds: [4, 5, 6] };
 let raw: Awaited<ReturnType<typeof xxhash>>;
 
 beforeAll(async () => {
@@ -35,25 +34,10 @@ function sealed(state: Buffer, block: number, secret?: string) {
 }
 
 function open(e: { env: Buffer; n: number; block: number }, secret?: string) {
-  return openEnvelope((i) => e.env.subarray(i * e.block, (i + 1) * e.block), {
-    blocks: e.n,
-    blockBytes: e.block,
-    fingerprint: FP,
-    binding: BIND,
-    secret,
-    maxTokens: 4096,
-    maxStateBytes: 1 << 30,
-  });
-}
-
-function reason(f: () => unknown): string {
-  try {
-    f();
-  } catch (e) {
-    expect(e).toBeInstanceOf(KvRejected);
-    return (e as KvRejected).reason;
-  }
-  return 'accepted';
+  return openEnvelope(
+    (i) => e.env.subarray(i * e.block, (i + 1) * e.block),
+    envelopeOptions(e.n, e.block, 1 << 30, secret),
+  );
 }
 
 describe('the XXH64 state checksum', () => {
