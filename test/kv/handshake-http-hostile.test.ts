@@ -7,16 +7,8 @@ import * as http from 'node:http';
 import * as net from 'node:net';
 import { getEventListeners } from 'node:events';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
-import { HttpHandshake, createHandshake, encodeAgentMetadata } from '../../lib/handshake';
-
-/** Settles `p`, or rejects naming `what` after `ms` (so a hang fails here, not at the test timeout). */
-function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
-  let t: NodeJS.Timeout | undefined;
-  const bound = new Promise<never>((_, reject) => {
-    t = setTimeout(() => reject(new Error(`${what}: nothing settled in ${ms} ms`)), ms);
-  });
-  return Promise.race([p, bound]).finally(() => clearTimeout(t));
-}
+import { HttpHandshake, createHandshake } from '../../lib/handshake';
+import { rankZeroPayload, within } from './handshake-helpers';
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
@@ -49,28 +41,7 @@ beforeAll(async () => {
   const srv = await real.serve({
     port: 0,
     logger: { warn: () => {} },
-    payloads: new Map([
-      [
-        0,
-        {
-          compatibilityHash: 'a'.repeat(64),
-          agentMetadataBytes: encodeAgentMetadata(
-            {
-              engineId: 'engine-P',
-              agentMetadata: Buffer.from('md'),
-              kvCachesBaseAddr: [0x7f3a00000000n],
-              deviceId: 0,
-              numBlocks: 8,
-              blockLens: [4096],
-              kvCacheLayout: 'LBHNC',
-              blockSize: 16,
-              attnBackendName: 'FLASH_ATTN',
-            },
-            'v12',
-          ),
-        },
-      ],
-    ]),
+    payloads: rankZeroPayload(),
   });
   body = await new Promise<string>((resolve, reject) =>
     http

@@ -8,19 +8,11 @@ import * as net from 'node:net';
 import * as v8 from 'node:v8';
 import * as vm from 'node:vm';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { createHandshake, encodeAgentMetadata, type HandshakeServer } from '../../lib/handshake';
+import { createHandshake, type HandshakeServer } from '../../lib/handshake';
+import { rankZeroPayload, within } from './handshake-helpers';
 
 v8.setFlagsFromString('--expose-gc');
 const gc = vm.runInNewContext('gc') as () => void;
-
-/** Settles `p`, or rejects naming `what` after `ms` (so a hang fails here, not at the test timeout). */
-function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
-  let t: NodeJS.Timeout | undefined;
-  const bound = new Promise<never>((_, reject) => {
-    t = setTimeout(() => reject(new Error(`${what}: nothing settled in ${ms} ms`)), ms);
-  });
-  return Promise.race([p, bound]).finally(() => clearTimeout(t));
-}
 
 /** Runs `f` with a full collection forced every 10 ms. */
 async function underGc<T>(f: () => Promise<T>): Promise<T> {
@@ -93,28 +85,7 @@ describe.each(['http', 'zmq'] as const)('%s side channel under garbage collectio
 
   it('a live server still answers, with a collection forced meanwhile', async () => {
     const h = createHandshake(method);
-    const payloads = new Map([
-      [
-        0,
-        {
-          compatibilityHash: 'a'.repeat(64),
-          agentMetadataBytes: encodeAgentMetadata(
-            {
-              engineId: 'engine-P',
-              agentMetadata: Buffer.from('md'),
-              kvCachesBaseAddr: [0x7f3a00000000n],
-              deviceId: 0,
-              numBlocks: 8,
-              blockLens: [4096],
-              kvCacheLayout: 'LBHNC',
-              blockSize: 16,
-              attnBackendName: 'FLASH_ATTN',
-            },
-            'v12',
-          ),
-        },
-      ],
-    ]);
+    const payloads = rankZeroPayload();
     const s: HandshakeServer = await h.serve({ port: 0, payloads, logger: { warn: () => {} } });
     try {
       const got = await underGc(() => h.fetch({ host: '127.0.0.1', port: s.port, tpRank: 0, timeoutMs: 5000 }));
