@@ -43,19 +43,23 @@ describe('a GGUF decode refuses KV states it cannot vouch for (no KV secret)', (
     fs.rmSync(dir, { recursive: true, force: true });
   });
 
-  /** A state changed by `f` and sealed again is refused as `why`; then both honest asks are served as before. */
-  async function refused(kind: keyof typeof asks, f: (env: Buffer) => void, why: string, code: string) {
-    mutate = (env) => {
-      f(env);
-      resealEnvelope(env);
-      return env;
-    };
-    let g: Reply;
+  /** The answer to `kind` when the prefill's envelope goes through `m` on its way (this request only). */
+  async function tampered(kind: keyof typeof asks, m: (env: Buffer) => Buffer): Promise<Reply> {
+    mutate = m;
     try {
-      g = await disaggregated(prefill, decode, asks[kind]);
+      return await disaggregated(prefill, decode, asks[kind]);
     } finally {
       mutate = undefined;
     }
+  }
+
+  /** A state changed by `f` and sealed again is refused as `why`; then both honest asks are served as before. */
+  async function refused(kind: keyof typeof asks, f: (env: Buffer) => void, why: string, code: string) {
+    const g = await tampered(kind, (env) => {
+      f(env);
+      resealEnvelope(env);
+      return env;
+    });
     expect(g.status, JSON.stringify(g)).toBe(502);
     expect(g.error?.type).toBe('kv_rejected');
     expect(g.error?.reason).toBe(why);
@@ -134,17 +138,11 @@ describe('a GGUF decode refuses KV states it cannot vouch for (no KV secret)', (
 
   /** A state changed by `f` and not sealed again (damage on the way) is refused as corrupted (the XXH64 checksum). */
   async function damaged(kind: keyof typeof asks, f: (env: Buffer) => void) {
-    mutate = (env) => {
+    const g = await tampered(kind, (env) => {
       expect(env.readUInt32LE(8)).toBe(2); // sealed with XXH64
       f(env);
       return env;
-    };
-    let g: Reply;
-    try {
-      g = await disaggregated(prefill, decode, asks[kind]);
-    } finally {
-      mutate = undefined;
-    }
+    });
     expect(g.status, JSON.stringify(g)).toBe(502);
     expect(g.error?.reason).toBe('corrupted');
     expect(g.error?.nixl_code).toBe('NIXL_ERR_MISMATCH');
@@ -174,17 +172,11 @@ describe('a GGUF decode refuses KV states it cannot vouch for (no KV secret)', (
 
   it("an earlier prefill's SHA-256 envelope (flags 0) is still served, with the honest answer", async () => {
     for (const kind of ['completion', 'chat'] as const) {
-      mutate = (env) => {
+      const g = await tampered(kind, (env) => {
         env.writeUInt32LE(0, 8);
         resealEnvelope(env);
         return env;
-      };
-      let g: Reply;
-      try {
-        g = await disaggregated(prefill, decode, asks[kind]);
-      } finally {
-        mutate = undefined;
-      }
+      });
       expect(g.status, JSON.stringify(g.error)).toBe(200);
       expect(g.text).toBe(honest[kind]);
     }
