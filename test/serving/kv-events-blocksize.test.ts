@@ -13,7 +13,7 @@ import { startProxy, startWorker } from '../../lib/serving';
 import { promptKeys } from '../../lib/serving/kv-index/index';
 import { modelPath } from '../../lib/serving/models/test-models';
 import { ETCD_MISSING, EtcdServer } from '../etcd-server';
-import { EventPeer, complete, storedText, until } from './kv-routing-helpers';
+import { EventPeer, chat, complete, etcdFleet, httpWorkers, storedText, until } from './kv-routing-helpers';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-kv-blocksize-'));
 afterAll(() => fs.rmSync(dir, { recursive: true, force: true }));
@@ -32,17 +32,12 @@ const slots = (...texts: string[]) => new Set(texts.flatMap((t) => promptKeys(Bu
 describe('per-worker block size: a B=16 proxy, one publisher at 64 and one at 16', () => {
   it('routes to the longest reusable prefix, removes 64-blocks as 4 keys, refuses 24, rebuilds after a gap', async () => {
     const [p64, p16, p24] = await Promise.all([EventPeer.open(), EventPeer.open(), EventPeer.open()]);
-    const a = await startWorker({ transport: 'http' });
-    const b = await startWorker({ transport: 'http' });
-    const d = await startWorker({ transport: 'http' });
     closers.push(
       () => p64.close(),
       () => p16.close(),
       () => p24.close(),
-      () => a.close(),
-      () => b.close(),
-      () => d.close(),
     );
+    const [a, b, d] = await httpWorkers(3, closers);
     const PA = text('PA', 140);
     const PB = text('PB', 80);
     // The 64-worker (a) holds PA's first 128 tokens and PB's first 64; the 16-worker (b) PA's 96 and PB's 48.
@@ -122,8 +117,7 @@ describe.skipIf(ETCD_MISSING !== '')(`without --kv-block-size, over a fleet in e
   it('a worker at 64 first, one at 16 later: keyed by 16 from then on, the first followed again', async () => {
     const etcd = await new EtcdServer().start();
     closers.push(() => etcd.destroy());
-    const prefix = '/kv-blocksize/';
-    const fleet = (role: 'prefill' | 'decode') => ({ endpoints: [etcd.url], prefix, role, ttlSec: 5, drainMs: 500 });
+    const { role: fleet, proxy: fleetProxy } = etcdFleet(etcd.url, '/kv-blocksize/');
     const kvEvents = (name: string) => ({
       enable_kv_cache_events: true,
       endpoint: `ipc://${dir}/${name}-pub`,
@@ -136,12 +130,7 @@ describe.skipIf(ETCD_MISSING !== '')(`without --kv-block-size, over a fleet in e
       () => a.close(),
       () => d.close(),
     );
-    const proxy = await startProxy({
-      etcd: { endpoints: [etcd.url], prefix, resyncMs: 500 },
-      healthIntervalMs: 0,
-      policy: 'precise',
-      kvEvents: { index: { speculativeTtlMs: 1 } },
-    });
+    const proxy = await fleetProxy();
     closers.push(() => proxy.close());
     const routing = proxy.kvRouting!;
     await until(() => routing.follower.names.length === 1);
@@ -189,22 +178,7 @@ describe('GGUF prefills announcing whole batches of 32 behind a proxy keying by 
     const routing = proxy.kvRouting!;
     await until(() => routing.follower.names.length === 2);
     const system = 'A shared beginning for every question here, long enough for several batches. '.repeat(3);
-    const ask = async (question: string) => {
-      const r = await fetch(`${proxy.url}/v1/chat/completions`, {
-        method: 'POST',
-        headers: { 'content-type': 'application/json' },
-        body: JSON.stringify({
-          model: 'nixl-node-tiny',
-          messages: [
-            { role: 'system', content: system },
-            { role: 'user', content: question },
-          ],
-          max_tokens: 2,
-        }),
-      });
-      expect(r.status).toBe(200);
-      return ((await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } }).nixl_node;
-    };
+    const ask = (question: string) => chat(proxy, system, question);
     const first = await ask('One?');
     await until(() => routing.index.size > 0);
     await expired();

@@ -9,7 +9,7 @@ import * as path from 'node:path';
 import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { ETCD_MISSING, EtcdServer } from '../etcd-server';
-import { complete } from './kv-routing-helpers';
+import { complete, etcdFleet } from './kv-routing-helpers';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-kv-discover-'));
 afterAll(() => fs.rmSync(dir, { recursive: true, force: true }));
@@ -98,8 +98,7 @@ describe.skipIf(ETCD_MISSING !== '')(`precise routing over a fleet in etcd${ETCD
   it('a worker registering kv_events is followed; one leaving takes its subscription and index along', async () => {
     const etcd = await new EtcdServer().start();
     closers.push(() => etcd.destroy());
-    const prefix = '/kv-discover/';
-    const fleet = (role: 'prefill' | 'decode') => ({ endpoints: [etcd.url], prefix, role, ttlSec: 5, drainMs: 500 });
+    const { role: fleet, proxy: fleetProxy } = etcdFleet(etcd.url, '/kv-discover/');
     const a = await startWorker({ name: 'pa', blocks: 64, kvEvents: events('ea'), etcd: fleet('prefill') });
     const b = await startWorker({ name: 'pb', blocks: 64, kvEvents: events('eb'), etcd: fleet('prefill') });
     const d = await startWorker({ name: 'dd', blocks: 64, etcd: fleet('decode') });
@@ -114,13 +113,7 @@ describe.skipIf(ETCD_MISSING !== '')(`precise routing over a fleet in etcd${ETCD
       () => closeOnce(b),
       () => d.close(),
     );
-    // No health checks: only the records say where the events are.
-    const proxy = await startProxy({
-      etcd: { endpoints: [etcd.url], prefix, resyncMs: 500 },
-      healthIntervalMs: 0,
-      policy: 'precise',
-      kvEvents: { index: { speculativeTtlMs: 1 } },
-    });
+    const proxy = await fleetProxy();
     closers.push(() => proxy.close());
     const routing = proxy.kvRouting!;
     expect(await until(() => routing.follower.names.length === 2)).toBe(true);

@@ -10,9 +10,9 @@ import * as readline from 'node:readline';
 import { Packr } from 'msgpackr';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
-import { startProxy, startWorker } from '../../lib/serving';
+import { startProxy } from '../../lib/serving';
 import { FIXTURES, PY, pythonZmqMissing } from '../helpers';
-import { complete } from './kv-routing-helpers';
+import { complete, httpWorkers } from './kv-routing-helpers';
 
 const missing = pythonZmqMissing();
 if (missing) console.warn(`KV events routing interop skipped: ${missing}`);
@@ -56,14 +56,7 @@ describe.skipIf(missing !== undefined)('precise routing from a vLLM-format KV-ev
     const peer = new PyPublisher();
     closers.push(() => peer.close());
     const ep = (await peer.next()) as { pub: string; replay: string };
-    const a = await startWorker({ transport: 'http' });
-    const b = await startWorker({ transport: 'http' });
-    const d = await startWorker({ transport: 'http' });
-    closers.push(
-      () => a.close(),
-      () => b.close(),
-      () => d.close(),
-    );
+    const [a, b, d] = await httpWorkers(3, closers);
     const long = 'The quick brown fox jumps over the lazy dog, again and again, until the story ends.'; // 5 blocks
     // Published before the proxy exists: only a replay on connect can tell it.
     await peer.send({ store: long.slice(0, 64), block_size: 16 });
@@ -127,12 +120,7 @@ describe('hostile KV-event publisher', () => {
     const pub = new zmq.Publisher();
     await pub.bind('tcp://127.0.0.1:*');
     closers.push(() => pub.close());
-    const a = await startWorker({ transport: 'http' });
-    const d = await startWorker({ transport: 'http' });
-    closers.push(
-      () => a.close(),
-      () => d.close(),
-    );
+    const [a, d] = await httpWorkers(2, closers);
     const proxy = await startProxy({
       transport: 'http',
       prefill: [a.address],

@@ -9,6 +9,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import { ggufTokenizer } from '../../lib/serving/kv-index/gguf-tokenizer';
 import { modelPath } from '../../lib/serving/models/test-models';
+import { chat } from './kv-routing-helpers';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-gguf-tok-'));
 const BATCH = 32;
@@ -101,23 +102,7 @@ describe('the GGUF tokenizer', () => {
       // Chats: the proxy's own synthetic tokenizer renders them otherwise than the GGUF's template, so only
       // the model's vocabulary and template find the held blocks.
       const system = 'Ein gemeinsamer Anfang — 共通の前置き, shared by both chats. '.repeat(4);
-      const ask = async (question: string, extra: Record<string, unknown> = {}) => {
-        const r = await fetch(`${proxy.url}/v1/chat/completions`, {
-          method: 'POST',
-          headers: { 'content-type': 'application/json' },
-          body: JSON.stringify({
-            model: 'nixl-node-tiny',
-            messages: [
-              { role: 'system', content: system },
-              { role: 'user', content: question },
-            ],
-            max_tokens: 2,
-            ...extra,
-          }),
-        });
-        expect(r.status).toBe(200);
-        return ((await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } }).nixl_node;
-      };
+      const ask = (question: string, extra: Record<string, unknown> = {}) => chat(proxy, system, question, extra);
       const first = await ask('One?');
       expect(first.prefix_match_tokens).toBe(0);
       // The prefill's events reach the proxy asynchronously: wait until they have (bounded), and past the

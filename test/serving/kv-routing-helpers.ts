@@ -1,9 +1,11 @@
-// Shared by the precise-routing tests: a completion through the proxy that
-// answers 200 and says which prefill served it and how much prefix it matched,
-// and a publisher of vLLM-format events of the test's own making.
+// Shared by the precise-routing tests: a completion or chat through the proxy
+// that answers 200 and says which prefill served it and how much prefix it
+// matched, workers and a proxy set up as these tests set them up, and a
+// publisher of vLLM-format events of the test's own making.
 import { expect } from 'vitest';
 import * as zmq from 'zeromq';
 import { type KvEvent as PeerEvent, encodeBatch } from '../../lib/serving/worker/kv-events/encode';
+import { type Worker, startProxy, startWorker } from '../../lib/serving';
 import type { ServingProxy } from '../../lib/serving/proxy/proxy';
 
 export async function complete(proxy: ServingProxy, prompt: string) {
@@ -14,6 +16,54 @@ export async function complete(proxy: ServingProxy, prompt: string) {
   });
   expect(r.status).toBe(200);
   return (await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } };
+}
+
+/** A two-token chat through the proxy (`system`, then `question`) that answers 200: who prefilled it, how much it matched. */
+export async function chat(proxy: ServingProxy, system: string, question: string, extra: Record<string, unknown> = {}) {
+  const r = await fetch(`${proxy.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({
+      model: 'nixl-node-tiny',
+      messages: [
+        { role: 'system', content: system },
+        { role: 'user', content: question },
+      ],
+      max_tokens: 2,
+      ...extra,
+    }),
+  });
+  expect(r.status).toBe(200);
+  return ((await r.json()) as { nixl_node: { prefill: string; prefix_match_tokens: number } }).nixl_node;
+}
+
+/** `n` synthetic workers over HTTP, each closed by `closers` (run last first). */
+export async function httpWorkers(n: number, closers: Array<() => unknown>): Promise<Worker[]> {
+  const out: Worker[] = [];
+  for (let i = 0; i < n; i++) {
+    const w = await startWorker({ transport: 'http' });
+    closers.push(() => w.close());
+    out.push(w);
+  }
+  return out;
+}
+
+/**
+ * Workers and a precise-routing proxy that meet in etcd at `url` under
+ * `prefix`: `role` is a worker's etcd option, `proxy` starts the proxy (no
+ * health checks: only the records say where the events are).
+ */
+export function etcdFleet(url: string, prefix: string) {
+  return {
+    role: (role: 'prefill' | 'decode') => ({ endpoints: [url], prefix, role, ttlSec: 5, drainMs: 500 }),
+    proxy: () =>
+      startProxy({
+        etcd: { endpoints: [url], prefix, resyncMs: 500 },
+        healthIntervalMs: 0,
+        policy: 'precise',
+        kvEvents: { index: { speculativeTtlMs: 1 } },
+      }),
+  };
 }
 
 /**
