@@ -13,7 +13,16 @@ import { startProxy, startWorker } from '../../lib/serving';
 import { promptKeys } from '../../lib/serving/kv-index/index';
 import { modelPath } from '../../lib/serving/models/test-models';
 import { ETCD_MISSING, EtcdServer } from '../etcd-server';
-import { EventPeer, chat, complete, etcdFleet, httpWorkers, storedText, until } from './kv-routing-helpers';
+import {
+  EventPeer,
+  chat,
+  complete,
+  etcdFleet,
+  httpWorkers,
+  staticPreciseProxy,
+  storedText,
+  until,
+} from './kv-routing-helpers';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nixl-kv-blocksize-'));
 afterAll(() => fs.rmSync(dir, { recursive: true, force: true }));
@@ -48,20 +57,17 @@ describe('per-worker block size: a B=16 proxy, one publisher at 64 and one at 16
     );
     await p24.send(storedText(PA.slice(0, 48), 24, [21n, 22n]));
     const stray = 'http://127.0.0.1:9'; // followed by name only: never a candidate
-    const proxy = await startProxy({
-      transport: 'http',
-      prefill: [a.address, b.address],
-      decode: [d.address],
-      healthIntervalMs: 0,
-      policy: 'precise',
-      kvEvents: {
+    const proxy = await staticPreciseProxy(
+      [a, b],
+      [d],
+      {
         endpoints: { [a.address]: p64.endpoint, [b.address]: p16.endpoint, [stray]: p24.endpoint },
         blockSize: 16,
         // No speculative entries: only the events say who holds what.
         index: { speculativeTtlMs: 1 },
       },
-    });
-    closers.push(() => proxy.close());
+      closers,
+    );
     const routing = proxy.kvRouting!;
     await until(() => routing.index.size === 12 + 9 && (routing.stats['dropped:block_size'] ?? 0) > 0);
     const held = (w: string) =>

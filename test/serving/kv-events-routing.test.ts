@@ -10,9 +10,8 @@ import * as readline from 'node:readline';
 import { Packr } from 'msgpackr';
 import { afterEach, describe, expect, it } from 'vitest';
 import * as zmq from 'zeromq';
-import { startProxy } from '../../lib/serving';
 import { FIXTURES, PY, pythonZmqMissing } from '../helpers';
-import { complete, httpWorkers } from './kv-routing-helpers';
+import { complete, httpWorkers, staticPreciseProxy } from './kv-routing-helpers';
 
 const missing = pythonZmqMissing();
 if (missing) console.warn(`KV events routing interop skipped: ${missing}`);
@@ -60,15 +59,7 @@ describe.skipIf(missing !== undefined)('precise routing from a vLLM-format KV-ev
     const long = 'The quick brown fox jumps over the lazy dog, again and again, until the story ends.'; // 5 blocks
     // Published before the proxy exists: only a replay on connect can tell it.
     await peer.send({ store: long.slice(0, 64), block_size: 16 });
-    const proxy = await startProxy({
-      transport: 'http',
-      prefill: [a.address, b.address],
-      decode: [d.address],
-      healthIntervalMs: 0,
-      policy: 'precise',
-      kvEvents: { endpoints: { [b.address]: ep }, blockSize: 16 },
-    });
-    closers.push(() => proxy.close());
+    const proxy = await staticPreciseProxy([a, b], [d], { endpoints: { [b.address]: ep }, blockSize: 16 }, closers);
     const routing = proxy.kvRouting!;
     await until(() => routing.index.size >= 4);
     expect(routing.stats.replays).toBeGreaterThanOrEqual(1);
@@ -121,15 +112,12 @@ describe('hostile KV-event publisher', () => {
     await pub.bind('tcp://127.0.0.1:*');
     closers.push(() => pub.close());
     const [a, d] = await httpWorkers(2, closers);
-    const proxy = await startProxy({
-      transport: 'http',
-      prefill: [a.address],
-      decode: [d.address],
-      healthIntervalMs: 0,
-      policy: 'precise',
-      kvEvents: { endpoints: { [a.address]: { pub: pub.lastEndpoint! } }, blockSize: 16 },
-    });
-    closers.push(() => proxy.close());
+    const proxy = await staticPreciseProxy(
+      [a],
+      [d],
+      { endpoints: { [a.address]: { pub: pub.lastEndpoint! } }, blockSize: 16 },
+      closers,
+    );
     const routing = proxy.kvRouting!;
     const packr = new Packr({ useRecords: false, useBigInt64: true } as never);
     const seq = (n: number) => {

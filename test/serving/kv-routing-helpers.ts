@@ -5,7 +5,7 @@
 import { expect } from 'vitest';
 import * as zmq from 'zeromq';
 import { type KvEvent as PeerEvent, encodeBatch } from '../../lib/serving/worker/kv-events/encode';
-import { type Worker, startProxy, startWorker } from '../../lib/serving';
+import { type ProxyOptions, type Worker, startProxy, startWorker } from '../../lib/serving';
 import type { ServingProxy } from '../../lib/serving/proxy/proxy';
 
 export async function complete(proxy: ServingProxy, prompt: string) {
@@ -46,6 +46,25 @@ export async function httpWorkers(n: number, closers: Array<() => unknown>): Pro
     out.push(w);
   }
   return out;
+}
+
+/** A precise-routing proxy over HTTP to static workers, with no health checks (only `kvEvents` says where events are), closed by `closers`. */
+export async function staticPreciseProxy(
+  prefill: Worker[],
+  decode: Worker[],
+  kvEvents: ProxyOptions['kvEvents'],
+  closers: Array<() => unknown>,
+): Promise<ServingProxy> {
+  const proxy = await startProxy({
+    transport: 'http',
+    prefill: prefill.map((w) => w.address),
+    decode: decode.map((w) => w.address),
+    healthIntervalMs: 0,
+    policy: 'precise',
+    kvEvents,
+  });
+  closers.push(() => proxy.close());
+  return proxy;
 }
 
 /**
