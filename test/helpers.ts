@@ -3,8 +3,8 @@ import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { once } from 'node:events';
 import * as net from 'node:net';
-import { expect } from 'vitest';
-import { DescList, type KvLayout, allocate } from '../lib';
+import { afterEach, describe, expect, it } from 'vitest';
+import { DescList, type KvLayout, type NixlAgent, allocate, engines } from '../lib';
 import { KvRejected } from '../lib/serving/models/types';
 
 export const FIXTURES = path.join(__dirname, 'fixtures');
@@ -298,4 +298,26 @@ export function kvRejectedReason(f: () => unknown): string {
     return (e as KvRejected).reason;
   }
   return 'accepted';
+}
+
+/** The engines an engine test runs on: both, or the one NIXL_NODE_ENGINE=nixl|loopback names. */
+export const wantedEngines = process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE] : ['loopback', 'nixl'];
+
+/**
+ * One suite per wanted engine (`title` names it with %s), skipped with a line
+ * where NIXL is not compiled in; the agents the suite pushes on `open` are
+ * closed after each test.
+ */
+export function eachEngine(title: string, body: (engine: string, open: NixlAgent[]) => void): void {
+  describe.each(wantedEngines)(title, (engine) => {
+    if (engine === 'nixl' && !engines.includes('nixl')) {
+      it.skip('skipped: NIXL is not compiled in', () => {});
+      return;
+    }
+    const open: NixlAgent[] = [];
+    afterEach(() => {
+      for (const a of open.splice(0)) a.close();
+    });
+    body(engine, open);
+  });
 }

@@ -6,13 +6,12 @@
 // refuses new handles with NIXL_ERR_NOT_ALLOWED, and what it made still works.
 // testFirstHandle starts the counter there instead of making billions.
 // NIXL_NODE_ENGINE=nixl|loopback runs just that one.
-import { afterEach, describe, expect, it } from 'vitest';
-import { type AgentOptions, NixlAgent, type NixlError, allocate, engines } from '../../lib';
-import { preparedBlocks } from '../helpers';
+import { expect, it } from 'vitest';
+import { type AgentOptions, NixlAgent, type NixlError, allocate } from '../../lib';
+import { eachEngine, preparedBlocks } from '../helpers';
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 const { setupAgent } = require('../fixtures/conformance-setup');
 
-const wanted = process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE] : ['loopback', 'nixl'];
 const BLOCK = 4096;
 const LAYERS = 4;
 const N = 2 * LAYERS;
@@ -43,15 +42,7 @@ const codeOf = (f: () => unknown): string | undefined => {
   return undefined;
 };
 
-describe.each(wanted)('handles past 2^31 and 2^32: %s engine', (engine) => {
-  if (engine === 'nixl' && !engines.includes('nixl')) {
-    it.skip('skipped: NIXL is not compiled in', () => {});
-    return;
-  }
-  const open: NixlAgent[] = [];
-  afterEach(() => {
-    for (const a of open.splice(0)) a.close();
-  });
+eachEngine('handles past 2^31 and 2^32: %s engine', (engine, open) => {
   function agent(name: string, extra: AgentOptions): NixlAgent {
     const a: NixlAgent =
       engine === 'nixl'

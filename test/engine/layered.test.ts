@@ -2,13 +2,12 @@
 // each layer's bytes, one completion and one notification per posting (after
 // every byte), re-posting, release, and every misuse answered with a code.
 // NIXL_NODE_ENGINE=nixl|loopback runs just that one.
-import { afterEach, describe, expect, it } from 'vitest';
-import { DescList, type LayeredXferHandle, NixlAgent, NixlError, allocate, engines } from '../../lib';
-import { Peer, preparedBlocks } from '../helpers';
+import { expect, it } from 'vitest';
+import { DescList, type LayeredXferHandle, NixlAgent, NixlError, allocate } from '../../lib';
+import { Peer, eachEngine, preparedBlocks } from '../helpers';
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 const { setupAgent } = require('../fixtures/conformance-setup');
 
-const wanted = process.env.NIXL_NODE_ENGINE ? [process.env.NIXL_NODE_ENGINE] : ['loopback', 'nixl'];
 const BLOCK = 4096;
 const LAYERS = 4;
 const PER_LAYER = 3;
@@ -44,16 +43,7 @@ const codeOf = (f: () => unknown): string | undefined => {
   return undefined;
 };
 
-describe.each(wanted)('layered transfers: %s engine', (engine) => {
-  if (engine === 'nixl' && !engines.includes('nixl')) {
-    it.skip('skipped: NIXL is not compiled in', () => {});
-    return;
-  }
-  const open: NixlAgent[] = [];
-  afterEach(() => {
-    for (const a of open.splice(0)) a.close();
-  });
-
+eachEngine('layered transfers: %s engine', (engine, open) => {
   /** a pulls from / pushes to b; both hold N blocks; lists of every block prepared on a. */
   function setup(opts: { testDelayUs?: number } = {}) {
     const a: NixlAgent =
