@@ -19,7 +19,6 @@ import {
 } from './wire';
 import {
   DEFAULT_MAX_REQUEST,
-  DEFAULT_MAX_RESPONSE,
   fetchMaxResponseBytes,
   type FetchOptions,
   type FetchResult,
@@ -233,7 +232,7 @@ export class HttpHandshake implements HandshakeStrategy {
   /** Fetches one rank's payload from a remote side channel, with retries. */
   async fetch(opts: FetchOptions): Promise<FetchResult> {
     const timeoutMs = fetchTimeoutMs(opts.timeoutMs);
-    fetchMaxResponseBytes(opts.maxResponseBytes);
+    const maxBytes = fetchMaxResponseBytes(opts.maxResponseBytes);
     const attempts = 1 + (opts.retries ?? 2);
     const wire = wireProfile(opts.wire);
     const pp = checkRank('ppRank', opts.ppRank);
@@ -244,7 +243,7 @@ export class HttpHandshake implements HandshakeStrategy {
     for (let i = 0; i < attempts; i++) {
       const t0 = monotonicSeconds();
       try {
-        const body = await this.#get(url, opts, timeoutMs);
+        const body = await this.#get(url, opts, timeoutMs, maxBytes);
         const t1 = monotonicSeconds();
         const entry = body as Record<string, unknown>;
         if (typeof entry !== 'object' || entry === null || entry.schema !== HTTP_SCHEMA)
@@ -306,8 +305,7 @@ export class HttpHandshake implements HandshakeStrategy {
     return a;
   }
 
-  #get(url: string, opts: FetchOptions, timeoutMs: number): Promise<unknown> {
-    const max = opts.maxResponseBytes ?? DEFAULT_MAX_RESPONSE;
+  #get(url: string, opts: FetchOptions, timeoutMs: number, max: number): Promise<unknown> {
     const mod = opts.tls ? https : http;
     return new Promise((resolve, reject) => {
       // A plain timer and listener, not AbortSignal.timeout() under AbortSignal.any():

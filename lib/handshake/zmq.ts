@@ -17,7 +17,6 @@ import {
 } from './wire';
 import {
   DEFAULT_MAX_REQUEST,
-  DEFAULT_MAX_RESPONSE,
   fetchMaxResponseBytes,
   type FetchOptions,
   type FetchResult,
@@ -165,13 +164,18 @@ class ZmqServer implements HandshakeServer {
   }
 }
 
-async function fetchOnce(opts: FetchOptions, wire: WireProfile, timeoutMs: number): Promise<Buffer[]> {
+async function fetchOnce(
+  opts: FetchOptions,
+  wire: WireProfile,
+  timeoutMs: number,
+  maxBytes: number,
+): Promise<Buffer[]> {
   const sock = new zmq.Request({
     linger: 0,
     receiveTimeout: timeoutMs,
     sendTimeout: timeoutMs,
     immediate: true, // a send to nobody times out instead of queueing forever
-    maxMessageSize: opts.maxResponseBytes ?? DEFAULT_MAX_RESPONSE,
+    maxMessageSize: maxBytes,
   });
   const onAbort = () => sock.close();
   opts.signal?.addEventListener('abort', onAbort, { once: true });
@@ -191,7 +195,7 @@ export const zmqHandshake: HandshakeStrategy = {
   serve: (opts) => ZmqServer.start(opts),
   async fetch(opts: FetchOptions): Promise<FetchResult> {
     const timeoutMs = fetchTimeoutMs(opts.timeoutMs);
-    fetchMaxResponseBytes(opts.maxResponseBytes);
+    const maxBytes = fetchMaxResponseBytes(opts.maxResponseBytes);
     const attempts = 1 + (opts.retries ?? 2);
     const wire = wireProfile(opts.wire);
     const where = tcp(opts.host, opts.port + (opts.dpRank ?? 0));
@@ -202,7 +206,7 @@ export const zmqHandshake: HandshakeStrategy = {
       const t0 = monotonicSeconds();
       let frames: Buffer[];
       try {
-        frames = await fetchOnce(opts, wire, timeoutMs);
+        frames = await fetchOnce(opts, wire, timeoutMs, maxBytes);
       } catch (e) {
         last = e;
         if (i + 1 < attempts) await new Promise((r) => setTimeout(r, Math.min(1000, 50 * 2 ** i)));

@@ -3,9 +3,9 @@
 //
 // Completions: engine threads call onComplete/onNotif; the first event into an
 // empty batch signals the ThreadSafeFunction once, and the JS callback gets
-// the whole batch as a Float64Array (handles run to 2^53, JS numbers). The TSFN is Ref'd only while transfers are
-// in flight (or someone waits for notifications), so an idle agent never keeps
-// the process alive.
+// the whole batch as a Float64Array (handles run to 2^53, JS numbers). The
+// TSFN is Ref'd only while transfers are in flight (or someone waits for
+// notifications), so an idle agent never keeps the process alive.
 #include "agent.h"
 
 #include <algorithm>

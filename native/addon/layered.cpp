@@ -56,12 +56,12 @@ Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t*
   slot.live = true;
   slot.r = std::move(r);
   for (uint32_t l = 0; l < slot.r.subs.size(); ++l) owner_[slot.r.subs[l]] = {i, l};
-  return kLayeredBit | slot.gen << kLayeredSlotBits | i;
+  return idOf(i);
 }
 
 LayeredRequests::Request& LayeredRequests::find(Handle h, const char* what) {
-  auto i = static_cast<uint32_t>(h & (kLayeredSlots - 1));
-  if (!isLayered(h) || i >= slots_.size() || !slots_[i].live || slots_[i].gen != (h & ~kLayeredBit) >> kLayeredSlotBits)
+  uint32_t i = slotOf(h);
+  if (!isLayered(h) || i >= slots_.size() || !slots_[i].live || idOf(i) != h)
     throw EngineError(ERR_NOT_FOUND, std::string(what) + ": unknown or already released layered transfer handle");
   return slots_[i].r;
 }
@@ -208,7 +208,7 @@ bool LayeredRequests::onEngineDone(Engine& e, Handle sub, Handle* ended) {
   if (it == owner_.end()) return false;
   auto [i, l] = it->second;
   Request& r = slots_[i].r;
-  Handle h = kLayeredBit | slots_[i].gen << kLayeredSlotBits | i;
+  Handle h = idOf(i);
   // Already seen finished (status() asked first), or the event of an earlier
   // posting delivered after the layer was posted again: nothing new.
   if (r.state[l] != kInFlight) return true;
@@ -224,7 +224,7 @@ bool LayeredRequests::onEngineDone(Engine& e, Handle sub, Handle* ended) {
 
 void LayeredRequests::release(Engine& e, Handle h) {
   Request& r = find(h, "releaseXferHandle");
-  auto i = static_cast<uint32_t>(h & (kLayeredSlots - 1));
+  uint32_t i = slotOf(h);
   // Every layer's request goes, even if one release throws: the first error
   // is reported once the rest are released.
   std::optional<EngineError> first;
@@ -236,23 +236,28 @@ void LayeredRequests::release(Engine& e, Handle h) {
       if (!first) first = x;
     }
   }
+  retire(i);
+  if (first) throw *first;
+}
+
+Handle LayeredRequests::idOf(uint32_t i) const { return kLayeredBit | slots_[i].gen << kLayeredSlotBits | i; }
+
+uint32_t LayeredRequests::slotOf(Handle h) { return static_cast<uint32_t>(h & (kLayeredSlots - 1)); }
+
+// The slot's request goes and its next generation comes, if it has one: a
+// handle is never handed out twice, so a stale one is refused even once its
+// slot serves another.
+void LayeredRequests::retire(uint32_t i) {
   Slot& slot = slots_[i];
   slot.live = false;
   slot.r = Request{};
-  // The next generation, if the slot has one: a handle is never handed out
-  // twice, so a stale one is refused even once its slot serves another.
   if (++slot.gen < kLayeredGens) free_.push_back(i);
-  if (first) throw *first;
 }
 
 void LayeredRequests::clear() {
   // Generations carry on: handles of a closed agent stay refused.
   for (uint32_t i = 0; i < slots_.size(); ++i)
-    if (slots_[i].live) {
-      slots_[i].live = false;
-      slots_[i].r = Request{};
-      if (++slots_[i].gen < kLayeredGens) free_.push_back(i);
-    }
+    if (slots_[i].live) retire(i);
   owner_.clear();
 }
 

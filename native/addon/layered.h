@@ -31,7 +31,7 @@ namespace nixlnode {
 // and stop below kEngineHandleLimit), under 2^53 so JS numbers hold them.
 // Below that bit: the request's slot in LayeredRequests' table, and the
 // slot's generation, so a lookup is an index and a compare, not a hash; a
-// released handle never matches its slot again (see release).
+// released handle never matches its slot again (see retire).
 constexpr Handle kLayeredBit = kEngineHandleLimit;
 static_assert((kLayeredBit << 1) - 1 == kMaxHandle, "layered ids fill [kLayeredBit, 2^53)");
 inline bool isLayered(Handle h) { return (h & kLayeredBit) != 0; }
@@ -92,6 +92,9 @@ class LayeredRequests {
   };
 
   Request& find(Handle h, const char* what);
+  Handle idOf(uint32_t slot) const;  // the live request's id in that slot
+  static uint32_t slotOf(Handle h);
+  void retire(uint32_t slot);
   void begin(Engine& e, Request& r, uint32_t layer);
   void postOne(Engine& e, Request& r, uint32_t l, bool mayInline, uint32_t* inProg);
   void settle(Engine& e, Request& r, uint32_t l, int s, const std::string& msg);
