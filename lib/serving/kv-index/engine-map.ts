@@ -86,16 +86,8 @@ export class EngineMap {
     let b = this.#split(h, part);
     let at = this.#find(b);
     if (at !== NONE && young && at !== this.#tail) {
-      const r = this.#r;
-      const p = r[at + PREV];
-      const n = r[at + NEXT];
-      if (p !== NONE) r[p + NEXT] = n;
-      else this.#head = n;
-      r[n + PREV] = p;
-      r[at + PREV] = this.#tail;
-      r[at + NEXT] = NONE;
-      r[this.#tail + NEXT] = at;
-      this.#tail = at;
+      this.#unlink(at);
+      this.#append(at);
     }
     if (at === NONE) {
       if (this.#free === NONE && this.#used === this.#cap) {
@@ -108,11 +100,7 @@ export class EngineMap {
       r[at + KHI] = this.#hi;
       r[at + CHAIN] = this.#buckets[b];
       this.#buckets[b] = at;
-      r[at + PREV] = this.#tail;
-      r[at + NEXT] = NONE;
-      if (this.#tail !== NONE) r[this.#tail + NEXT] = at;
-      else this.#head = at;
-      this.#tail = at;
+      this.#append(at);
       this.#size++;
     }
     this.#r[at + VLO] = key | 0;
@@ -147,16 +135,32 @@ export class EngineMap {
     if (at === NONE) return false;
     if (prev === NONE) this.#buckets[b] = r[at + CHAIN];
     else r[prev + CHAIN] = r[at + CHAIN];
+    this.#unlink(at);
+    r[at + CHAIN] = this.#free;
+    this.#free = at;
+    this.#size--;
+    return true;
+  }
+
+  /** Takes record `at` out of the age list. */
+  #unlink(at: number): void {
+    const r = this.#r;
     const p = r[at + PREV];
     const n = r[at + NEXT];
     if (p !== NONE) r[p + NEXT] = n;
     else this.#head = n;
     if (n !== NONE) r[n + PREV] = p;
     else this.#tail = p;
-    r[at + CHAIN] = this.#free;
-    this.#free = at;
-    this.#size--;
-    return true;
+  }
+
+  /** Puts record `at` at the age list's young end. */
+  #append(at: number): void {
+    const r = this.#r;
+    r[at + PREV] = this.#tail;
+    r[at + NEXT] = NONE;
+    if (this.#tail !== NONE) r[this.#tail + NEXT] = at;
+    else this.#head = at;
+    this.#tail = at;
   }
 
   #alloc(): number {
