@@ -27,18 +27,32 @@ async function command(
   });
   const stderr: string[] = [];
   readline.createInterface({ input: p.stderr! }).on('line', (l) => stderr.push(l));
+  // Bounded, naming the command: a test's own timeout would not say which step hung.
+  let timer: NodeJS.Timeout | undefined;
   const ready = await new Promise<Record<string, unknown>>((resolve, reject) => {
     readline.createInterface({ input: p.stdout! }).on('line', (l) => {
       if (l.startsWith('{"ready"')) resolve(JSON.parse(l));
     });
     p.once('exit', (c) => reject(new Error(`${args[0]} exited ${c}: ${stderr.join('\n')}`)));
-  });
+    timer = setTimeout(() => {
+      p.kill('SIGKILL');
+      reject(new Error(`${args[0]}: no ready line within 30 s: ${stderr.slice(-5).join('\n')}`));
+    }, 30_000);
+  }).finally(() => clearTimeout(timer));
   return { p, ready, stderr };
 }
 
+/** SIGTERM, then its exit; one that has not exited 20 s later is killed and the test told which. */
 async function stop(p: ChildProcess): Promise<number | null> {
   if (p.exitCode !== null) return p.exitCode;
-  const exited = new Promise<number | null>((r) => p.once('exit', (c) => r(c)));
+  let timer: NodeJS.Timeout | undefined;
+  const exited = new Promise<number | null>((resolve, reject) => {
+    p.once('exit', (c) => resolve(c));
+    timer = setTimeout(() => {
+      p.kill('SIGKILL');
+      reject(new Error(`${p.spawnargs.slice(2, 3).join(' ')} (pid ${p.pid}) did not exit within 20 s of SIGTERM`));
+    }, 20_000);
+  }).finally(() => clearTimeout(timer));
   p.kill('SIGTERM');
   return exited;
 }
