@@ -7,7 +7,7 @@ import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
 import { type LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
-import { inlineBudgetLeft, inlineBudgetLeftFor, settledNow } from './inline-budget';
+import { inlineBudgetLeftFor, inlinePostMode, settledNow } from './inline-budget';
 
 /** Which engine an agent runs on: NIXL, or the in-process loopback engine. */
 export type EngineKind = 'loopback' | 'nixl';
@@ -53,10 +53,25 @@ export interface AgentOptions {
    * engine's thread until the loop has turned.
    */
   inlinePostMaxBytes?: number;
+  /**
+   * A transfer larger than inlinePostMaxBytes is also posted on the calling
+   * thread when its previous post took at most this many microseconds: what
+   * holds the event loop is how long a post takes, not its size. A one-host
+   * copy of a few MiB (UCX's cma, the loopback engine) takes a few hundred
+   * microseconds where the hop to the engine's thread and back costs tens;
+   * a post that hands the work to a NIC returns in microseconds whatever its
+   * size. A request's first post, not yet timed, goes through the engine's
+   * thread, and every post of a larger request is timed again, so one that
+   * slows down (a loaded machine) goes back there. 0: only the size rule.
+   * Default 500.
+   */
+  inlinePostMaxUs?: number;
 }
 
 /** @internal The default of AgentOptions.inlinePostMaxBytes. */
 export const DEFAULT_INLINE_POST_MAX_BYTES = 1 << 20;
+/** @internal The default of AgentOptions.inlinePostMaxUs. */
+export const DEFAULT_INLINE_POST_MAX_US = 500;
 
 /** How long a wait may take, and what cancels it. */
 export interface WaitOptions {
@@ -163,6 +178,7 @@ export class NixlAgent {
         testDelayUs: options.testDelayUs,
         testFirstHandle: options.testFirstHandle,
         inlinePostMaxBytes: options.inlinePostMaxBytes ?? DEFAULT_INLINE_POST_MAX_BYTES,
+        inlinePostMaxUs: options.inlinePostMaxUs ?? DEFAULT_INLINE_POST_MAX_US,
       },
       (done, notif) => this.#onEvents(done, notif),
     );
@@ -460,7 +476,12 @@ export class NixlAgent {
     // Waiters left from the previous posting (finished, its event not yet
     // delivered) are settled now, so a wait never spans two postings.
     if (this.#waiters.has(handle.id)) this.#statusNow(handle.id);
-    return this.#endedByPost(handle, stateOf(this.#native.postXferReq(handle.id, notifMsg, inlineBudgetLeft())));
+    const mode = inlinePostMode();
+    const s = stateOf(this.#native.postXferReq(handle.id, notifMsg, mode !== 'engine'));
+    // Past the turn's budget a post finished inline reads as unfinished: its
+    // waits settle at the next turn (settledNow), so the caller's loop yields.
+    if (mode === 'late' && s === 'DONE') return 'PROC';
+    return this.#endedByPost(handle, s);
   }
 
   // A post that ends a posting on this thread (a transfer finished inline, a

@@ -17,12 +17,14 @@ const TURN_BUDGET_MS = 1;
 const CLOCK_EVERY_BYTES = 128 << 10;
 let turnStart = -1;
 let budgetGone = false;
+let lateUsed = false;
 let uncheckedBytes = 0;
 let deferred: Array<() => void> = [];
 
 function endTurn(): void {
   turnStart = -1;
   budgetGone = false;
+  lateUsed = false;
   const d = deferred;
   deferred = [];
   for (const release of d) release();
@@ -53,6 +55,22 @@ export function inlineBudgetLeftFor(bytes: number): boolean {
     return true;
   }
   return inlineBudgetLeft();
+}
+
+/**
+ * How a transfer may be posted now: 'inline' while the budget lasts; once it
+ * is spent, 'late' for the first post of the turn (posted inline all the
+ * same, but reported unfinished, so that its waits settle at the next turn:
+ * a loop of `transfer(); await wait()` yields to the event loop without a
+ * trip through the engine's thread, a hop that costs tens of microseconds
+ * where such a post costs a few), then 'engine' for the rest of the turn,
+ * so that a burst of posts does not hold the loop for all its copies.
+ */
+export function inlinePostMode(): 'inline' | 'late' | 'engine' {
+  if (inlineBudgetLeft()) return 'inline';
+  if (lateUsed) return 'engine';
+  lateUsed = true;
+  return 'late';
 }
 
 /** A promise settled now while the budget lasts, else at the next turn. */

@@ -15,6 +15,7 @@ export interface NativeAgentOptions {
   testDelayUs?: number;
   testFirstHandle?: number;
   inlinePostMaxBytes?: number;
+  inlinePostMaxUs?: number;
 }
 
 /** A finished transfer's telemetry: when it started, how long posting and the transfer took, bytes and descriptors. */

@@ -8,6 +8,8 @@
 // own progress thread(s) and report finished requests through CompletionSink
 // from those threads; the sink batches them for the event loop.
 #pragma once
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -77,7 +79,31 @@ struct EngineConfig {
   // completion's hop back (futex wake, context switch, the loop's wake-up).
   // 0: every transfer goes through the engine's thread.
   uint32_t inlineMaxBytes = 0;
+  // A larger transfer is posted there too when its previous post took at most
+  // this many microseconds (0: never): what blocks the event loop is the time
+  // a post takes, not its size. A copy of a few MiB costs a few hundred
+  // microseconds, the hop several tens; a post that hands the bytes to a NIC
+  // (RDMA) returns in microseconds whatever its size. Its first post, not yet
+  // timed, goes through the engine's thread.
+  uint32_t inlineMaxUs = 0;
 };
+
+// A request's last post time, before it was ever timed.
+constexpr uint32_t kPostUsUnknown = UINT32_MAX;
+
+// Whether a request moving `bytes`, whose last post took `postUs`, may be
+// posted on the calling thread (EngineConfig::inlineMaxBytes, inlineMaxUs).
+inline bool inlineAllowed(const EngineConfig& cfg, uint64_t bytes, uint32_t postUs) {
+  if (cfg.inlineMaxBytes == 0) return false;
+  if (bytes <= cfg.inlineMaxBytes) return true;
+  return cfg.inlineMaxUs != 0 && postUs != kPostUsUnknown && postUs <= cfg.inlineMaxUs;
+}
+
+// Microseconds since t0, below kPostUsUnknown.
+inline uint32_t postUsSince(std::chrono::steady_clock::time_point t0) {
+  auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<uint32_t>(std::min<int64_t>(std::max<int64_t>(us, 0), kPostUsUnknown - 1));
+}
 
 // An engine's handle counter. check() before making anything, take() once
 // made: a refused call leaves nothing behind.

@@ -114,6 +114,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
       cfg.listenPort = args::optPort(env, o.Get("listenPort"), "options.listenPort");
       cfg.testDelayUs = args::optUint32(env, o.Get("testDelayUs"), "options.testDelayUs").value_or(0);
       cfg.inlineMaxBytes = args::optUint32(env, o.Get("inlinePostMaxBytes"), "options.inlinePostMaxBytes").value_or(0);
+      cfg.inlineMaxUs = args::optUint32(env, o.Get("inlinePostMaxUs"), "options.inlinePostMaxUs").value_or(0);
       cfg.testFirstHandle = args::optHandle(env, o.Get("testFirstHandle"), "options.testFirstHandle").value_or(0);
       if (kind == "loopback") {
         engine_ = makeLoopbackEngine(name, cfg, this);

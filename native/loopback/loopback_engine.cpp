@@ -803,7 +803,8 @@ class LoopbackEngine final : public Engine {
   // No lock: only this thread queues work, so an idle worker stays idle
   // until this thread queues more (the acquire pairs with workerDone).
   bool postInline(const Request& req) const {
-    if (cfg_.testDelayUs || req.totalBytes > cfg_.inlineMaxBytes) return false;
+    if (cfg_.testDelayUs || !inlineAllowed(cfg_, req.totalBytes, req.copyUs.load(std::memory_order_relaxed)))
+      return false;
     return busy_.load(std::memory_order_acquire) == 0;
   }
 
@@ -836,6 +837,11 @@ class LoopbackEngine final : public Engine {
     } else if (req.checkPeer && !req.remote->processAlive()) {
       status = ERR_REMOTE_DISCONNECT;
       err = "agent '" + req.remote->name + "' is gone (process exited or agent closed)";
+    } else if (req.totalBytes > cfg_.inlineMaxBytes) {
+      // Timed, so that the next post of it can choose its thread (inlineAllowed).
+      auto t0 = Clock::now();
+      status = copyRequest(req, &err);
+      req.copyUs.store(postUsSince(t0), std::memory_order_relaxed);
     } else {
       status = copyRequest(req, &err);
     }

@@ -134,6 +134,8 @@ struct Request {
   RemoteP remote;
   std::vector<Entry> local, remote_;
   uint64_t totalBytes = 0;
+  // How long its last copy took, timed when over EngineConfig::inlineMaxBytes.
+  std::atomic<uint32_t> copyUs{kPostUsUnknown};
   bool hasNotif = false;
   std::string notif;
   std::atomic<int> status{ERR_NOT_POSTED};

@@ -377,7 +377,10 @@ class NixlEngine final : public Engine {
       throw EngineError(ERR_NOT_FOUND, "postXferReq: memory of this transfer was deregistered since it was made");
     if (!agentCurrent(req->agent, req->agentGen))
       throw EngineError(ERR_NOT_FOUND, "postXferReq: " + req->agent + " was removed since this transfer was made");
-    return poller_.post(req, notif, mayInline && cfg_.inlineMaxBytes > 0 && req->totalBytes <= cfg_.inlineMaxBytes);
+    // Small, or a post of it took little time: on this thread. A larger one
+    // is timed wherever it runs, so the next post of it can choose.
+    bool inl = mayInline && inlineAllowed(cfg_, req->totalBytes, req->postUs.load(std::memory_order_relaxed));
+    return poller_.post(req, notif, inl, req->totalBytes > cfg_.inlineMaxBytes);
   }
 
   int getXferStatus(Handle h, std::string* errMsg) override {

@@ -33,7 +33,7 @@ Poller::Poller(nixlAgent& agent, CompletionSink* sink) : agent_(agent), sink_(si
 
 Poller::~Poller() { stop(); }
 
-int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk) {
+int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk, bool timeIt) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     req->err.clear();
@@ -46,6 +46,7 @@ int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk) {
         req->notif = *notif;
       }
       req->status.store(IN_PROG, std::memory_order_release);
+      req->timeIt = timeIt;
       toPost_.push_back(req);
       wake_ = true;
       cv_.notify_one();
@@ -59,7 +60,9 @@ int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk) {
     args.notifMsg = *notif;
     args.hasNotif = true;
   }
+  auto t0 = timeIt ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   nixl_status_t s = agent_.postXferReq(req->h, notif ? &args : nullptr);
+  if (timeIt) req->postUs.store(postUsSince(t0), std::memory_order_relaxed);
   if (s == NIXL_IN_PROG) {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -176,8 +179,11 @@ void Poller::postQueued(std::unique_lock<std::mutex>& lk, std::vector<RequestP>&
       req->hasNotif = false;
     }
     posting_ = req;
+    bool timeIt = req->timeIt;
     lk.unlock();
+    auto t0 = timeIt ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     nixl_status_t s = agent_.postXferReq(req->h, withNotif ? &args : nullptr);
+    if (timeIt) req->postUs.store(postUsSince(t0), std::memory_order_relaxed);
     lk.lock();
     posting_.reset();
     if (req->released) {

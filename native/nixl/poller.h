@@ -34,12 +34,15 @@ struct Request {
   bool hasNotif = false;  // the message of the next post (guarded by the poller's lock)
   std::string notif;
   bool released = false;  // released by JS while the poller was posting it (guarded by the poller's lock)
+  bool timeIt = false;    // the queued post is timed into postUs (guarded by the poller's lock)
   // What the NIXL request resolved when it was made (see reg_index.h): the
   // local registrations it covers, and the remote agent's load generation.
   std::vector<Handle> regs;
   std::string agent;
   uint64_t agentGen = 0;
   uint64_t totalBytes = 0;  // of the local side: whether it may be posted inline
+  // How long its last timed post took (posts over EngineConfig::inlineMaxBytes are timed).
+  std::atomic<uint32_t> postUs{kPostUsUnknown};
 };
 using RequestP = std::shared_ptr<Request>;
 
@@ -60,7 +63,8 @@ class Poller {
   // Posts req: on the calling thread when inlineOk and nothing is queued ahead
   // of it (nothing overtakes a transfer or notification posted before it),
   // else through this thread. SUCCESS, IN_PROG or a NIXL error, as postXferReq.
-  int post(const RequestP& req, const std::string* notif, bool inlineOk);
+  // timeIt: record the post's duration in req->postUs (on either thread).
+  int post(const RequestP& req, const std::string* notif, bool inlineOk, bool timeIt);
   // NIXL's check_xfer_state on the calling thread: asks NIXL about a request
   // in flight now instead of waiting for this thread's next look.
   int checkNow(Request& req);

@@ -68,18 +68,65 @@ describe('inline posting (loopback engine)', () => {
     a.releaseXferHandle(large);
   });
 
-  it('past 1 ms of inline work in one turn of the loop, posts go through the engine thread until it turns', async () => {
+  it('past 1 ms of inline work in one turn of the loop: one more post runs inline but reads PROC, its wait settles at the next turn; the rest go through the engine thread', async () => {
     const { a, local, remote } = pair(4096);
     const h = a.initializeXfer('READ', local, remote, 'inl-b');
     await freshTurn();
     expect(a.transfer(h)).toBe('DONE');
     const until = performance.now() + 2;
     while (performance.now() < until) {} // this turn's budget spent
+    local.fill(0);
+    // The late post: copied inline (the bytes are there), reported unfinished
+    // so that a loop of transfer(); await wait() lets the event loop turn.
     expect(a.transfer(h)).toBe('PROC');
-    await a.wait(h, { timeoutMs: 10_000 });
-    await freshTurn();
-    expect(a.transfer(h)).toBe('DONE');
+    expect(checkPattern(local, 7)).toBe(true);
+    expect(a.checkXferState(h)).toBe('DONE');
+    let settled = false;
+    const waited = a.wait(h).then(() => {
+      settled = true;
+    });
+    for (let i = 0; i < 10; i++) await Promise.resolve();
+    expect(settled).toBe(false); // not as a microtask of this turn
+    await waited;
     a.releaseXferHandle(h);
+  });
+
+  it('past the budget, the one late post fails inline (ERR at once); the next post of that turn goes through the engine thread', async () => {
+    const a = agent('parent');
+    const mem = allocate(1 << 20);
+    a.registerMemory(mem);
+    peer = new Peer('peer.js');
+    const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
+      cmd: 'init',
+      name: 'child',
+      size: 1 << 20,
+      shared: false,
+      seed: 2,
+    });
+    a.addRemoteAgent(Buffer.from(init.md));
+    const hs = [0, 1, 2].map((i) =>
+      a.initializeXfer(
+        'READ',
+        mem.subarray(i * 4096, (i + 1) * 4096),
+        DescList.from([{ addr: init.addr + BigInt(i * 4096), len: 4096 }]),
+        'child',
+      ),
+    );
+    peer.kill();
+    await peer.exit();
+    // An inline post to a peer that is gone fails in the post itself; one
+    // through the engine thread is PROC, and its wait rejects.
+    await freshTurn();
+    expect(a.transfer(hs[0])).toBe('ERR');
+    const until = performance.now() + 2;
+    while (performance.now() < until) {} // this turn's budget spent
+    expect(a.transfer(hs[1])).toBe('ERR'); // the late post: inline all the same
+    expect(a.transfer(hs[2])).toBe('PROC'); // the rest of the turn: the engine thread
+    await expect(a.wait(hs[2], { timeoutMs: 10_000 })).rejects.toMatchObject({ code: 'NIXL_ERR_REMOTE_DISCONNECT' });
+    // A fresh turn: inline again.
+    await freshTurn();
+    expect(a.transfer(hs[2])).toBe('ERR');
+    for (const h of hs) a.releaseXferHandle(h);
   });
 
   it('layers of a layered request read the clock once per 128 KiB: past 1 ms in one turn, at most that much more goes inline', async () => {
