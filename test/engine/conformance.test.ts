@@ -25,7 +25,7 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     return;
   }
   const open: NixlAgent[] = [];
-  const mk = (name: string, loopbackOptions?: { testDelayUs?: number }): NixlAgent => {
+  const mk = (name: string, loopbackOptions?: { testDelayUs?: number; inlinePostMaxUs?: number }): NixlAgent => {
     const a = setupAgent(NixlAgent, name, engine, loopbackOptions) as NixlAgent;
     open.push(a);
     return a;
@@ -34,7 +34,7 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     for (const a of open.splice(0)) a.close();
   });
   /** Two agents, each with `size` bytes of registered memory. */
-  const pair = (size: number, loopbackOptions?: { testDelayUs?: number }) => {
+  const pair = (size: number, loopbackOptions?: { testDelayUs?: number; inlinePostMaxUs?: number }) => {
     const a = mk('conf-a', loopbackOptions);
     const b = mk('conf-b');
     const ma = allocate(size);
@@ -45,7 +45,7 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
   };
 
   /** A pair whose b holds `size` bytes of `mark`, loaded by a; `remote` is all of b's memory. */
-  const loaded = (size: number, mark: number, loopbackOptions?: { testDelayUs?: number }) => {
+  const loaded = (size: number, mark: number, loopbackOptions?: { testDelayUs?: number; inlinePostMaxUs?: number }) => {
     const p = pair(size, loopbackOptions);
     p.mb.fill(mark);
     p.a.addRemoteAgent(p.b.getAgentMetadata());
@@ -226,8 +226,9 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     // NIXL's checkXferState asks NIXL directly (check_xfer_state) and may be
     // the one that finishes a request: no completion event follows then, so
     // the state check itself must settle the waits.
-    const size = 8 << 20; // above inlinePostMaxBytes: posted from the engine's thread
-    const { a, ma, remote } = loaded(size, 0x2d);
+    // Above inlinePostMaxBytes, and never inline by time: every post from the engine's thread.
+    const size = 8 << 20;
+    const { a, ma, remote } = loaded(size, 0x2d, { inlinePostMaxUs: 0 });
     const h = a.initializeXfer('READ', ma, remote, 'conf-b');
     try {
       for (let i = 0; i < 30; i++) {

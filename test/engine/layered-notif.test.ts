@@ -6,7 +6,8 @@ import { afterEach, expect, it } from 'vitest';
 import { DescList, NixlAgent, allocate } from '../../lib';
 import { Peer } from '../helpers';
 
-const LAYER = 2 << 20; // above inlinePostMaxBytes: every layer goes through the engine's thread
+// Above inlinePostMaxBytes, and never inline by time (inlinePostMaxUs: 0): every layer goes through the engine's thread.
+const LAYER = 2 << 20;
 const SIZE = 4 * LAYER;
 let peer: Peer | undefined;
 let agent: NixlAgent | undefined;
@@ -26,7 +27,7 @@ afterEach(() => {
 });
 
 async function setup() {
-  agent = new NixlAgent('lnp', { engine: 'loopback' });
+  agent = new NixlAgent('lnp', { engine: 'loopback', inlinePostMaxUs: 0 });
   const mem = allocate(SIZE);
   mem.fill(9);
   agent.registerMemory(mem);
