@@ -8,6 +8,7 @@ import * as http from 'node:http';
 import * as https from 'node:https';
 import type { AddressInfo } from 'node:net';
 import { HandshakeError } from './errors';
+import { retryPause } from './retry-pause';
 import type { HandshakePayload } from './payload';
 import type { WireProfile } from './model';
 import {
@@ -274,7 +275,7 @@ export class HttpHandshake implements HandshakeStrategy {
           throw e;
         last = e;
         if (opts.signal?.aborted) break;
-        if (i + 1 < attempts) await new Promise((r) => setTimeout(r, Math.min(1000, 50 * 2 ** i)));
+        if (i + 1 < attempts) await retryPause(i, opts.signal);
       }
     }
     if (opts.signal?.aborted)

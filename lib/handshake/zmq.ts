@@ -4,6 +4,7 @@
 // Unlike vLLM's listener, ours answers garbage with an error and stays up.
 import * as zmq from 'zeromq';
 import { HandshakeError } from './errors';
+import { retryPause } from './retry-pause';
 import { type HandshakePayload, decodeHandshakePayload, encodeHandshakePayload } from './payload';
 import type { WireProfile } from './model';
 import {
@@ -209,7 +210,7 @@ export const zmqHandshake: HandshakeStrategy = {
         frames = await fetchOnce(opts, wire, timeoutMs, maxBytes);
       } catch (e) {
         last = e;
-        if (i + 1 < attempts) await new Promise((r) => setTimeout(r, Math.min(1000, 50 * 2 ** i)));
+        if (i + 1 < attempts) await retryPause(i, opts.signal);
         continue;
       }
       const t1 = monotonicSeconds();
