@@ -10,10 +10,11 @@
 import { performance } from 'node:perf_hooks';
 
 const TURN_BUDGET_MS = 1;
-// A layer-wise sender's layers may skip the clock until this many of their
-// bytes were posted since it was last read: a clock read costs 50-80 ns on a
-// shared machine, a 4 KiB x 8 layer's copy about a microsecond, and copying
-// this much takes tens of microseconds, a few percent of the budget at most.
+// Small posts (transfers, a layer-wise sender's layers) may skip the clock
+// until this many of their bytes were posted since it was last read: a clock
+// read costs 50-80 ns on a shared machine, a 4 KiB post about 2 us on NIXL,
+// and copying this much takes tens of microseconds, a few percent of the
+// budget at most.
 const CLOCK_EVERY_BYTES = 128 << 10;
 let turnStart = -1;
 let budgetGone = false;
@@ -43,8 +44,8 @@ export function inlineBudgetLeft(): boolean {
 }
 
 /**
- * inlineBudgetLeft for a post that moves at most `bytes` (a layer of a
- * layered request; < 0: unknown): the clock is read once per
+ * inlineBudgetLeft for a post that moves at most `bytes` (a transfer, a
+ * layer of a layered request; < 0: unknown): the clock is read once per
  * CLOCK_EVERY_BYTES of such posts, not at each.
  */
 export function inlineBudgetLeftFor(bytes: number): boolean {

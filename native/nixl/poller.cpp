@@ -54,12 +54,15 @@ int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk) {
   }
   // Only the JS thread queues, releases or deregisters, so nothing changes the
   // request or what it uses while NIXL posts it.
-  nixl_opt_args_t args;
+  nixl_status_t s;
   if (notif) {
+    nixl_opt_args_t args;
     args.notifMsg = *notif;
     args.hasNotif = true;
+    s = agent_.postXferReq(req->h, &args);
+  } else {
+    s = agent_.postXferReq(req->h, nullptr);  // as the native program posts: no arguments built
   }
-  nixl_status_t s = agent_.postXferReq(req->h, notif ? &args : nullptr);
   if (s == NIXL_IN_PROG) {
     {
       std::lock_guard<std::mutex> lk(mu_);

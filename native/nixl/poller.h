@@ -40,6 +40,11 @@ struct Request {
   std::string agent;
   uint64_t agentGen = 0;
   uint64_t totalBytes = 0;  // of the local side: whether it may be posted inline
+  // The JS thread's, for postXferReq's checks without a lookup by name: the
+  // agent's current generation (an entry of the engine's map, never erased),
+  // and the engine's count of deregistrations when regs were last all found.
+  const uint64_t* agentGenNow = nullptr;
+  uint64_t regsFoundAt = UINT64_MAX;
 };
 using RequestP = std::shared_ptr<Request>;
 
