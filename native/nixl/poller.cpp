@@ -34,12 +34,16 @@ Poller::Poller(nixlAgent& agent, CompletionSink* sink) : agent_(agent), sink_(si
 Poller::~Poller() { stop(); }
 
 int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk) {
-  {
+  // Small, and nothing queued ahead of it: post it here, as NIXL's Python
+  // API does. UCX's cma finishes a one-host transfer inside postXferReq, so
+  // most return done, with no hop to this thread and none back. Whether
+  // anything is queued is read without mu_: only this thread queues, and
+  // busy_ drops to 0 only once this thread's last postXferReq returned.
+  if (inlineOk && busy_.load(std::memory_order_acquire) == 0) {
+    req->err.clear();
+  } else {
     std::lock_guard<std::mutex> lk(mu_);
     req->err.clear();
-    // Small, and nothing queued ahead of it: post it here, as NIXL's Python
-    // API does. UCX's cma finishes a one-host transfer inside postXferReq, so
-    // most return done, with no hop to this thread and none back.
     if (!(inlineOk && toPost_.empty() && !posting_)) {
       if (notif) {
         req->hasNotif = true;
@@ -47,6 +51,7 @@ int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk) {
       }
       req->status.store(IN_PROG, std::memory_order_release);
       toPost_.push_back(req);
+      busy_.fetch_add(1, std::memory_order_relaxed);
       wake_ = true;
       cv_.notify_one();
       return IN_PROG;
@@ -105,6 +110,7 @@ void Poller::release(const RequestP& req) {
     auto it = std::find(v.begin(), v.end(), req);
     if (it != v.end()) v.erase(it);
   };
+  if (std::find(toPost_.begin(), toPost_.end(), req) != toPost_.end()) busy_.fetch_sub(1, std::memory_order_release);
   drop(toPost_);  // queued, never posted: nothing to abort
   drop(inflight_);
   // NIXL aborts an active request on release; one it cannot abort stays with
@@ -183,6 +189,7 @@ void Poller::postQueued(std::unique_lock<std::mutex>& lk, std::vector<RequestP>&
     nixl_status_t s = agent_.postXferReq(req->h, withNotif ? &args : nullptr);
     lk.lock();
     posting_.reset();
+    busy_.fetch_sub(1, std::memory_order_release);
     if (req->released) {
       // Released by JS meanwhile (its completion was reported then).
       if (agent_.releaseXferReq(req->h) != NIXL_SUCCESS) zombies_.push_back(req);

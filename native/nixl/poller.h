@@ -96,6 +96,9 @@ class Poller {
   std::condition_variable cv_;
   std::vector<RequestP> toPost_;
   RequestP posting_;
+  // toPost_'s size plus 1 while posting_ is set, written under mu_: post()
+  // reads it without mu_ to post inline.
+  std::atomic<uint32_t> busy_{0};
   std::vector<RequestP> inflight_;
   std::vector<RequestP> zombies_;
   bool wake_ = false;
