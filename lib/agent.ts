@@ -7,7 +7,7 @@ import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
 import { type LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
-import { inlineBudgetLeftFor, inlinePostMode, settledNow } from './inline-budget';
+import { inlineBudgetLeftFor, inlinePostModeFor, settledNow } from './inline-budget';
 
 /** Which engine an agent runs on: NIXL, or the in-process loopback engine. */
 export type EngineKind = 'loopback' | 'nixl';
@@ -120,6 +120,8 @@ export class XferHandle {
   constructor(
     readonly id: number,
     readonly remoteAgent: string,
+    /** @internal The bytes the request moves, -1 if the engine cannot tell (the inline budget's clock). */
+    readonly bytes = -1,
   ) {}
 }
 
@@ -155,6 +157,7 @@ export class NixlAgent {
   readonly name: string;
   readonly #native: NativeAgent;
   readonly #postLayer: ReturnType<NativeAgent['layerPoster']>;
+  readonly #postXfer: ReturnType<NativeAgent['xferPoster']>;
   readonly #waiters = new Map<number, Waiter[]>();
   readonly #notifs: Notif[] = [];
   readonly #notifWatchers = new Set<{ take(n: Notif): boolean; reject(e: Error): void }>();
@@ -183,6 +186,7 @@ export class NixlAgent {
       (done, notif) => this.#onEvents(done, notif),
     );
     this.#postLayer = this.#native.layerPoster();
+    this.#postXfer = this.#native.xferPoster();
     try {
       for (const b of backends) this.#native.createBackend(b, backendParams(engine, b, options.backendParams?.[b]));
     } catch (e) {
@@ -416,7 +420,7 @@ export class NixlAgent {
       toIndices(remoteIndices),
       notifMsg,
     );
-    return new XferHandle(id, remote.agent);
+    return new XferHandle(id, remote.agent, this.#native.xferBytes(id));
   }
 
   /**
@@ -468,16 +472,20 @@ export class NixlAgent {
       remoteAgent,
       notifMsg,
     );
-    return new XferHandle(id, remoteAgent);
+    return new XferHandle(id, remoteAgent, this.#native.xferBytes(id));
   }
 
   /** Posts (or re-posts) a transfer; notifMsg replaces the request's message. */
   transfer(handle: XferHandle, notifMsg?: NotifMsg): XferState {
     // Waiters left from the previous posting (finished, its event not yet
     // delivered) are settled now, so a wait never spans two postings.
-    if (this.#waiters.has(handle.id)) this.#statusNow(handle.id);
-    const mode = inlinePostMode();
-    const s = stateOf(this.#native.postXferReq(handle.id, notifMsg, mode !== 'engine'));
+    if (this.#waiters.size !== 0 && this.#waiters.has(handle.id)) this.#statusNow(handle.id);
+    const mode = inlinePostModeFor(handle.bytes);
+    const mayInline = mode !== 'engine';
+    // Without a message the poster gets two arguments: the addon reads no third.
+    const s = stateOf(
+      notifMsg === undefined ? this.#postXfer(handle.id, mayInline) : this.#postXfer(handle.id, mayInline, notifMsg),
+    );
     // Past the turn's budget a post finished inline reads as unfinished: its
     // waits settle at the next turn (settledNow), so the caller's loop yields.
     if (mode === 'late' && s === 'DONE') return 'PROC';
@@ -488,7 +496,8 @@ export class NixlAgent {
   // layered request's last layer) sends no completion event: the waits on it
   // (a layered posting may have some) settle here.
   #endedByPost(handle: XferHandle | LayeredXferHandle, s: XferState): XferState {
-    if (s !== 'PROC' && this.#waiters.has(handle.id)) this.#settle(handle.id, this.getXferError(handle));
+    if (s !== 'PROC' && this.#waiters.size !== 0 && this.#waiters.has(handle.id))
+      this.#settle(handle.id, this.getXferError(handle));
     return s;
   }
 

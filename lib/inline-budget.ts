@@ -10,10 +10,11 @@
 import { performance } from 'node:perf_hooks';
 
 const TURN_BUDGET_MS = 1;
-// A layer-wise sender's layers may skip the clock until this many of their
-// bytes were posted since it was last read: a clock read costs 50-80 ns on a
-// shared machine, a 4 KiB x 8 layer's copy about a microsecond, and copying
-// this much takes tens of microseconds, a few percent of the budget at most.
+// Small posts (transfers, a layer-wise sender's layers) may skip the clock
+// until this many of their bytes were posted since it was last read: a clock
+// read costs 50-80 ns on a shared machine, a 4 KiB post about 2 us on NIXL,
+// and copying this much takes tens of microseconds, a few percent of the
+// budget at most.
 const CLOCK_EVERY_BYTES = 128 << 10;
 let turnStart = -1;
 let budgetGone = false;
@@ -45,8 +46,8 @@ export function inlineBudgetLeft(): boolean {
 }
 
 /**
- * inlineBudgetLeft for a post that moves at most `bytes` (a layer of a
- * layered request; < 0: unknown): the clock is read once per
+ * inlineBudgetLeft for a post that moves at most `bytes` (a transfer, a
+ * layer of a layered request; < 0: unknown): the clock is read once per
  * CLOCK_EVERY_BYTES of such posts, not at each.
  */
 export function inlineBudgetLeftFor(bytes: number): boolean {
@@ -58,7 +59,8 @@ export function inlineBudgetLeftFor(bytes: number): boolean {
 }
 
 /**
- * How a transfer may be posted now: 'inline' while the budget lasts; once it
+ * How a transfer moving at most `bytes` (< 0: unknown) may be posted now,
+ * the clock read as inlineBudgetLeftFor reads it: 'inline' while the budget lasts; once it
  * is spent, 'late' for the first post of the turn (posted inline all the
  * same, but reported unfinished, so that its waits settle at the next turn:
  * a loop of `transfer(); await wait()` yields to the event loop without a
@@ -66,8 +68,8 @@ export function inlineBudgetLeftFor(bytes: number): boolean {
  * where such a post costs a few), then 'engine' for the rest of the turn,
  * so that a burst of posts does not hold the loop for all its copies.
  */
-export function inlinePostMode(): 'inline' | 'late' | 'engine' {
-  if (inlineBudgetLeft()) return 'inline';
+export function inlinePostModeFor(bytes: number): 'inline' | 'late' | 'engine' {
+  if (inlineBudgetLeftFor(bytes)) return 'inline';
   if (lateUsed) return 'engine';
   lateUsed = true;
   return 'late';

@@ -34,7 +34,11 @@ export class LayeredXferHandle {
     readonly layers: number,
     /** @internal The most bytes one layer moves, -1 if the engine cannot tell (the inline budget's clock). */
     readonly layerBytes = -1,
-  ) {}
+  ) {
+    this.bytes = layerBytes < 0 ? -1 : layerBytes * layers;
+  }
+  /** @internal The most bytes a transfer() of it (every layer) moves, -1 if the engine cannot tell. */
+  readonly bytes: number;
 }
 
 type Indices = Uint32Array | readonly number[];

@@ -92,9 +92,16 @@ export declare class NativeAgent {
    * layer (1 = in progress). A function, not a method: the addon finds its agent without unwrapping `this`.
    */
   layerPoster(): (h: number, layer: number, mayInline: boolean) => number;
+  /**
+   * The agent's transfer poster: postXfer(h, mayInline, notif?), as postXferReq, without unwrapping `this`;
+   * called with two arguments when there is no message, the addon asks no third's type.
+   */
+  xferPoster(): (h: number, mayInline: boolean, notif?: Uint8Array | string) => number;
   /** 1 = in progress (a completion event follows), 0 = already done */
   /** mayInline false: through the engine's thread whatever the size. */
   postXferReq(h: number, notif?: Uint8Array | string, mayInline?: boolean): number;
+  /** The bytes a request moves (its local side), -1 if the engine cannot tell. */
+  xferBytes(h: number): number;
   /** status number, or [status, message] for an error status */
   getXferStatus(h: number): number | [number, string];
   releaseXferReq(h: number): void;

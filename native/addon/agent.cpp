@@ -82,8 +82,10 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
                            Method<&NativeAgent::CreateXferReq>("createXferReq"),
                            Method<&NativeAgent::MakeLayeredXferReq>("makeLayeredXferReq"),
                            Method<&NativeAgent::LayerPoster>("layerPoster"),
+                           Method<&NativeAgent::XferPoster>("xferPoster"),
                            Method<&NativeAgent::PostXferReq>("postXferReq"),
                            Method<&NativeAgent::GetXferStatus>("getXferStatus"),
+                           Method<&NativeAgent::XferBytes>("xferBytes"),
                            Method<&NativeAgent::ReleaseXferReq>("releaseXferReq"),
                            Method<&NativeAgent::GetXferTelemetry>("getXferTelemetry"),
                            Method<&NativeAgent::GenNotif>("genNotif"),
@@ -442,21 +444,37 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
 
   // postXferReq(handle, notif?, mayInline?) -> IN_PROG (a completion event
   // follows), or the final status of a transfer that finished inside the post
-  // (no event follows).
+  // (no event follows). NixlAgent posts through xferPoster's function instead.
   Napi::Value PostXferReq(const Napi::CallbackInfo& info) {
-    Napi::Env env = info.Env();
-    Handle h = args::handle(env, info[0], "transfer handle");
-    auto notif = args::optBlob(env, info[1], "notification message");
-    bool mayInline = args::optBoolean(env, info[2], "mayInline").value_or(true);
+    napi_value argv[3] = {info[0], info[2], info[1]};
+    return Napi::Value(info.Env(), PostXfer(info.Env(), argv, 3));
+  }
+
+  // argv: handle, mayInline, notif. Without a third argument there is no
+  // message, and nothing asks its type (napi_typeof runs through a dozen
+  // type checks before it answers undefined).
+  napi_value PostXfer(napi_env env, const napi_value* argv, size_t argc) {
+    Napi::Env e(env);
+    Handle h = args::handle(e, Napi::Value(env, argv[0]), "transfer handle");
+    bool mayInline = args::optBoolean(e, Napi::Value(env, argv[1]), "mayInline").value_or(true);
+    std::optional<std::string> notif;
+    if (argc >= 3) notif = args::optBlob(e, Napi::Value(env, argv[2]), "notification message");
+    int s;
     if (isLayered(h)) {
       uint32_t inProg = 0;
-      int s = layered_.postAll(E(env), h, notif ? &*notif : nullptr, mayInline, &inProg);
-      AddInflight(env, inProg);
-      return Napi::Number::New(env, s);
+      s = layered_.postAll(E(e), h, notif ? &*notif : nullptr, mayInline, &inProg);
+      AddInflight(e, inProg);
+    } else {
+      s = E(e).postXferReq(h, notif ? &*notif : nullptr, mayInline);
+      if (s == IN_PROG) AddInflight(e, 1);
     }
-    int s = E(env).postXferReq(h, notif ? &*notif : nullptr, mayInline);
-    if (s == IN_PROG) AddInflight(env, 1);
-    return Napi::Number::New(env, s);
+    return Int32(env, s);
+  }
+
+  static napi_value Int32(napi_env env, int32_t v) {
+    napi_value out;
+    if (napi_create_int32(env, v, &out) != napi_ok) fail(env, ERR_UNKNOWN, "napi_create_int32 failed");
+    return out;
   }
 
   // makeLayeredXferReq(op, localDlist, localIdx, remoteDlist, remoteIdx, bounds, notif?, remoteAgent)
@@ -482,27 +500,42 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
 
   // layerPoster() -> postLayer(handle, layer, mayInline), the request's
   // status after it: the per-layer call of a layer-wise transfer, with no
-  // allocation and no event unless the engine's thread runs the layer. A
-  // function of its own, not a method: a method finds its agent with
-  // napi_unwrap (a private-symbol property lookup), which cost as much as
-  // the layer's bookkeeping; this one gets it as its callback data.
+  // allocation and no event unless the engine's thread runs the layer.
+  // xferPoster() -> postXfer(handle, mayInline, notif?), as postXferReq.
+  // Functions of their own, not methods: a method finds its agent with
+  // napi_unwrap (a private-symbol property lookup), which cost as much as a
+  // layer's bookkeeping; these get it as their callback data.
   Napi::Value LayerPoster(const Napi::CallbackInfo& info) {
-    napi_env env = info.Env();
+    return MakePoster(info.Env(), "postLayer", PostLayerCallback);
+  }
+  Napi::Value XferPoster(const Napi::CallbackInfo& info) {
+    return MakePoster(info.Env(), "postXfer", PostXferCallback);
+  }
+
+  Napi::Value MakePoster(napi_env env, const char* name, napi_callback cb) {
     auto* data = new std::shared_ptr<PosterGate>(gate_);
     napi_value fn;
-    if (napi_create_function(env, "postLayer", NAPI_AUTO_LENGTH, PostLayerCallback, data, &fn) != napi_ok) {
+    if (napi_create_function(env, name, NAPI_AUTO_LENGTH, cb, data, &fn) != napi_ok) {
       delete data;
-      fail(env, ERR_UNKNOWN, "layerPoster: napi_create_function failed");
+      fail(env, ERR_UNKNOWN, std::string(name) + ": napi_create_function failed");
     }
     auto drop = [](napi_env, void* d, void*) { delete static_cast<std::shared_ptr<PosterGate>*>(d); };
     if (napi_add_finalizer(env, fn, data, drop, nullptr, nullptr) != napi_ok) {
       delete data;  // fn is never handed out: nothing calls it with data
-      fail(env, ERR_UNKNOWN, "layerPoster: napi_add_finalizer failed");
+      fail(env, ERR_UNKNOWN, std::string(name) + ": napi_add_finalizer failed");
     }
     return Napi::Value(env, fn);
   }
 
   static napi_value PostLayerCallback(napi_env env, napi_callback_info cbinfo) {
+    return CallPoster(env, cbinfo, &NativeAgent::PostLayer, "postLayer: the agent is gone");
+  }
+  static napi_value PostXferCallback(napi_env env, napi_callback_info cbinfo) {
+    return CallPoster(env, cbinfo, &NativeAgent::PostXfer, "postXfer: the agent is gone");
+  }
+
+  using PosterMethod = napi_value (NativeAgent::*)(napi_env, const napi_value*, size_t);
+  static napi_value CallPoster(napi_env env, napi_callback_info cbinfo, PosterMethod m, const char* gone) {
     size_t argc = 3;
     napi_value argv[3];  // missing arguments read as undefined
     void* data = nullptr;
@@ -510,8 +543,8 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     NativeAgent* self = (*static_cast<std::shared_ptr<PosterGate>*>(data))->self;
     try {
       return guard(Napi::Env(env), [&] {
-        if (!self) fail(env, ERR_NOT_ALLOWED, "postLayer: the agent is gone");
-        return self->PostLayer(env, argv);
+        if (!self) fail(env, ERR_NOT_ALLOWED, gone);
+        return (self->*m)(env, argv, argc);
       });
     } catch (const Napi::Error& e) {
       e.ThrowAsJavaScriptException();
@@ -519,7 +552,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     }
   }
 
-  napi_value PostLayer(napi_env env, const napi_value* argv) {
+  napi_value PostLayer(napi_env env, const napi_value* argv, size_t /*argc*/) {
     Handle h = args::handle(env, Napi::Value(env, argv[0]), "layered transfer handle");
     // One N-API call per argument: on 4 KiB blocks a layer's copy takes about
     // a microsecond, and each call into N-API is a few percent of it.
@@ -532,9 +565,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     uint32_t inProg = 0;
     int s = layered_.postLayer(E(env), h, static_cast<uint32_t>(d), mayInline, &inProg);
     AddInflight(env, inProg);
-    napi_value out;
-    if (napi_create_int32(env, s, &out) != napi_ok) fail(env, ERR_UNKNOWN, "postLayer: napi_create_int32 failed");
-    return out;
+    return Int32(env, s);
   }
 
   void AddInflight(Napi::Env env, uint32_t n) {
@@ -549,6 +580,13 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     Handle h = args::handle(env, v, "transfer handle");
     if (isLayered(h)) fail(env, ERR_NOT_SUPPORTED, std::string(what) + " is not supported on a layered transfer");
     return h;
+  }
+
+  // xferBytes(handle) -> the bytes a request moves, -1 if the engine cannot tell.
+  Napi::Value XferBytes(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    uint64_t bytes = E(env).xferBytes(PlainHandle(env, info[0], "xferBytes"));
+    return Napi::Number::New(env, bytes == UINT64_MAX ? -1.0 : static_cast<double>(bytes));
   }
 
   // -> status number; on error also the message as second element.

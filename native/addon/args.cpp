@@ -7,7 +7,12 @@
 namespace nixlnode::args {
 namespace {
 
-bool absent(const Napi::Value& v) { return v.IsUndefined() || v.IsNull(); }
+// One napi_typeof (IsUndefined and IsNull are one each): optional arguments
+// are read on every post.
+bool absent(const Napi::Value& v) {
+  napi_valuetype t = v.Type();
+  return t == napi_undefined || t == napi_null;
+}
 
 [[noreturn]] void wrongType(Napi::Env env, const char* what, const char* expected) {
   invalidArg(env, std::string(what) + " must be " + expected);
@@ -87,18 +92,22 @@ std::vector<std::string> optStrings(Napi::Env env, const Napi::Value& v, const c
 }
 
 std::optional<std::string> optBlob(Napi::Env env, const Napi::Value& v, const char* what) {
-  if (absent(v)) return std::nullopt;
+  napi_valuetype type = v.Type();
+  if (type == napi_undefined || type == napi_null) return std::nullopt;
+  if (type == napi_string) return v.As<Napi::String>().Utf8Value();
   if (v.IsTypedArray()) {
     auto t = v.As<Napi::TypedArray>();
     return std::string(static_cast<const char*>(t.ArrayBuffer().Data()) + t.ByteOffset(), t.ByteLength());
   }
-  if (v.IsString()) return v.As<Napi::String>().Utf8Value();
   wrongType(env, what, "a Buffer, Uint8Array or string");
 }
 
+// A boolean answers the first N-API call; only anything else asks more.
 std::optional<bool> optBoolean(Napi::Env env, const Napi::Value& v, const char* what) {
+  bool b;
+  if (napi_get_value_bool(env, v, &b) == napi_ok) return b;
   if (absent(v)) return std::nullopt;
-  return boolean(env, v, what);
+  wrongType(env, what, "a boolean");
 }
 
 std::optional<uint32_t> optUint32(Napi::Env env, const Napi::Value& v, const char* what) {

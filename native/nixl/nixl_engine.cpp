@@ -179,6 +179,7 @@ class NixlEngine final : public Engine {
     check(agent_.deregisterMem(dl, &args), "deregisterMem");
     regs_.erase(reg);
     regIndex_.remove(reg);
+    ++deregistered_;
   }
 
   std::string getLocalMD() override {
@@ -370,17 +371,28 @@ class NixlEngine final : public Engine {
   int postXferReq(Handle h, const std::string* notif, bool mayInline, bool /*checkPeer*/,
                   bool /*moreFollow*/) override {
     checkOpen();
-    RequestP req = find(h, "postXferReq");
+    // By reference: only this thread erases from requests_.
+    const RequestP& req = find(h, "postXferReq");
     if (req->status.load() == IN_PROG)
       throw EngineError(ERR_REPOST_ACTIVE, "postXferReq: transfer is still in progress");
-    if (!allRegistered(req->regs))
-      throw EngineError(ERR_NOT_FOUND, "postXferReq: memory of this transfer was deregistered since it was made");
-    if (!agentCurrent(req->agent, req->agentGen))
+    // Registrations go only by deregisterMem: with none gone since this
+    // request's were last all found, none is missing.
+    if (req->regsFoundAt != deregistered_) {
+      if (!allRegistered(req->regs))
+        throw EngineError(ERR_NOT_FOUND, "postXferReq: memory of this transfer was deregistered since it was made");
+      req->regsFoundAt = deregistered_;
+    }
+    if (*req->agentGenNow != req->agentGen)
       throw EngineError(ERR_NOT_FOUND, "postXferReq: " + req->agent + " was removed since this transfer was made");
     // Small, or a post of it took little time: on this thread. A larger one
     // is timed wherever it runs, so the next post of it can choose.
     bool inl = mayInline && inlineAllowed(cfg_, req->totalBytes, req->postUs.load(std::memory_order_relaxed));
     return poller_.post(req, notif, inl, req->totalBytes > cfg_.inlineMaxBytes);
+  }
+
+  uint64_t xferBytes(Handle h) override {
+    checkOpen();
+    return find(h, "xferBytes")->totalBytes;
   }
 
   int getXferStatus(Handle h, std::string* errMsg) override {
@@ -501,6 +513,7 @@ class NixlEngine final : public Engine {
     req->regs = std::move(regs);
     req->agent = agent;
     req->agentGen = agentGen;
+    req->agentGenNow = &agentGen_[agent];  // unordered_map entries stay put
     req->totalBytes = totalBytes;
     requests_[req->id] = req;
     return req->id;
@@ -518,7 +531,7 @@ class NixlEngine final : public Engine {
     return true;
   }
 
-  RequestP find(Handle h, const char* call) { return lookup(requests_, h, call, "transfer handle"); }
+  RequestP& find(Handle h, const char* call) { return lookup(requests_, h, call, "transfer handle"); }
 
   const EngineConfig cfg_;
   CompletionSink* sink_;
@@ -530,7 +543,8 @@ class NixlEngine final : public Engine {
   std::unordered_map<Handle, std::pair<nixl_reg_dlist_t, std::vector<std::string>>> regs_;
   std::unordered_map<Handle, Dlist> dlists_;
   RegIndex regIndex_;
-  std::unordered_map<std::string, uint64_t> agentGen_;  // bumped by invalidateRemoteMD
+  std::unordered_map<std::string, uint64_t> agentGen_;  // bumped by invalidateRemoteMD; never erased
+  uint64_t deregistered_ = 0;                           // deregisterMem calls that succeeded
   std::unordered_map<Handle, RequestP> requests_;
 
   Poller poller_{agent_, sink_};  // after every member its thread uses

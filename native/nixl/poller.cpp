@@ -34,12 +34,16 @@ Poller::Poller(nixlAgent& agent, CompletionSink* sink) : agent_(agent), sink_(si
 Poller::~Poller() { stop(); }
 
 int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk, bool timeIt) {
-  {
+  // Small, and nothing queued ahead of it: post it here, as NIXL's Python
+  // API does. UCX's cma finishes a one-host transfer inside postXferReq, so
+  // most return done, with no hop to this thread and none back. Whether
+  // anything is queued is read without mu_: only this thread queues, and
+  // busy_ drops to 0 only once this thread's last postXferReq returned.
+  if (inlineOk && busy_.load(std::memory_order_acquire) == 0) {
+    req->err.clear();
+  } else {
     std::lock_guard<std::mutex> lk(mu_);
     req->err.clear();
-    // Small, and nothing queued ahead of it: post it here, as NIXL's Python
-    // API does. UCX's cma finishes a one-host transfer inside postXferReq, so
-    // most return done, with no hop to this thread and none back.
     if (!(inlineOk && toPost_.empty() && !posting_)) {
       if (notif) {
         req->hasNotif = true;
@@ -48,6 +52,7 @@ int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk, b
       req->status.store(IN_PROG, std::memory_order_release);
       req->timeIt = timeIt;
       toPost_.push_back(req);
+      busy_.fetch_add(1, std::memory_order_relaxed);
       wake_ = true;
       cv_.notify_one();
       return IN_PROG;
@@ -55,13 +60,16 @@ int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk, b
   }
   // Only the JS thread queues, releases or deregisters, so nothing changes the
   // request or what it uses while NIXL posts it.
-  nixl_opt_args_t args;
+  auto t0 = timeIt ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+  nixl_status_t s;
   if (notif) {
+    nixl_opt_args_t args;
     args.notifMsg = *notif;
     args.hasNotif = true;
+    s = agent_.postXferReq(req->h, &args);
+  } else {
+    s = agent_.postXferReq(req->h, nullptr);  // as the native program posts: no arguments built
   }
-  auto t0 = timeIt ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-  nixl_status_t s = agent_.postXferReq(req->h, notif ? &args : nullptr);
   if (timeIt) req->postUs.store(postUsSince(t0), std::memory_order_relaxed);
   if (s == NIXL_IN_PROG) {
     {
@@ -105,6 +113,7 @@ void Poller::release(const RequestP& req) {
     auto it = std::find(v.begin(), v.end(), req);
     if (it != v.end()) v.erase(it);
   };
+  if (std::find(toPost_.begin(), toPost_.end(), req) != toPost_.end()) busy_.fetch_sub(1, std::memory_order_release);
   drop(toPost_);  // queued, never posted: nothing to abort
   drop(inflight_);
   // NIXL aborts an active request on release; one it cannot abort stays with
@@ -186,6 +195,7 @@ void Poller::postQueued(std::unique_lock<std::mutex>& lk, std::vector<RequestP>&
     if (timeIt) req->postUs.store(postUsSince(t0), std::memory_order_relaxed);
     lk.lock();
     posting_.reset();
+    busy_.fetch_sub(1, std::memory_order_release);
     if (req->released) {
       // Released by JS meanwhile (its completion was reported then).
       if (agent_.releaseXferReq(req->h) != NIXL_SUCCESS) zombies_.push_back(req);

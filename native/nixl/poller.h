@@ -43,6 +43,11 @@ struct Request {
   uint64_t totalBytes = 0;  // of the local side: whether it may be posted inline
   // How long its last timed post took (posts over EngineConfig::inlineMaxBytes are timed).
   std::atomic<uint32_t> postUs{kPostUsUnknown};
+  // The JS thread's, for postXferReq's checks without a lookup by name: the
+  // agent's current generation (an entry of the engine's map, never erased),
+  // and the engine's count of deregistrations when regs were last all found.
+  const uint64_t* agentGenNow = nullptr;
+  uint64_t regsFoundAt = UINT64_MAX;
 };
 using RequestP = std::shared_ptr<Request>;
 
@@ -95,6 +100,9 @@ class Poller {
   std::condition_variable cv_;
   std::vector<RequestP> toPost_;
   RequestP posting_;
+  // toPost_'s size plus 1 while posting_ is set, written under mu_: post()
+  // reads it without mu_ to post inline.
+  std::atomic<uint32_t> busy_{0};
   std::vector<RequestP> inflight_;
   std::vector<RequestP> zombies_;
   bool wake_ = false;

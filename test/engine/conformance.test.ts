@@ -376,6 +376,45 @@ describe.each(wanted)('conformance: %s engine', (engine) => {
     a.releaseDlistHandle(rd);
   });
 
+  // A post checks the request's memory and agent on every post, not only on
+  // its first (the NIXL engine remembers that they were there at a post).
+  it('a handle posted before its memory was deregistered, or its agent removed, is refused at its next post (NIXL_ERR_NOT_FOUND)', async () => {
+    const size = 1 << 20;
+    const { a, b, ma, remote } = loaded(size, 0x77);
+    const la = allocate(size);
+    const reg = a.registerMemory(la);
+    const h = a.initializeXfer('READ', DescList.from(la), remote, 'conf-b');
+    const g = a.initializeXfer('READ', DescList.from(ma), remote, 'conf-b');
+    for (const x of [h, g, h, g]) {
+      a.transfer(x);
+      await a.wait(x, { timeoutMs: 10_000 });
+    }
+    a.deregisterMemory(reg);
+    expect(() => a.transfer(h)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    a.transfer(g); // its memory is still registered
+    await a.wait(g, { timeoutMs: 10_000 });
+    a.removeRemoteAgent('conf-b');
+    a.addRemoteAgent(b.getAgentMetadata());
+    expect(() => a.transfer(g)).toThrow(expect.objectContaining({ code: 'NIXL_ERR_NOT_FOUND' }));
+    for (const x of [h, g]) a.releaseXferHandle(x);
+  });
+
+  it("a handle knows the bytes its request moves (the inline budget's clock counts them)", () => {
+    const { a, mb } = loaded(1 << 20, 0);
+    const la = allocate(1 << 20);
+    a.registerMemory(la);
+    const at = (m: Uint8Array, off: number, len: number) => ({ addr: DescList.from(m).addr(0) + BigInt(off), len });
+    const h = a.initializeXfer('READ', DescList.from([at(la, 0, 12345)]), DescList.from([at(mb, 0, 12345)]), 'conf-b');
+    expect(h.bytes).toBe(12345);
+    const ld = a.prepXferDlist('NIXL_INIT_AGENT', DescList.from([at(la, 0, 4096), at(la, 8192, 100)]));
+    const rd = a.prepXferDlist('conf-b', DescList.from([at(mb, 0, 4096), at(mb, 8192, 100)]));
+    const p = a.makePreppedXfer('READ', ld, [1, 0, 1], rd, [1, 0, 1]);
+    expect(p.bytes).toBe(4296);
+    for (const x of [h, p]) a.releaseXferHandle(x);
+    a.releaseDlistHandle(ld);
+    a.releaseDlistHandle(rd);
+  });
+
   it('a handle made before removeRemoteAgent is refused at post after the agent is loaded again (NIXL_ERR_NOT_FOUND)', async () => {
     const size = 1 << 20;
     const { a, b, ma, remote } = loaded(size, 0x55);

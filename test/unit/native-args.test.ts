@@ -336,3 +336,44 @@ describe('the layer poster refuses bad arguments and a closed agent', () => {
     expect(e?.code).toBe('NIXL_ERR_NOT_ALLOWED');
   });
 });
+
+// postXfer (xferPoster) is postXferReq as a function of its own, its message
+// last and read only when given: the same refusals, a closed agent refused.
+describe('the transfer poster refuses bad arguments and a closed agent', () => {
+  const post = agent.xferPoster();
+
+  it.each(wrong.handle)('handle %o', (bad) => {
+    expect(errorOf(() => post(bad as number, true))?.code).toBe('NIXL_ERR_INVALID_PARAM');
+  });
+  it.each(['true', 1, {}])('mayInline %o', (bad) => {
+    expect(errorOf(() => post(xfer, bad as boolean))?.code).toBe('NIXL_ERR_INVALID_PARAM');
+  });
+  it.each(wrong['blob?'])('message %o', (bad) => {
+    expect(errorOf(() => post(xfer, true, bad as string))?.code).toBe('NIXL_ERR_INVALID_PARAM');
+  });
+  it('an unknown handle', () => {
+    expect(errorOf(() => post(xfer + 1000, true))?.code).toBe('NIXL_ERR_NOT_FOUND');
+  });
+  it('a closed agent', () => {
+    const c = new binding.NativeAgent('args-closed-x', { engine: 'loopback', backends: ['LOOPBACK'] }, () => {});
+    const cpost = c.xferPoster();
+    c.close();
+    expect(errorOf(() => cpost(1, true))?.code).toBe('NIXL_ERR_NOT_ALLOWED');
+  });
+  it('a poster kept after its agent was collected refuses, touching nothing of it', async () => {
+    setFlagsFromString('--expose-gc');
+    const gc = runInNewContext('gc') as () => void;
+    const kept = (() => {
+      const c = new binding.NativeAgent('args-gone-x', { engine: 'loopback', backends: ['LOOPBACK'] }, () => {});
+      return c.xferPoster();
+    })();
+    let e: NixlError | undefined;
+    for (let i = 0; i < 20 && e?.message !== 'postXfer: the agent is gone'; i++) {
+      gc();
+      await new Promise((r) => setImmediate(r));
+      e = errorOf(() => kept(1, true));
+    }
+    expect(e?.message).toBe('postXfer: the agent is gone');
+    expect(e?.code).toBe('NIXL_ERR_NOT_ALLOWED');
+  });
+});
