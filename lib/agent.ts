@@ -479,8 +479,14 @@ export class NixlAgent {
     const mode = inlinePostMode();
     const s = stateOf(this.#native.postXferReq(handle.id, notifMsg, mode !== 'engine'));
     // Past the turn's budget a post finished inline reads as unfinished: its
-    // waits settle at the next turn (settledNow), so the caller's loop yields.
-    if (mode === 'late' && s === 'DONE') return 'PROC';
+    // waits settle at the next turn (settledNow), so the caller's loop yields;
+    // so do those already pending (a layered posting's), as no event follows.
+    if (mode === 'late' && s === 'DONE') {
+      const list = this.#waiters.get(handle.id);
+      this.#waiters.delete(handle.id);
+      if (list) void settledNow().then(() => list.forEach((w) => w.resolve()));
+      return 'PROC';
+    }
     return this.#endedByPost(handle, s);
   }
 
