@@ -484,7 +484,10 @@ export class NixlAgent {
     if (mode === 'late' && s === 'DONE') {
       const list = this.#waiters.get(handle.id);
       this.#waiters.delete(handle.id);
-      if (list) void settledNow().then(() => list.forEach((w) => w.resolve()));
+      if (list)
+        void settledNow().then(() => {
+          for (const w of list) w.resolve();
+        });
       return 'PROC';
     }
     return this.#endedByPost(handle, s);
