@@ -4,10 +4,10 @@
 // waits that must settle once and not too early, reposts, releases and
 // notifications right after such posts, and the event loop kept turning.
 // NIXL_NODE_ENGINE=nixl|loopback runs just that one.
-import { expect, it } from 'vitest';
-import { type AgentOptions, NixlAgent, type NixlError, allocate } from '../../lib';
+import { afterEach, describe, expect, it } from 'vitest';
+import { type AgentOptions, DescList, NixlAgent, type NixlError, allocate } from '../../lib';
 import { inlineBudgetLeft } from '../../lib/inline-budget';
-import { eachEngine, preparedBlocks } from '../helpers';
+import { Peer, checkPattern, eachEngine, preparedBlocks } from '../helpers';
 
 const SMALL = 64 << 10; // inlinePostMaxBytes in these tests
 const MIB = 1 << 20;
@@ -280,37 +280,41 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
   });
 
   it('the event loop turns during a long loop of transfer(); await wait() over 1-4 MiB requests', async () => {
-    const { a, local, remote } = pair(4 * MIB, { inlinePostMaxBytes: MIB });
-    const peer = `atk-b-${engine}`;
-    const hs = [1, 2, 4].map((m) =>
-      a.initializeXfer('READ', local.subarray(0, m * MIB), remote.subarray(0, m * MIB), peer),
-    );
-    remote.fill(3);
-    let last = performance.now();
-    let maxGap = 0;
-    let ticks = 0;
-    const timer = setInterval(() => {
-      const now = performance.now();
-      maxGap = Math.max(maxGap, now - last);
-      last = now;
-      ticks++;
-    }, 1);
-    const states = { DONE: 0, PROC: 0, ERR: 0 };
-    const t0 = performance.now();
-    let n = 0;
-    while (performance.now() - t0 < 2000) {
-      const h = hs[n++ % hs.length];
-      states[a.transfer(h)]++;
-      await a.wait(h, { timeoutMs: 10_000 });
+    // The same loop with inlinePostMaxUs 0 (such posts through the engine's thread) for comparison.
+    for (const maxUs of [undefined, 0]) {
+      const { a, local, remote } = pair(4 * MIB, { inlinePostMaxBytes: MIB, inlinePostMaxUs: maxUs });
+      const peer = `atk-b-${engine}`;
+      const sizes = [1, 2, 4].map((m) => m * MIB);
+      const hs = sizes.map((n) => a.initializeXfer('READ', local.subarray(0, n), remote.subarray(0, n), peer));
+      let last = performance.now();
+      let maxGap = 0;
+      let ticks = 0;
+      const timer = setInterval(() => {
+        const now = performance.now();
+        maxGap = Math.max(maxGap, now - last);
+        last = now;
+        ticks++;
+      }, 1);
+      const states = { DONE: 0, PROC: 0, ERR: 0 };
+      const t0 = performance.now();
+      let n = 0;
+      for (; performance.now() - t0 < 1500; n++) {
+        const i = n % hs.length;
+        remote.fill(n & 0xff, 0, sizes[i]);
+        states[a.transfer(hs[i])]++;
+        await a.wait(hs[i], { timeoutMs: 10_000 });
+        if (!local.subarray(0, sizes[i]).equals(remote.subarray(0, sizes[i])))
+          throw new Error(`posting ${n} left wrong bytes`);
+      }
+      clearInterval(timer);
+      const ms = performance.now() - t0;
+      console.log(
+        `[attack] loop gap (inlinePostMaxUs ${maxUs ?? 'default'}): ${n} postings in ${ms.toFixed(0)} ms, ${ticks} timer ticks, longest gap ${maxGap.toFixed(2)} ms, ${JSON.stringify(states)}`,
+      );
+      expect(ticks).toBeGreaterThan(20);
+      expect(maxGap).toBeLessThan(1000);
+      for (const x of open.splice(0)) x.close();
     }
-    clearInterval(timer);
-    const ms = performance.now() - t0;
-    console.log(
-      `[attack] loop gap: ${n} postings in ${ms.toFixed(0)} ms, ${ticks} timer ticks, longest gap ${maxGap.toFixed(2)} ms, ${JSON.stringify(states)}`,
-    );
-    expect(local.subarray(0, 4 * MIB).equals(remote)).toBe(true);
-    expect(ticks).toBeGreaterThan(20);
-    expect(maxGap).toBeLessThan(1000);
   });
 
   it('bad inlinePostMaxUs values are refused with NIXL_ERR_INVALID_PARAM', () => {
@@ -323,5 +327,56 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
       }
       expect(code, String(bad)).toBe('NIXL_ERR_INVALID_PARAM');
     }
+  });
+});
+
+describe('inline posts by time to a peer process killed mid-way (loopback)', () => {
+  const open: NixlAgent[] = [];
+  let peer: Peer | undefined;
+  afterEach(() => {
+    for (const a of open.splice(0)) a.close();
+    if (peer && peer.proc.exitCode === null) peer.kill();
+    peer = undefined;
+  });
+
+  it('every posting either moved the right bytes (DONE) or failed with NIXL_ERR_REMOTE_DISCONNECT, inline, late or not', async () => {
+    const size = 2 * MIB;
+    const a = new NixlAgent('atk-kill', { engine: 'loopback', inlinePostMaxBytes: SMALL, inlinePostMaxUs: 1_000_000 });
+    open.push(a);
+    const mem = allocate(size);
+    a.registerMemory(mem);
+    peer = new Peer('peer.js');
+    const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
+      cmd: 'init',
+      name: 'atk-child',
+      size,
+      shared: false,
+      seed: 4,
+    });
+    a.addRemoteAgent(Buffer.from(init.md));
+    const h = a.initializeXfer('READ', mem, DescList.from([{ addr: init.addr, len: size }]), 'atk-child');
+    const outcomes: string[] = [];
+    const killAt = 12;
+    for (let k = 0; k < 30; k++) {
+      if (k === killAt) peer.kill(); // no wait for its exit: posts race the dying process
+      await freshTurn();
+      if (k % 2 === 1) spendBudget(); // a late post
+      mem.fill(0);
+      const s = a.transfer(h);
+      let out: string;
+      try {
+        await a.wait(h, { timeoutMs: 10_000 });
+        out = 'DONE';
+        if (!checkPattern(mem, 4)) throw new Error(`posting ${k} (${s}) read DONE with wrong bytes`);
+      } catch (e) {
+        out = (e as NixlError).code ?? String(e);
+      }
+      outcomes.push(`${k}:${s}:${out}`);
+    }
+    await peer.exit();
+    const bad = outcomes.filter((o) => !o.endsWith(':DONE') && !o.endsWith(':NIXL_ERR_REMOTE_DISCONNECT'));
+    expect(bad).toEqual([]);
+    expect(outcomes.slice(0, killAt).every((o) => o.endsWith(':DONE'))).toBe(true);
+    expect(outcomes.at(-1)).toMatch(/NIXL_ERR_REMOTE_DISCONNECT$/);
   });
 });
