@@ -6,7 +6,7 @@ import { explainLoadFailure, prepareUcxEnv, ucxBackendParams, ucxErrorMode } fro
 import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
-import { type LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
+import { LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
 import { inlineBudgetLeftFor, inlinePostMode, settledNow } from './inline-budget';
 
 /** Which engine an agent runs on: NIXL, or the in-process loopback engine. */
@@ -476,7 +476,7 @@ export class NixlAgent {
     // Waiters left from the previous posting (finished, its event not yet
     // delivered) are settled now, so a wait never spans two postings.
     if (this.#waiters.has(handle.id)) this.#statusNow(handle.id);
-    const mode = inlinePostMode();
+    const mode = inlinePostMode(!(handle instanceof LayeredXferHandle));
     const s = stateOf(this.#native.postXferReq(handle.id, notifMsg, mode !== 'engine'));
     // Past the turn's budget a post finished inline reads as unfinished: its
     // waits settle at the next turn (settledNow), so the caller's loop yields;

@@ -105,6 +105,30 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
     expect(outcomes.filter((o) => !o.endsWith('resolved'))).toEqual([]);
   });
 
+  it("a layered request's transfer() past the turn's budget posts its layers through the engine thread, not all of them inline", async () => {
+    // The late post is one post: a layered request's transfer() posts every
+    // layer, here 32 MiB, which would hold the event loop for all their copies.
+    const a = agent('atk-lga');
+    const b = agent('atk-lgb');
+    const L = 32;
+    const { ma, mb, local, remote } = preparedBlocks(a, b, L, MIB);
+    const idx = Array.from({ length: L }, (_, i) => [i]);
+    const h = a.makeLayeredXfer('READ', local, idx, remote, idx);
+    const after: string[] = [];
+    for (let k = 1; k <= 3; k++) {
+      await freshTurn();
+      mb.fill(k);
+      spendBudget();
+      expect(a.transfer(h)).toBe('PROC');
+      // Through the engine's thread the 32 MiB are still moving now (unless
+      // this thread was descheduled meanwhile, hence three tries).
+      after.push(a.checkXferState(h));
+      await a.wait(h, { timeoutMs: 10_000 });
+      expect(ma.equals(mb)).toBe(true);
+    }
+    expect(after).toContain('PROC');
+  });
+
   it('a late post moves every byte, reads PROC, and its wait settles at the next turn, not as a microtask', async () => {
     const { a, local, remote } = pair(SMALL);
     const h = a.initializeXfer('READ', local, remote, `atk-b-${engine}`);
@@ -315,6 +339,32 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
       expect(maxGap).toBeLessThan(1000);
       for (const x of open.splice(0)) x.close();
     }
+  });
+
+  it('inline-by-time posts while other large requests are in flight on the engine thread move every byte of each', async () => {
+    const N = 4;
+    const { a, local, remote } = pair(N * MIB, { inlinePostMaxUs: 1_000_000 });
+    const peer = `atk-b-${engine}`;
+    const part = (m: Buffer, i: number) => m.subarray(i * MIB, (i + 1) * MIB);
+    const hs = Array.from({ length: N }, (_, i) =>
+      a.initializeXfer(i % 2 ? 'WRITE' : 'READ', part(local, i), part(remote, i), peer),
+    );
+    // Odd ones learn an inline-sized time; even ones stay untimed until their first post.
+    for (let i = 1; i < N; i += 2) expect(await warm(a, hs[i])).toBe(true);
+    const seen = { DONE: 0, PROC: 0, ERR: 0 };
+    for (let k = 1; k <= 200; k++) {
+      await freshTurn();
+      for (let i = 0; i < N; i++) (i % 2 ? part(local, i) : part(remote, i)).fill((k + i) & 0xff);
+      // All posted in one turn, none waited before the next: an inline post
+      // runs beside the engine thread's posts and polls of the others.
+      if (k % 4 === 0) spendBudget();
+      for (const h of hs) seen[a.transfer(h)]++;
+      await Promise.all(hs.map((h) => a.wait(h, { timeoutMs: 10_000 })));
+      for (let i = 0; i < N; i++)
+        if (!part(local, i).equals(part(remote, i))) throw new Error(`round ${k}: request ${i} left wrong bytes`);
+    }
+    console.log(`[attack] concurrent large posts: ${JSON.stringify(seen)}`);
+    expect(seen.ERR).toBe(0);
   });
 
   it('bad inlinePostMaxUs values are refused with NIXL_ERR_INVALID_PARAM', () => {
