@@ -133,6 +133,7 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
     const { a, local, remote } = pair(SMALL);
     const h = a.initializeXfer('READ', local, remote, `atk-b-${engine}`);
     const states: string[] = [];
+    let lateDone = 0;
     for (let k = 1; k <= 20; k++) {
       await freshTurn();
       remote.fill(k);
@@ -141,6 +142,7 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
       states.push(s);
       if (s === 'PROC' && a.checkXferState(h) === 'DONE') {
         // Finished inline past the budget: bytes in place now, the wait for the next turn.
+        lateDone++;
         expect(local.equals(remote)).toBe(true);
         expect(await beforeTicks(a.wait(h), 1000)).toBe('ticks');
       } else {
@@ -149,11 +151,13 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
       expect(local.equals(remote)).toBe(true);
     }
     expect(states).not.toContain('DONE');
+    expect(lateDone).toBeGreaterThan(0); // the late path was taken
   });
 
   it('a repost right after a late post (before its wait settled) goes through the engine thread; each wait settles once, after its own bytes', async () => {
     const { a, local, remote } = pair(SMALL);
     const h = a.initializeXfer('READ', local, remote, `atk-b-${engine}`);
+    let reposted = 0;
     for (let k = 1; k <= 30; k++) {
       await freshTurn();
       remote.fill(2 * k);
@@ -166,6 +170,7 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
         await w1;
         continue;
       }
+      reposted++;
       expect(local.equals(remote)).toBe(true);
       remote.fill(2 * k + 1);
       expect(a.transfer(h)).toBe('PROC'); // the rest of the turn's posts: the engine's thread
@@ -175,6 +180,7 @@ eachEngine('inline posts by time and late posts under attack: %s engine', (engin
       expect(w1Count).toBe(1);
       expect(local.equals(remote)).toBe(true);
     }
+    expect(reposted).toBeGreaterThan(0);
   });
 
   it('a request reposted thousands of times, its time around inlinePostMaxUs, moves every byte of every posting', async () => {
