@@ -6,7 +6,7 @@ import { explainLoadFailure, prepareUcxEnv, ucxBackendParams, ucxErrorMode } fro
 import { NixlError, invalidParam } from './errors';
 import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
 import { binding, type NativeAgent, type NativeTelemetry } from './native';
-import { type LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
+import { LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
 import { inlineBudgetLeftFor, inlinePostModeFor, settledNow } from './inline-budget';
 
 /** Which engine an agent runs on: NIXL, or the in-process loopback engine. */
@@ -480,15 +480,24 @@ export class NixlAgent {
     // Waiters left from the previous posting (finished, its event not yet
     // delivered) are settled now, so a wait never spans two postings.
     if (this.#waiters.size !== 0 && this.#waiters.has(handle.id)) this.#statusNow(handle.id);
-    const mode = inlinePostModeFor(handle.bytes);
+    const mode = inlinePostModeFor(handle.bytes, !(handle instanceof LayeredXferHandle));
     const mayInline = mode !== 'engine';
     // Without a message the poster gets two arguments: the addon reads no third.
     const s = stateOf(
       notifMsg === undefined ? this.#postXfer(handle.id, mayInline) : this.#postXfer(handle.id, mayInline, notifMsg),
     );
     // Past the turn's budget a post finished inline reads as unfinished: its
-    // waits settle at the next turn (settledNow), so the caller's loop yields.
-    if (mode === 'late' && s === 'DONE') return 'PROC';
+    // waits settle at the next turn (settledNow), so the caller's loop yields;
+    // so do those already pending (a layered posting's), as no event follows.
+    if (mode === 'late' && s === 'DONE') {
+      const list = this.#waiters.get(handle.id);
+      this.#waiters.delete(handle.id);
+      if (list)
+        void settledNow().then(() => {
+          for (const w of list) w.resolve();
+        });
+      return 'PROC';
+    }
     return this.#endedByPost(handle, s);
   }
 

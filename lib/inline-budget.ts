@@ -67,10 +67,13 @@ export function inlineBudgetLeftFor(bytes: number): boolean {
  * trip through the engine's thread, a hop that costs tens of microseconds
  * where such a post costs a few), then 'engine' for the rest of the turn,
  * so that a burst of posts does not hold the loop for all its copies.
+ * single: false for a post of several requests at once.
  */
-export function inlinePostModeFor(bytes: number): 'inline' | 'late' | 'engine' {
+export function inlinePostModeFor(bytes: number, single = true): 'inline' | 'late' | 'engine' {
   if (inlineBudgetLeftFor(bytes)) return 'inline';
-  if (lateUsed) return 'engine';
+  // A post of many requests (a layered one's layers) is never late: it
+  // would copy all of them past the budget.
+  if (lateUsed || !single) return 'engine';
   lateUsed = true;
   return 'late';
 }

@@ -106,7 +106,9 @@ export class Peer {
   }
 
   async exit(): Promise<number | null> {
-    if (this.proc.exitCode !== null) return this.proc.exitCode;
+    // A process killed by a signal has no exit code, only signalCode: one
+    // that already exited that way has sent its 'exit' event already.
+    if (this.proc.exitCode !== null || this.proc.signalCode !== null) return this.proc.exitCode;
     const [code] = await once(this.proc, 'exit');
     return code as number | null;
   }
