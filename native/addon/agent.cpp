@@ -117,6 +117,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
       cfg.testDelayUs = args::optUint32(env, o.Get("testDelayUs"), "options.testDelayUs").value_or(0);
       cfg.inlineMaxBytes = args::optUint32(env, o.Get("inlinePostMaxBytes"), "options.inlinePostMaxBytes").value_or(0);
       cfg.inlineMaxUs = args::optUint32(env, o.Get("inlinePostMaxUs"), "options.inlinePostMaxUs").value_or(0);
+      inlineMaxBytes_ = cfg.inlineMaxBytes;
       cfg.testFirstHandle = args::optHandle(env, o.Get("testFirstHandle"), "options.testFirstHandle").value_or(0);
       if (kind == "loopback") {
         engine_ = makeLoopbackEngine(name, cfg, this);
@@ -462,7 +463,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
     int s;
     if (isLayered(h)) {
       uint32_t inProg = 0;
-      s = layered_.postAll(E(e), h, notif ? &*notif : nullptr, mayInline, &inProg);
+      s = layered_.postAll(E(e), h, notif ? &*notif : nullptr, mayInline, inlineMaxBytes_, &inProg);
       AddInflight(e, inProg);
     } else {
       s = E(e).postXferReq(h, notif ? &*notif : nullptr, mayInline);
@@ -706,6 +707,7 @@ class NativeAgent : public Napi::ObjectWrap<NativeAgent>, public CompletionSink 
 
   std::unique_ptr<nixlnode::Engine> engine_;
   LayeredRequests layered_;
+  uint32_t inlineMaxBytes_ = 0;  // AgentOptions.inlinePostMaxBytes: what a layered transfer() copies inline
   // What a layer poster (LayerPoster) holds of its agent: cleared when the
   // agent goes, so a poster kept longer fails instead of touching it.
   struct PosterGate {

@@ -43,7 +43,10 @@ Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t*
     for (Handle s : r.subs) e.releaseXferReq(s);
     throw;
   }
-  for (Handle s : r.subs) r.maxLayerBytes = std::max(r.maxLayerBytes, e.xferBytes(s));
+  for (Handle s : r.subs) {
+    r.layerBytes.push_back(e.xferBytes(s));
+    r.maxLayerBytes = std::max(r.maxLayerBytes, r.layerBytes.back());
+  }
   uint32_t i;
   if (!free_.empty()) {
     i = free_.back();
@@ -103,12 +106,23 @@ int LayeredRequests::postLayer(Engine& e, Handle h, uint32_t layer, bool mayInli
 
 uint64_t LayeredRequests::maxLayerBytes(Handle h) { return find(h, "makeLayeredXfer").maxLayerBytes; }
 
-int LayeredRequests::postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint32_t* inProg) {
+int LayeredRequests::postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint64_t inlineBytes,
+                             uint32_t* inProg) {
   Request& r = find(h, "transfer");
   begin(e, r, UINT32_MAX);  // any layer: postAll posts only those not yet posted
   if (notif) r.notif = *notif;
-  for (uint32_t l = 0; l < r.subs.size(); ++l)
-    if (r.state[l] == kIdle) postOne(e, r, l, mayInline, inProg);
+  // One call posts every layer: inline, they would all copy on the calling
+  // thread. At most inlineBytes of them do, as one request of that size
+  // would; from the first layer past it on, the engine's thread posts them.
+  for (uint32_t l = 0; l < r.subs.size(); ++l) {
+    if (r.state[l] != kIdle) continue;
+    bool inl = mayInline && r.layerBytes[l] <= inlineBytes;
+    if (inl)
+      inlineBytes -= r.layerBytes[l];
+    else
+      mayInline = false;
+    postOne(e, r, l, inl, inProg);
+  }
   finishIfDone(e, r);
   return r.status;
 }

@@ -55,8 +55,9 @@ class LayeredRequests {
   int postLayer(Engine& e, Handle h, uint32_t layer, bool mayInline, uint32_t* inProg);
   // The most bytes one layer moves (Engine::xferBytes; UINT64_MAX: unknown).
   uint64_t maxLayerBytes(Handle h);
-  // Every layer not yet posted in this posting (postXferReq on a layered id).
-  int postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint32_t* inProg);
+  // Every layer not yet posted in this posting (postXferReq on a layered id),
+  // at most inlineBytes of them on the calling thread.
+  int postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint64_t inlineBytes, uint32_t* inProg);
   // Asks the engine about layers in flight; *ended: the posting ended here.
   int status(Engine& e, Handle h, std::string* err, bool* ended);
   void release(Engine& e, Handle h);
@@ -68,8 +69,9 @@ class LayeredRequests {
  private:
   enum : uint8_t { kIdle, kInFlight, kDone, kFailed, kSkipped };
   struct Request {
-    std::vector<Handle> subs;    // per layer
-    std::vector<uint8_t> state;  // per layer, this posting
+    std::vector<Handle> subs;          // per layer
+    std::vector<uint8_t> state;        // per layer, this posting
+    std::vector<uint64_t> layerBytes;  // per layer (Engine::xferBytes; UINT64_MAX: unknown)
     uint64_t maxLayerBytes = 0;
     std::string remoteAgent;
     std::optional<std::string> notif;
