@@ -4,7 +4,7 @@ import * as path from 'node:path';
 import { once } from 'node:events';
 import * as net from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
-import { DescList, type KvLayout, type NixlAgent, allocate, engines } from '../lib';
+import { type AgentOptions, DescList, type KvLayout, NixlAgent, type NixlError, allocate, engines } from '../lib';
 import { KvRejected } from '../lib/serving/models/types';
 
 export const FIXTURES = path.join(__dirname, 'fixtures');
@@ -322,4 +322,35 @@ export function eachEngine(title: string, body: (engine: string, open: NixlAgent
     });
     body(engine, open);
   });
+}
+
+/**
+ * An agent on `engine` as the engine suites make them (NIXL: UCX over shared
+ * memory with its progress thread), pushed on `open` to be closed after the test.
+ */
+export function engineAgent(engine: string, open: NixlAgent[], name: string, extra: AgentOptions = {}): NixlAgent {
+  const base: AgentOptions =
+    engine === 'nixl'
+      ? {
+          engine,
+          progressThread: true,
+          progressDelayUs: 1000,
+          backendParams: { UCX: { ucx_error_handling_mode: 'none' } },
+        }
+      : { engine: 'loopback' };
+  if (engine === 'nixl') process.env.UCX_TLS ??= 'sm,self';
+  const a = new NixlAgent(name, { ...base, ...extra });
+  open.push(a);
+  return a;
+}
+
+/** 'resolved', 'rejected CODE', or 'pending' if p has not settled within `ms`. */
+export function settledWithin<T>(p: Promise<T>, ms: number): Promise<string> {
+  return Promise.race([
+    p.then(
+      () => 'resolved',
+      (e: NixlError) => `rejected ${e.code}`,
+    ),
+    new Promise<string>((r) => setTimeout(() => r('pending'), ms)),
+  ]);
 }

@@ -7,7 +7,7 @@
 import { afterEach, describe, expect, it } from 'vitest';
 import { type AgentOptions, DescList, NixlAgent, type NixlError, allocate } from '../../lib';
 import { inlineBudgetLeft } from '../../lib/inline-budget';
-import { Peer, checkPattern, eachEngine, preparedBlocks } from '../helpers';
+import { Peer, checkPattern, eachEngine, engineAgent, preparedBlocks, settledWithin } from '../helpers';
 
 const SMALL = 64 << 10; // inlinePostMaxBytes in these tests
 const MIB = 1 << 20;
@@ -20,14 +20,6 @@ const spendBudget = (): void => {
   // Seen spent now: a post of known size reads the clock only once per 128 KiB.
   inlineBudgetLeft();
 };
-const settledWithin = <T>(p: Promise<T>, ms: number): Promise<string> =>
-  Promise.race([
-    p.then(
-      () => 'resolved',
-      (e: NixlError) => `rejected ${e.code}`,
-    ),
-    new Promise<string>((r) => setTimeout(() => r('pending'), ms)),
-  ]);
 /** 'wait' when p settles before `ticks` microtasks ran, else 'ticks'. */
 async function beforeTicks(p: Promise<unknown>, ticks: number): Promise<'wait' | 'ticks'> {
   let first: 'wait' | 'ticks' | undefined;
@@ -46,21 +38,8 @@ async function beforeTicks(p: Promise<unknown>, ticks: number): Promise<'wait' |
 }
 
 eachEngine('inline posts by time and late posts under attack: %s engine', (engine, open) => {
-  function agent(name: string, extra: AgentOptions = {}): NixlAgent {
-    const base: AgentOptions =
-      engine === 'nixl'
-        ? {
-            engine,
-            progressThread: true,
-            progressDelayUs: 1000,
-            backendParams: { UCX: { ucx_error_handling_mode: 'none' } },
-          }
-        : { engine };
-    if (engine === 'nixl') process.env.UCX_TLS ??= 'sm,self';
-    const a = new NixlAgent(`${name}-${engine}`, { ...base, ...extra });
-    open.push(a);
-    return a;
-  }
+  const agent = (name: string, extra: AgentOptions = {}): NixlAgent =>
+    engineAgent(engine, open, `${name}-${engine}`, extra);
 
   /** a reads from / writes to b's `size` bytes; both load each other. */
   function pair(size: number, extra: AgentOptions = {}) {

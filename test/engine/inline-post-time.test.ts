@@ -5,8 +5,8 @@
 // Bytes are checked after every posting, inline or not.
 // NIXL_NODE_ENGINE=nixl|loopback runs just that one.
 import { expect, it } from 'vitest';
-import { type AgentOptions, NixlAgent, allocate } from '../../lib';
-import { checkPattern, eachEngine, pattern } from '../helpers';
+import { type AgentOptions, type NixlAgent, allocate } from '../../lib';
+import { checkPattern, eachEngine, engineAgent, pattern } from '../helpers';
 
 const SMALL = 64 << 10; // inlinePostMaxBytes in these tests
 const SIZE = 1 << 20; // the request: over it
@@ -14,21 +14,7 @@ const SIZE = 1 << 20; // the request: over it
 const freshTurn = () => new Promise<void>((r) => setImmediate(r));
 
 eachEngine('inline posts by time (inlinePostMaxUs): %s engine', (engine, open) => {
-  function agent(name: string, extra: AgentOptions = {}): NixlAgent {
-    const base: AgentOptions =
-      engine === 'nixl'
-        ? {
-            engine,
-            progressThread: true,
-            progressDelayUs: 1000,
-            backendParams: { UCX: { ucx_error_handling_mode: 'none' } },
-          }
-        : { engine };
-    if (engine === 'nixl') process.env.UCX_TLS ??= 'sm,self';
-    const a = new NixlAgent(name, { ...base, ...extra });
-    open.push(a);
-    return a;
-  }
+  const agent = (name: string, extra: AgentOptions = {}): NixlAgent => engineAgent(engine, open, name, extra);
 
   /** a reads b's SIZE bytes of pattern 5 (and writes its own pattern 9 there). */
   function pair(extra: AgentOptions) {
@@ -50,6 +36,14 @@ eachEngine('inline posts by time (inlinePostMaxUs): %s engine', (engine, open) =
     const state = a.transfer(h);
     await a.wait(h, { timeoutMs: 10_000 });
     return state;
+  }
+
+  /** Three posts of h, each PROC from transfer() (the engine's thread), each moving pattern 5 into local. */
+  async function threeThroughTheEngineThread(a: NixlAgent, h: ReturnType<NixlAgent['initializeXfer']>, local: Buffer) {
+    for (let i = 0; i < 3; i++) {
+      expect(await post(a, h, () => local.fill(0))).toBe('PROC');
+      expect(checkPattern(local, 5)).toBe(true);
+    }
   }
 
   it('its first post goes through the engine thread; once timed under the limit, the next posts are inline and DONE', async () => {
@@ -83,10 +77,7 @@ eachEngine('inline posts by time (inlinePostMaxUs): %s engine', (engine, open) =
     const { a, local, remote, peer } = pair({ inlinePostMaxUs: 1 });
     pattern(remote, 5);
     const h = a.initializeXfer('READ', local, remote, peer);
-    for (let i = 0; i < 3; i++) {
-      expect(await post(a, h, () => local.fill(0))).toBe('PROC');
-      expect(checkPattern(local, 5)).toBe(true);
-    }
+    await threeThroughTheEngineThread(a, h, local);
     a.releaseXferHandle(h);
   });
 
@@ -95,10 +86,7 @@ eachEngine('inline posts by time (inlinePostMaxUs): %s engine', (engine, open) =
       const { a, local, remote, peer } = pair(extra);
       pattern(remote, 5);
       const h = a.initializeXfer('READ', local, remote, peer);
-      for (let i = 0; i < 3; i++) {
-        expect(await post(a, h, () => local.fill(0))).toBe('PROC');
-        expect(checkPattern(local, 5)).toBe(true);
-      }
+      await threeThroughTheEngineThread(a, h, local);
       a.releaseXferHandle(h);
       for (const x of open.splice(0)) x.close();
     }

@@ -35,6 +35,23 @@ function pair(size: number, opts = {}) {
   return { a, b, local, remote };
 }
 
+/** An agent that loaded 'child', a peer process holding 1 MiB of pattern 2 at init.addr. */
+async function withChild() {
+  const a = agent('parent');
+  const mem = allocate(1 << 20);
+  a.registerMemory(mem);
+  peer = new Peer('peer.js');
+  const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
+    cmd: 'init',
+    name: 'child',
+    size: 1 << 20,
+    shared: false,
+    seed: 2,
+  });
+  a.addRemoteAgent(Buffer.from(init.md));
+  return { a, mem, init };
+}
+
 describe('inline posting (loopback engine)', () => {
   it('a transfer up to inlinePostMaxBytes is DONE when transfer() returns; a larger one is PROC', async () => {
     const size = 2 * DEFAULT_INLINE_POST_MAX_BYTES;
@@ -103,18 +120,7 @@ describe('inline posting (loopback engine)', () => {
   });
 
   it('past the budget, the one late post fails inline (ERR at once); the next post of that turn goes through the engine thread', async () => {
-    const a = agent('parent');
-    const mem = allocate(1 << 20);
-    a.registerMemory(mem);
-    peer = new Peer('peer.js');
-    const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
-      cmd: 'init',
-      name: 'child',
-      size: 1 << 20,
-      shared: false,
-      seed: 2,
-    });
-    a.addRemoteAgent(Buffer.from(init.md));
+    const { a, mem, init } = await withChild();
     // Over 128 KiB each: every post of them reads the budget's clock.
     const SZ = 160 << 10;
     const hs = [0, 1, 2].map((i) =>
@@ -216,18 +222,7 @@ describe('inline posting (loopback engine)', () => {
   });
 
   it('an inline transfer that fails is ERR from transfer(), and wait rejects with its error', async () => {
-    const a = agent('parent');
-    const mem = allocate(1 << 20);
-    a.registerMemory(mem);
-    peer = new Peer('peer.js');
-    const init = await peer.request<{ md: Uint8Array; addr: bigint }>({
-      cmd: 'init',
-      name: 'child',
-      size: 1 << 20,
-      shared: false,
-      seed: 2,
-    });
-    a.addRemoteAgent(Buffer.from(init.md));
+    const { a, mem, init } = await withChild();
     const h = a.initializeXfer('READ', mem.subarray(0, 4096), DescList.from([{ addr: init.addr, len: 4096 }]), 'child');
     await freshTurn();
     expect(a.transfer(h)).toBe('DONE');

@@ -3,7 +3,7 @@
 // Loopback only where the engine's test delay makes the race deterministic.
 import { afterEach, describe, expect, it } from 'vitest';
 import { DescList, NixlAgent, type NixlError, allocate, engines } from '../../lib';
-import { preparedBlocks } from '../helpers';
+import { preparedBlocks, settledWithin } from '../helpers';
 
 const BLOCK = 4096;
 const N = 8;
@@ -23,14 +23,6 @@ function setup(testDelayUs?: number) {
 const block = (ms: number): void => {
   Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, ms);
 };
-const settledWithin = <T>(p: Promise<T>, ms: number): Promise<string> =>
-  Promise.race([
-    p.then(
-      () => 'resolved',
-      (e: NixlError) => `rejected ${e.code}`,
-    ),
-    new Promise<string>((r) => setTimeout(() => r('pending'), ms)),
-  ]);
 
 describe('layered transfers under attack (loopback)', () => {
   it('a wait made in one posting settles with it, even when another wait() found the posting done first and the handle is posted again at once', async () => {
