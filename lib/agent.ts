@@ -487,17 +487,11 @@ export class NixlAgent {
       notifMsg === undefined ? this.#postXfer(handle.id, mayInline) : this.#postXfer(handle.id, mayInline, notifMsg),
     );
     // Past the turn's budget a post finished inline reads as unfinished: its
-    // waits settle at the next turn (settledNow), so the caller's loop yields;
-    // so do those already pending (a layered posting's), as no event follows.
-    if (mode === 'late' && s === 'DONE') {
-      const list = this.#waiters.get(handle.id);
-      this.#waiters.delete(handle.id);
-      if (list)
-        void settledNow().then(() => {
-          for (const w of list) w.resolve();
-        });
-      return 'PROC';
-    }
+    // waits settle at the next turn (settledNow), so the caller's loop yields.
+    // Nothing waits on it yet: only a single request is late (never a layered
+    // one, whose earlier layers may have waits), and a repost of one still in
+    // flight throws.
+    if (mode === 'late' && s === 'DONE') return 'PROC';
     return this.#endedByPost(handle, s);
   }
 

@@ -43,10 +43,7 @@ Handle LayeredRequests::make(Engine& e, XferOp op, Handle local, const uint32_t*
     for (Handle s : r.subs) e.releaseXferReq(s);
     throw;
   }
-  for (Handle s : r.subs) {
-    r.layerBytes.push_back(e.xferBytes(s));
-    r.maxLayerBytes = std::max(r.maxLayerBytes, r.layerBytes.back());
-  }
+  for (Handle s : r.subs) r.layerBytes.push_back(e.xferBytes(s));
   uint32_t i;
   if (!free_.empty()) {
     i = free_.back();
@@ -104,7 +101,10 @@ int LayeredRequests::postLayer(Engine& e, Handle h, uint32_t layer, bool mayInli
   return r.status;
 }
 
-uint64_t LayeredRequests::maxLayerBytes(Handle h) { return find(h, "makeLayeredXfer").maxLayerBytes; }
+uint64_t LayeredRequests::maxLayerBytes(Handle h) {
+  const auto& b = find(h, "makeLayeredXfer").layerBytes;
+  return b.empty() ? 0 : *std::max_element(b.begin(), b.end());
+}
 
 int LayeredRequests::postAll(Engine& e, Handle h, const std::string* notif, bool mayInline, uint64_t inlineBytes,
                              uint32_t* inProg) {

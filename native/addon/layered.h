@@ -72,7 +72,6 @@ class LayeredRequests {
     std::vector<Handle> subs;          // per layer
     std::vector<uint8_t> state;        // per layer, this posting
     std::vector<uint64_t> layerBytes;  // per layer (Engine::xferBytes; UINT64_MAX: unknown)
-    uint64_t maxLayerBytes = 0;
     std::string remoteAgent;
     std::optional<std::string> notif;
     uint32_t posted = 0;    // layers posted (or skipped) in this posting
