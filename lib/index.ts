@@ -1,7 +1,7 @@
 // nixl-node: the Agent API, and the names most programs need from the side
 // channels, the KV path and serving. The rest of each is on its subpath:
 // nixl-node/handshake, nixl-node/kv, nixl-node/serving.
-export { NixlAgent, RegisteredMemory, DlistHandle, XferHandle, engines } from './agent';
+export { NixlAgent, RegisteredMemory, DlistHandle, XferHandle, LayeredXferHandle, engines } from './agent';
 export type {
   AgentOptions,
   BackendParams,
@@ -13,7 +13,6 @@ export type {
   XferOptions,
   XferState,
 } from './agent';
-export { LayeredXferHandle } from './layered-xfer';
 export { DescList, allocate } from './descriptors';
 export type { MemType, MemoryLike, RawDesc } from './descriptors';
 export { NixlError, Status } from './errors';

@@ -1,5 +1,5 @@
 // NativeAgent: the flat N-API class over one Engine (native/engine.h).
-// lib/native.ts declares it; lib/agent.ts builds the typed API on it.
+// lib/native.ts declares it; lib/agent/ builds the typed API on it.
 //
 // Completions: engine threads call onComplete/onNotif; the first event into an
 // empty batch signals the ThreadSafeFunction once, and the JS callback gets

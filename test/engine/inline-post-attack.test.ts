@@ -6,7 +6,7 @@
 // NIXL_NODE_ENGINE=nixl|loopback runs just that one.
 import { afterEach, describe, expect, it } from 'vitest';
 import { type AgentOptions, DescList, NixlAgent, type NixlError, allocate } from '../../lib';
-import { inlineBudgetLeft } from '../../lib/inline-budget';
+import { inlineBudgetLeft } from '../../lib/agent/inline-budget';
 import { Peer, checkPattern, eachEngine, engineAgent, preparedBlocks, settledWithin } from '../helpers';
 
 const SMALL = 64 << 10; // inlinePostMaxBytes in these tests

@@ -181,7 +181,7 @@ const WORKER_MAY = [
   'lib/serving/log.ts',
   'lib/kv/',
   'lib/handshake/',
-  'lib/agent.ts',
+  'lib/agent/',
   'lib/descriptors.ts',
   'lib/errors.ts',
   'lib/tracing.ts',
@@ -254,10 +254,10 @@ it('lib/serving folders import only what their role needs (allow-lists; KNOWN_ED
     ['lib/serving/api/openai.ts', 'lib/handshake/wire.ts'], // a runtime import of handshake
     ['lib/serving/models/types.ts', 'lib/kv/layout.ts'],
     ['lib/serving/models/types.ts', 'lib/handshake/model.ts', true],
-    ['lib/serving/models/types.ts', 'lib/agent.ts'],
+    ['lib/serving/models/types.ts', 'lib/agent/agent.ts'],
     ['lib/serving/models/types.ts', 'lib/serving/worker/turns.ts'],
     ['lib/serving/models/types.ts', 'lib/serving/proxy/pool.ts'],
-    ['lib/serving/proxy/pool.ts', 'lib/agent.ts'],
+    ['lib/serving/proxy/pool.ts', 'lib/agent/agent.ts'],
     ['lib/serving/proxy/pool.ts', 'lib/kv/layout.ts', true],
     ['lib/serving/proxy/pool.ts', 'lib/serving/models/types.ts', true],
     ['lib/serving/proxy/pool.ts', 'lib/serving/worker/turns.ts'],
@@ -284,8 +284,6 @@ it('lib/serving folders import only what their role needs (allow-lists; KNOWN_ED
 const lineCount = (text: string) => text.split('\n').length - (text.endsWith('\n') ? 1 : 0);
 
 const MAX_LINES = 550;
-/** lib/agent.ts mirrors NIXL's one agent class, method for method. */
-const LONG_ALLOWED = new Set(['lib/agent.ts']);
 
 /**
  * Today's files over MAX_LINES, with their lines today: each may shrink, never
@@ -297,7 +295,7 @@ const KNOWN_LONG: Record<string, number> = {};
 function lengthBreaches(lines: Map<string, number>, known: Record<string, number>): string[] {
   const out: string[] = [];
   for (const [file, n] of lines) {
-    if (n <= MAX_LINES || LONG_ALLOWED.has(file)) continue;
+    if (n <= MAX_LINES) continue;
     if (known[file] === undefined) out.push(`${file}: ${n} lines (at most ${MAX_LINES})`);
     else if (n > known[file]) out.push(`${file}: ${n} lines, grown from ${known[file]}`);
   }
@@ -306,18 +304,19 @@ function lengthBreaches(lines: Map<string, number>, known: Record<string, number
   return out;
 }
 
-it(`no file in lib/ over ${MAX_LINES} lines but lib/agent.ts (KNOWN_LONG shrinks)`, () => {
+it(`no file in lib/ over ${MAX_LINES} lines (KNOWN_LONG shrinks)`, () => {
   const lines = new Map(sources('lib').map((f) => [f, lineCount(fs.readFileSync(path.join(ROOT, f), 'utf8'))]));
   expect(lengthBreaches(lines, KNOWN_LONG)).toEqual([]);
-  // Broken on purpose: a new long file, a known one grown, and lib/agent.ts long as it likes.
+  // Broken on purpose: a new long file, a known one grown, and the agent grown past the bar.
   const known = { ...KNOWN_LONG, 'lib/serving/worker/worker.ts': MAX_LINES + 10 };
   const planted = new Map(lines);
   planted.set('lib/serving/planted.ts', MAX_LINES + 1);
   planted.set('lib/serving/worker/worker.ts', MAX_LINES + 11);
-  planted.set('lib/agent.ts', 5000);
-  expect(lengthBreaches(planted, known)).toEqual([
-    `lib/serving/worker/worker.ts: ${MAX_LINES + 11} lines, grown from ${MAX_LINES + 10}`,
+  planted.set('lib/agent/agent.ts', MAX_LINES + 1);
+  expect(lengthBreaches(planted, known).sort()).toEqual([
+    `lib/agent/agent.ts: ${MAX_LINES + 1} lines (at most ${MAX_LINES})`,
     `lib/serving/planted.ts: ${MAX_LINES + 1} lines (at most ${MAX_LINES})`,
+    `lib/serving/worker/worker.ts: ${MAX_LINES + 11} lines, grown from ${MAX_LINES + 10}`,
   ]);
   expect(lengthBreaches(lines, { ...KNOWN_LONG, 'lib/errors.ts': 600 })).toEqual([
     `lib/errors.ts: under ${MAX_LINES} lines now, remove from KNOWN_LONG`,

@@ -4,18 +4,10 @@
 // NixlAgent.makeLayeredXfer and NixlAgent.postLayer are the entry points; the
 // addon holds the state (native/addon/layered.h), so a layer costs one native
 // call: no request made, no promise, no allocation per layer.
-import { invalidParam } from './errors';
-import { toIndices } from './descriptors';
-import type { NativeAgent } from './native';
-
-// What this file needs of agent.ts's types, by shape: agent.ts imports this
-// file, and lib/ has no import cycles.
-type XferOp = 'READ' | 'WRITE';
-type NotifMsg = string | Uint8Array;
-interface DlistHandle {
-  readonly id: number;
-  readonly agent: string;
-}
+import { toIndices } from '../descriptors';
+import { invalidParam } from '../errors';
+import type { NativeAgent } from '../native';
+import type { DlistHandle, NotifMsg, XferOp } from './types';
 
 /**
  * A layered transfer request (NixlAgent.makeLayeredXfer): one request whose

@@ -2,150 +2,33 @@
 // camelCase; promise forms (wait/read/write/waitForNotif) are resolved from
 // the addon's batched completion events.
 import { markAsUntransferable } from 'node:worker_threads';
-import { explainLoadFailure, prepareUcxEnv, ucxBackendParams, ucxErrorMode } from './ucx';
-import { NixlError, invalidParam } from './errors';
-import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from './descriptors';
-import { binding, type NativeAgent, type NativeTelemetry } from './native';
-import { LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
+import { DescList, type MemType, type MemoryLike, memTypeId, toDescList, toIndices } from '../descriptors';
+import { NixlError, invalidParam } from '../errors';
+import { binding, type NativeAgent, type NativeTelemetry } from '../native';
+import { explainLoadFailure, prepareUcxEnv, ucxErrorMode } from '../ucx';
+import { backendParams, defaultEngine, metadataLabel } from './config';
 import { inlineBudgetLeftFor, inlinePostModeFor, settledNow } from './inline-budget';
-
-/** Which engine an agent runs on: NIXL, or the in-process loopback engine. */
-export type EngineKind = 'loopback' | 'nixl';
-/** A transfer's direction: READ pulls remote memory into local, WRITE pushes local into remote. */
-export type XferOp = 'READ' | 'WRITE';
-/** A transfer's state, as NIXL reports it: in progress, done, or failed. */
-export type XferState = 'PROC' | 'DONE' | 'ERR';
-/** A notification message: text, or bytes. */
-export type NotifMsg = string | Uint8Array;
-
-/** Options of a new NixlAgent (NIXL's nixlAgentConfig, and the engine). */
-export interface AgentOptions {
-  /** Default: 'nixl' when compiled in, else 'loopback' (env NIXL_NODE_ENGINE overrides). */
-  engine?: EngineKind;
-  /** Backends created at start. Default: ['UCX'] on nixl, ['LOOPBACK'] on loopback. */
-  backends?: string[];
-  /** Parameters per backend created at start, e.g. { UCX: { ucx_error_handling_mode: 'none' } }. */
-  backendParams?: Record<string, Record<string, string>>;
-  /** NIXL's own progress thread (nixl engine). Default true. */
-  progressThread?: boolean;
-  /** NIXL pthrDelay in microseconds; 0 spins a core. Default 1000. */
-  progressDelayUs?: number;
-  /** Needed for getXferTelemetry, as in NIXL. */
-  captureTelemetry?: boolean;
-  /** NIXL's own metadata listener port (nixl engine; 0 = off). */
-  listenPort?: number;
-  /** @internal Tests: the loopback worker waits this long before each transfer. */
-  testDelayUs?: number;
-  /** @internal Tests: the first handle the engine hands out, to reach the counter's limits. */
-  testFirstHandle?: number;
-  /**
-   * Transfers of at most this many bytes are posted on the calling thread,
-   * as NIXL's Python API posts: a copy this small costs less than the hop to
-   * the engine's thread and the completion's way back, and one that finishes
-   * inside the post (UCX's cma on one host, the loopback engine) is DONE when
-   * transfer() returns, with no event to wait for. Larger transfers go through
-   * the engine's thread, so a long copy never blocks the event loop. Only a
-   * transfer with nothing posted before it still queued is posted inline (no
-   * transfer or notification overtakes another). 0 posts every transfer from
-   * the engine's thread. Default 1 MiB on both engines. Inline
-   * work (posts and the settling of waits they finished) runs for at most
-   * 1 ms per turn of the event loop: past that, posts go through the
-   * engine's thread until the loop has turned.
-   */
-  inlinePostMaxBytes?: number;
-  /**
-   * A transfer larger than inlinePostMaxBytes is also posted on the calling
-   * thread when its previous post took at most this many microseconds: what
-   * holds the event loop is how long a post takes, not its size. A one-host
-   * copy of a few MiB (UCX's cma, the loopback engine) takes a few hundred
-   * microseconds where the hop to the engine's thread and back costs tens;
-   * a post that hands the work to a NIC returns in microseconds whatever its
-   * size. A request's first post, not yet timed, goes through the engine's
-   * thread, and every post of a larger request is timed again, so one that
-   * slows down (a loaded machine) goes back there. 0: only the size rule.
-   * Default 500.
-   */
-  inlinePostMaxUs?: number;
-}
-
-/** @internal The default of AgentOptions.inlinePostMaxBytes. */
-export const DEFAULT_INLINE_POST_MAX_BYTES = 1 << 20;
-/** @internal The default of AgentOptions.inlinePostMaxUs. */
-export const DEFAULT_INLINE_POST_MAX_US = 500;
-
-/** How long a wait may take, and what cancels it. */
-export interface WaitOptions {
-  timeoutMs?: number;
-  signal?: AbortSignal;
-}
-
-/** Options of a one-shot read or write. */
-export interface XferOptions extends WaitOptions {
-  notifMsg?: NotifMsg;
-  memType?: MemType;
-  remoteMemType?: MemType;
-}
-
-/** A backend's parameters (name -> value) and the memory types it handles. */
-export interface BackendParams {
-  params: Record<string, string>;
-  memTypes: string[];
-}
-
-/** A notification received from a peer agent. */
-export interface Notif {
-  agent: string;
-  msg: Buffer;
-}
-
-/** Memory registered with an agent; pass back to deregisterMemory. */
-export class RegisteredMemory {
-  constructor(
-    readonly id: number,
-    readonly descs: DescList,
-  ) {}
-}
-
-/** A prepared descriptor list (prepXferDlist). */
-export class DlistHandle {
-  constructor(
-    readonly id: number,
-    readonly agent: string,
-    readonly length: number,
-  ) {}
-}
-
-/** A transfer request (initializeXfer / makePreppedXfer). */
-export class XferHandle {
-  constructor(
-    readonly id: number,
-    readonly remoteAgent: string,
-    /** @internal The bytes the request moves, -1 if the engine cannot tell (the inline budget's clock). */
-    readonly bytes = -1,
-  ) {}
-}
-
-interface Waiter {
-  resolve(): void;
-  reject(e: Error): void;
-}
-
-/** The engines compiled into this build of the addon: 'loopback', and 'nixl' when NIXL was found at build time. */
-export const engines: readonly string[] = binding.engines;
-
-function defaultEngine(): EngineKind {
-  const env = process.env.NIXL_NODE_ENGINE;
-  if (env === 'nixl' || env === 'loopback') return env;
-  if (env) throw invalidParam(`NIXL_NODE_ENGINE='${env}': expected 'nixl' or 'loopback'`);
-  // Without NIXL the loopback engine is the default, silently: a library
-  // writes nothing on its own (`nixl-node info` says which engines there are).
-  return binding.engines.includes('nixl') ? 'nixl' : 'loopback';
-}
-
-function stateOf(status: number | [number, string]): XferState {
-  const s = typeof status === 'number' ? status : status[0];
-  return s === 0 ? 'DONE' : s === 1 ? 'PROC' : 'ERR';
-}
+import { LayeredXferHandle, makeLayeredXfer } from './layered-xfer';
+import { NotifInbox } from './notifs';
+import { oneShot } from './one-shot';
+import { type NativeStatus, errorOf, neverPosted, stateOf } from './status';
+import {
+  type AgentOptions,
+  type BackendParams,
+  DEFAULT_INLINE_POST_MAX_BYTES,
+  DEFAULT_INLINE_POST_MAX_US,
+  DlistHandle,
+  type EngineKind,
+  type Notif,
+  type NotifMsg,
+  RegisteredMemory,
+  type WaitOptions,
+  XferHandle,
+  type XferOp,
+  type XferOptions,
+  type XferState,
+} from './types';
+import { XferWaits } from './waits';
 
 /**
  * A NIXL agent: registers memory, exchanges metadata with peers, and posts
@@ -158,9 +41,10 @@ export class NixlAgent {
   readonly #native: NativeAgent;
   readonly #postLayer: ReturnType<NativeAgent['layerPoster']>;
   readonly #postXfer: ReturnType<NativeAgent['xferPoster']>;
-  readonly #waiters = new Map<number, Waiter[]>();
-  readonly #notifs: Notif[] = [];
-  readonly #notifWatchers = new Set<{ take(n: Notif): boolean; reject(e: Error): void }>();
+  readonly #waits = new XferWaits();
+  // The same map as #waits.byId: the post path checks it without a call.
+  readonly #waiters = this.#waits.byId;
+  readonly #inbox: NotifInbox;
   #closed = false;
 
   constructor(name: string, options: AgentOptions = {}) {
@@ -185,6 +69,7 @@ export class NixlAgent {
       },
       (done, notif) => this.#onEvents(done, notif),
     );
+    this.#inbox = new NotifInbox(this.#native, () => this.#closed);
     this.#postLayer = this.#native.layerPoster();
     this.#postXfer = this.#native.xferPoster();
     try {
@@ -500,14 +385,14 @@ export class NixlAgent {
   // (a layered posting may have some) settle here.
   #endedByPost(handle: XferHandle | LayeredXferHandle, s: XferState): XferState {
     if (s !== 'PROC' && this.#waiters.size !== 0 && this.#waiters.has(handle.id))
-      this.#settle(handle.id, this.getXferError(handle));
+      this.#waits.settle(handle.id, this.getXferError(handle));
     return s;
   }
 
   /** A posted transfer's state (NIXL check_xfer_state); throws if it was never posted. */
   checkXferState(handle: XferHandle): XferState {
     const s = this.#statusNow(handle.id);
-    if (Array.isArray(s) && s[0] === -1) throw NixlError.fromStatus(s[0], 'checkXferState: transfer was never posted');
+    if (neverPosted(s)) throw NixlError.fromStatus(-1, 'checkXferState: transfer was never posted');
     return stateOf(s);
   }
 
@@ -519,10 +404,9 @@ export class NixlAgent {
   // NIXL's state check may itself find a transfer done (check_xfer_state
   // progresses it), and then no completion event follows: waits already
   // pending on it settle here.
-  #statusNow(id: number): number | [number, string] {
+  #statusNow(id: number): NativeStatus {
     const s = this.#native.getXferStatus(id);
-    if (this.#waiters.has(id) && stateOf(s) !== 'PROC' && !(Array.isArray(s) && s[0] === -1))
-      this.#settle(id, errorOf(s));
+    if (this.#waiters.has(id) && stateOf(s) !== 'PROC' && !neverPosted(s)) this.#waits.settle(id, errorOf(s));
     return s;
   }
 
@@ -535,7 +419,7 @@ export class NixlAgent {
   releaseXferHandle(handle: XferHandle): void {
     this.#native.releaseXferReq(handle.id);
     if (this.#waiters.has(handle.id))
-      this.#settle(handle.id, new NixlError('transfer handle was released', 'NIXL_ERR_CANCELED'));
+      this.#waits.settle(handle.id, new NixlError('transfer handle was released', 'NIXL_ERR_CANCELED'));
   }
 
   /** Releases a prepared descriptor list (NIXL release_dlist_handle). */
@@ -555,7 +439,7 @@ export class NixlAgent {
 
   /** Resolves when the posted transfer is DONE; rejects with its NixlError on ERR. */
   wait(handle: XferHandle, opts: WaitOptions = {}): Promise<void> {
-    let s: number | [number, string];
+    let s: NativeStatus;
     try {
       // Through #statusNow: the check may itself find the transfer done (no
       // completion event follows), and the waits already pending settle too.
@@ -570,22 +454,7 @@ export class NixlAgent {
       const err = NixlError.fromStatus(st, st === -1 ? 'wait: transfer was never posted' : msg);
       return settledNow().then(() => Promise.reject(err));
     }
-    return new Promise<void>((resolve, reject) => {
-      const cleanup = guardWait(opts, reject, () => this.#removeWaiter(handle.id, w), 'transfer');
-      const w: Waiter = {
-        resolve: () => {
-          cleanup();
-          resolve();
-        },
-        reject: (e) => {
-          cleanup();
-          reject(e);
-        },
-      };
-      const list = this.#waiters.get(handle.id);
-      if (list) list.push(w);
-      else this.#waiters.set(handle.id, [w]);
-    });
+    return this.#waits.add(handle.id, opts);
   }
 
   /** initializeXfer + transfer + wait + release, in one call. */
@@ -595,7 +464,7 @@ export class NixlAgent {
     remoteAgent: string,
     opts: XferOptions = {},
   ): Promise<void> {
-    return this.#oneShot('READ', local, remote, remoteAgent, opts);
+    return oneShot(this, 'READ', local, remote, remoteAgent, opts);
   }
 
   /** Writes local memory into a peer's and waits for it: initializeXfer, transfer and wait in one call. */
@@ -605,29 +474,7 @@ export class NixlAgent {
     remoteAgent: string,
     opts: XferOptions = {},
   ): Promise<void> {
-    return this.#oneShot('WRITE', local, remote, remoteAgent, opts);
-  }
-
-  async #oneShot(
-    op: XferOp,
-    local: DescList | MemoryLike | readonly MemoryLike[],
-    remote: DescList | readonly MemoryLike[] | MemoryLike,
-    remoteAgent: string,
-    opts: XferOptions,
-  ): Promise<void> {
-    const h = this.initializeXfer(
-      op,
-      toDescList(local, opts.memType),
-      toDescList(remote, opts.remoteMemType),
-      remoteAgent,
-      opts.notifMsg,
-    );
-    try {
-      this.transfer(h);
-      await this.wait(h, opts);
-    } finally {
-      if (!this.#closed) this.#native.releaseXferReq(h.id);
-    }
+    return oneShot(this, 'WRITE', local, remote, remoteAgent, opts);
   }
 
   // ---- notifications --------------------------------------------------------
@@ -639,14 +486,7 @@ export class NixlAgent {
 
   /** All notifications received since the last call, by sender. */
   getNewNotifs(): Map<string, Buffer[]> {
-    this.#pumpNotifs();
-    const out = new Map<string, Buffer[]>();
-    for (const n of this.#notifs.splice(0)) {
-      const l = out.get(n.agent);
-      if (l) l.push(n.msg);
-      else out.set(n.agent, [n.msg]);
-    }
-    return out;
+    return this.#inbox.takeAll();
   }
 
   /**
@@ -658,39 +498,7 @@ export class NixlAgent {
     opts: WaitOptions = {},
   ): Promise<Notif> {
     if (this.#closed) return Promise.reject(new NixlError(`agent '${this.name}' is closed`, 'NIXL_ERR_NOT_ALLOWED'));
-    const pred = typeof match === 'function' ? match : notifMatcher(match);
-    this.#pumpNotifs();
-    const i = this.#notifs.findIndex(pred);
-    if (i >= 0) return Promise.resolve(this.#notifs.splice(i, 1)[0]);
-    return new Promise<Notif>((resolve, reject) => {
-      const watcher = {
-        take: (n: Notif): boolean => {
-          if (!pred(n)) return false;
-          cleanup();
-          resolve(n);
-          return true;
-        },
-        reject: (e: Error): void => {
-          cleanup();
-          reject(e);
-        },
-      };
-      const cleanup = guardWait(
-        opts,
-        reject,
-        () => {
-          this.#notifWatchers.delete(watcher);
-          if (this.#notifWatchers.size === 0 && !this.#closed) this.#native.watchNotifs(false);
-        },
-        'notification',
-      );
-      this.#notifWatchers.add(watcher);
-      this.#native.watchNotifs(true);
-      // A notification that landed between the pump above and watchNotifs(true)
-      // signalled nobody: look once more now that the watch is on.
-      this.#pumpNotifs();
-      this.#runNotifWatchers();
-    });
+    return this.#inbox.waitFor(match, opts);
   }
 
   /** Closes the agent: pending waits reject, its memory is deregistered, later calls throw. */
@@ -699,8 +507,8 @@ export class NixlAgent {
     this.#closed = true;
     this.#native.close();
     const err = new NixlError(`agent '${this.name}' was closed`, 'NIXL_ERR_CANCELED');
-    for (const id of [...this.#waiters.keys()]) this.#settle(id, err);
-    for (const w of [...this.#notifWatchers]) w.reject(err);
+    this.#waits.rejectAll(err);
+    this.#inbox.rejectAll(err);
   }
 
   /** Closes the agent (`using agent = new NixlAgent(...)`). */
@@ -714,122 +522,18 @@ export class NixlAgent {
     if (this.#closed) return;
     for (const id of done) {
       if (!this.#waiters.has(id)) continue;
-      let s: number | [number, string];
+      let s: NativeStatus;
       try {
         s = this.#native.getXferStatus(id);
       } catch (e) {
-        this.#settle(id, e as Error);
+        this.#waits.settle(id, e as Error);
         continue;
       }
       // The event of an earlier posting, delivered after the handle was
       // posted again: this posting's own event is still to come.
       if (stateOf(s) === 'PROC') continue;
-      this.#settle(id, errorOf(s));
+      this.#waits.settle(id, errorOf(s));
     }
-    if (notif || this.#notifWatchers.size > 0) {
-      this.#pumpNotifs();
-      this.#runNotifWatchers();
-    }
+    if (notif || this.#inbox.watched) this.#inbox.deliver();
   }
-
-  #settle(id: number, err?: Error): void {
-    const list = this.#waiters.get(id);
-    if (!list) return;
-    this.#waiters.delete(id);
-    for (const w of list) {
-      if (err) w.reject(err);
-      else w.resolve();
-    }
-  }
-
-  #removeWaiter(id: number, w: Waiter): void {
-    const list = this.#waiters.get(id);
-    if (!list) return;
-    const i = list.indexOf(w);
-    if (i >= 0) list.splice(i, 1);
-    if (list.length === 0) this.#waiters.delete(id);
-  }
-
-  #pumpNotifs(): void {
-    if (this.#closed) return;
-    const raw = this.#native.getNotifs();
-    for (let i = 0; i < raw.length; i += 2) this.#notifs.push({ agent: raw[i] as string, msg: raw[i + 1] as Buffer });
-  }
-
-  #runNotifWatchers(): void {
-    for (let i = 0; i < this.#notifs.length && this.#notifWatchers.size > 0; ) {
-      let taken = false;
-      for (const w of this.#notifWatchers) {
-        if (w.take(this.#notifs[i])) {
-          taken = true;
-          break;
-        }
-      }
-      if (taken) this.#notifs.splice(i, 1);
-      else i++;
-    }
-  }
-}
-
-function errorOf(status: number | [number, string]): NixlError | undefined {
-  return Array.isArray(status) ? NixlError.fromStatus(status[0], status[1] || 'transfer failed') : undefined;
-}
-
-function notifMatcher(m: { agent?: string; msg?: NotifMsg }): (n: Notif) => boolean {
-  const want = m.msg === undefined ? undefined : Buffer.from(m.msg as Uint8Array | string);
-  return (n) => (m.agent === undefined || n.agent === m.agent) && (want === undefined || want.equals(n.msg));
-}
-
-/** Arms timeout and abort for a pending promise; returns the disarm function. */
-/**
- * The params a backend is created with: the caller's, plus what NIXL's UCX
- * plugin needs to start under this process's UCX_TLS (ucx.ts) unless the
- * caller said otherwise.
- */
-function backendParams(
-  engine: EngineKind,
-  backend: string,
-  given: Record<string, string> | undefined,
-): Record<string, string> {
-  const params = { ...(given ?? {}) };
-  if (engine === 'nixl' && backend === 'UCX' && params.ucx_error_handling_mode === undefined)
-    Object.assign(params, ucxBackendParams());
-  return params;
-}
-
-function guardWait(opts: WaitOptions, reject: (e: Error) => void, remove: () => void, what: string): () => void {
-  let timer: NodeJS.Timeout | undefined;
-  const { signal, timeoutMs } = opts;
-  const onAbort = (): void => {
-    disarm();
-    reject(new NixlError(`waiting for ${what} aborted`, 'NIXL_ERR_CANCELED', undefined, { cause: signal?.reason }));
-  };
-  const disarm = (): void => {
-    if (timer) clearTimeout(timer);
-    signal?.removeEventListener('abort', onAbort);
-    remove();
-  };
-  if (signal?.aborted) {
-    queueMicrotask(onAbort);
-  } else {
-    signal?.addEventListener('abort', onAbort, { once: true });
-  }
-  if (timeoutMs !== undefined) {
-    if (!(timeoutMs >= 0)) throw invalidParam('timeoutMs must be >= 0');
-    timer = setTimeout(() => {
-      disarm();
-      reject(new NixlError(`${what} timed out after ${timeoutMs} ms`, 'NIXL_ERR_TIMEOUT'));
-    }, timeoutMs);
-  }
-  return disarm;
-}
-
-/** A metadata server key's label: a non-empty string without NUL or '/' (it is the last part of the key), or undefined. */
-function metadataLabel(label: unknown): string | undefined {
-  if (label === undefined) return undefined;
-  if (typeof label !== 'string' || label === '' || label.length > 256 || /[\0/]/.test(label))
-    throw invalidParam(
-      `label must be 1-256 characters without '/' or NUL, got ${typeof label === 'string' ? JSON.stringify(label.slice(0, 64)) : typeof label}`,
-    );
-  return label;
 }
