@@ -13,7 +13,7 @@ import { once } from 'node:events';
 import * as path from 'node:path';
 import { DescList, type NixlAgent, allocate } from '../lib';
 import { benchAgent, type Engine } from './agents';
-import { nowNs, percentile } from './stats';
+import { median, nowNs, percentile } from './stats';
 
 export interface Dist {
   avg: number;
@@ -30,9 +30,13 @@ export interface GridRow {
   prepUs: Dist;
   postUs: Dist;
   xferUs: Dist;
+  /** The median iteration, post to completion (gbps is over their sum: one preemption moves it, not this). */
+  medianUs: number;
   /** With NIXL: the native program's figures for the same cell, and gbps / native gbps. */
-  native?: { gbps: number; prepUs: Dist; postUs: Dist; xferUs: Dist };
+  native?: { gbps: number; prepUs: Dist; postUs: Dist; xferUs: Dist; medianUs: number };
   ratio?: number;
+  /** native medianUs / medianUs: the same ratio for the median iteration. */
+  ratioMedian?: number;
 }
 
 /** The first transfer of a fresh agent pair, and the warm average of the same cell. */
@@ -170,6 +174,7 @@ async function runCell(
   const h = agent.initializeXfer(op, l, r, peer.name);
   const post: number[] = [];
   const xfer: number[] = [];
+  const iterUs: number[] = [];
   let total = 0n;
   try {
     for (let i = -warmupIter; i < cell.iterations; i++) {
@@ -183,6 +188,7 @@ async function runCell(
       if (i < 0) continue;
       post.push(us(t0, t1));
       xfer.push(us(t1, t2));
+      iterUs.push(us(t0, t2));
       total += t2 - t0;
     }
   } finally {
@@ -196,6 +202,7 @@ async function runCell(
     prepUs: dist(prep),
     postUs: dist(post),
     xferUs: dist(xfer),
+    medianUs: median(iterUs),
   };
 }
 
@@ -266,7 +273,10 @@ export async function benchGrid(
         const row: GridRow = { engine: agent.engine, ...(await runCell(agent, peer, base, op, cell, o.warmupIter)) };
         if (native) {
           row.native = await native(op, cell);
-          if (row.native) row.ratio = row.gbps / row.native.gbps;
+          if (row.native) {
+            row.ratio = row.gbps / row.native.gbps;
+            row.ratioMedian = row.native.medianUs / row.medianUs;
+          }
         }
         rows.push(row);
       }

@@ -169,7 +169,8 @@ export async function benchNative(rounds: number, reps: number): Promise<NativeR
 }
 
 type Dist = { avg: number; p99: number };
-export type NativeGridCell = { gbps: number; prepUs: Dist; postUs: Dist; xferUs: Dist };
+/** medianUs: the median iteration, post to completion. */
+export type NativeGridCell = { gbps: number; prepUs: Dist; postUs: Dist; xferUs: Dist; medianUs: number };
 
 /**
  * The native program serving grid cells (bench/grid.ts), one process pair
@@ -189,7 +190,13 @@ export async function nativeGrid(pool: number): Promise<
   return {
     async run(op, block, batch, iters, warmup) {
       const j = await native.ask(`grid ${op} ${block} ${batch} ${iters} ${warmup}`);
-      return { gbps: j.gbps as number, prepUs: j.prepUs as Dist, postUs: j.postUs as Dist, xferUs: j.xferUs as Dist };
+      return {
+        gbps: j.gbps as number,
+        prepUs: j.prepUs as Dist,
+        postUs: j.postUs as Dist,
+        xferUs: j.xferUs as Dist,
+        medianUs: j.medianUs as number,
+      };
     },
     close: () => native.close(),
   };

@@ -249,7 +249,7 @@ bool runGridJob(Pair& p, nixl_xfer_op_t op, size_t block, size_t batch, int iter
     local.addDesc(nixlBasicDesc(reinterpret_cast<uintptr_t>(p.mem.data()) + j * block, block, 0));
     remote.addDesc(nixlBasicDesc(p.remoteBase + j * block, block, 0));
   }
-  std::vector<double> prep, post, xfer;
+  std::vector<double> prep, post, xfer, total;
   for (int i = 0; i < iters; i++) {
     nixlXferReqH* r = nullptr;
     auto t0 = Clock::now();
@@ -271,16 +271,17 @@ bool runGridJob(Pair& p, nixl_xfer_op_t op, size_t block, size_t batch, int iter
     if (i < 0) continue;
     post.push_back(usBetween(t0, t1));
     xfer.push_back(usBetween(t1, t2));
-    totalUs += usBetween(t0, t2);
+    total.push_back(usBetween(t0, t2));
+    totalUs += total.back();
   }
   ok(p.agent->releaseXferReq(req), "releaseXferReq");
   Dist a = dist(prep), b = dist(post), c = dist(xfer);
   std::printf(
       "{\"grid\":true,\"op\":\"%s\",\"block\":%zu,\"batch\":%zu,\"gbps\":%.4f,"
       "\"prepUs\":{\"avg\":%.2f,\"p99\":%.2f},\"postUs\":{\"avg\":%.2f,\"p99\":%.2f},"
-      "\"xferUs\":{\"avg\":%.2f,\"p99\":%.2f}}\n",
-      op == NIXL_READ ? "READ" : "WRITE", block, batch,
-      static_cast<double>(block * batch) * iters / (totalUs * 1000.0), a.avg, a.p99, b.avg, b.p99, c.avg, c.p99);
+      "\"xferUs\":{\"avg\":%.2f,\"p99\":%.2f},\"medianUs\":%.3f}\n",
+      op == NIXL_READ ? "READ" : "WRITE", block, batch, static_cast<double>(block * batch) * iters / (totalUs * 1000.0),
+      a.avg, a.p99, b.avg, b.p99, c.avg, c.p99, median(total));
   std::fflush(stdout);
   return true;
 }

@@ -46,7 +46,7 @@ export const grid: Section = {
         'prep us',
         'post us',
         'transfer us',
-        ...(withNative ? ['native GB/s', 'native transfer us', 'ratio'] : []),
+        ...(withNative ? ['native GB/s', 'native transfer us', 'ratio', 'ratio (median)'] : []),
       ],
       rows.map((r) => [
         r.engine,
@@ -57,7 +57,11 @@ export const grid: Section = {
         fmtDist(r.prepUs),
         fmtDist(r.postUs),
         fmtDist(r.xferUs),
-        ...(withNative ? (r.native ? [r.native.gbps, fmtDist(r.native.xferUs), r.ratio ?? 0] : ['-', '-', '-']) : []),
+        ...(withNative
+          ? r.native
+            ? [r.native.gbps, fmtDist(r.native.xferUs), r.ratio ?? 0, r.ratioMedian ?? 0]
+            : ['-', '-', '-', '-']
+          : []),
       ]),
     );
     console.log('\n# The first transfer of a fresh agent pair (cold), against the same cell warm');

@@ -118,7 +118,13 @@ it('nixl-node bench --only grid: nixlbench-shaped rows per engine, op, block and
     expect(row).toMatchObject({ gbps: expect.any(Number), prepUs: dist, postUs: dist, xferUs: dist, iterations: 20 });
     expect(row.gbps).toBeGreaterThan(0);
     for (const k of ['prepUs', 'postUs', 'xferUs']) expect(row[k].p99).toBeGreaterThanOrEqual(0);
-    if (row.engine === 'nixl' && row.native) expect(row.ratio).toBeGreaterThan(0);
+    // The median iteration lies within what the iterations took: at most avg post + avg transfer times their count.
+    expect(row.medianUs).toBeGreaterThan(0);
+    expect(row.medianUs).toBeLessThanOrEqual((row.postUs.avg + row.xferUs.avg) * row.iterations);
+    if (row.engine === 'nixl' && row.native) {
+      expect(row.ratio).toBeGreaterThan(0);
+      expect(row.ratioMedian).toBeCloseTo(row.native.medianUs / row.medianUs, 6);
+    }
   }
   const cells = (e: string, op: string) =>
     r.grid
