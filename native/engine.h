@@ -10,9 +10,11 @@
 #pragma once
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -84,7 +86,8 @@ struct EngineConfig {
   // a post takes, not its size. A copy of a few MiB costs a few hundred
   // microseconds, the hop several tens; a post that hands the bytes to a NIC
   // (RDMA) returns in microseconds whatever its size. Its first post, not yet
-  // timed, goes through the engine's thread.
+  // timed, is predicted from the last timed post to the same remote agent
+  // (PostRate); with none yet, it goes through the engine's thread.
   uint32_t inlineMaxUs = 0;
 };
 
@@ -97,6 +100,62 @@ inline bool inlineAllowed(const EngineConfig& cfg, uint64_t bytes, uint32_t post
   if (cfg.inlineMaxBytes == 0) return false;
   if (bytes <= cfg.inlineMaxBytes) return true;
   return cfg.inlineMaxUs != 0 && postUs != kPostUsUnknown && postUs <= cfg.inlineMaxUs;
+}
+
+// What the last timed post to one remote agent cost, so that a request's
+// first post, never timed, can be predicted: pullers and push senders make a
+// new request per transfer, and each would otherwise take the hop to the
+// engine's thread and back. The sample is scaled by the larger of the two
+// ratios, bytes and descriptors: a copy (UCX cma, the loopback engine) costs
+// per byte, a post that hands the bytes to a NIC per descriptor, and one
+// sample cannot tell them apart. Scaling up is what keeps a misprediction
+// small: a 64 MiB request after 2 MiB samples is predicted 32 times as slow.
+// Each timed post replaces the sample, so a machine that gets slower sends
+// the next first post back to the engine's thread. A removed agent's sample
+// goes with it (engines make a new PostRate when it is loaded again).
+// Written by whichever thread posted, read by the JS thread: a mutex, taken
+// only by posts over inlineMaxBytes, keeps the three numbers one sample.
+class PostRate {
+ public:
+  // A post of `bytes` in `descs` descriptors took `us` and was accepted.
+  void record(uint64_t bytes, uint64_t descs, uint32_t us) {
+    if (bytes == 0 || descs == 0 || us == kPostUsUnknown) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    bytes_ = bytes;
+    descs_ = descs;
+    us_ = std::max<uint32_t>(us, 1);  // under a microsecond is not free: scaled, it grows
+  }
+  // kPostUsUnknown with no sample yet.
+  uint32_t predictUs(uint64_t bytes, uint64_t descs) const {
+    uint64_t sb, sd;
+    uint32_t su;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (us_ == kPostUsUnknown) return kPostUsUnknown;
+      sb = bytes_;
+      sd = descs_;
+      su = us_;
+    }
+    double scale = std::max(static_cast<double>(bytes) / static_cast<double>(sb),
+                            static_cast<double>(descs) / static_cast<double>(sd));
+    double us = static_cast<double>(su) * scale;
+    constexpr double kMax = static_cast<double>(kPostUsUnknown - 1);
+    return us >= kMax ? kPostUsUnknown - 1 : static_cast<uint32_t>(std::ceil(us));
+  }
+
+ private:
+  mutable std::mutex mu_;
+  uint64_t bytes_ = 0, descs_ = 0;
+  uint32_t us_ = kPostUsUnknown;
+};
+
+// The post time inlineAllowed weighs for a request: its own last one (the
+// better evidence), else, never timed and over inlineMaxBytes, what its
+// remote agent's last timed post predicts.
+inline uint32_t expectedPostUs(const EngineConfig& cfg, uint64_t bytes, uint64_t descs, uint32_t ownUs,
+                               const PostRate& rate) {
+  if (ownUs != kPostUsUnknown || cfg.inlineMaxUs == 0 || bytes <= cfg.inlineMaxBytes) return ownUs;
+  return rate.predictUs(bytes, descs);
 }
 
 // Microseconds since t0, below kPostUsUnknown.

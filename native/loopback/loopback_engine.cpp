@@ -803,8 +803,11 @@ class LoopbackEngine final : public Engine {
   // No lock: only this thread queues work, so an idle worker stays idle
   // until this thread queues more (the acquire pairs with workerDone).
   bool postInline(const Request& req) const {
-    if (cfg_.testDelayUs || !inlineAllowed(cfg_, req.totalBytes, req.copyUs.load(std::memory_order_relaxed)))
-      return false;
+    if (cfg_.testDelayUs) return false;
+    // Its own last copy's time, or, never timed, what its peer's last timed copy predicts.
+    uint32_t us = expectedPostUs(cfg_, req.totalBytes, req.local.size(), req.copyUs.load(std::memory_order_relaxed),
+                                 req.remote->rate);
+    if (!inlineAllowed(cfg_, req.totalBytes, us)) return false;
     return busy_.load(std::memory_order_acquire) == 0;
   }
 
@@ -838,10 +841,13 @@ class LoopbackEngine final : public Engine {
       status = ERR_REMOTE_DISCONNECT;
       err = "agent '" + req.remote->name + "' is gone (process exited or agent closed)";
     } else if (req.totalBytes > cfg_.inlineMaxBytes) {
-      // Timed, so that the next post of it can choose its thread (inlineAllowed).
+      // Timed, so that the next post of it, or a new request's first post to
+      // its peer, can choose its thread (inlineAllowed).
       auto t0 = Clock::now();
       status = copyRequest(req, &err);
-      req.copyUs.store(postUsSince(t0), std::memory_order_relaxed);
+      uint32_t us = postUsSince(t0);
+      req.copyUs.store(us, std::memory_order_relaxed);
+      if (status == SUCCESS) req.remote->rate.record(req.totalBytes, req.local.size(), us);
     } else {
       status = copyRequest(req, &err);
     }

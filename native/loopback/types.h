@@ -85,6 +85,10 @@ struct RemoteAgent {
   int pidfd = -1;
   uint64_t startTime = 0;  // the process's start time, as its metadata said (/proc/<pid>/stat)
   std::atomic<bool> removed{false};
+  // What copies to or from it cost (every timed one that succeeded): the
+  // first post of a request to it, never timed, is predicted from it. A
+  // removed agent's goes with it: loading it again makes a new RemoteAgent.
+  PostRate rate;
 
   ~RemoteAgent() {
     for (auto& r : regions) shm::unmap(r.mapping);

@@ -285,7 +285,8 @@ class NixlEngine final : public Engine {
       throw EngineError(ERR_NOT_ALLOWED, "removeRemoteAgent: " + std::to_string(users) + " transfer(s) to " + agent +
                                              " are queued or in flight; wait for them or release them first");
     check(agent_.invalidateRemoteMD(agent), "invalidateRemoteMD");
-    agentGen_[agent]++;  // lists and requests made before now refer to what was freed
+    agentGen_[agent]++;   // lists and requests made before now refer to what was freed
+    rates_.erase(agent);  // what its posts cost says nothing of the agent loaded next under that name
   }
 
   Handle prepXferDlist(const std::string& agent, const std::vector<Desc>& descs, MemType type,
@@ -345,7 +346,7 @@ class NixlEngine final : public Engine {
     setNotif(args, notif);
     nixlXferReqH* xh = nullptr;
     check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, L.h, lv, R.h, rv, xh, &args), "makeXferReq");
-    return addRequest(xh, std::move(regs), R.agent, R.agentGen, L.bytes(li, nl));
+    return addRequest(xh, std::move(regs), R.agent, R.agentGen, L.bytes(li, nl), nl);
   }
 
   Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
@@ -365,7 +366,7 @@ class NixlEngine final : public Engine {
     }
     uint64_t bytes = 0;
     for (const auto& d : local) bytes += d.len;
-    return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent], bytes);
+    return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent], bytes, local.size());
   }
 
   int postXferReq(Handle h, const std::string* notif, bool mayInline, bool /*checkPeer*/,
@@ -384,9 +385,12 @@ class NixlEngine final : public Engine {
     }
     if (*req->agentGenNow != req->agentGen)
       throw EngineError(ERR_NOT_FOUND, "postXferReq: " + req->agent + " was removed since this transfer was made");
-    // Small, or a post of it took little time: on this thread. A larger one
-    // is timed wherever it runs, so the next post of it can choose.
-    bool inl = mayInline && inlineAllowed(cfg_, req->totalBytes, req->postUs.load(std::memory_order_relaxed));
+    // Small, or a post of it (or, never timed, the agent's last timed post)
+    // says it takes little time: on this thread. A larger one is timed
+    // wherever it runs, so the next post of it (or to its agent) can choose.
+    bool inl = mayInline && inlineAllowed(cfg_, req->totalBytes,
+                                          expectedPostUs(cfg_, req->totalBytes, req->descs,
+                                                         req->postUs.load(std::memory_order_relaxed), *req->rate));
     return poller_.post(req, notif, inl, req->totalBytes > cfg_.inlineMaxBytes);
   }
 
@@ -506,7 +510,7 @@ class NixlEngine final : public Engine {
   }
 
   Handle addRequest(nixlXferReqH* xh, std::vector<Handle> regs, const std::string& agent, uint64_t agentGen,
-                    uint64_t totalBytes) {
+                    uint64_t totalBytes, uint64_t descs) {
     auto req = std::make_shared<Request>();
     req->id = handles_.take("transfer request");
     req->h = xh;
@@ -515,6 +519,10 @@ class NixlEngine final : public Engine {
     req->agentGen = agentGen;
     req->agentGenNow = &agentGen_[agent];  // unordered_map entries stay put
     req->totalBytes = totalBytes;
+    req->descs = descs;
+    auto& rate = rates_[agent];
+    if (!rate) rate = std::make_shared<PostRate>();
+    req->rate = rate;
     requests_[req->id] = req;
     return req->id;
   }
@@ -544,7 +552,10 @@ class NixlEngine final : public Engine {
   std::unordered_map<Handle, Dlist> dlists_;
   RegIndex regIndex_;
   std::unordered_map<std::string, uint64_t> agentGen_;  // bumped by invalidateRemoteMD; never erased
-  uint64_t deregistered_ = 0;                           // deregisterMem calls that succeeded
+  // Per remote agent, this load of it: requests keep theirs, so one made
+  // before a removal never feeds the next load's (it cannot be posted anyway).
+  std::unordered_map<std::string, std::shared_ptr<PostRate>> rates_;
+  uint64_t deregistered_ = 0;  // deregisterMem calls that succeeded
   std::unordered_map<Handle, RequestP> requests_;
 
   Poller poller_{agent_, sink_};  // after every member its thread uses

@@ -19,6 +19,13 @@ std::string failureText(nixl_status_t s) {
 
 namespace {
 
+// A timed post's duration, in the request and, accepted, in its agent's rate.
+void recordTime(Request& req, std::chrono::steady_clock::time_point t0, nixl_status_t s) {
+  uint32_t us = postUsSince(t0);
+  req.postUs.store(us, std::memory_order_relaxed);
+  if ((s == NIXL_SUCCESS || s == NIXL_IN_PROG) && req.rate) req.rate->record(req.totalBytes, req.descs, us);
+}
+
 // What a post NIXL answered leaves in req: its error text and final status.
 void settle(Request& req, nixl_status_t s) {
   if (s != NIXL_SUCCESS) req.err = std::string("postXferReq: ") + nixlEnumStrings::statusStr(s);
@@ -70,7 +77,7 @@ int Poller::post(const RequestP& req, const std::string* notif, bool inlineOk, b
   } else {
     s = agent_.postXferReq(req->h, nullptr);  // as the native program posts: no arguments built
   }
-  if (timeIt) req->postUs.store(postUsSince(t0), std::memory_order_relaxed);
+  if (timeIt) recordTime(*req, t0, s);
   if (s == NIXL_IN_PROG) {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -192,7 +199,7 @@ void Poller::postQueued(std::unique_lock<std::mutex>& lk, std::vector<RequestP>&
     lk.unlock();
     auto t0 = timeIt ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     nixl_status_t s = agent_.postXferReq(req->h, withNotif ? &args : nullptr);
-    if (timeIt) req->postUs.store(postUsSince(t0), std::memory_order_relaxed);
+    if (timeIt) recordTime(*req, t0, s);
     lk.lock();
     posting_.reset();
     busy_.fetch_sub(1, std::memory_order_release);

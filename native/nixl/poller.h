@@ -41,8 +41,11 @@ struct Request {
   std::string agent;
   uint64_t agentGen = 0;
   uint64_t totalBytes = 0;  // of the local side: whether it may be posted inline
+  uint64_t descs = 0;       // of the local side, for the remote agent's PostRate
   // How long its last timed post took (posts over EngineConfig::inlineMaxBytes are timed).
   std::atomic<uint32_t> postUs{kPostUsUnknown};
+  // The remote agent's (this load of it), fed by every accepted timed post.
+  std::shared_ptr<PostRate> rate;
   // The JS thread's, for postXferReq's checks without a lookup by name: the
   // agent's current generation (an entry of the engine's map, never erased),
   // and the engine's count of deregistrations when regs were last all found.
@@ -68,7 +71,8 @@ class Poller {
   // Posts req: on the calling thread when inlineOk and nothing is queued ahead
   // of it (nothing overtakes a transfer or notification posted before it),
   // else through this thread. SUCCESS, IN_PROG or a NIXL error, as postXferReq.
-  // timeIt: record the post's duration in req->postUs (on either thread).
+  // timeIt: record the post's duration in req->postUs, and in req->rate if
+  // NIXL accepted it (on either thread).
   int post(const RequestP& req, const std::string* notif, bool inlineOk, bool timeIt);
   // NIXL's check_xfer_state on the calling thread: asks NIXL about a request
   // in flight now instead of waiting for this thread's next look.

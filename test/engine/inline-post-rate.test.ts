@@ -1,0 +1,138 @@
+// The first post of a request larger than inlinePostMaxBytes, never timed,
+// predicted from the last timed post to the same remote agent: pullers and
+// push senders make a new request per transfer, and each first post would
+// otherwise take the hop to the engine's thread and back. The prediction
+// scales the last sample by bytes and by descriptors (the larger ratio); it
+// goes inline only when that is at most inlinePostMaxUs. Asserted by the path
+// taken (DONE from transfer(): finished inside the post, which UCX's cma and
+// the loopback engine do for a one-host READ or WRITE; PROC: the engine's
+// thread), with limits generous enough, or ratios large enough, that no
+// measured time decides it. NIXL_NODE_ENGINE=nixl|loopback runs just that one.
+import { expect, it } from 'vitest';
+import { type AgentOptions, type NixlAgent, allocate } from '../../lib';
+import { checkPattern, eachEngine, engineAgent, pattern } from '../helpers';
+
+const SMALL = 64 << 10; // inlinePostMaxBytes in these tests
+const SIZE = 1 << 20; // the requests: over it
+const GENEROUS_US = 10_000_000; // no copy of SIZE takes 10 s
+/** A fresh turn of the event loop: its inline budget is whole again. */
+const freshTurn = () => new Promise<void>((r) => setImmediate(r));
+
+eachEngine('first posts predicted from the remote agent (inlinePostMaxUs): %s engine', (engine, open) => {
+  const agent = (name: string, extra: AgentOptions = {}): NixlAgent =>
+    engineAgent(engine, open, `${name}-${engine}`, extra);
+
+  /** a, and peers holding `size` bytes of pattern 5 each, loaded both ways. */
+  function setup(extra: AgentOptions, peers = ['b'], size = SIZE) {
+    const a = agent('rate-a', { inlinePostMaxBytes: SMALL, ...extra });
+    const local = allocate(size);
+    a.registerMemory(local);
+    const remote: Record<string, { name: string; mem: Buffer; agent: NixlAgent }> = {};
+    for (const p of peers) {
+      const b = agent(`rate-${p}`);
+      const mem = allocate(size);
+      pattern(mem, 5);
+      b.registerMemory(mem);
+      a.addRemoteAgent(b.getAgentMetadata());
+      b.addRemoteAgent(a.getAgentMetadata());
+      remote[p] = { name: b.name, mem, agent: b };
+    }
+    return { a, local, remote };
+  }
+
+  /** As KvPuller does: a new handle, one post in a fresh turn, wait, release. transfer()'s state. */
+  async function pullOnce(a: NixlAgent, local: Buffer, mem: Buffer, peer: string, op: 'READ' | 'WRITE' = 'READ') {
+    const h = a.initializeXfer(op, local, mem, peer);
+    await freshTurn();
+    const state = a.transfer(h);
+    await a.wait(h, { timeoutMs: 10_000 });
+    a.releaseXferHandle(h);
+    return state;
+  }
+
+  it("a new handle's first post goes inline once a post to the same agent was timed under the limit (READ and WRITE, any size)", async () => {
+    const { a, local, remote } = setup({ inlinePostMaxUs: GENEROUS_US });
+    const b = remote.b;
+    // No post to b was timed yet: the engine's thread.
+    expect(await pullOnce(a, local, b.mem, b.name)).toBe('PROC');
+    expect(checkPattern(local, 5)).toBe(true);
+    for (let i = 0; i < 3; i++) {
+      local.fill(0);
+      expect(await pullOnce(a, local, b.mem, b.name)).toBe('DONE');
+      expect(checkPattern(local, 5)).toBe(true);
+    }
+    // The sample is the agent's, whatever the operation or the size.
+    pattern(local, 9);
+    expect(await pullOnce(a, local, b.mem, b.name, 'WRITE')).toBe('DONE');
+    expect(checkPattern(b.mem, 9)).toBe(true);
+    b.mem.fill(0);
+    expect(await pullOnce(a, local.subarray(0, SIZE / 2), b.mem.subarray(0, SIZE / 2), b.name, 'WRITE')).toBe('DONE');
+    expect(checkPattern(b.mem.subarray(0, SIZE / 2), 9)).toBe(true);
+  });
+
+  it('with no sample for the agent, or inlinePostMaxUs: 0, a new handle goes through the engine thread', async () => {
+    const { a, local, remote } = setup({ inlinePostMaxUs: GENEROUS_US }, ['b', 'c']);
+    expect(await pullOnce(a, local, remote.b.mem, remote.b.name)).toBe('PROC');
+    expect(await pullOnce(a, local, remote.b.mem, remote.b.name)).toBe('DONE');
+    // b's sample says nothing of c.
+    local.fill(0);
+    expect(await pullOnce(a, local, remote.c.mem, remote.c.name)).toBe('PROC');
+    expect(checkPattern(local, 5)).toBe(true);
+    expect(await pullOnce(a, local, remote.c.mem, remote.c.name)).toBe('DONE');
+    for (const x of open.splice(0)) x.close();
+
+    const off = setup({ inlinePostMaxUs: 0 });
+    for (let i = 0; i < 3; i++) {
+      off.local.fill(0);
+      expect(await pullOnce(off.a, off.local, off.remote.b.mem, off.remote.b.name)).toBe('PROC');
+      expect(checkPattern(off.local, 5)).toBe(true);
+    }
+  });
+
+  it('a request predicted over the limit (1024 times the bytes or the descriptors of the sample) goes through the engine thread', async () => {
+    // The sample: a 64 KiB post, over inlinePostMaxBytes 16 KiB. Scaled 1024
+    // times, even a sample of 1 us (the least one counts) predicts more than
+    // the 1000 us limit, whatever this machine's speed.
+    const SAMPLE = 64 << 10;
+    const HUGE = SAMPLE * 1024;
+    const { a, local, remote } = setup({ inlinePostMaxBytes: 16 << 10, inlinePostMaxUs: 1000 }, ['b'], HUGE);
+    const b = remote.b;
+    const sample = () => pullOnce(a, local.subarray(0, SAMPLE), b.mem.subarray(0, SAMPLE), b.name);
+    /** Samples until one is posted inline: true once one was (a 64 KiB copy in 1 ms, all but always the first). */
+    const untilInline = async () => {
+      for (let i = 0; i < 20; i++) if ((await sample()) === 'DONE') return true;
+      return false;
+    };
+    expect(await sample()).toBe('PROC');
+    expect(await untilInline()).toBe(true);
+    // 64 MiB: the engine's thread, its bytes all there.
+    local.fill(0);
+    expect(await pullOnce(a, local, b.mem, b.name)).toBe('PROC');
+    expect(checkPattern(local, 5)).toBe(true);
+    // The 64 MiB copy replaced the sample; small ones take it back.
+    expect(await untilInline()).toBe(true);
+    // 64 KiB in 1024 descriptors of 64 bytes: the engine's thread.
+    const step = SAMPLE / 1024;
+    const parts = (m: Buffer) => Array.from({ length: 1024 }, (_, i) => m.subarray(i * step, (i + 1) * step));
+    local.fill(0, 0, SAMPLE);
+    const many = a.initializeXfer('READ', parts(local), parts(b.mem), b.name);
+    await freshTurn();
+    expect(a.transfer(many)).toBe('PROC');
+    await a.wait(many, { timeoutMs: 10_000 });
+    expect(checkPattern(local.subarray(0, SAMPLE), 5)).toBe(true);
+    a.releaseXferHandle(many);
+  });
+
+  it('an agent removed and loaded again starts with no sample', async () => {
+    const { a, local, remote } = setup({ inlinePostMaxUs: GENEROUS_US });
+    const b = remote.b;
+    expect(await pullOnce(a, local, b.mem, b.name)).toBe('PROC');
+    expect(await pullOnce(a, local, b.mem, b.name)).toBe('DONE');
+    a.removeRemoteAgent(b.name);
+    a.addRemoteAgent(b.agent.getAgentMetadata());
+    local.fill(0);
+    expect(await pullOnce(a, local, b.mem, b.name)).toBe('PROC');
+    expect(checkPattern(local, 5)).toBe(true);
+    expect(await pullOnce(a, local, b.mem, b.name)).toBe('DONE');
+  });
+});
