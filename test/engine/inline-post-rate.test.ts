@@ -123,6 +123,26 @@ eachEngine('first posts predicted from the remote agent (inlinePostMaxUs): %s en
     a.releaseXferHandle(many);
   });
 
+  it("a request with more bytes than its agent's last timed post goes through the engine's thread, then its size is known", async () => {
+    // A worker's KV pool hands back its lowest free blocks first: short
+    // prompts keep reusing warm pages, and the first long one lands on pages
+    // never touched, whose faults no smaller sample measured (a 12 MiB first
+    // post predicted at ~450 us from warm 1.25 MiB pulls held the loop 8 ms).
+    const { a, local, remote } = setup({ inlinePostMaxUs: GENEROUS_US });
+    const b = remote.b;
+    const half = (m: Buffer) => m.subarray(0, SIZE / 2);
+    expect(await pullOnce(a, half(local), half(b.mem), b.name)).toBe('PROC');
+    expect(await pullOnce(a, half(local), half(b.mem), b.name)).toBe('DONE');
+    // Twice the bytes of the sample, into the half never written: the engine's thread.
+    expect(await pullOnce(a, local, b.mem, b.name)).toBe('PROC');
+    expect(checkPattern(local, 5)).toBe(true);
+    // Now sampled at that size: a new request of it, or smaller, goes inline.
+    local.fill(0);
+    expect(await pullOnce(a, local, b.mem, b.name)).toBe('DONE');
+    expect(checkPattern(local, 5)).toBe(true);
+    expect(await pullOnce(a, half(local), half(b.mem), b.name, 'WRITE')).toBe('DONE');
+  });
+
   it('an agent removed and loaded again starts with no sample', async () => {
     const { a, local, remote } = setup({ inlinePostMaxUs: GENEROUS_US });
     const b = remote.b;
