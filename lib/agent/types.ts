@@ -58,10 +58,9 @@ export interface AgentOptions {
    * bytes and descriptor ratios) and goes inline when that is at most this;
    * with no timed post to that agent yet, or more bytes than it had (memory
    * never touched costs page faults no smaller post measured), it goes
-   * through the engine's thread. Every post
-   * of a larger request is timed again (and replaces its agent's sample), so
-   * one that slows down (a loaded machine) goes back there. 0: only the size
-   * rule. Default 500.
+   * through the engine's thread. Every post of a larger request is timed
+   * again (and replaces its agent's sample), so one that slows down (a
+   * loaded machine) goes back there. 0: only the size rule. Default 500.
    */
   inlinePostMaxUs?: number;
 }
