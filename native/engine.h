@@ -108,8 +108,12 @@ inline bool inlineAllowed(const EngineConfig& cfg, uint64_t bytes, uint32_t post
 // engine's thread and back. The sample is scaled by the larger of the two
 // ratios, bytes and descriptors: a copy (UCX cma, the loopback engine) costs
 // per byte, a post that hands the bytes to a NIC per descriptor, and one
-// sample cannot tell them apart. Scaling up is what keeps a misprediction
-// small: a 64 MiB request after 2 MiB samples is predicted 32 times as slow.
+// sample cannot tell them apart. A request with more bytes than the sample
+// is not predicted: its memory may be pages never touched (a KV pool hands
+// back its warm low blocks first, and a long prompt's reach new ones), whose
+// faults cost several times the copy (a 12 MiB first post predicted at
+// ~450 us from warm 1.25 MiB samples held the event loop 8 ms); it goes
+// through the engine's thread once, and its time is the next sample.
 // Each timed post replaces the sample, so a machine that gets slower sends
 // the next first post back to the engine's thread. A removed agent's sample
 // goes with it (engines make a new PostRate when it is loaded again).
@@ -125,13 +129,13 @@ class PostRate {
     descs_ = descs;
     us_ = std::max<uint32_t>(us, 1);  // under a microsecond is not free: scaled, it grows
   }
-  // kPostUsUnknown with no sample yet.
+  // kPostUsUnknown with no sample yet, or for more bytes than it had.
   uint32_t predictUs(uint64_t bytes, uint64_t descs) const {
     uint64_t sb, sd;
     uint32_t su;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (us_ == kPostUsUnknown) return kPostUsUnknown;
+      if (us_ == kPostUsUnknown || bytes > bytes_) return kPostUsUnknown;
       sb = bytes_;
       sd = descs_;
       su = us_;

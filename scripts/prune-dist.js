@@ -10,14 +10,31 @@ const path = require('node:path');
 
 const OUTPUT = /\.(d\.ts\.map|d\.ts|js\.map|js)$/;
 
+// Two test runs at once prune the same dist/: what the other one removed
+// first is done, and a folder that tsc (the other run) has just written to
+// again stays.
+function tolerate(e, ...codes) {
+  if (!['ENOENT', ...codes].includes(e.code)) throw e;
+}
+
 function prune(root) {
   const removed = [];
   const walk = (dir) => {
-    for (const e of fs.readdirSync(dir, { withFileTypes: true })) {
+    let entries;
+    try {
+      entries = fs.readdirSync(dir, { withFileTypes: true });
+    } catch (e) {
+      return tolerate(e);
+    }
+    for (const e of entries) {
       const p = path.join(dir, e.name);
       if (e.isDirectory()) {
         walk(p);
-        if (fs.readdirSync(p).length === 0) fs.rmdirSync(p);
+        try {
+          if (fs.readdirSync(p).length === 0) fs.rmdirSync(p);
+        } catch (err) {
+          tolerate(err, 'ENOTEMPTY');
+        }
         continue;
       }
       const m = OUTPUT.exec(e.name);
@@ -25,8 +42,12 @@ function prune(root) {
       const rel = path.relative(path.join(root, 'dist'), p);
       const source = path.join(root, `${rel.slice(0, -m[0].length)}.ts`);
       if (fs.existsSync(source)) continue;
-      fs.unlinkSync(p);
-      removed.push(rel);
+      try {
+        fs.unlinkSync(p);
+        removed.push(rel);
+      } catch (err) {
+        tolerate(err);
+      }
     }
   };
   if (fs.existsSync(path.join(root, 'dist'))) walk(path.join(root, 'dist'));

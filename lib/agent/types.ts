@@ -55,12 +55,12 @@ export interface AgentOptions {
    * a post that hands the work to a NIC returns in microseconds whatever its
    * size. A request's first post, not yet timed, is predicted from the last
    * timed post to the same remote agent (its time scaled by the larger of the
-   * bytes and descriptor ratios: a request 32 times the bytes is predicted 32
-   * times as slow) and goes inline when that is at most this; with no timed
-   * post to that agent yet, it goes through the engine's thread. Every post
-   * of a larger request is timed again (and replaces its agent's sample), so
-   * one that slows down (a loaded machine) goes back there. 0: only the size
-   * rule. Default 500.
+   * bytes and descriptor ratios) and goes inline when that is at most this;
+   * with no timed post to that agent yet, or more bytes than it had (memory
+   * never touched costs page faults no smaller post measured), it goes
+   * through the engine's thread. Every post of a larger request is timed
+   * again (and replaces its agent's sample), so one that slows down (a
+   * loaded machine) goes back there. 0: only the size rule. Default 500.
    */
   inlinePostMaxUs?: number;
 }

@@ -712,6 +712,7 @@ class LoopbackEngine final : public Engine {
     req->localOneRegion =
         std::all_of(le.begin(), le.end(), [&](const Entry& e) { return e.region == le.front().region; });
     req->local = std::move(le);
+    req->viaSyscall = std::any_of(re.begin(), re.end(), [](const Entry& e) { return e.ptr == nullptr; });
     req->remote_ = std::move(re);
     if (!req->remote->sameProcess) {
       // (slot, word) pairs seen: a reused slot has a new word. A request
@@ -806,7 +807,7 @@ class LoopbackEngine final : public Engine {
     if (cfg_.testDelayUs) return false;
     // Its own last copy's time, or, never timed, what its peer's last timed copy predicts.
     uint32_t us = expectedPostUs(cfg_, req.totalBytes, req.local.size(), req.copyUs.load(std::memory_order_relaxed),
-                                 req.remote->rate);
+                                 req.remote->rate[req.viaSyscall]);
     if (!inlineAllowed(cfg_, req.totalBytes, us)) return false;
     return busy_.load(std::memory_order_acquire) == 0;
   }
@@ -847,7 +848,7 @@ class LoopbackEngine final : public Engine {
       status = copyRequest(req, &err);
       uint32_t us = postUsSince(t0);
       req.copyUs.store(us, std::memory_order_relaxed);
-      if (status == SUCCESS) req.remote->rate.record(req.totalBytes, req.local.size(), us);
+      if (status == SUCCESS) req.remote->rate[req.viaSyscall].record(req.totalBytes, req.local.size(), us);
     } else {
       status = copyRequest(req, &err);
     }

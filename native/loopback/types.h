@@ -86,9 +86,12 @@ struct RemoteAgent {
   uint64_t startTime = 0;  // the process's start time, as its metadata said (/proc/<pid>/stat)
   std::atomic<bool> removed{false};
   // What copies to or from it cost (every timed one that succeeded): the
-  // first post of a request to it, never timed, is predicted from it. A
-  // removed agent's goes with it: loading it again makes a new RemoteAgent.
-  PostRate rate;
+  // first post of a request to it, never timed, is predicted from it. By
+  // path: [0] memcpy (same process, or its allocate() memory mapped here),
+  // [1] process_vm_readv/writev (its other memory), 3-4 times slower per
+  // byte, so a sample of one never predicts the other (Request::viaSyscall).
+  // A removed agent's go with it: loading it again makes a new RemoteAgent.
+  PostRate rate[2];
 
   ~RemoteAgent() {
     for (auto& r : regions) shm::unmap(r.mapping);
@@ -138,6 +141,7 @@ struct Request {
   RemoteP remote;
   std::vector<Entry> local, remote_;
   uint64_t totalBytes = 0;
+  bool viaSyscall = false;  // some remote entry is copied with process_vm_*: its rate is remote->rate[1]
   // How long its last copy took, timed when over EngineConfig::inlineMaxBytes.
   std::atomic<uint32_t> copyUs{kPostUsUnknown};
   bool hasNotif = false;

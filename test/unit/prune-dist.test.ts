@@ -2,6 +2,7 @@
 // dist/, so a moved module's old code is neither loaded nor packed.
 import { execFileSync } from 'node:child_process';
 import * as fs from 'node:fs';
+import { createRequire } from 'node:module';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { afterEach, expect, it } from 'vitest';
@@ -62,4 +63,31 @@ it('removes the outputs of a moved source, keeps those of a present one, and wha
 
 it('is a no-op without dist/', () => {
   expect(prune(tree({ 'lib/x.ts': '' }))).toEqual([]);
+});
+
+it('a stale folder that another prune removes while this one walks it fails neither (two test runs at once)', () => {
+  const r = tree({
+    'lib/x.ts': '',
+    'dist/lib/x.js': '',
+    'dist/lib/gone/a.js': '',
+    'dist/lib/gone/a.d.ts': '',
+    'dist/lib/gone/deeper/b.js': '',
+  });
+  // The other prune runs right after this one lists dist/lib/gone: every
+  // name this one then acts on is already gone. The script's own fs module.
+  const nodeFs = createRequire(__filename)('node:fs') as typeof fs;
+  const readdir = nodeFs.readdirSync;
+  const gone = path.join(r, 'dist/lib/gone');
+  const patched = ((dir: fs.PathLike, opts?: unknown) => {
+    const listed = readdir.call(nodeFs, dir, opts as never);
+    if (String(dir) === gone) nodeFs.rmSync(gone, { recursive: true, force: true });
+    return listed;
+  }) as typeof fs.readdirSync;
+  nodeFs.readdirSync = patched;
+  try {
+    expect(prune(r)).toEqual([]);
+  } finally {
+    nodeFs.readdirSync = readdir;
+  }
+  expect(list(path.join(r, 'dist/lib'))).toEqual(['x.js']);
 });
