@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "local_pages.h"
 #include "status.h"
 
 namespace nixlnode {
@@ -155,11 +156,17 @@ class PostRate {
 
 // The post time inlineAllowed weighs for a request: its own last one (the
 // better evidence), else, never timed and over inlineMaxBytes, what its
-// remote agent's last timed post predicts.
-inline uint32_t expectedPostUs(const EngineConfig& cfg, uint64_t bytes, uint64_t descs, uint32_t ownUs,
-                               const PostRate& rate) {
+// remote agent's last timed post predicts, for a READ whose local pages are
+// all resident (LocalPages). A WRITE's first post is not predicted: the
+// pages it fills are the peer's, and whether they were ever touched cannot
+// be told from this process (UCX's cma writes into the peer's memory).
+inline uint32_t expectedPostUs(const EngineConfig& cfg, XferOp op, uint64_t bytes, uint64_t descs, uint32_t ownUs,
+                               const PostRate& rate, const LocalPages& pages) {
   if (ownUs != kPostUsUnknown || cfg.inlineMaxUs == 0 || bytes <= cfg.inlineMaxBytes) return ownUs;
-  return rate.predictUs(bytes, descs);
+  if (op != XferOp::READ) return kPostUsUnknown;
+  uint32_t us = rate.predictUs(bytes, descs);
+  if (us > cfg.inlineMaxUs) return us;  // through the engine's thread anyway: no need to look at the pages
+  return pages.resident() ? us : kPostUsUnknown;
 }
 
 // Microseconds since t0, below kPostUsUnknown.

@@ -53,13 +53,15 @@ export interface AgentOptions {
    * copy of a few MiB (UCX's cma, the loopback engine) takes a few hundred
    * microseconds where the hop to the engine's thread and back costs tens;
    * a post that hands the work to a NIC returns in microseconds whatever its
-   * size. A request's first post, not yet timed, is predicted from the last
+   * size. A READ's first post, not yet timed, is predicted from the last
    * timed post to the same remote agent (its time scaled by the larger of the
-   * bytes and descriptor ratios) and goes inline when that is at most this;
-   * with no timed post to that agent yet, or more bytes than it had (memory
-   * never touched costs page faults no smaller post measured), it goes
-   * through the engine's thread. Every post of a larger request is timed
-   * again (and replaces its agent's sample), so one that slows down (a
+   * bytes and descriptor ratios) and goes inline when that is at most this.
+   * It goes through the engine's thread with no timed post to that agent yet,
+   * more bytes than that post had, local pages not all resident (a copy into
+   * pages never touched faults each in, which no sample measured), or more
+   * than 16 separate local ranges to check; so does every WRITE's first post
+   * (the peer's pages cannot be checked). Every post of a larger request is
+   * timed again (and replaces its agent's sample), so one that slows down (a
    * loaded machine) goes back there. 0: only the size rule. Default 500.
    */
   inlinePostMaxUs?: number;

@@ -711,6 +711,7 @@ class LoopbackEngine final : public Engine {
     req->remote = std::move(remote);
     req->localOneRegion =
         std::all_of(le.begin(), le.end(), [&](const Entry& e) { return e.region == le.front().region; });
+    for (const Entry& e : le) req->pages.add(e.d.addr, e.d.len);
     req->local = std::move(le);
     req->viaSyscall = std::any_of(re.begin(), re.end(), [](const Entry& e) { return e.ptr == nullptr; });
     req->remote_ = std::move(re);
@@ -806,8 +807,9 @@ class LoopbackEngine final : public Engine {
   bool postInline(const Request& req) const {
     if (cfg_.testDelayUs) return false;
     // Its own last copy's time, or, never timed, what its peer's last timed copy predicts.
-    uint32_t us = expectedPostUs(cfg_, req.totalBytes, req.local.size(), req.copyUs.load(std::memory_order_relaxed),
-                                 req.remote->rate[req.viaSyscall]);
+    uint32_t us =
+        expectedPostUs(cfg_, req.op, req.totalBytes, req.local.size(), req.copyUs.load(std::memory_order_relaxed),
+                       req.remote->rate[req.viaSyscall], req.pages);
     if (!inlineAllowed(cfg_, req.totalBytes, us)) return false;
     return busy_.load(std::memory_order_acquire) == 0;
   }

@@ -142,6 +142,7 @@ struct Request {
   std::vector<Entry> local, remote_;
   uint64_t totalBytes = 0;
   bool viaSyscall = false;  // some remote entry is copied with process_vm_*: its rate is remote->rate[1]
+  LocalPages pages;         // its local memory, checked before a first post is predicted (expectedPostUs)
   // How long its last copy took, timed when over EngineConfig::inlineMaxBytes.
   std::atomic<uint32_t> copyUs{kPostUsUnknown};
   bool hasNotif = false;

@@ -66,8 +66,9 @@ struct Dlist {
   nixlDlistH* h = nullptr;
   std::vector<uint32_t> first;  // descriptor i covers regs[first[i]] .. regs[first[i + 1] - 1]
   std::vector<Handle> regs;
-  std::vector<uint64_t> lens;  // each descriptor's length
-  std::string agent;           // empty: this agent's own memory
+  std::vector<uint64_t> lens;   // each descriptor's length
+  std::vector<uint64_t> addrs;  // each descriptor's address (this agent's own lists only: LocalPages)
+  std::string agent;            // empty: this agent's own memory
   uint64_t agentGen = 0;
 
   // Bytes of the descriptors idx[0..n) (out of range counts nothing: NIXL refuses it).
@@ -305,6 +306,10 @@ class NixlEngine final : public Engine {
       d.agent = agent;
       d.agentGen = agentGen_[agent];
     }
+    if (local && type == MemType::DRAM) {  // host memory: what mincore can look at
+      d.addrs.reserve(descs.size());
+      for (const auto& desc : descs) d.addrs.push_back(desc.addr);
+    }
     if (local || agent == name_) {  // our own memory (a transfer to ourselves included)
       d.first.reserve(descs.size() + 1);
       for (const auto& desc : descs) {
@@ -346,7 +351,10 @@ class NixlEngine final : public Engine {
     setNotif(args, notif);
     nixlXferReqH* xh = nullptr;
     check(agent_.makeXferReq(op == XferOp::READ ? NIXL_READ : NIXL_WRITE, L.h, lv, R.h, rv, xh, &args), "makeXferReq");
-    return addRequest(xh, std::move(regs), R.agent, R.agentGen, L.bytes(li, nl), nl);
+    LocalPages pages;
+    for (size_t k = 0; k < nl; k++)
+      if (li[k] < L.addrs.size()) pages.add(L.addrs[li[k]], L.lens[li[k]]);
+    return addRequest(xh, std::move(regs), R.agent, R.agentGen, L.bytes(li, nl), nl, op, std::move(pages));
   }
 
   Handle createXferReq(XferOp op, const std::vector<Desc>& local, MemType lt, const std::vector<Desc>& remote,
@@ -366,7 +374,11 @@ class NixlEngine final : public Engine {
     }
     uint64_t bytes = 0;
     for (const auto& d : local) bytes += d.len;
-    return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent], bytes, local.size());
+    LocalPages pages;
+    if (lt == MemType::DRAM)
+      for (const auto& d : local) pages.add(d.addr, d.len);
+    return addRequest(xh, RegIndex::unique(std::move(regs)), agent, agentGen_[agent], bytes, local.size(), op,
+                      std::move(pages));
   }
 
   int postXferReq(Handle h, const std::string* notif, bool mayInline, bool /*checkPeer*/,
@@ -388,9 +400,10 @@ class NixlEngine final : public Engine {
     // Small, or a post of it (or, never timed, the agent's last timed post)
     // says it takes little time: on this thread. A larger one is timed
     // wherever it runs, so the next post of it (or to its agent) can choose.
-    bool inl = mayInline && inlineAllowed(cfg_, req->totalBytes,
-                                          expectedPostUs(cfg_, req->totalBytes, req->descs,
-                                                         req->postUs.load(std::memory_order_relaxed), *req->rate));
+    bool inl =
+        mayInline && inlineAllowed(cfg_, req->totalBytes,
+                                   expectedPostUs(cfg_, req->op, req->totalBytes, req->descs,
+                                                  req->postUs.load(std::memory_order_relaxed), *req->rate, req->pages));
     return poller_.post(req, notif, inl, req->totalBytes > cfg_.inlineMaxBytes);
   }
 
@@ -510,7 +523,7 @@ class NixlEngine final : public Engine {
   }
 
   Handle addRequest(nixlXferReqH* xh, std::vector<Handle> regs, const std::string& agent, uint64_t agentGen,
-                    uint64_t totalBytes, uint64_t descs) {
+                    uint64_t totalBytes, uint64_t descs, XferOp op, LocalPages pages) {
     auto req = std::make_shared<Request>();
     req->id = handles_.take("transfer request");
     req->h = xh;
@@ -520,6 +533,8 @@ class NixlEngine final : public Engine {
     req->agentGenNow = &agentGen_[agent];  // unordered_map entries stay put
     req->totalBytes = totalBytes;
     req->descs = descs;
+    req->op = op;
+    req->pages = std::move(pages);
     auto& rate = rates_[agent];
     if (!rate) rate = std::make_shared<PostRate>();
     req->rate = rate;

@@ -42,6 +42,8 @@ struct Request {
   uint64_t agentGen = 0;
   uint64_t totalBytes = 0;  // of the local side: whether it may be posted inline
   uint64_t descs = 0;       // of the local side, for the remote agent's PostRate
+  XferOp op = XferOp::READ;
+  LocalPages pages;  // the local side's memory, checked before a first post is predicted (expectedPostUs)
   // How long its last timed post took (posts over EngineConfig::inlineMaxBytes are timed).
   std::atomic<uint32_t> postUs{kPostUsUnknown};
   // The remote agent's (this load of it), fed by every accepted timed post.
