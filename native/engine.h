@@ -104,9 +104,9 @@ inline bool inlineAllowed(const EngineConfig& cfg, uint64_t bytes, uint32_t post
 }
 
 // What the last timed post to one remote agent cost, so that a request's
-// first post, never timed, can be predicted: pullers and push senders make a
-// new request per transfer, and each would otherwise take the hop to the
-// engine's thread and back. The sample is scaled by the larger of the two
+// first post, never timed, can be predicted (a READ's: expectedPostUs): a
+// puller makes a new request per transfer, and each would otherwise take
+// the hop to the engine's thread and back. The sample is scaled by the larger of the two
 // ratios, bytes and descriptors: a copy (UCX cma, the loopback engine) costs
 // per byte, a post that hands the bytes to a NIC per descriptor, and one
 // sample cannot tell them apart. A request with more bytes than the sample
